@@ -1,0 +1,212 @@
+"""transformers passes → last-token, post-norm hidden states h(p) (DESIGN.md "the method").
+
+h(p) is the vector the LM head multiplies: the decoder's `last_hidden_state` (after the
+final norm) at the last real token. We read it from the base model rather than from
+`output_hidden_states`, so no transformers version can hand us a pre-norm state.
+
+Batches are left-padded with explicit position ids (cumulative attention mask), so a padded
+row sees exactly the positions it would see alone; the last token is then column -1.
+
+ICL prompts share their demonstrations within an episode: the demo prefix is encoded once
+and its KV cache is reused by every query (`Capturer.icl`). The query part of each row is
+left-padded *after* the prefix, `[prefix | pads | query]`, masked, with positions continuing
+from the prefix. A prompt whose tokenisation does not start with the prefix's tokens (a
+merge across the boundary) is run in full instead, so the result is always h(Z ‖ x).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+
+class CaptureError(ValueError):
+    """A prompt that cannot be run (e.g. longer than the model's context)."""
+
+
+def base_model(model: PreTrainedModel) -> nn.Module:
+    """The decoder stack whose `last_hidden_state` feeds the LM head."""
+    base = getattr(model, model.base_model_prefix, None)
+    if base is None:
+        raise CaptureError(f"{type(model).__name__} has no base model {model.base_model_prefix!r}")
+    return base
+
+
+def lm_head(model: PreTrainedModel) -> nn.Linear:
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise CaptureError(f"{type(model).__name__}: LM head is not a Linear layer")
+    return head
+
+
+def label_head(model: PreTrainedModel, label_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the LM head for the label tokens, float32 on CPU: W_C (K, d), b_C (K,)."""
+    head = lm_head(model)
+    idx = torch.tensor(list(label_ids), dtype=torch.long, device=head.weight.device)
+    w = head.weight.detach().index_select(0, idx).float().cpu()
+    b = (
+        head.bias.detach().index_select(0, idx).float().cpu()
+        if head.bias is not None
+        else torch.zeros(len(label_ids))
+    )
+    return w, b
+
+
+def _batches(n: int, size: int) -> Iterator[range]:
+    for start in range(0, n, size):
+        yield range(start, min(n, start + size))
+
+
+def _left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+@dataclass
+class _Prefix:
+    ids: list[int]
+    cache: DynamicCache
+
+
+class Capturer:
+    """Runs prompts through a causal LM and returns h(p), float32 on CPU, shape (n, d)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        batch_size: int = 16,
+        progress: bool = True,
+        max_length: int | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.progress = progress
+        self.base = base_model(model)
+        self.device = next(model.parameters()).device
+        self.max_length = max_length or getattr(model.config, "max_position_embeddings", None)
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        self.pad_id = int(pad)
+
+    # -- tokenisation -------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        """One string with the tokenizer's default special tokens (the reference's convention)."""
+        ids = self.tokenizer(prompt)["input_ids"]
+        if self.max_length is not None and len(ids) > self.max_length:
+            raise CaptureError(
+                f"prompt of {len(ids)} tokens exceeds the model context of {self.max_length} tokens"
+                " (lower --k or use shorter demonstrations)"
+            )
+        return ids
+
+    # -- forward passes -----------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward_last(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        prefix: _Prefix | None = None,
+    ) -> torch.Tensor:
+        """Post-norm hidden state at column -1 of a left-padded batch, (B, d) float32."""
+        bsz = ids.shape[0]
+        offset = 0
+        cache = None
+        full_mask = mask
+        if prefix is not None:
+            offset = len(prefix.ids)
+            # A fresh cache per batch whose tensors are views of the prefix's: the forward
+            # concatenates new keys onto them (a new tensor), so the prefix is never written.
+            cache = DynamicCache(
+                ddp_cache_data=[
+                    (layer.keys.expand(bsz, -1, -1, -1), layer.values.expand(bsz, -1, -1, -1))
+                    for layer in prefix.cache.layers
+                ],
+                config=self.model.config,
+            )
+            full_mask = torch.cat([torch.ones(bsz, offset, dtype=mask.dtype), mask], dim=1)
+        # Positions count only real tokens, so padding never shifts a row.
+        pos = (mask.cumsum(-1) - 1).clamp(min=0) + offset
+        out = self.base(
+            input_ids=ids.to(self.device),
+            attention_mask=full_mask.to(self.device),
+            position_ids=pos.to(self.device),
+            past_key_values=cache,
+            use_cache=cache is not None,
+        )
+        return out.last_hidden_state[:, -1].float().cpu()
+
+    def _run(
+        self, seqs: list[list[int]], desc: str, prefix: _Prefix | None = None
+    ) -> torch.Tensor:
+        rows: list[torch.Tensor] = []
+        # Sort by length so a batch pads little; restore the order at the end.
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        bar = tqdm(total=len(seqs), desc=desc, unit="prompt", disable=not self.progress, leave=False)
+        for idx in _batches(len(order), self.batch_size):
+            batch = [seqs[order[i]] for i in idx]
+            ids, mask = _left_pad(batch, self.pad_id)
+            rows.append(self._forward_last(ids, mask, prefix))
+            bar.update(len(batch))
+        bar.close()
+        h = torch.cat(rows) if rows else torch.empty(0, self.model.config.hidden_size)
+        out = torch.empty_like(h)
+        out[torch.tensor(order, dtype=torch.long)] = h
+        return out  # (n, d)
+
+    def hidden(self, prompts: Sequence[str], desc: str = "forward") -> torch.Tensor:
+        """h(p) for each full prompt, batched. (n, d)"""
+        return self._run([self.encode(p) for p in prompts], desc)
+
+    @torch.inference_mode()
+    def encode_prefix(self, prefix: str) -> _Prefix:
+        ids = self.encode(prefix)
+        out = self.base(
+            input_ids=torch.tensor([ids], device=self.device),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=self.device),
+            use_cache=True,
+        )
+        return _Prefix(ids=ids, cache=out.past_key_values)
+
+    def icl(self, prefix: str, prompts: Sequence[str], desc: str = "icl") -> torch.Tensor:
+        """h(prefix + p) for each prompt, reusing one KV cache of the prefix. (n, d)"""
+        pre = self.encode_prefix(prefix)
+        n_pre = len(pre.ids)
+        suffixes: list[list[int]] = []
+        fallback: list[int] = []
+        for i, p in enumerate(prompts):
+            full = self.encode(prefix + p)
+            if full[:n_pre] == pre.ids and len(full) > n_pre:
+                suffixes.append(full[n_pre:])
+            else:
+                suffixes.append([])
+                fallback.append(i)
+        keep = [i for i in range(len(prompts)) if i not in set(fallback)]
+        h = torch.empty(len(prompts), self.model.config.hidden_size)
+        if keep:
+            h[keep] = self._run([suffixes[i] for i in keep], desc, pre)
+        if fallback:
+            h[fallback] = self.hidden([prefix + prompts[i] for i in fallback], desc + " (uncached)")
+        return h
+
+    def naive(self, prompts: Sequence[str], desc: str = "naive") -> torch.Tensor:
+        """One full forward per prompt, batch 1: what the paper's reference code does."""
+        rows = []
+        for p in tqdm(prompts, desc=desc, unit="prompt", disable=not self.progress, leave=False):
+            ids = torch.tensor([self.encode(p)])
+            rows.append(self._forward_last(ids, torch.ones_like(ids)))
+        return torch.cat(rows)

@@ -1,0 +1,264 @@
+"""TaskVector: the one object that travels from extraction to application and serving.
+
+A hidden-space vector (kind "hidden") maps the post-norm hidden state h (d) to
+    h_tv = h + U (Vᵀ h) + bias
+right before the LM head. A logit-space vector (kind "logit", cross-model transfer) adds
+U (Vᵀ h) + bias to the logits (U is vocab-sized). `bias` carries the constant-mapping
+baseline; LTV itself has none.
+
+Files describe themselves and are checked on load:
+  *.safetensors  tensors U, V[, bias] + a JSON header under the metadata key "ltv_vllm";
+  *.pt           a dict of tensors and one JSON string, read with torch.load(weights_only=True).
+Neither format can run code when loaded. Writes go to a temp file that is renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+FORMAT = "ltv-vllm-task-vector"
+FORMAT_VERSION = 1
+Kind = Literal["hidden", "logit"]
+
+
+class VectorError(ValueError):
+    """A task-vector file that is malformed or does not fit the model it is applied to."""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    name: str
+    hidden_size: int
+    vocab_size: int
+    lm_head_fingerprint: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "lm_head_fingerprint": self.lm_head_fingerprint,
+        }
+
+
+def fingerprint_lm_head(weight: torch.Tensor) -> str:
+    """A short hash of the LM-head weight that survives a dtype change.
+
+    Hashes a strided sample of ~4096 rows rounded to bfloat16: a bf16 model and the fp32
+    model it came from (or vLLM's copy of either) give the same value; another model does not.
+    """
+    vocab = weight.shape[0]
+    rows = torch.arange(0, vocab, max(1, vocab // 4096), device=weight.device)
+    sample = weight.detach().index_select(0, rows).to(torch.bfloat16).float().cpu().contiguous()
+    h = hashlib.sha256()
+    h.update(f"{tuple(weight.shape)}".encode())
+    h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def model_identity(model: Any, name: str | None = None) -> ModelIdentity:
+    """Identity of a transformers causal LM (the model a vector is fitted on or applied to)."""
+    head = model.get_output_embeddings()
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return ModelIdentity(
+        name=name or str(getattr(cfg, "_name_or_path", "") or type(model).__name__),
+        hidden_size=int(cfg.hidden_size),
+        vocab_size=int(head.weight.shape[0]),
+        lm_head_fingerprint=fingerprint_lm_head(head.weight),
+    )
+
+
+@dataclass(frozen=True)
+class TaskVector:
+    kind: Kind
+    U: torch.Tensor            # (d_out, r): d_out = hidden size (hidden) or vocab (logit)
+    V: torch.Tensor            # (d_in, r): d_in = hidden size of the model it is applied to
+    bias: torch.Tensor | None  # (d_out,) or None
+    model: ModelIdentity
+    label_token_ids: tuple[int, ...]
+    meta: dict[str, Any] = field(default_factory=dict)  # task, k, n, lam, seed, metrics, ...
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("hidden", "logit"):
+            raise VectorError(f"kind must be 'hidden' or 'logit', got {self.kind!r}")
+        if self.U.ndim != 2 or self.V.ndim != 2 or self.U.shape[1] != self.V.shape[1]:
+            raise VectorError(
+                f"factors must be U (d_out, r) and V (d_in, r); got {tuple(self.U.shape)}, "
+                f"{tuple(self.V.shape)}"
+            )
+        d_out = self.model.hidden_size if self.kind == "hidden" else self.model.vocab_size
+        if self.U.shape[0] != d_out or self.V.shape[0] != self.model.hidden_size:
+            raise VectorError(
+                f"{self.kind} vector for hidden size {self.model.hidden_size} / vocab "
+                f"{self.model.vocab_size} has factors {tuple(self.U.shape)}, {tuple(self.V.shape)}"
+            )
+        if self.bias is not None and tuple(self.bias.shape) != (d_out,):
+            raise VectorError(f"bias must have shape ({d_out},), got {tuple(self.bias.shape)}")
+
+    @property
+    def rank(self) -> int:
+        return int(self.U.shape[1])
+
+    @property
+    def task_name(self) -> str:
+        return str(self.meta.get("task", {}).get("name", "?"))
+
+    def delta(self, h: torch.Tensor) -> torch.Tensor:
+        """U (Vᵀ h) + bias for rows h (B, d_in), computed in h's dtype. (B, d_out)"""
+        out = (h @ self.V.to(device=h.device, dtype=h.dtype)) @ self.U.to(
+            device=h.device, dtype=h.dtype
+        ).T
+        if self.bias is not None:
+            out = out + self.bias.to(device=h.device, dtype=h.dtype)
+        return out
+
+    def shift_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """h_tv = h + W h (+ bias) for a hidden-space vector. (B, d)"""
+        if self.kind != "hidden":
+            raise VectorError("shift_hidden needs a hidden-space vector; this one is logit-space")
+        return h + self.delta(h)
+
+    # -- validation ---------------------------------------------------------------------
+    def check_model(self, ident: ModelIdentity) -> None:
+        """Refuse a model this vector was not fitted on, with a one-line reason."""
+        mine = self.model
+        if ident.hidden_size != mine.hidden_size:
+            raise VectorError(
+                f"task vector {self.task_name!r} is for hidden size {mine.hidden_size} "
+                f"({mine.name}), but the model has hidden size {ident.hidden_size} ({ident.name})"
+            )
+        if ident.vocab_size != mine.vocab_size:
+            raise VectorError(
+                f"task vector {self.task_name!r} is for vocabulary size {mine.vocab_size} "
+                f"({mine.name}), but the model has {ident.vocab_size} ({ident.name})"
+            )
+        if ident.lm_head_fingerprint != mine.lm_head_fingerprint:
+            raise VectorError(
+                f"task vector {self.task_name!r} was extracted from {mine.name} (LM head "
+                f"{mine.lm_head_fingerprint}), not from {ident.name} (LM head "
+                f"{ident.lm_head_fingerprint})"
+            )
+
+    def check_tokenizer(self, tokenizer: Any) -> None:
+        """The label words must still map to the token ids recorded at extraction."""
+        from .tasks import Task, label_token_ids
+
+        task = Task.from_dict(self.meta["task"])
+        ids = tuple(label_token_ids(task, tokenizer))
+        if ids != self.label_token_ids:
+            raise VectorError(
+                f"task vector {self.task_name!r}: label tokens {list(self.label_token_ids)} were "
+                f"recorded at extraction, but this tokenizer gives {list(ids)}"
+            )
+
+    # -- files --------------------------------------------------------------------------
+    def _header(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "kind": self.kind,
+            "model": self.model.to_dict(),
+            "label_token_ids": list(self.label_token_ids),
+            "meta": self.meta,
+        }
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        t = {"U": self.U.float().contiguous(), "V": self.V.float().contiguous()}
+        if self.bias is not None:
+            t["bias"] = self.bias.float().contiguous()
+        return t
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        suffix = path.suffix
+        if suffix not in (".pt", ".safetensors"):
+            raise VectorError(f"task-vector files end in .pt or .safetensors, got {path.name!r}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            header = json.dumps(self._header())
+            if suffix == ".safetensors":
+                from safetensors.torch import save_file
+
+                save_file(self._tensors(), tmp, metadata={"ltv_vllm": header})
+            else:
+                torch.save({"tensors": self._tensors(), "ltv_vllm": header}, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return path
+
+
+def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:
+    try:
+        header = json.loads(header_json)
+    except (TypeError, json.JSONDecodeError):
+        raise VectorError(f"{path}: task-vector header is not valid JSON") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise VectorError(f"{path}: not an ltv-vllm task-vector file")
+    if header.get("format_version", 0) > FORMAT_VERSION:
+        raise VectorError(
+            f"{path}: written by a newer ltv-vllm (format {header['format_version']}); upgrade"
+        )
+    for name in ("U", "V"):
+        if not isinstance(tensors.get(name), torch.Tensor):
+            raise VectorError(f"{path}: missing tensor {name!r}")
+    try:
+        m = header["model"]
+        ident = ModelIdentity(
+            name=str(m["name"]),
+            hidden_size=int(m["hidden_size"]),
+            vocab_size=int(m["vocab_size"]),
+            lm_head_fingerprint=str(m["lm_head_fingerprint"]),
+        )
+        return TaskVector(
+            kind=header["kind"],
+            U=tensors["U"].float(),
+            V=tensors["V"].float(),
+            bias=tensors["bias"].float() if "bias" in tensors else None,
+            model=ident,
+            label_token_ids=tuple(int(i) for i in header["label_token_ids"]),
+            meta=dict(header.get("meta") or {}),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, VectorError):
+            raise VectorError(f"{path}: {e}") from None
+        raise VectorError(f"{path}: malformed task-vector header ({e!r})") from None
+
+
+def load_task_vector(path: str | Path) -> TaskVector:
+    """Read a .pt or .safetensors task vector; refuses anything that is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise VectorError(f"task-vector file not found: {path}")
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header_json = (f.metadata() or {}).get("ltv_vllm")
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise VectorError(f"{path}: not a readable safetensors file ({e})") from None
+        return _parse(header_json, tensors, path)
+    if path.suffix == ".pt":
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - corrupt zip, pickle refused, truncated file
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise VectorError(f"{path}: not a readable task-vector file ({first})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("tensors"), dict):
+            raise VectorError(f"{path}: not an ltv-vllm task-vector file")
+        return _parse(obj.get("ltv_vllm"), obj["tensors"], path)
+    raise VectorError(f"task-vector files end in .pt or .safetensors, got {path.name!r}")

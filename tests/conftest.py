@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random-weight causal LMs with a real byte-level BPE tokenizer.
+
+Nothing comes from the hub: the tokenizer is trained here on a few sentences and the model
+weights are seeded random numbers, so every test runs offline in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CORPUS = [
+    "Review: a gorgeous, witty, seductive movie.\nSentiment: positive\n",
+    "Review: the plot is dull and the acting is worse.\nSentiment: negative\n",
+    "News: stocks rally as markets rebound\nType: Business\n",
+    "News: the team wins the final game\nType: Sports\n",
+    "News: leaders meet for peace talks\nType: World\n",
+    "News: a new chip doubles speed\nType: Technology\n",
+    "Sentence: it is what it is\nLabel: objective subjective neutral hate\n",
+] * 20
+
+
+def make_tokenizer(bos: bool = False):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    if bos:
+        from tokenizers import processors
+
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+def make_llama(vocab_size: int, *, hidden: int = 64, layers: int = 2, seed: int = 0, tie: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=tie,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(cfg).float().eval()
+    # Random init gives near-uniform logits; scale up so predictions differ between inputs.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    return make_llama(len(tokenizer))

@@ -1,0 +1,83 @@
+"""capture: post-norm last-token states, left padding, and the shared demo KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_llama, make_tokenizer
+from ltv_vllm.capture import CaptureError, Capturer, label_head, lm_head
+from ltv_vllm.tasks import Task
+
+TASK = Task("toy", "Review", "Sentiment", ("negative", "positive"), "unused")
+TEXTS = [
+    "a gorgeous movie",
+    "dull",
+    "the plot is dull and the acting is worse, and the team wins nothing at all",
+    "witty",
+    "stocks rally as markets rebound and leaders meet",
+    "it is what it is",
+    "a new chip",
+]
+PREFIX = TASK.demo("a witty movie", 1) + TASK.demo("the acting is worse", 0) + TASK.demo("dull", 0)
+
+
+def test_hidden_is_lm_head_input(tiny_model, tokenizer):
+    """h(p) times the LM head is transformers' own last-token logits (post-norm state)."""
+    cap = Capturer(tiny_model, tokenizer, batch_size=4, progress=False)
+    prompts = [TASK.query(t) for t in TEXTS]
+    h = cap.hidden(prompts)
+    for i, p in enumerate(prompts):
+        ids = tokenizer(p, return_tensors="pt")
+        with torch.no_grad():
+            ref = tiny_model(**ids).logits[0, -1]
+        got = lm_head(tiny_model)(h[i])
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_left_padded_batch_equals_unbatched(tiny_model, tokenizer, batch_size):
+    cap = Capturer(tiny_model, tokenizer, batch_size=batch_size, progress=False)
+    prompts = [TASK.query(t) for t in TEXTS]
+    batched = cap.hidden(prompts)
+    single = torch.cat([cap.hidden([p]) for p in prompts])
+    assert torch.allclose(batched, single, atol=1e-4), (batched - single).abs().max()
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 16])
+@pytest.mark.parametrize("bos", [False, True])
+def test_shared_demo_cache_equals_naive_full_forward(batch_size, bos):
+    tok = make_tokenizer(bos=bos)
+    model = make_llama(len(tok), seed=1)
+    cap = Capturer(model, tok, batch_size=batch_size, progress=False)
+    prompts = [TASK.query(t) for t in TEXTS]
+    cached = cap.icl(PREFIX, prompts)
+    naive = cap.naive([PREFIX + p for p in prompts])
+    err = (cached - naive).abs().max().item()
+    assert err <= 1e-4, err
+    # and the ICL state really differs from zero-shot (the prefix is not ignored)
+    assert (cached - cap.hidden(prompts)).abs().max() > 1e-2
+
+
+def test_prefix_boundary_merge_falls_back_to_full_prompt(tiny_model, tokenizer):
+    """When prefix+query tokenises across the boundary, the full prompt is run instead."""
+    cap = Capturer(tiny_model, tokenizer, batch_size=4, progress=False)
+    prefix = "Review: a gorg"  # "gorg" + "eous" merges into other tokens in the full string
+    prompts = ["eous movie", "\nSentiment:"]
+    full_ids = tokenizer(prefix + prompts[0])["input_ids"]
+    assert full_ids[: len(tokenizer(prefix)["input_ids"])] != tokenizer(prefix)["input_ids"]
+    got = cap.icl(prefix, prompts)
+    ref = cap.naive([prefix + p for p in prompts])
+    assert torch.allclose(got, ref, atol=1e-4)
+
+
+def test_prompt_longer_than_context_is_a_clear_error(tiny_model, tokenizer):
+    cap = Capturer(tiny_model, tokenizer, progress=False, max_length=16)
+    with pytest.raises(CaptureError, match="exceeds the model context of 16"):
+        cap.hidden([TASK.query(TEXTS[2])])
+
+
+def test_label_head_rows(tiny_model):
+    w, b = label_head(tiny_model, [5, 7])
+    torch.testing.assert_close(w, tiny_model.lm_head.weight[[5, 7]].float())
+    assert torch.equal(b, torch.zeros(2))

@@ -1,0 +1,38 @@
+"""metrics: restricted softmax, accuracy and d_NTP against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ltv_vllm.metrics import accuracy, d_ntp, kl_per_query, restricted_log_probs
+
+
+def test_restricted_distribution_is_renormalised_full_softmax():
+    full = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0]])
+    label_ids = [0, 2, 3]
+    p_full = torch.softmax(full.double(), -1)[0, label_ids]
+    expected = p_full / p_full.sum()  # paper eq. (2)
+    got = restricted_log_probs(full[:, label_ids]).exp()[0]
+    torch.testing.assert_close(got, expected)
+
+
+def test_d_ntp_matches_hand_computed_kl():
+    icl = torch.tensor([[0.0, math.log(3.0)], [1.0, 1.0]])  # P = (1/4, 3/4), (1/2, 1/2)
+    tv = torch.tensor([[0.0, 0.0], [0.0, math.log(4.0)]])  # Q = (1/2, 1/2), (1/5, 4/5)
+    kl1 = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)
+    kl2 = 0.5 * math.log(0.5 / 0.2) + 0.5 * math.log(0.5 / 0.8)
+    got = kl_per_query(icl, tv)
+    torch.testing.assert_close(got, torch.tensor([kl1, kl2], dtype=torch.float64))
+    assert abs(d_ntp(icl, tv) - (kl1 + kl2) / 2) < 1e-6  # float32 inputs
+    assert d_ntp(icl, icl) == 0.0
+    assert d_ntp(icl, tv) != d_ntp(tv, icl)  # KL(P_icl ‖ P_tv): P_icl is the reference
+
+
+def test_restricted_label_accuracy():
+    # full-vocab argmax would pick token 1 (not a label); restricted to {0, 2} it must not
+    full = torch.tensor([[1.0, 9.0, 0.0], [0.0, 9.0, 2.0], [3.0, 9.0, 2.9]])
+    label_ids = [0, 2]
+    labels = torch.tensor([0, 1, 1])
+    assert accuracy(full[:, label_ids], labels) == 2 / 3

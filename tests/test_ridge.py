@@ -1,0 +1,69 @@
+"""ridge: closed form against a direct torch.linalg.solve of the paper's normal equations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ltv_vllm.ridge import choose_form, mean_shift, ridge_fit
+
+
+def direct_solution(h: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Tensor:
+    """Paper eq. (closed form): (H Hᵀ + λI) W*ᵀ = H Yᵀ with H = hᵀ, Y = yᵀ."""
+    H, Y = h.double().T, y.double().T
+    A = H @ H.T + lam * torch.eye(H.shape[0], dtype=torch.float64)
+    return torch.linalg.solve(A, H @ Y.T).T  # (d_out, d_in)
+
+
+@pytest.mark.parametrize("form", ["primal", "dual", "auto"])
+@pytest.mark.parametrize("n,d_in,d_out", [(40, 12, 12), (12, 40, 40), (30, 16, 50)])
+def test_ridge_matches_direct_solve(form, n, d_in, d_out):
+    g = torch.Generator().manual_seed(n * 1000 + d_in)
+    h = torch.randn(n, d_in, generator=g) * 3 + 1  # offset: no centering is done
+    y = torch.randn(n, d_out, generator=g)
+    f = ridge_fit(h, y, lam=5.0, form=form)
+    ref = direct_solution(h, y, 5.0)
+    assert f.dense().shape == ref.shape
+    torch.testing.assert_close(f.dense().double(), ref, atol=1e-5, rtol=1e-4)
+    assert f.U.shape[1] <= min(n, d_in)  # rank ≤ N (and ≤ d)
+    # V is orthonormal after rebalancing: applying W is a projection then an expansion
+    torch.testing.assert_close(f.V.T @ f.V, torch.eye(f.V.shape[1]), atol=1e-5, rtol=0)
+    # apply() on rows is W h
+    x = torch.randn(5, d_in, generator=g)
+    torch.testing.assert_close(f.apply(x).double(), x.double() @ ref.T, atol=1e-4, rtol=1e-4)
+    if form == "auto":
+        assert f.form == choose_form(n, d_in)
+
+
+def test_primal_and_dual_agree_and_minimise_the_objective():
+    g = torch.Generator().manual_seed(3)
+    h, y = torch.randn(25, 20, generator=g), torch.randn(25, 20, generator=g)
+    p = ridge_fit(h, y, 2.0, form="primal").dense().double()
+    d = ridge_fit(h, y, 2.0, form="dual").dense().double()
+    torch.testing.assert_close(p, d, atol=1e-6, rtol=1e-5)
+
+    def objective(w: torch.Tensor) -> float:
+        return float(((y.double() - h.double() @ w.T) ** 2).sum() + 2.0 * (w**2).sum())
+
+    base = objective(p)
+    for _ in range(5):  # any perturbation increases the (strictly convex) objective
+        assert objective(p + 1e-3 * torch.randn(p.shape, generator=g, dtype=torch.float64)) > base
+
+
+def test_ill_conditioned_states_float64_default():
+    """Large, nearly collinear hidden states (as post-norm states are): still exact."""
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(1, 64, generator=g) * 50
+    h = base + 0.01 * torch.randn(32, 64, generator=g)
+    y = torch.randn(32, 64, generator=g)
+    f = ridge_fit(h, y, 5.0)
+    ref = direct_solution(h, y, 5.0)
+    rel = (f.dense().double() - ref).norm() / ref.norm()
+    assert rel < 1e-5, rel
+
+
+def test_mean_shift_and_bad_lambda():
+    y = torch.tensor([[1.0, 2.0], [3.0, 6.0]])
+    assert torch.equal(mean_shift(y), torch.tensor([2.0, 4.0]))
+    with pytest.raises(ValueError, match="lam must be > 0"):
+        ridge_fit(torch.ones(2, 2), torch.ones(2, 2), 0.0)
