@@ -59,7 +59,7 @@ def task_vector_applied(
         handle.remove()
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def generate_with_task_vector(
     model: Any,
     tokenizer: Any,

@@ -115,7 +115,7 @@ class Capturer:
         return ids
 
     # -- forward passes -----------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()
     def _forward_last(
         self,
         ids: torch.Tensor,
@@ -172,7 +172,7 @@ class Capturer:
         """h(p) for each full prompt, batched. (n, d)"""
         return self._run([self.encode(p) for p in prompts], desc)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def encode_prefix(self, prefix: str) -> _Prefix:
         ids = self.encode(prefix)
         out = self.base(

@@ -200,6 +200,8 @@ class TaskVector:
 
 
 def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:
+    if header_json is None:
+        raise VectorError(f"{path}: not an ltv-vllm task-vector file (no ltv_vllm header)")
     try:
         header = json.loads(header_json)
     except (TypeError, json.JSONDecodeError):

@@ -1,0 +1,153 @@
+"""vector: file round trips, self-description, and every refusal."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from conftest import make_llama, make_tokenizer
+from ltv_vllm.tasks import BUILTIN_TASKS, label_token_ids
+from ltv_vllm.vector import (
+    ModelIdentity,
+    TaskVector,
+    VectorError,
+    fingerprint_lm_head,
+    load_task_vector,
+    model_identity,
+)
+
+TASK = BUILTIN_TASKS["sst2"]
+
+
+def make_vector(model, tokenizer, *, rank: int = 3, bias: bool = False) -> TaskVector:
+    g = torch.Generator().manual_seed(0)
+    d = model.config.hidden_size
+    return TaskVector(
+        kind="hidden",
+        U=torch.randn(d, rank, generator=g),
+        V=torch.randn(d, rank, generator=g),
+        bias=torch.randn(d, generator=g) if bias else None,
+        model=model_identity(model, "tiny"),
+        label_token_ids=tuple(label_token_ids(TASK, tokenizer)),
+        meta={"task": TASK.to_dict(), "k": 30, "n": 256, "lam": 5.0, "seed": 1,
+              "metrics": {"ltv": {"accuracy": 0.5, "d_ntp": 0.1}}},
+    )
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_round_trip(tmp_path, tiny_model, tokenizer, suffix, bias):
+    tv = make_vector(tiny_model, tokenizer, bias=bias)
+    path = tv.save(tmp_path / f"v{suffix}")
+    back = load_task_vector(path)
+    assert torch.equal(back.U, tv.U) and torch.equal(back.V, tv.V)
+    assert (back.bias is None) == (tv.bias is None)
+    if bias:
+        assert torch.equal(back.bias, tv.bias)
+    assert back.model == tv.model
+    assert back.label_token_ids == tv.label_token_ids
+    assert back.meta == tv.meta and back.kind == "hidden"
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp files left
+    back.check_model(model_identity(tiny_model))
+    back.check_tokenizer(tokenizer)
+
+
+def test_fingerprint_survives_dtype_but_not_another_model(tiny_model, tokenizer):
+    w = tiny_model.lm_head.weight
+    assert fingerprint_lm_head(w) == fingerprint_lm_head(w.to(torch.bfloat16))
+    other = make_llama(len(tokenizer), seed=7)
+    assert fingerprint_lm_head(other.lm_head.weight) != fingerprint_lm_head(w)
+
+
+def test_mismatches_are_refused(tiny_model, tokenizer):
+    tv = make_vector(tiny_model, tokenizer)
+    with pytest.raises(VectorError, match="hidden size 64 .* has hidden size 32"):
+        tv.check_model(model_identity(make_llama(len(tokenizer), hidden=32)))
+    with pytest.raises(VectorError, match="vocabulary size"):
+        tv.check_model(model_identity(make_llama(len(tokenizer) + 8)))
+    with pytest.raises(VectorError, match="was extracted from tiny"):
+        tv.check_model(model_identity(make_llama(len(tokenizer), seed=9), "other"))
+    other_tok = make_tokenizer(bos=True)
+    # a tokenizer whose label ids differ (here: a shifted copy of the recorded ids)
+    bad = TaskVector(tv.kind, tv.U, tv.V, None, tv.model,
+                     tuple(i + 1 for i in tv.label_token_ids), tv.meta)
+    with pytest.raises(VectorError, match="label tokens"):
+        bad.check_tokenizer(other_tok)
+
+
+def test_bad_shapes_refused(tiny_model, tokenizer):
+    ident = model_identity(tiny_model)
+    with pytest.raises(VectorError, match="factors"):
+        TaskVector("hidden", torch.zeros(64, 2), torch.zeros(64, 3), None, ident, (1, 2))
+    with pytest.raises(VectorError, match="hidden size 64"):
+        TaskVector("hidden", torch.zeros(32, 2), torch.zeros(32, 2), None, ident, (1, 2))
+    with pytest.raises(VectorError, match="bias"):
+        TaskVector("hidden", torch.zeros(64, 2), torch.zeros(64, 2), torch.zeros(3), ident, (1, 2))
+    with pytest.raises(VectorError, match="kind"):
+        TaskVector("other", torch.zeros(64, 2), torch.zeros(64, 2), None, ident, (1, 2))  # type: ignore[arg-type]
+
+
+def test_corrupt_and_foreign_files_refused(tmp_path, tiny_model, tokenizer):
+    tv = make_vector(tiny_model, tokenizer)
+    for suffix in (".pt", ".safetensors"):
+        good = tv.save(tmp_path / f"good{suffix}")
+        data = good.read_bytes()
+        trunc = tmp_path / f"trunc{suffix}"
+        trunc.write_bytes(data[: len(data) // 2])
+        with pytest.raises(VectorError, match="trunc"):
+            load_task_vector(trunc)
+    # a .pt of something else
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(VectorError, match="not an ltv-vllm task-vector file"):
+        load_task_vector(tmp_path / "other.pt")
+    # a safetensors file without our header
+    from safetensors.torch import save_file
+
+    save_file({"U": torch.zeros(2, 1), "V": torch.zeros(2, 1)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(VectorError, match="not an ltv-vllm task-vector file"):
+        load_task_vector(tmp_path / "plain.safetensors")
+    with pytest.raises(VectorError, match="not found"):
+        load_task_vector(tmp_path / "missing.pt")
+    with pytest.raises(VectorError, match=r"\.pt or \.safetensors"):
+        tv.save(tmp_path / "v.bin")
+
+
+def test_malicious_pickle_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "evil.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"tensors": Evil()}, f)
+    with pytest.raises(VectorError, match="evil.pt"):
+        load_task_vector(path)
+    assert not marker.exists()
+
+
+def test_newer_format_and_failed_write_leave_nothing(tmp_path, tiny_model, tokenizer, monkeypatch):
+    tv = make_vector(tiny_model, tokenizer)
+    import json
+
+    torch.save({"tensors": tv._tensors(),
+                "ltv_vllm": json.dumps({**tv._header(), "format_version": 99})}, tmp_path / "new.pt")
+    with pytest.raises(VectorError, match="newer ltv-vllm"):
+        load_task_vector(tmp_path / "new.pt")
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", boom)
+    with pytest.raises(OSError):
+        tv.save(tmp_path / "sub" / "v.pt")
+    assert list((tmp_path / "sub").iterdir()) == []
+
+
+def test_identity_dict_round_trip(tiny_model):
+    ident = model_identity(tiny_model, "x")
+    assert ModelIdentity(**ident.to_dict()) == ident
