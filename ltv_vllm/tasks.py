@@ -29,7 +29,7 @@ class Task:
     # Where the examples come from: "packaged:<file>", "hub:<dataset id>[:<config>]" or
     # a path to a local .jsonl/.csv file. Hub details (text field, splits) live in `hub`.
     source: str
-    hub: dict[str, Any] = field(default_factory=dict)
+    hub: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
 
     def __post_init__(self) -> None:
         if len(self.labels) < 2:

@@ -1,0 +1,275 @@
+"""Methods × tasks × runs → JSON, a markdown table and plots (paper Table 1 and Fig. 3 style).
+
+Each run draws a new episode (demos + N train queries) from its own seed; the balanced test
+subset depends only on the test seed, so zero-shot states are captured once per task and
+shared by every run. d_NTP of a method is KL(P_icl ‖ P_method) on the test subset of that
+run (ICL's own d_NTP is 0 by definition).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__
+from .capture import Capturer
+from .extract import METHODS, LoadedModel, capture_test_zero_shot, run_episode
+from .tasks import Task, label_token_ids
+
+METHOD_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", "ltv": "LTV", "mean": "Mean shift"}
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    k: int = 30
+    n: int = 256
+    lam: float = 5.0
+    n_test: int = 500
+    runs: int = 5
+    seed: int = 0
+    batch_size: int = 16
+
+
+def evaluate(
+    lm: LoadedModel,
+    tasks: Sequence[Task],
+    methods: Sequence[str],
+    cfg: EvalConfig,
+    *,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every task × run and return the result document (also what `write_report` saves)."""
+    from tqdm.auto import tqdm
+
+    from .data import load_dataset, sample_episode
+
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    cap = Capturer(lm.model, lm.tokenizer, batch_size=cfg.batch_size, progress=progress)
+    records: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    bar = tqdm(total=len(tasks) * cfg.runs, desc="episodes", unit="run", disable=not progress)
+    for task in tasks:
+        label_ids = label_token_ids(task, lm.tokenizer)
+        dataset = load_dataset(task)
+        h_zs_test = None
+        for run in range(cfg.runs):
+            seed = cfg.seed + run
+            episode = sample_episode(dataset, k=cfg.k, n=cfg.n, n_test=cfg.n_test, seed=seed)
+            if h_zs_test is None:  # the test subset is the same for every run
+                h_zs_test = capture_test_zero_shot(cap, task, episode)
+            res = run_episode(
+                cap, episode, cfg.lam, label_ids, h_zs_test=h_zs_test, methods=tuple(methods)
+            )
+            for m in methods:
+                records.append(
+                    {
+                        "task": task.name,
+                        "run": run,
+                        "seed": seed,
+                        "method": m,
+                        "accuracy": res.metrics[m]["accuracy"],
+                        "d_ntp": res.metrics[m]["d_ntp"],
+                        "extraction_seconds": res.timings["extraction_seconds"]
+                        if m in ("ltv", "mean")
+                        else None,
+                        "k_used": len(episode.demos),
+                        "n_test": len(episode.test),
+                    }
+                )
+            bar.set_postfix_str(
+                f"{task.name}: " + " ".join(f"{m}={res.metrics[m]['accuracy']:.3f}" for m in methods)
+            )
+            bar.update(1)
+    bar.close()
+    return {
+        "config": {
+            "model": lm.spec,
+            "model_identity": lm.identity.to_dict(),
+            "dtype": str(lm.model.dtype).removeprefix("torch."),
+            "tasks": [t.name for t in tasks],
+            "methods": list(methods),
+            **cfg.__dict__,
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "ltv_vllm": __version__,
+        },
+        "wall_seconds": time.perf_counter() - started,
+        "records": records,
+        "summary": summarise(records, [t.name for t in tasks], list(methods)),
+    }
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def summarise(records: list[dict[str, Any]], tasks: list[str], methods: list[str]) -> dict:
+    out: dict[str, Any] = {"per_task": {}, "average": {}}
+    for t in tasks:
+        out["per_task"][t] = {}
+        for m in methods:
+            rs = [r for r in records if r["task"] == t and r["method"] == m]
+            acc, acc_std = _mean_std([r["accuracy"] for r in rs])
+            d, d_std = _mean_std([r["d_ntp"] for r in rs])
+            ext = [r["extraction_seconds"] for r in rs if r["extraction_seconds"] is not None]
+            out["per_task"][t][m] = {
+                "accuracy": acc,
+                "accuracy_std": acc_std,
+                "d_ntp": d,
+                "d_ntp_std": d_std,
+                "extraction_seconds": statistics.fmean(ext) if ext else None,
+                "runs": len(rs),
+            }
+    for m in methods:
+        cells = [out["per_task"][t][m] for t in tasks]
+        out["average"][m] = {
+            "accuracy": statistics.fmean(c["accuracy"] for c in cells),
+            "d_ntp": statistics.fmean(c["d_ntp"] for c in cells),
+        }
+    return out
+
+
+def markdown_table(doc: dict[str, Any]) -> str:
+    cfg, summ = doc["config"], doc["summary"]
+    tasks, methods = cfg["tasks"], cfg["methods"]
+    head = "| Method | " + " | ".join(tasks) + " | Avg. |"
+    sep = "|---|" + "---|" * (len(tasks) + 1)
+    lines = [
+        f"Model `{cfg['model']}` ({cfg['dtype']}), k={cfg['k']}, N={cfg['n']}, λ={cfg['lam']}, "
+        f"{cfg['n_test']} test queries, {cfg['runs']} runs (mean ± std over runs).",
+        "",
+        "**Accuracy (%)**",
+        "",
+        head,
+        sep,
+    ]
+    for m in methods:
+        cells = []
+        for t in tasks:
+            c = summ["per_task"][t][m]
+            std = f" ± {100 * c['accuracy_std']:.1f}" if m != "zero-shot" else ""
+            cells.append(f"{100 * c['accuracy']:.1f}{std}")
+        lines.append(
+            f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(cells)
+            + f" | {100 * summ['average'][m]['accuracy']:.1f} |"
+        )
+    lines += ["", "**d_NTP = KL(P_icl ‖ P_method), label-restricted (lower is closer to ICL)**", "",
+              head, sep]
+    for m in methods:
+        if m == "icl":
+            continue
+        cells = [f"{summ['per_task'][t][m]['d_ntp']:.3f}" for t in tasks]
+        lines.append(
+            f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(cells)
+            + f" | {summ['average'][m]['d_ntp']:.3f} |"
+        )
+    ext = [summ["per_task"][t].get("ltv", {}).get("extraction_seconds") for t in tasks]
+    if any(e is not None for e in ext):
+        lines += ["", "**LTV extraction time per run (s)**: "
+                  + ", ".join(f"{t} {e:.1f}" for t, e in zip(tasks, ext) if e is not None)]
+    return "\n".join(lines) + "\n"
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg, records = doc["config"], doc["records"]
+    tasks = cfg["tasks"]
+    methods = [m for m in cfg["methods"] if m != "icl"]
+    colors = {"zero-shot": "tab:gray", "ltv": "tab:blue", "mean": "tab:orange", "icl": "tab:green"}
+    paths = []
+
+    # d_NTP against accuracy, one point per run and method, one panel per task (paper Fig. 3).
+    cols = min(4, len(tasks))
+    rows = math.ceil(len(tasks) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.2 * rows), squeeze=False)
+    for ax, t in zip(axes.flat, tasks):
+        for m in methods:
+            rs = [r for r in records if r["task"] == t and r["method"] == m]
+            ax.scatter([r["d_ntp"] for r in rs], [100 * r["accuracy"] for r in rs],
+                       label=METHOD_LABELS.get(m, m), color=colors.get(m), alpha=0.8, s=22)
+        icl = [100 * r["accuracy"] for r in records if r["task"] == t and r["method"] == "icl"]
+        if icl:
+            ax.axhline(statistics.fmean(icl), color=colors["icl"], ls="--", lw=1, label="ICL (mean)")
+        ax.set_title(t)
+        ax.set_xlabel("d_NTP")
+        ax.set_ylabel("accuracy (%)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{cfg['model']}: d_NTP vs accuracy (k={cfg['k']}, N={cfg['n']})")
+    fig.tight_layout()
+    p = out_dir / "dntp_vs_accuracy.png"
+    _atomic_write(p, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    plt.close(fig)
+    paths.append(p)
+
+    # Per-task accuracy bars with the std over runs.
+    all_methods = cfg["methods"]
+    fig, ax = plt.subplots(figsize=(1.3 * len(tasks) + 3, 3.6))
+    width = 0.8 / len(all_methods)
+    for i, m in enumerate(all_methods):
+        cells = [doc["summary"]["per_task"][t][m] for t in tasks]
+        xs = [j + (i - (len(all_methods) - 1) / 2) * width for j in range(len(tasks))]
+        ax.bar(xs, [100 * c["accuracy"] for c in cells], width,
+               yerr=[100 * c["accuracy_std"] for c in cells], capsize=2,
+               label=METHOD_LABELS.get(m, m), color=colors.get(m))
+    ax.set_xticks(range(len(tasks)), tasks)
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"{cfg['model']}: accuracy per task ({cfg['runs']} runs)")
+    ax.legend(fontsize=8, ncols=len(all_methods))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    p = out_dir / "accuracy_per_task.png"
+    _atomic_write(p, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+def write_report(doc: dict[str, Any], out_dir: str | Path, command: str) -> list[Path]:
+    """results.json, results.md (with the command that produced it) and the plots."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {**doc, "command": command}
+    j, md = out / "results.json", out / "results.md"
+    _atomic_write(j, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1)))
+    table = markdown_table(doc)
+    text = f"# ltv-vllm evaluate\n\n```\n{command}\n```\n\n{table}\n" \
+           f"Machine: {doc['machine']['processor']}, {doc['machine']['cpus']} CPUs, " \
+           f"torch {doc['machine']['torch']}; wall time {doc['wall_seconds'] / 60:.1f} min.\n"
+    _atomic_write(md, lambda tmp: Path(tmp).write_text(text))
+    return [j, md, *plot(doc, out)]
