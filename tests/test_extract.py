@@ -1,0 +1,140 @@
+"""extract/evaluate/CLI end to end on a tiny random model, checked against an independent path.
+
+The independent path: ICL states from naive full-prompt forwards (no shared cache), LTV
+logits from transformers' own forward with the reference hook, d_NTP from a hand-written KL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import make_llama
+from ltv_vllm.cli import main
+from ltv_vllm.data import load_dataset, sample_episode
+from ltv_vllm.extract import extract, load_model
+from ltv_vllm.tasks import get_task, label_token_ids
+from ltv_vllm.vector import load_task_vector
+
+WORDS = "the plot is dull and acting worse a gorgeous witty seductive movie team wins final".split()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    make_llama(len(tokenizer), seed=5).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def task_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("task")
+    rng = random.Random(0)
+    with open(d / "toy.jsonl", "w") as f:
+        for i in range(240):
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))
+            f.write(json.dumps({"text": f"{text} {i}", "label": ["negative", "positive"][i % 2]}) + "\n")
+    (d / "toy.json").write_text(json.dumps({
+        "name": "toy", "in_prefix": "Review", "label_prefix": "Sentiment",
+        "labels": ["negative", "positive"], "data": "toy.jsonl"}))
+    return d / "toy.json"
+
+
+def hand_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    total = 0.0
+    for a, b in zip(p_logits.tolist(), q_logits.tolist()):
+        za, zb = sum(math.exp(x) for x in a), sum(math.exp(x) for x in b)
+        total += sum(math.exp(x) / za * (x - math.log(za) - (y - math.log(zb))) for x, y in zip(a, b))
+    return total / len(p_logits)
+
+
+def test_extract_metrics_match_independent_computation(model_dir, task_file):
+    lm = load_model(str(model_dir), dtype="float32")
+    task = get_task(str(task_file))
+    tv, res = extract(lm, task, k=6, n=24, lam=5.0, seed=3, n_test=20, batch_size=5, progress=False)
+    assert tv.meta["k_used"] == 6 and tv.meta["n"] == 24 and tv.rank <= 24
+    ids = label_token_ids(task, lm.tokenizer)
+    ep = sample_episode(load_dataset(task), k=6, n=24, n_test=20, seed=3)
+    labels = torch.tensor([e.label for e in ep.test])
+    from ltv_vllm.apply import task_vector_applied
+
+    def last_logits(prompt: str) -> torch.Tensor:
+        enc = lm.tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            return lm.model(**enc).logits[0, -1, ids].float()
+
+    icl = torch.stack([last_logits(ep.demo_prefix() + task.query(e.text)) for e in ep.test])
+    zs = torch.stack([last_logits(task.query(e.text)) for e in ep.test])
+    with task_vector_applied(lm.model, tv):
+        ltv = torch.stack([last_logits(task.query(e.text)) for e in ep.test])
+    for name, z in (("icl", icl), ("zero-shot", zs), ("ltv", ltv)):
+        acc = float((z.argmax(-1) == labels).float().mean())
+        assert res.metrics[name]["accuracy"] == pytest.approx(acc, abs=1e-9), name
+        assert res.metrics[name]["d_ntp"] == pytest.approx(hand_kl(icl, z), abs=1e-4), name
+    # the fit moves the zero-shot distribution toward ICL on held-out queries
+    assert res.metrics["ltv"]["d_ntp"] < res.metrics["zero-shot"]["d_ntp"]
+
+
+def test_cli_extract_inspect_evaluate(tmp_path, model_dir, task_file):
+    runner = CliRunner()
+    out = tmp_path / "toy.safetensors"
+    r = runner.invoke(main, ["extract", "--model", str(model_dir), "--task", str(task_file),
+                             "--k", "4", "--n", "16", "--n-test", "12", "--quiet", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "ltv" in r.output and out.exists()
+    tv = load_task_vector(out)
+    assert tv.meta["task"]["name"] == "toy" and tv.meta["seed"] == 0
+    r = runner.invoke(main, ["inspect", str(out)])
+    assert r.exit_code == 0 and "hidden task vector" in r.output
+
+    ev = tmp_path / "ev"
+    r = runner.invoke(main, ["evaluate", "--model", str(model_dir), "--tasks", str(task_file),
+                             "--runs", "2", "--k", "4", "--n", "16", "--n-test", "12",
+                             "--quiet", "--out", str(ev)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((ev / "results.json").read_text())
+    assert doc["command"].startswith("ltv-vllm evaluate")
+    assert len(doc["records"]) == 2 * 4  # runs × methods
+    s = doc["summary"]["per_task"]["toy"]
+    assert s["icl"]["d_ntp"] == 0.0 and s["ltv"]["runs"] == 2
+    accs = [r_["accuracy"] for r_ in doc["records"] if r_["method"] == "ltv"]
+    assert s["ltv"]["accuracy"] == pytest.approx(sum(accs) / 2)
+    assert (ev / "dntp_vs_accuracy.png").stat().st_size > 1000
+    assert "| LTV |" in (ev / "results.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["extract", "--task", "nope"], "unknown task 'nope'"),
+        (["data", "show", "nope"], "unknown task 'nope'"),
+        (["inspect", "/nonexistent.pt"], "not found"),
+        (["models", "prepare", "gpt-17"], "gpt-17"),
+        (["evaluate", "--methods", "ltv,magic"], "magic"),
+    ],
+)
+def test_cli_bad_input_is_one_line(args, message):
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code != 0
+    assert message in r.output
+    assert "Traceback" not in r.output
+
+
+def test_cli_colliding_labels(tmp_path, model_dir):
+    (tmp_path / "d.jsonl").write_text(
+        "\n".join(json.dumps({"text": f"x {i}", "label": ["negative", "negatively"][i % 2]})
+                  for i in range(40)))
+    (tmp_path / "t.json").write_text(json.dumps({
+        "name": "clash", "in_prefix": "Review", "label_prefix": "Sentiment",
+        "labels": ["negative", "negatively"], "data": "d.jsonl"}))
+    r = CliRunner().invoke(main, ["extract", "--model", str(model_dir), "--task",
+                                  str(tmp_path / "t.json"), "-o", str(tmp_path / "c.pt")])
+    assert r.exit_code == 1
+    assert "share their first token" in r.output
+    assert not (tmp_path / "c.pt").exists()
