@@ -70,10 +70,11 @@ def generate_with_task_vector(
 ) -> str:
     """Greedy generation with the shift on every step (reference for serving tests)."""
     enc = tokenizer(prompt, return_tensors="pt").to(next(model.parameters()).device)
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    gen = {"max_new_tokens": max_new_tokens, "do_sample": False,
+           "pad_token_id": tokenizer.eos_token_id}
     if tv is None:
-        out = model.generate(**enc, **kwargs)
+        out = model.generate(**enc, **gen)
     else:
         with task_vector_applied(model, tv):
-            out = model.generate(**enc, **kwargs)
+            out = model.generate(**enc, **gen)
     return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)

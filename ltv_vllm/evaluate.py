@@ -153,8 +153,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
     head = "| Method | " + " | ".join(tasks) + " | Avg. |"
     sep = "|---|" + "---|" * (len(tasks) + 1)
     lines = [
-        f"Model `{cfg['model']}` ({cfg['dtype']}), k={cfg['k']}, N={cfg['n']}, λ={cfg['lam']}, "
-        f"{cfg['n_test']} test queries, {cfg['runs']} runs (mean ± std over runs).",
+        (f"Model `{cfg['model']}` ({cfg['dtype']}), k={cfg['k']}, N={cfg['n']}, λ={cfg['lam']}, "
+         f"{cfg['n_test']} test queries, {cfg['runs']} runs (mean ± std over runs)."),
         "",
         "**Accuracy (%)**",
         "",

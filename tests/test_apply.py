@@ -73,14 +73,12 @@ def test_generation_shifts_every_step(tiny_model, tokenizer):
 
 
 def test_wrong_model_refused(tiny_model, tokenizer):
-    from conftest import make_llama
-
     import pytest
 
+    from conftest import make_llama
     from ltv_vllm.vector import VectorError
 
     tv = vector(tiny_model)
     other = make_llama(len(tokenizer), seed=11)
-    with pytest.raises(VectorError):
-        with task_vector_applied(other, tv):
-            pass
+    with pytest.raises(VectorError), task_vector_applied(other, tv):
+        pass

@@ -21,7 +21,7 @@ from ltv_vllm.extract import extract, load_model
 from ltv_vllm.tasks import get_task, label_token_ids
 from ltv_vllm.vector import load_task_vector
 
-WORDS = "the plot is dull and acting worse a gorgeous witty seductive movie team wins final".split()
+WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "witty", "seductive", "movie", "team", "wins", "final"]
 
 
 @pytest.fixture(scope="module")
