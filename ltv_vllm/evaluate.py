@@ -188,11 +188,19 @@ def markdown_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _umask_mode(path: str) -> None:
+    """mkstemp creates 0600 files; give the result the mode a plain open() would."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def _atomic_write(path: Path, write: Any) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
+        _umask_mode(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

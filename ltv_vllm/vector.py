@@ -192,6 +192,9 @@ class TaskVector:
                 save_file(self._tensors(), tmp, metadata={"ltv_vllm": header})
             else:
                 torch.save({"tensors": self._tensors(), "ltv_vllm": header}, tmp)
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; match a plain open()
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
