@@ -8,9 +8,11 @@ Batches are left-padded with explicit position ids (cumulative attention mask), 
 row sees exactly the positions it would see alone; the last token is then column -1.
 
 ICL prompts share their demonstrations within an episode: the demo prefix is encoded once
-and its KV cache is reused by every query (`Capturer.icl`). The query part of each row is
-left-padded *after* the prefix, `[prefix | pads | query]`, masked, with positions continuing
-from the prefix. A prompt whose tokenisation does not start with the prefix's tokens (a
+and its KV cache is reused by every query (`Capturer.icl`). By default several queries are
+packed into one row after the cached prefix, `[q1 | q2 | ...]`, with a block mask (each
+token sees the prefix and its own query) and positions continuing from the prefix; with
+`pack=False` (or an attention kernel that takes no custom mask) each query is a row,
+left-padded after the prefix, `[prefix | pads | query]`. A prompt whose tokenisation does not start with the prefix's tokens (a
 merge across the boundary) is run in full instead, so the result is always h(Z ‖ x).
 """
 
@@ -90,6 +92,7 @@ class Capturer:
         batch_size: int = 16,
         progress: bool = True,
         max_length: int | None = None,
+        pack: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -102,6 +105,7 @@ class Capturer:
         if pad is None:
             pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         self.pad_id = int(pad)
+        self.pack = pack
 
     # -- tokenisation -------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -195,13 +199,68 @@ class Capturer:
             else:
                 suffixes.append([])
                 fallback.append(i)
-        keep = [i for i in range(len(prompts)) if i not in set(fallback)]
+        skip = set(fallback)
+        keep = [i for i in range(len(prompts)) if i not in skip]
         h = torch.empty(len(prompts), self.model.config.hidden_size)
         if keep:
-            h[keep] = self._run([suffixes[i] for i in keep], desc, pre)
+            seqs = [suffixes[i] for i in keep]
+            if self.packed:
+                h[keep] = self._run_packed(seqs, desc, pre)
+            else:
+                h[keep] = self._run(seqs, desc, pre)
         if fallback:
             h[fallback] = self.hidden([prefix + prompts[i] for i in fallback], desc + " (uncached)")
         return h
+
+    @property
+    def packed(self) -> bool:
+        # Packing needs a custom 4-D additive mask, which eager and SDPA attention accept;
+        # kernels without one (e.g. flash-attention 2) use the padded batch path.
+        impl = getattr(self.model.config, "_attn_implementation", None) or "eager"
+        return self.pack and impl in ("sdpa", "eager")
+
+    def _run_packed(self, seqs: list[list[int]], desc: str, prefix: _Prefix) -> torch.Tensor:
+        rows: list[torch.Tensor] = []
+        bar = tqdm(total=len(seqs), desc=desc, unit="prompt", disable=not self.progress, leave=False)
+        for idx in _batches(len(seqs), self.batch_size):
+            rows.append(self._forward_packed([seqs[i] for i in idx], prefix))
+            bar.update(len(idx))
+        bar.close()
+        return torch.cat(rows)  # (n, d)
+
+    @torch.no_grad()
+    def _forward_packed(self, seqs: list[list[int]], prefix: _Prefix) -> torch.Tensor:
+        """Several queries after one shared prefix, packed into a single row. (B, d)
+
+        `[prefix | q1 | q2 | ...]` with a block mask: every query token sees the whole prefix
+        and the earlier tokens of its own query only, at positions continuing from the prefix.
+        Unlike a padded batch this never copies the prefix's keys per row and wastes nothing
+        on padding; on CPU it is about 2× faster at k=30 (benchmarks/extraction_speed.py).
+        """
+        n_pre = len(prefix.ids)
+        lens = torch.tensor([len(s) for s in seqs])
+        total = int(lens.sum())
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]  # (1, T)
+        within = torch.cat([torch.arange(n) for n in lens.tolist()])  # position inside its query
+        seg = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # which query a token is in
+        sees = (seg[:, None] == seg[None, :]) & (within[None, :] <= within[:, None])  # (T, T)
+        allowed = torch.cat([torch.ones(total, n_pre, dtype=torch.bool), sees], dim=1)
+        dtype = self.model.dtype
+        mask = torch.zeros(1, 1, total, n_pre + total, dtype=dtype)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)  # additive: eager and SDPA agree
+        cache = DynamicCache(
+            ddp_cache_data=[(layer.keys, layer.values) for layer in prefix.cache.layers],
+            config=self.model.config,
+        )
+        out = self.base(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=(within + n_pre)[None].to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        last = lens.cumsum(0) - 1  # index of each query's last token
+        return out.last_hidden_state[0, last.to(self.device)].float().cpu()
 
     def naive(self, prompts: Sequence[str], desc: str = "naive") -> torch.Tensor:
         """One full forward per prompt, batch 1: what the paper's reference code does."""

@@ -13,7 +13,6 @@ import math
 import os
 import platform
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 from . import __version__
 from .capture import Capturer
 from .extract import METHODS, LoadedModel, capture_test_zero_shot, run_episode
+from .fileio import atomic_write
 from .tasks import Task, label_token_ids
 
 METHOD_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", "ltv": "LTV", "mean": "Mean shift"}
@@ -188,25 +188,6 @@ def markdown_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _umask_mode(path: str) -> None:
-    """mkstemp creates 0600 files; give the result the mode a plain open() would."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        _umask_mode(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -241,7 +222,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.suptitle(f"{cfg['model']}: d_NTP vs accuracy (k={cfg['k']}, N={cfg['n']})")
     fig.tight_layout()
     p = out_dir / "dntp_vs_accuracy.png"
-    _atomic_write(p, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    atomic_write(p, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
     paths.append(p)
 
@@ -262,7 +243,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     p = out_dir / "accuracy_per_task.png"
-    _atomic_write(p, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    atomic_write(p, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
     paths.append(p)
     return paths
@@ -274,10 +255,10 @@ def write_report(doc: dict[str, Any], out_dir: str | Path, command: str) -> list
     out.mkdir(parents=True, exist_ok=True)
     doc = {**doc, "command": command}
     j, md = out / "results.json", out / "results.md"
-    _atomic_write(j, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1)))
+    atomic_write(j, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1)))
     table = markdown_table(doc)
     text = f"# ltv-vllm evaluate\n\n```\n{command}\n```\n\n{table}\n" \
            f"Machine: {doc['machine']['processor']}, {doc['machine']['cpus']} CPUs, " \
            f"torch {doc['machine']['torch']}; wall time {doc['wall_seconds'] / 60:.1f} min.\n"
-    _atomic_write(md, lambda tmp: Path(tmp).write_text(text))
+    atomic_write(md, lambda tmp: Path(tmp).write_text(text))
     return [j, md, *plot(doc, out)]

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+from .fileio import atomic_write
 
 FORMAT = "ltv-vllm-task-vector"
 FORMAT_VERSION = 1
@@ -181,25 +181,16 @@ class TaskVector:
         suffix = path.suffix
         if suffix not in (".pt", ".safetensors"):
             raise VectorError(f"task-vector files end in .pt or .safetensors, got {path.name!r}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            header = json.dumps(self._header())
-            if suffix == ".safetensors":
-                from safetensors.torch import save_file
+        header = json.dumps(self._header())
+        if suffix == ".safetensors":
+            from safetensors.torch import save_file
 
-                save_file(self._tensors(), tmp, metadata={"ltv_vllm": header})
-            else:
-                torch.save({"tensors": self._tensors(), "ltv_vllm": header}, tmp)
-            mask = os.umask(0)
-            os.umask(mask)
-            os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; match a plain open()
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return path
+            return atomic_write(
+                path, lambda tmp: save_file(self._tensors(), tmp, metadata={"ltv_vllm": header})
+            )
+        return atomic_write(
+            path, lambda tmp: torch.save({"tensors": self._tensors(), "ltv_vllm": header}, tmp)
+        )
 
 
 def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:

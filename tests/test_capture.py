@@ -46,10 +46,14 @@ def test_left_padded_batch_equals_unbatched(tiny_model, tokenizer, batch_size):
 
 @pytest.mark.parametrize("batch_size", [1, 4, 16])
 @pytest.mark.parametrize("bos", [False, True])
-def test_shared_demo_cache_equals_naive_full_forward(batch_size, bos):
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_demo_cache_equals_naive_full_forward(batch_size, bos, pack, attn):
     tok = make_tokenizer(bos=bos)
     model = make_llama(len(tok), seed=1)
-    cap = Capturer(model, tok, batch_size=batch_size, progress=False)
+    model.config._attn_implementation = attn
+    cap = Capturer(model, tok, batch_size=batch_size, progress=False, pack=pack)
+    assert cap.packed == pack
     prompts = [TASK.query(t) for t in TEXTS]
     cached = cap.icl(PREFIX, prompts)
     naive = cap.naive([PREFIX + p for p in prompts])

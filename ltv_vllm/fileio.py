@@ -1,0 +1,27 @@
+"""Atomic file writes: a crash or an error never leaves a half-written result behind."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def atomic_write(path: str | Path, write: Callable[[str], object]) -> Path:
+    """Call `write(tmp_path)` on a temp file beside `path`, then rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        # mkstemp makes 0600 files; give the result the mode a plain open() would.
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
