@@ -258,3 +258,35 @@ def load_task_vector(path: str | Path) -> TaskVector:
             raise VectorError(f"{path}: not an ltv-vllm task-vector file")
         return _parse(obj.get("ltv_vllm"), obj["tensors"], path)
     raise VectorError(f"task-vector files end in .pt or .safetensors, got {path.name!r}")
+
+
+def identity_from_dir(path: str | Path, name: str | None = None) -> ModelIdentity:
+    """ModelIdentity of an HF model directory without building the model (reads one tensor).
+
+    What a server checks before its engine starts: config sizes and the LM-head fingerprint,
+    read from the safetensors shards (the input embedding when the head is tied to it).
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise VectorError(f"{path}: no readable config.json ({e})") from None
+    text_cfg = cfg.get("text_config", cfg)
+    tied = bool(text_cfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
+    wanted = ["lm_head.weight"] if not tied else []
+    wanted += ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight"]
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            keys = set(f.keys())
+            for key in wanted:
+                if key in keys:
+                    weight = f.get_tensor(key)
+                    return ModelIdentity(
+                        name=name or str(path),
+                        hidden_size=int(text_cfg["hidden_size"]),
+                        vocab_size=int(weight.shape[0]),
+                        lm_head_fingerprint=fingerprint_lm_head(weight),
+                    )
+    raise VectorError(f"{path}: no LM-head weight found in its safetensors files")

@@ -1,0 +1,26 @@
+"""vLLM integration, quarantined: the plugin entry point and LTV-capable model classes.
+
+`register()` is the `vllm.general_plugins` entry point. vLLM calls it in every process that
+builds a model (engine core, workers), which is the only way an out-of-tree class reaches a
+worker. It registers lazy "module:Class" strings, so importing this package never imports
+vLLM's model code, and it is safe to call any number of times.
+"""
+
+from __future__ import annotations
+
+# stock architecture → our wrapper (same constructor, same weights, one method overridden)
+WRAPPERS: dict[str, str] = {
+    "LlamaForCausalLM": "LTVLlamaForCausalLM",
+    "MistralForCausalLM": "LTVMistralForCausalLM",
+    "Qwen2ForCausalLM": "LTVQwen2ForCausalLM",
+    "Qwen3ForCausalLM": "LTVQwen3ForCausalLM",
+}
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+
+    supported = set(ModelRegistry.get_supported_archs())
+    for wrapper in WRAPPERS.values():
+        if wrapper not in supported:
+            ModelRegistry.register_model(wrapper, f"ltv_vllm.vllm_ext.models:{wrapper}")

@@ -1,0 +1,118 @@
+"""vLLM fused serving: the plugin's wrapper against the transformers reference path.
+
+Each engine runs in a fresh process (vLLM keeps global state). Float32 throughout; every
+returned logprob — sampled tokens at every step and prompt-logprob rows — must match
+transformers + the reference hook within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_llama
+from ltv_vllm.apply import task_vector_applied
+from ltv_vllm.tasks import BUILTIN_TASKS
+from ltv_vllm.vector import TaskVector, VectorError, model_identity
+
+WORKER = Path(__file__).parent / "vllm_workers" / "offline_fused.py"
+PROMPTS = ["Review: the plot is dull\nSentiment:", "News: the team wins the final game\nType:"]
+
+
+def run_worker(model_dir: Path, vector: str, max_tokens: int = 4) -> list[dict]:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    p = subprocess.run([sys.executable, str(WORKER), str(model_dir), vector, json.dumps(PROMPTS),
+                        str(max_tokens)], capture_output=True, text=True, env=env, timeout=600)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tokenizer):
+    d = tmp_path_factory.mktemp("tiny-vllm")
+    # head_dim 64: a size every vLLM attention backend supports
+    model = make_llama(len(tokenizer), hidden=128, layers=2, seed=21)
+    model.config.num_attention_heads, model.config.num_key_value_heads = 2, 1
+    model = make_llama_from(model.config)
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    g = torch.Generator().manual_seed(5)
+    tv = TaskVector("hidden", 0.5 * torch.randn(128, 8, generator=g),
+                    torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None,
+                    model_identity(model, "tiny"), (1, 2), {"task": BUILTIN_TASKS["sst2"].to_dict()})
+    path = tv.save(tmp_path_factory.mktemp("vectors") / "tv.safetensors")
+    return d, model, tv, path
+
+
+def make_llama_from(config):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(21)
+    m = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(20.0)
+    return m
+
+
+def reference_logprobs(model, tokenizer, prompt: str, tokens: list[int], tv) -> list[torch.Tensor]:
+    ids = tokenizer(prompt)["input_ids"] + tokens
+    with torch.no_grad():
+        if tv is None:
+            logits = model(torch.tensor([ids])).logits[0]
+        else:
+            with task_vector_applied(model, tv):
+                logits = model(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.double(), -1)  # (L, vocab): row i predicts token i+1
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_vllm_fused_matches_transformers(served, tokenizer, fused):
+    d, model, tv, path = served
+    out = run_worker(d, str(path) if fused else "-", max_tokens=5)
+    ref_tv = tv if fused else None
+    for prompt, res in zip(PROMPTS, out):
+        n_prompt = len(tokenizer(prompt)["input_ids"])
+        ref = reference_logprobs(model, tokenizer, prompt, res["token_ids"], ref_tv)
+        # every decode step (greedy: the sampled token is the reference argmax)
+        for step, lp in enumerate(res["logprobs"]):
+            row = ref[n_prompt - 1 + step]
+            assert int(row.argmax()) == res["token_ids"][step]
+            for tok, v in lp.items():
+                assert abs(v - float(row[int(tok)])) < 1e-4, (step, tok, v, float(row[int(tok)]))
+        # prompt-logprob rows go through compute_logits too
+        ids = tokenizer(prompt)["input_ids"]
+        for i, lp in enumerate(res["prompt_logprobs"][1:], start=1):
+            for tok, v in lp.items():
+                assert abs(v - float(ref[i - 1, int(tok)])) < 1e-4
+    if fused:  # and the shift really changed something
+        plain = reference_logprobs(model, tokenizer, PROMPTS[0], out[0]["token_ids"], None)
+        shifted = reference_logprobs(model, tokenizer, PROMPTS[0], out[0]["token_ids"], tv)
+        assert (plain - shifted).abs().max() > 1e-2
+
+
+def test_vector_for_another_model_refused_before_engine(served, tokenizer, tmp_path):
+    from ltv_vllm.serve import engine_kwargs
+
+    d, model, tv, path = served
+    other = make_llama(len(tokenizer), hidden=128, seed=99)
+    bad = TaskVector("hidden", tv.U, tv.V, None, model_identity(other, "other"),
+                     tv.label_token_ids, tv.meta)
+    with pytest.raises(VectorError, match="was extracted from other"):
+        engine_kwargs(d, bad.save(tmp_path / "bad.pt"))
+    inside = tv.save(d / "tv-inside.safetensors")
+    try:
+        with pytest.raises(VectorError, match="weight shard"):
+            engine_kwargs(d, inside)
+    finally:
+        inside.unlink()
+    (tmp_path / "junk.pt").write_bytes(b"not a zip")
+    with pytest.raises(VectorError, match="junk.pt"):
+        engine_kwargs(d, tmp_path / "junk.pt")
