@@ -198,6 +198,25 @@ def inspect(path: Path) -> None:
         _print_metrics(tv.meta["metrics"])
 
 
+@main.command("export-lora")
+@click.argument("vector", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Adapter directory to write.")
+@click.option("--model", "model_spec", default=None,
+              help="Model the vector belongs to [default: the one recorded in the vector].")
+@friendly
+def export_lora(vector: Path, output: Path, model_spec: str | None) -> None:
+    """Write a task vector as a PEFT LoRA adapter on lm_head (loadable by any vLLM)."""
+    from .models import resolve_model
+    from .vector import load_task_vector
+    from .vllm_ext.lora import export_lora as run_export
+
+    tv = load_task_vector(vector)
+    model_dir = resolve_model(model_spec or tv.model.name)
+    out = run_export(tv, model_dir, output)
+    click.echo(f"wrote {out} (rank {tv.rank} padded to the LoRA rank vLLM accepts)")
+
+
 # -- evaluate -----------------------------------------------------------------------------
 @main.command()
 @click.option("--model", "model_spec", default=None,

@@ -260,19 +260,13 @@ def load_task_vector(path: str | Path) -> TaskVector:
     raise VectorError(f"task-vector files end in .pt or .safetensors, got {path.name!r}")
 
 
-def identity_from_dir(path: str | Path, name: str | None = None) -> ModelIdentity:
-    """ModelIdentity of an HF model directory without building the model (reads one tensor).
-
-    What a server checks before its engine starts: config sizes and the LM-head fingerprint,
-    read from the safetensors shards (the input embedding when the head is tied to it).
-    """
+def read_lm_head(path: str | Path) -> torch.Tensor:
+    """The LM-head weight (vocab, d) of an HF model directory, read from its safetensors
+    shards without building the model (the input embedding when the head is tied to it)."""
     from safetensors import safe_open
 
     path = Path(path)
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise VectorError(f"{path}: no readable config.json ({e})") from None
+    cfg = _read_config(path)
     text_cfg = cfg.get("text_config", cfg)
     tied = bool(text_cfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
     wanted = ["lm_head.weight"] if not tied else []
@@ -282,11 +276,25 @@ def identity_from_dir(path: str | Path, name: str | None = None) -> ModelIdentit
             keys = set(f.keys())
             for key in wanted:
                 if key in keys:
-                    weight = f.get_tensor(key)
-                    return ModelIdentity(
-                        name=name or str(path),
-                        hidden_size=int(text_cfg["hidden_size"]),
-                        vocab_size=int(weight.shape[0]),
-                        lm_head_fingerprint=fingerprint_lm_head(weight),
-                    )
+                    return f.get_tensor(key)
     raise VectorError(f"{path}: no LM-head weight found in its safetensors files")
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise VectorError(f"{path}: no readable config.json ({e})") from None
+
+
+def identity_from_dir(path: str | Path, name: str | None = None) -> ModelIdentity:
+    """ModelIdentity of an HF model directory: what a server checks before its engine starts."""
+    path = Path(path)
+    cfg = _read_config(path)
+    weight = read_lm_head(path)
+    return ModelIdentity(
+        name=name or str(path),
+        hidden_size=int(cfg.get("text_config", cfg)["hidden_size"]),
+        vocab_size=int(weight.shape[0]),
+        lm_head_fingerprint=fingerprint_lm_head(weight),
+    )

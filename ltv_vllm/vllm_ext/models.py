@@ -13,6 +13,8 @@ is added once, to the gathered logits.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
@@ -35,7 +37,7 @@ class LTVMixin:
         self._ltv = load_task_vector(path) if path else None
         self._ltv_cast = None
         if self._ltv is not None:
-            d = int(getattr(config, "hidden_size"))
+            d = int(config.hidden_size)
             if self._ltv.V.shape[0] != d:
                 raise ValueError(
                     f"task vector {path} is for hidden size {self._ltv.V.shape[0]}, model has {d}"
@@ -87,13 +89,13 @@ class LTVLocalMixin(LTVMixin):
 
 
 class LTVLlamaForCausalLM(LTVLocalMixin, LlamaForCausalLM):
-    def __init__(self, *, vllm_config, prefix: str = "", **kwargs) -> None:  # noqa: ANN001
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self._ltv_init(vllm_config.model_config.hf_config)
 
 
 class LTVMistralForCausalLM(LTVLocalMixin, MistralForCausalLM):
-    def __init__(self, *, vllm_config, prefix: str = "", **kwargs) -> None:  # noqa: ANN001
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self._ltv_init(vllm_config.model_config.hf_config)
 
@@ -101,14 +103,14 @@ class LTVMistralForCausalLM(LTVLocalMixin, MistralForCausalLM):
 class LTVQwen2ForCausalLM(LTVMixin, Qwen2ForCausalLM):
     # Stock Qwen2 does not declare its LM head as a LoRA target; multi-task serving carries
     # task vectors as lm_head LoRAs, so declare it (as Llama does).
-    embedding_modules = {"lm_head": "output_embeddings"}
+    embedding_modules: ClassVar[dict[str, str]] = {"lm_head": "output_embeddings"}
 
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:  # noqa: ANN001
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._ltv_init(vllm_config.model_config.hf_config)
 
 
 class LTVQwen3ForCausalLM(LTVLocalMixin, Qwen3ForCausalLM):
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:  # noqa: ANN001
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._ltv_init(vllm_config.model_config.hf_config)

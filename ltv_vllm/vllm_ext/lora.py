@@ -1,0 +1,79 @@
+"""A task vector as a PEFT LoRA adapter on lm_head, so vLLM's multi-LoRA machinery carries it.
+
+Hidden kind: logits = W_lm (h + U Vᵀ h) = W_lm h + (W_lm U)(Vᵀ h), i.e. a rank-r LoRA on the
+LM head with lora_A = Vᵀ (r, d), lora_B = W_lm U (vocab, r) and alpha = r (scale 1).
+Logit kind: logits = W_lm h + U Vᵀ h, so lora_B = U directly.
+vLLM only accepts some ranks; the factors are padded with zero columns up to the next one,
+which changes nothing numerically.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..fileio import atomic_write
+from ..vector import TaskVector, VectorError, identity_from_dir, read_lm_head
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank(r: int) -> int:
+    for allowed in VLLM_LORA_RANKS:
+        if r <= allowed:
+            return allowed
+    raise VectorError(f"rank {r} exceeds vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
+
+
+def lora_factors(tv: TaskVector, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lora_A (R, d), lora_B (vocab, R)) with R the allowed rank ≥ tv.rank; float32."""
+    if tv.bias is not None:
+        raise VectorError("a vector with a constant bias is not a LoRA; serve it fused instead")
+    w = lm_head.float()
+    B = w @ tv.U if tv.kind == "hidden" else tv.U  # (vocab, r)
+    A = tv.V.T  # (r, d)
+    pad = lora_rank(tv.rank) - tv.rank
+    if pad:
+        A = torch.cat([A, A.new_zeros(pad, A.shape[1])])
+        B = torch.cat([B, B.new_zeros(B.shape[0], pad)], dim=1)
+    return A.contiguous(), B.contiguous()
+
+
+def export_lora(tv: TaskVector, model_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+    from safetensors.torch import save_file
+
+    tv.check_model(identity_from_dir(model_dir))
+    A, B = lora_factors(tv, read_lm_head(model_dir))
+    rank = A.shape[0]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": tv.model.name,
+        "r": rank,
+        "lora_alpha": rank,  # scale alpha / r = 1: the adapter adds exactly W_lm U Vᵀ h
+        "lora_dropout": 0.0,
+        "target_modules": ["lm_head"],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+    # Provenance beside the adapter, not in it: PEFT warns about unknown config keys.
+    provenance = {"task": tv.meta.get("task"), "kind": tv.kind, "rank": tv.rank,
+                  "model": tv.model.to_dict()}
+    tensors = {
+        "base_model.model.lm_head.lora_A.weight": A,
+        "base_model.model.lm_head.lora_B.weight": B,
+    }
+    atomic_write(out / "adapter_model.safetensors", lambda tmp: save_file(tensors, tmp))
+    atomic_write(out / "adapter_config.json",
+                 lambda tmp: Path(tmp).write_text(json.dumps(config, indent=1)))
+    atomic_write(out / "ltv_vllm.json",
+                 lambda tmp: Path(tmp).write_text(json.dumps(provenance, indent=1)))
+    return out

@@ -1,0 +1,71 @@
+"""export-lora: the PEFT adapter reproduces the task vector exactly (checked with PEFT itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_llama
+from ltv_vllm.apply import task_vector_applied
+from ltv_vllm.tasks import BUILTIN_TASKS
+from ltv_vllm.vector import TaskVector, VectorError, model_identity
+from ltv_vllm.vllm_ext.lora import export_lora, lora_rank
+
+PROMPT = "Review: the plot is dull\nSentiment:"
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("rank", [5, 8])
+def test_peft_adapter_equals_hook(tmp_path, tokenizer, tie, rank):
+    from peft import PeftModel
+
+    model = make_llama(len(tokenizer), seed=4, tie=tie)
+    model.save_pretrained(tmp_path / "m")
+    g = torch.Generator().manual_seed(rank)
+    tv = TaskVector("hidden", 0.5 * torch.randn(64, rank, generator=g),
+                    torch.linalg.qr(torch.randn(64, rank, generator=g))[0], None,
+                    model_identity(model, "tiny"), (1, 2), {"task": BUILTIN_TASKS["sst2"].to_dict()})
+    out = export_lora(tv, tmp_path / "m", tmp_path / "adapter")
+    ids = tokenizer(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        with task_vector_applied(model, tv):
+            ref = model(**ids).logits
+        plain = model(**ids).logits
+        peft_model = PeftModel.from_pretrained(make_llama(len(tokenizer), seed=4, tie=tie), out)
+        got = peft_model(**ids).logits
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert (ref - plain).abs().max() > 1e-2
+    assert peft_model.peft_config["default"].r == lora_rank(rank)
+
+
+def test_lora_refuses_wrong_model_and_bias(tmp_path, tokenizer):
+    model = make_llama(len(tokenizer), seed=4)
+    model.save_pretrained(tmp_path / "m")
+    other = make_llama(len(tokenizer), seed=8)
+    tv = TaskVector("hidden", torch.zeros(64, 2), torch.zeros(64, 2), None,
+                    model_identity(other, "other"), (1, 2), {})
+    with pytest.raises(VectorError, match="was extracted from other"):
+        export_lora(tv, tmp_path / "m", tmp_path / "a")
+    tvb = TaskVector("hidden", torch.zeros(64, 2), torch.zeros(64, 2), torch.ones(64),
+                     model_identity(model, "m"), (1, 2), {})
+    with pytest.raises(VectorError, match="bias"):
+        export_lora(tvb, tmp_path / "m", tmp_path / "a")
+    assert lora_rank(1) == 1 and lora_rank(9) == 16 and lora_rank(256) == 256
+    with pytest.raises(VectorError):
+        lora_rank(600)
+
+
+def test_cli_export_lora(tmp_path, tokenizer):
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    model = make_llama(len(tokenizer), seed=4)
+    model.save_pretrained(tmp_path / "m")
+    tv = TaskVector("hidden", torch.ones(64, 3), torch.ones(64, 3), None,
+                    model_identity(model, str(tmp_path / "m")), (1, 2), {})
+    tv.save(tmp_path / "v.pt")
+    r = CliRunner().invoke(main, ["export-lora", str(tmp_path / "v.pt"), "-o", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert {p.name for p in (tmp_path / "a").iterdir()} == {
+        "adapter_config.json", "adapter_model.safetensors", "ltv_vllm.json"}
