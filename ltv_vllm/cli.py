@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,71 @@ def export_lora(vector: Path, output: Path, model_spec: str | None) -> None:
     model_dir = resolve_model(model_spec or tv.model.name)
     out = run_export(tv, model_dir, output)
     click.echo(f"wrote {out} (rank {tv.rank} padded to the LoRA rank vLLM accepts)")
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--model", "model_spec", default=None,
+              help="Packaged alias, local HF directory or hub id [default: smollm2-135m].")
+@click.option("--task-vector", "vectors", multiple=True, required=True,
+              help="PATH (one task, fused) or NAME=PATH (repeat: multi-task, chosen per request "
+                   "by the OpenAI `model` field).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--max-model-len", type=int, default=None)
+@click.option("--fold", is_flag=True,
+              help="Fused mode: fold the shift into the LM-head weight at load (zero cost).")
+@click.option("--dry-run", is_flag=True, help="Check everything, print the vLLM command, exit.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+@friendly
+def serve(model_spec: str | None, vectors: tuple[str, ...], host: str, port: int, dtype: str,
+          max_model_len: int | None, fold: bool, dry_run: bool, vllm_args: tuple[str, ...]) -> None:
+    """Start vLLM's OpenAI-compatible server with task vectors (extra args go to vLLM)."""
+    import hashlib
+    import os
+
+    from .models import DEFAULT_MODEL, cache_dir, resolve_model
+    from .serve import SERVER_MODULE, parse_vector_specs, server_args
+
+    spec = model_spec or DEFAULT_MODEL
+    model_dir = resolve_model(spec)
+    parsed = parse_vector_specs(list(vectors))
+    digest = hashlib.sha256("".join(
+        f"{n}={p.resolve()}:{p.stat().st_mtime_ns}" for n, p in sorted(parsed.items())
+        if p.exists()).encode()).hexdigest()[:12]
+    args = server_args(model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest,
+                       served_name=spec, host=host, port=port, dtype=dtype,
+                       max_model_len=max_model_len, fold=fold)
+    argv = [sys.executable, "-m", SERVER_MODULE, *args, *vllm_args]
+    click.echo(" ".join(shlex.quote(a) for a in argv), err=True)
+    if dry_run:
+        return
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # read by the CPU backend only
+    os.execve(sys.executable, argv, env)  # the server replaces this process
+
+
+@main.command()
+@click.argument("texts", nargs=-1, required=True)
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True)
+@click.option("--task", required=True, help="Task name (also the served model name) or spec.")
+@click.option("--model", "served_model", default=None,
+              help="Served model name to ask [default: the task name].")
+@friendly
+def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | None) -> None:
+    """Classify TEXTS with a served task vector; prints label and restricted probabilities."""
+    from .client import ClientError
+    from .client import classify as run_classify
+    from .tasks import get_task
+
+    t = get_task(task)
+    try:
+        results = run_classify(url, t, list(texts), model=served_model)
+    except ClientError as e:
+        raise click.ClickException(str(e)) from None
+    for text, r in zip(texts, results):
+        probs = " ".join(f"{k}={v:.3f}" for k, v in r.probs.items())
+        click.echo(f"{r.label}\t{probs}\t{text}")
 
 
 # -- evaluate -----------------------------------------------------------------------------

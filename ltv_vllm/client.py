@@ -1,0 +1,90 @@
+"""Classification through a running ltv-vllm (OpenAI-compatible) server.
+
+The server runs with `--logprobs-mode processed_logprobs`, so a completion request with
+`allowed_token_ids` = the label tokens returns log-probabilities renormalised over the label
+set: the paper's label-restricted distribution P(c | p; C), from the engine itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .tasks import Task
+
+
+class ClientError(RuntimeError):
+    """The server refused or could not be reached (one line)."""
+
+
+@dataclass(frozen=True)
+class Classification:
+    label: str
+    probs: dict[str, float]  # label word → restricted probability
+
+
+def label_ids_from_server(base_url: str, model: str, task: Task) -> list[int]:
+    """First token of " " + label for each label, from the server's own tokenizer."""
+    import httpx
+
+    ids = []
+    for lab in task.labels:
+        r = httpx.post(f"{base_url}/tokenize",
+                       json={"model": model, "prompt": " " + lab, "add_special_tokens": False},
+                       timeout=30)
+        if r.status_code != 200:
+            raise ClientError(f"/tokenize failed ({r.status_code}): {r.text[:200]}")
+        toks = r.json()["tokens"]
+        ids.append(int(toks[0]))
+    if len(set(ids)) != len(ids):
+        raise ClientError(f"labels of task {task.name!r} share a first token: {ids}")
+    return ids
+
+
+def classify(
+    base_url: str,
+    task: Task,
+    texts: Sequence[str],
+    *,
+    model: str | None = None,
+    concurrency: int = 8,
+) -> list[Classification]:
+    """Classify `texts` with the server's task `model` (default: the task's name)."""
+    import openai
+
+    base_url = base_url.rstrip("/")
+    model = model or task.name
+    ids = label_ids_from_server(base_url, model, task)
+    by_id = dict(zip(ids, task.labels))
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="ltv-vllm", max_retries=0)
+
+    def one(text: str) -> Classification:
+        try:
+            r = client.completions.create(
+                model=model, prompt=task.query(text), max_tokens=1, temperature=0.0,
+                logprobs=len(ids),
+                extra_body={"allowed_token_ids": ids, "return_tokens_as_token_ids": True},
+            )
+        except openai.APIStatusError as e:
+            raise ClientError(f"server refused ({e.status_code}): {_message(e)}") from None
+        except openai.APIConnectionError:
+            raise ClientError(f"cannot reach {base_url}") from None
+        top: dict[str, float] = r.choices[0].logprobs.top_logprobs[0]  # type: ignore[union-attr]
+        lp = {by_id[int(k.split(":", 1)[1])]: v for k, v in top.items()
+              if int(k.split(":", 1)[1]) in by_id}
+        z = sum(math.exp(v) for v in lp.values())
+        probs = {lab: math.exp(lp[lab]) / z if lab in lp else 0.0 for lab in task.labels}
+        return Classification(label=max(probs, key=probs.__getitem__), probs=probs)
+
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        return list(pool.map(one, texts))
+
+
+def _message(e: Any) -> str:
+    try:
+        return str(e.body.get("message") or e.body.get("error", {}).get("message"))
+    except AttributeError:
+        return str(e)

@@ -1,0 +1,168 @@
+"""The real OpenAI server on 127.0.0.1 with a tiny model and two task vectors.
+
+Concurrent mixed requests (two tasks and the bare model in flight together) through the
+`openai` client; every returned logprob is checked against transformers + the reference
+hook within 1e-4 (float32), in fused mode and in multi-task (LoRA) mode. Bad requests get
+OpenAI-style errors and the server stays up.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from conftest import make_llama
+from ltv_vllm.apply import task_vector_applied
+from ltv_vllm.client import classify
+from ltv_vllm.tasks import BUILTIN_TASKS, label_token_ids
+from ltv_vllm.vector import TaskVector, model_identity
+
+PROMPTS = ["Review: the plot is dull\nSentiment:", "News: leaders meet for peace talks\nType:"]
+SST2 = BUILTIN_TASKS["sst2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, tokenizer):
+    d = tmp_path_factory.mktemp("srv-model")
+    model = make_llama(len(tokenizer), hidden=128, layers=2, seed=31, tie=True)
+    model.config.num_attention_heads, model.config.num_key_value_heads = 2, 1
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(31)
+    model = LlamaForCausalLM(model.config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    vd = tmp_path_factory.mktemp("srv-vectors")
+    ident = model_identity(model, str(d))
+    vecs = {}
+    for name, seed in (("alpha", 1), ("beta", 2)):
+        g = torch.Generator().manual_seed(seed)
+        tv = TaskVector("hidden", 0.5 * torch.randn(128, 8, generator=g),
+                        torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None, ident,
+                        tuple(label_token_ids(SST2, tokenizer)), {"task": {**SST2.to_dict(), "name": name}})
+        vecs[name] = (tv, tv.save(vd / f"{name}.pt"))
+    return d, model, vecs
+
+
+def start_server(model_dir: Path, vector_args: list[str], tmp: Path):
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "LTV_VLLM_CACHE": str(tmp / "cache"), "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", str(model_dir),
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
+           *[a for v in vector_args for a in ("--task-vector", v)], "--enforce-eager"]
+    log = open(tmp / f"server-{port}.log", "w")  # noqa: SIM115 - closed in stop()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 400
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError((tmp / f"server-{port}.log").read_text()[-3000:])
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url, log
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError("server did not start: " + (tmp / f"server-{port}.log").read_text()[-3000:])
+
+
+def stop(proc, log) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def reference(model, tokenizer, prompt: str, tokens: list[int], tv) -> torch.Tensor:
+    ids = tokenizer(prompt)["input_ids"] + tokens
+    with torch.no_grad():
+        if tv is None:
+            logits = model(torch.tensor([ids])).logits[0]
+        else:
+            with task_vector_applied(model, tv):
+                logits = model(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.double(), -1)
+
+
+def check_mixed(url: str, served: dict, model, tokenizer) -> None:
+    """served: OpenAI model name → TaskVector or None (no shift expected)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    jobs = [(name, p) for _ in range(3) for name in served for p in PROMPTS]
+
+    def call(job):
+        name, prompt = job
+        r = client.completions.create(model=name, prompt=prompt, max_tokens=3, temperature=0.0,
+                                      logprobs=5, extra_body={"return_tokens_as_token_ids": True})
+        return name, prompt, r.choices[0].logprobs
+
+    with ThreadPoolExecutor(len(jobs)) as pool:  # all in flight together
+        results = list(pool.map(call, jobs))
+    n_prompt = {p: len(tokenizer(p)["input_ids"]) for p in PROMPTS}
+    for name, prompt, lp in results:
+        toks = [int(t.split(":", 1)[1]) for t in lp.tokens]
+        ref = reference(model, tokenizer, prompt, toks, served[name])
+        for step, top in enumerate(lp.top_logprobs):
+            row = ref[n_prompt[prompt] - 1 + step]
+            assert int(row.argmax()) == toks[step], (name, step)
+            for key, v in top.items():
+                assert abs(v - float(row[int(key.split(":", 1)[1])])) < 1e-4, (name, step, key)
+
+
+def test_multi_task_server(assets, tokenizer, tmp_path):
+    d, model, vecs = assets
+    proc, url, log = start_server(d, [f"{n}={p}" for n, (_, p) in vecs.items()], tmp_path)
+    try:
+        served = {"alpha": vecs["alpha"][0], "beta": vecs["beta"][0], str(d): None}
+        check_mixed(url, served, model, tokenizer)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="gamma", prompt=PROMPTS[0], max_tokens=1)
+        with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+            client.completions.create(model="alpha", prompt=PROMPTS[0], max_tokens=1,
+                                      extra_body={"prompt_logprobs": 1})
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="alpha", prompt="word " * 400, max_tokens=1)
+        # still up and still right after the bad requests
+        check_mixed(url, {"beta": vecs["beta"][0]}, model, tokenizer)
+        # label-restricted classification through the server = transformers' restricted softmax
+        res = classify(url, SST2, ["the plot is dull"], model="alpha")
+        ids = label_token_ids(SST2, tokenizer)
+        ref = reference(model, tokenizer, SST2.query("the plot is dull"), [], vecs["alpha"][0])[-1, ids]
+        ref = torch.softmax(ref, -1)
+        for lab, p in zip(SST2.labels, ref.tolist()):
+            assert abs(res[0].probs[lab] - p) < 1e-4
+    finally:
+        stop(proc, log)
+
+
+def test_fused_server(assets, tokenizer, tmp_path):
+    d, model, vecs = assets
+    tv, path = vecs["alpha"]
+    proc, url, log = start_server(d, [str(path)], tmp_path)
+    try:
+        # fused: every request is shifted, whichever served name it uses
+        check_mixed(url, {"alpha": tv, str(d): tv}, model, tokenizer)
+    finally:
+        stop(proc, log)
