@@ -1,0 +1,125 @@
+"""Do `ltv-vllm serve` + `classify` predict what `ltv-vllm evaluate` (transformers) predicts?
+
+Extracts (or loads) a task vector, scores the task's balanced test subset with the
+transformers reference path (h_zs + W h_zs → label-restricted argmax, as `evaluate` does),
+then starts the real OpenAI server with the vector fused and classifies the same texts
+through it. Reports agreement, both accuracies and the largest gap in label probabilities.
+
+    python benchmarks/serve_agreement.py --model smollm2-135m --task sst2 --n-test 500
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import httpx
+import torch
+
+from ltv_vllm.capture import Capturer, label_head
+from ltv_vllm.client import classify
+from ltv_vllm.data import load_dataset, sample_test
+from ltv_vllm.extract import extract, load_model
+from ltv_vllm.tasks import get_task
+from ltv_vllm.vector import load_task_vector
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@click.command()
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
+@click.option("--task", "task_name", default="sst2", show_default=True)
+@click.option("--vector", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Existing vector [default: extract one with seed 0].")
+@click.option("--n-test", default=500, show_default=True)
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--out", default="benchmarks/results/serve_agreement", show_default=True)
+def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtype: str,
+         out: str) -> None:
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    task = get_task(task_name)
+    lm = load_model(model_spec, dtype=dtype)
+    if vector is None:
+        tv, _ = extract(lm, task, n_test=n_test)
+        vector = tv.save(out_dir / f"{task.name}.safetensors")
+    tv = load_task_vector(vector)
+    test = sample_test(load_dataset(task), n_test=n_test)
+    texts = [e.text for e in test]
+    labels = torch.tensor([e.label for e in test])
+
+    cap = Capturer(lm.model, lm.tokenizer)
+    w, b = label_head(lm.model, tv.label_token_ids)
+    h = cap.hidden([task.query(t) for t in texts], desc="transformers ltv")
+    ref_probs = torch.softmax((tv.shift_hidden(h) @ w.T + b).double(), -1)  # (n, K)
+    ref_pred = ref_probs.argmax(-1)
+    del lm, cap
+
+    port = _port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", model_spec, "--task-vector",
+           str(vector), "--port", str(port), "--dtype", dtype, "--enforce-eager"]
+    log = open(out_dir / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None:
+                raise click.ClickException("server exited; see server.log")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        startup = time.time() - t0
+        t1 = time.time()
+        res = classify(url, task, texts, model=tv.task_name, concurrency=16)
+        classify_s = time.time() - t1
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+
+    srv_probs = torch.tensor([[r.probs[lab] for lab in task.labels] for r in res], dtype=torch.float64)
+    srv_pred = srv_probs.argmax(-1)
+    agree = (srv_pred == ref_pred).double().mean().item()
+    disagree = [
+        {"text": texts[i], "transformers": ref_probs[i].tolist(), "server": srv_probs[i].tolist()}
+        for i in torch.nonzero(srv_pred != ref_pred).flatten().tolist()
+    ]
+    doc = {
+        "command": "python " + " ".join(sys.argv),
+        "model": model_spec, "task": task.name, "dtype": dtype, "n": len(texts),
+        "agreement": agree,
+        "accuracy_transformers": (ref_pred == labels).double().mean().item(),
+        "accuracy_server": (srv_pred == labels).double().mean().item(),
+        "accuracy_recorded_at_extraction": tv.meta.get("metrics", {}).get("ltv", {}).get("accuracy"),
+        "max_abs_prob_gap": (srv_probs - ref_probs).abs().max().item(),
+        "mean_abs_prob_gap": (srv_probs - ref_probs).abs().mean().item(),
+        "server_startup_seconds": startup,
+        "classify_seconds": classify_s,
+        "disagreements": disagree,
+    }
+    (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
+    summary = (f"{task.name} on {model_spec} ({dtype}), {len(texts)} test texts: server vs "
+               f"transformers agreement {100 * agree:.1f}%, accuracy {100 * doc['accuracy_server']:.1f}% "
+               f"vs {100 * doc['accuracy_transformers']:.1f}%, max |Δp| {doc['max_abs_prob_gap']:.4f}, "
+               f"mean |Δp| {doc['mean_abs_prob_gap']:.4f}; startup {startup:.0f} s, "
+               f"classify {classify_s:.0f} s")
+    (out_dir / "results.md").write_text(f"# serve + classify vs evaluate\n\n```\n{doc['command']}\n```\n\n{summary}\n")
+    click.echo(summary)
+
+
+if __name__ == "__main__":
+    main()
