@@ -25,11 +25,17 @@ WORKER = Path(__file__).parent / "vllm_workers" / "offline_fused.py"
 PROMPTS = ["Review: the plot is dull\nSentiment:", "News: the team wins the final game\nType:"]
 
 
-def run_worker(model_dir: Path, vector: str, max_tokens: int = 4) -> list[dict]:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+def run_worker(model_dir: Path, vector: str, max_tokens: int = 4, tp: int = 1) -> list[dict]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if tp == 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: starts in seconds
+    else:
+        # the CPU backend wants one NUMA node per rank; on one node, bind a core per rank
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     p = subprocess.run([sys.executable, str(WORKER), str(model_dir), vector, json.dumps(PROMPTS),
-                        str(max_tokens)], capture_output=True, text=True, env=env, timeout=600,
+                        str(max_tokens), str(tp)], capture_output=True, text=True, env=env,
+                       timeout=600,
                        check=False)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, p.stderr[-3000:]
@@ -75,12 +81,14 @@ def reference_logprobs(model, tokenizer, prompt: str, tokens: list[int], tv) -> 
     return torch.log_softmax(logits.double(), -1)  # (L, vocab): row i predicts token i+1
 
 
-@pytest.mark.parametrize("mode", ["fused", "fold", "plain"])
+@pytest.mark.parametrize("mode", ["fused", "fold", "plain", "fused-tp2", "fold-tp2"])
 def test_vllm_fused_matches_transformers(served, tokenizer, mode):
+    """tp2: tensor_parallel_size=2 on the CPU backend (lm_head sharded by vocabulary)."""
     d, model, tv, path = served
-    arg = {"fused": str(path), "fold": f"fold:{path}", "plain": "-"}[mode]
-    out = run_worker(d, arg, max_tokens=5)
-    fused = mode != "plain"
+    kind, _, tp = mode.partition("-tp")
+    arg = {"fused": str(path), "fold": f"fold:{path}", "plain": "-"}[kind]
+    out = run_worker(d, arg, max_tokens=5, tp=int(tp or 1))
+    fused = kind != "plain"
     ref_tv = tv if fused else None
     for prompt, res in zip(PROMPTS, out):
         n_prompt = len(tokenizer(prompt)["input_ids"])

@@ -1,6 +1,6 @@
 """Run in a fresh process: vllm.LLM with a fused task vector; print logprobs as JSON.
 
-argv: model_dir vector_path|fold:vector_path|- prompts_json max_tokens
+argv: model_dir vector_path|fold:vector_path|- prompts_json max_tokens [tensor_parallel_size]
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sys
 
 def main() -> None:
     model_dir, vector, prompts_json, max_tokens = sys.argv[1:5]
+    tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     from vllm import LLM, SamplingParams
 
     from ltv_vllm.serve import engine_kwargs
@@ -22,7 +23,7 @@ def main() -> None:
         kwargs = engine_kwargs(model_dir, vector.removeprefix("fold:"))
         kwargs["hf_overrides"]["ltv_fold"] = fold
     llm = LLM(**kwargs, dtype="float32", enforce_eager=True, max_model_len=512,
-              gpu_memory_utilization=0.5, seed=0)
+              gpu_memory_utilization=0.5, seed=0, tensor_parallel_size=tp)
     params = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), logprobs=5,
                             prompt_logprobs=1)
     outs = llm.generate(json.loads(prompts_json), params)
