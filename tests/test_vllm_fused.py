@@ -127,3 +127,27 @@ def test_vector_for_another_model_refused_before_engine(served, tokenizer, tmp_p
     (tmp_path / "junk.pt").write_bytes(b"not a zip")
     with pytest.raises(VectorError, match="junk.pt"):
         engine_kwargs(d, tmp_path / "junk.pt")
+
+
+def test_offline_classify_matches_restricted_softmax(served, tokenizer):
+    from ltv_vllm.capture import Capturer, label_head
+    from ltv_vllm.tasks import label_token_ids
+
+    d, model, tv, path = served
+    texts = ["the plot is dull", "a gorgeous witty movie", "the team wins"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, str(WORKER.parent / "offline_classify.py"), str(d),
+                        str(path), json.dumps(texts)], capture_output=True, text=True, env=env,
+                       timeout=600, check=False)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    task = BUILTIN_TASKS["sst2"]
+    w, b = label_head(model, label_token_ids(task, tokenizer))
+    h = Capturer(model, tokenizer, progress=False).hidden([task.query(t) for t in texts])
+    ref = torch.softmax((tv.shift_hidden(h) @ w.T + b).double(), -1)
+    for row, r in zip(ref.tolist(), got):
+        for lab, pr in zip(task.labels, row):
+            assert abs(r["probs"][lab] - pr) < 1e-4
+        assert r["label"] == task.labels[max(range(2), key=row.__getitem__)]

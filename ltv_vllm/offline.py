@@ -1,0 +1,59 @@
+"""Offline batch jobs over `vllm.LLM`, no server: an engine with a task vector, classification.
+
+    from ltv_vllm.offline import make_llm, classify_offline
+    llm = make_llm("smollm2-135m", "agnews.pt")                # fused vector, checked first
+    preds = classify_offline(llm, get_task("agnews"), texts)   # label + restricted probs
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .client import Classification
+from .tasks import Task, label_token_ids
+
+
+def make_llm(
+    model_spec: str | None,
+    vector: str | Path | None = None,
+    *,
+    dtype: str = "auto",
+    fold: bool = False,
+    max_model_len: int | None = None,
+    enforce_eager: bool = True,
+    tensor_parallel_size: int = 1,
+) -> Any:
+    """A `vllm.LLM` for the model, with the vector fused (or folded) when one is given."""
+    from vllm import LLM
+
+    from .models import resolve_model
+    from .serve import engine_kwargs
+
+    model_dir = resolve_model(model_spec)
+    kwargs: dict[str, Any] = engine_kwargs(model_dir, vector) if vector else {"model": model_dir}
+    if fold and vector:
+        kwargs["hf_overrides"]["ltv_fold"] = True
+    return LLM(**kwargs, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
+               tensor_parallel_size=tensor_parallel_size,
+               # logprobs after allowed_token_ids: the label-restricted distribution
+               logprobs_mode="processed_logprobs")
+
+
+def classify_offline(llm: Any, task: Task, texts: Sequence[str]) -> list[Classification]:
+    """One batched `generate` over all texts; each gets its label and restricted probabilities."""
+    from vllm import SamplingParams
+
+    ids = label_token_ids(task, llm.get_tokenizer())
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=len(ids), allowed_token_ids=ids)
+    outs = llm.generate([task.query(t) for t in texts], params, use_tqdm=True)
+    results = []
+    for o in outs:
+        top = o.outputs[0].logprobs[0]  # token id → Logprob, restricted to the labels
+        lp = {lab: top[i].logprob for i, lab in zip(ids, task.labels) if i in top}
+        z = sum(math.exp(v) for v in lp.values())
+        probs = {lab: math.exp(lp[lab]) / z if lab in lp else 0.0 for lab in task.labels}
+        results.append(Classification(label=max(probs, key=probs.__getitem__), probs=probs))
+    return results

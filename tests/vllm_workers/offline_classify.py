@@ -1,0 +1,23 @@
+"""Fresh process: ltv_vllm.offline.make_llm + classify_offline; prints probabilities as JSON.
+
+argv: model_dir vector_path texts_json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> None:
+    from ltv_vllm.offline import classify_offline, make_llm
+    from ltv_vllm.tasks import BUILTIN_TASKS
+
+    model_dir, vector, texts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    llm = make_llm(model_dir, vector, dtype="float32", max_model_len=256)
+    res = classify_offline(llm, BUILTIN_TASKS["sst2"], texts)
+    print("RESULT " + json.dumps([{"label": r.label, "probs": r.probs} for r in res]))
+
+
+if __name__ == "__main__":
+    main()
