@@ -1,0 +1,64 @@
+"""`ltv-vllm serve` refuses bad vectors before any engine starts (no vLLM process needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import make_llama
+from ltv_vllm.cli import main
+from ltv_vllm.serve import parse_vector_specs
+from ltv_vllm.vector import TaskVector, VectorError, model_identity
+
+
+@pytest.fixture()
+def setup(tmp_path, tokenizer):
+    model = make_llama(len(tokenizer), seed=4)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    good = TaskVector("hidden", torch.ones(64, 2), torch.ones(64, 2), None,
+                      model_identity(model, "m"), (1, 2), {"task": {"name": "alpha"}})
+    bad = TaskVector("hidden", torch.ones(64, 2), torch.ones(64, 2), None,
+                     model_identity(make_llama(len(tokenizer), seed=5), "other"), (1, 2), {})
+    return tmp_path, good.save(tmp_path / "good.pt"), bad.save(tmp_path / "bad.pt")
+
+
+def test_dry_run_commands(setup, monkeypatch):
+    tmp, good, _ = setup
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector", str(good),
+                                  "--dry-run", "--fold", "--enforce-eager"])
+    assert r.exit_code == 0, r.output
+    overrides = json.loads(r.output.split("--hf-overrides ")[1].split("' ")[0].strip("'"))
+    assert overrides == {"architectures": ["LTVLlamaForCausalLM"],
+                         "ltv_task_vector": str(good.resolve()), "ltv_fold": True}
+    assert r.output.rstrip().endswith("--enforce-eager")
+    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
+                                  f"a={good}", "--task-vector", f"b={good}", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "--enable-lora" in r.output and "--max-loras 3" in r.output
+    assert "refuse_prompt_logprobs" in r.output
+
+
+@pytest.mark.parametrize("which,message", [("bad", "was extracted from other"),
+                                           ("junk", "junk.pt"), ("missing", "not found")])
+def test_refused_with_one_line(setup, which, message):
+    tmp, _, bad = setup
+    (tmp / "junk.pt").write_bytes(b"\x00garbage")
+    path = {"bad": bad, "junk": tmp / "junk.pt", "missing": tmp / "nope.pt"}[which]
+    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector", str(path),
+                                  "--dry-run"])
+    assert r.exit_code == 1
+    assert message in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_vector_specs():
+    assert set(parse_vector_specs(["a=x.pt", "b=y.pt"])) == {"a", "b"}
+    with pytest.raises(VectorError, match="twice"):
+        parse_vector_specs(["a=x.pt", "a=y.pt"])
+    with pytest.raises(VectorError, match="either one vector"):
+        parse_vector_specs(["x.pt", "a=y.pt"])
