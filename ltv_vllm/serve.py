@@ -93,7 +93,7 @@ def server_args(
     request selects with its `model` field; requests for `served_name` get no shift.
     """
     from .vllm_ext import WRAPPERS
-    from .vllm_ext.lora import export_lora
+    from .vllm_ext.lora import export_lora, lora_rank
 
     model_dir = Path(model_dir)
     arch = base_architecture(model_dir)
@@ -117,8 +117,6 @@ def server_args(
     checked = {name: checked_vector(model_dir, p) for name, p in vectors.items()}
     modules = []
     max_rank = 1
-    from .vllm_ext.lora import lora_rank
-
     for name, tv in checked.items():
         out = export_lora(tv, model_dir, lora_dir / name)
         modules.append(f"{name}={out}")
