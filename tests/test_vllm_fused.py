@@ -151,3 +151,39 @@ def test_offline_classify_matches_restricted_softmax(served, tokenizer):
         for lab, pr in zip(task.labels, row):
             assert abs(r["probs"][lab] - pr) < 1e-4
         assert r["label"] == task.labels[max(range(2), key=row.__getitem__)]
+
+
+@pytest.fixture(scope="module")
+def served_qwen2(tmp_path_factory, tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-qwen2")
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=512, tie_word_embeddings=False,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(41)
+    model = Qwen2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    g = torch.Generator().manual_seed(6)
+    tv = TaskVector("hidden", 0.5 * torch.randn(128, 8, generator=g),
+                    torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None,
+                    model_identity(model, "tiny-qwen2"), (1, 2),
+                    {"task": BUILTIN_TASKS["sst2"].to_dict()})
+    return d, model, tv, tv.save(tmp_path_factory.mktemp("qvec") / "tv.pt")
+
+
+def test_vllm_qwen2_wrapper_matches_transformers(served_qwen2, tokenizer):
+    d, model, tv, path = served_qwen2
+    out = run_worker(d, str(path), max_tokens=4)
+    for prompt, res in zip(PROMPTS, out):
+        n_prompt = len(tokenizer(prompt)["input_ids"])
+        ref = reference_logprobs(model, tokenizer, prompt, res["token_ids"], tv)
+        for step, lp in enumerate(res["logprobs"]):
+            row = ref[n_prompt - 1 + step]
+            assert int(row.argmax()) == res["token_ids"][step]
+            for tok, v in lp.items():
+                assert abs(v - float(row[int(tok)])) < 1e-4
