@@ -80,3 +80,20 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model(tokenizer):
     return make_llama(len(tokenizer))
+
+
+def reference_logprobs(model, tokenizer, prompt: str, tokens: list[int], tv) -> torch.Tensor:
+    """transformers (+ the reference hook when tv is given) log-probs over prompt + tokens.
+
+    (L, vocab) float64: row i is the distribution of token i + 1.
+    """
+    from ltv_vllm.apply import task_vector_applied
+
+    ids = tokenizer(prompt)["input_ids"] + list(tokens)
+    with torch.no_grad():
+        if tv is None:
+            logits = model(torch.tensor([ids])).logits[0]
+        else:
+            with task_vector_applied(model, tv):
+                logits = model(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.double(), -1)

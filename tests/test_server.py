@@ -21,8 +21,7 @@ import openai
 import pytest
 import torch
 
-from conftest import make_llama
-from ltv_vllm.apply import task_vector_applied
+from conftest import make_llama, reference_logprobs
 from ltv_vllm.client import classify
 from ltv_vllm.tasks import BUILTIN_TASKS, label_token_ids
 from ltv_vllm.vector import TaskVector, model_identity
@@ -95,17 +94,6 @@ def stop(proc, log) -> None:
     log.close()
 
 
-def reference(model, tokenizer, prompt: str, tokens: list[int], tv) -> torch.Tensor:
-    ids = tokenizer(prompt)["input_ids"] + tokens
-    with torch.no_grad():
-        if tv is None:
-            logits = model(torch.tensor([ids])).logits[0]
-        else:
-            with task_vector_applied(model, tv):
-                logits = model(torch.tensor([ids])).logits[0]
-    return torch.log_softmax(logits.double(), -1)
-
-
 def check_mixed(url: str, served: dict, model, tokenizer) -> None:
     """served: OpenAI model name → TaskVector or None (no shift expected)."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
@@ -122,7 +110,7 @@ def check_mixed(url: str, served: dict, model, tokenizer) -> None:
     n_prompt = {p: len(tokenizer(p)["input_ids"]) for p in PROMPTS}
     for name, prompt, lp in results:
         toks = [int(t.split(":", 1)[1]) for t in lp.tokens]
-        ref = reference(model, tokenizer, prompt, toks, served[name])
+        ref = reference_logprobs(model, tokenizer, prompt, toks, served[name])
         for step, top in enumerate(lp.top_logprobs):
             row = ref[n_prompt[prompt] - 1 + step]
             assert int(row.argmax()) == toks[step], (name, step)
@@ -149,7 +137,7 @@ def test_multi_task_server(assets, tokenizer, tmp_path):
         # label-restricted classification through the server = transformers' restricted softmax
         res = classify(url, SST2, ["the plot is dull"], model="alpha")
         ids = label_token_ids(SST2, tokenizer)
-        ref = reference(model, tokenizer, SST2.query("the plot is dull"), [], vecs["alpha"][0])[-1, ids]
+        ref = reference_logprobs(model, tokenizer, SST2.query("the plot is dull"), [], vecs["alpha"][0])[-1, ids]
         ref = torch.softmax(ref, -1)
         for lab, p in zip(SST2.labels, ref.tolist()):
             assert abs(res[0].probs[lab] - p) < 1e-4

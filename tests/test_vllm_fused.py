@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_llama
-from ltv_vllm.apply import task_vector_applied
+from conftest import make_llama, reference_logprobs
 from ltv_vllm.tasks import BUILTIN_TASKS
 from ltv_vllm.vector import TaskVector, VectorError, model_identity
 
@@ -70,15 +69,16 @@ def make_llama_from(config):
     return m
 
 
-def reference_logprobs(model, tokenizer, prompt: str, tokens: list[int], tv) -> list[torch.Tensor]:
-    ids = tokenizer(prompt)["input_ids"] + tokens
-    with torch.no_grad():
-        if tv is None:
-            logits = model(torch.tensor([ids])).logits[0]
-        else:
-            with task_vector_applied(model, tv):
-                logits = model(torch.tensor([ids])).logits[0]
-    return torch.log_softmax(logits.double(), -1)  # (L, vocab): row i predicts token i+1
+def assert_decode_matches(out: list[dict], model, tokenizer, tv) -> None:
+    """Every decode step: greedy token = reference argmax, every logprob within 1e-4."""
+    for prompt, res in zip(PROMPTS, out):
+        n_prompt = len(tokenizer(prompt)["input_ids"])
+        ref = reference_logprobs(model, tokenizer, prompt, res["token_ids"], tv)
+        for step, lp in enumerate(res["logprobs"]):
+            row = ref[n_prompt - 1 + step]
+            assert int(row.argmax()) == res["token_ids"][step]
+            for tok, v in lp.items():
+                assert abs(v - float(row[int(tok)])) < 1e-4, (step, tok, v, float(row[int(tok)]))
 
 
 @pytest.mark.parametrize("mode", ["fused", "fold", "plain", "fused-tp2", "fold-tp2"])
@@ -90,16 +90,10 @@ def test_vllm_fused_matches_transformers(served, tokenizer, mode):
     out = run_worker(d, arg, max_tokens=5, tp=int(tp or 1))
     fused = kind != "plain"
     ref_tv = tv if fused else None
+    assert_decode_matches(out, model, tokenizer, ref_tv)
     for prompt, res in zip(PROMPTS, out):
-        n_prompt = len(tokenizer(prompt)["input_ids"])
-        ref = reference_logprobs(model, tokenizer, prompt, res["token_ids"], ref_tv)
-        # every decode step (greedy: the sampled token is the reference argmax)
-        for step, lp in enumerate(res["logprobs"]):
-            row = ref[n_prompt - 1 + step]
-            assert int(row.argmax()) == res["token_ids"][step]
-            for tok, v in lp.items():
-                assert abs(v - float(row[int(tok)])) < 1e-4, (step, tok, v, float(row[int(tok)]))
         # prompt-logprob rows go through compute_logits too
+        ref = reference_logprobs(model, tokenizer, prompt, res["token_ids"], ref_tv)
         for i, lp in enumerate(res["prompt_logprobs"][1:], start=1):
             for tok, v in lp.items():
                 assert abs(v - float(ref[i - 1, int(tok)])) < 1e-4
@@ -178,12 +172,4 @@ def served_qwen2(tmp_path_factory, tokenizer):
 
 def test_vllm_qwen2_wrapper_matches_transformers(served_qwen2, tokenizer):
     d, model, tv, path = served_qwen2
-    out = run_worker(d, str(path), max_tokens=4)
-    for prompt, res in zip(PROMPTS, out):
-        n_prompt = len(tokenizer(prompt)["input_ids"])
-        ref = reference_logprobs(model, tokenizer, prompt, res["token_ids"], tv)
-        for step, lp in enumerate(res["logprobs"]):
-            row = ref[n_prompt - 1 + step]
-            assert int(row.argmax()) == res["token_ids"][step]
-            for tok, v in lp.items():
-                assert abs(v - float(row[int(tok)])) < 1e-4
+    assert_decode_matches(run_worker(d, str(path), max_tokens=4), model, tokenizer, tv)
