@@ -33,9 +33,9 @@ def make_llm(
     from .serve import engine_kwargs
 
     model_dir = resolve_model(model_spec)
-    kwargs: dict[str, Any] = engine_kwargs(model_dir, vector) if vector else {"model": model_dir}
-    if fold and vector:
-        kwargs["hf_overrides"]["ltv_fold"] = True
+    kwargs: dict[str, Any] = (
+        engine_kwargs(model_dir, vector, fold=fold) if vector else {"model": model_dir}
+    )
     return LLM(**kwargs, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
                tensor_parallel_size=tensor_parallel_size,
                # logprobs after allowed_token_ids: the label-restricted distribution

