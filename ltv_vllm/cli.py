@@ -331,5 +331,152 @@ def evaluate(model_spec: str | None, task_list: str, methods: str, runs: int, k:
     click.echo("wrote " + ", ".join(str(p) for p in paths))
 
 
+# -- bench --------------------------------------------------------------------------------
+def _csv(value: str) -> list[str]:
+    return [s.strip() for s in value.split(",") if s.strip()]
+
+
+def _ints(value: str) -> list[int]:
+    try:
+        return [int(s) for s in _csv(value)]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Engine settings shared by every serving benchmark (identical for every mode)."""
+    for opt in reversed([
+        click.option("--dtype", default="bfloat16", show_default=True,
+                     type=click.Choice(["bfloat16", "float16", "float32"])),
+        click.option("--max-model-len", default=4096, show_default=True),
+        click.option("--kv-cache-gib", default=4, show_default=True,
+                     help="VLLM_CPU_KVCACHE_SPACE for the CPU backend."),
+        click.option("--max-num-seqs", type=int, default=None, help="[default: vLLM's]"),
+        click.option("--repeats", default=3, show_default=True, help="Timed passes; median reported."),
+        click.option("--warmup", default=16, show_default=True,
+                     help="Untimed warm-up requests per engine."),
+        click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help="Vectors, LoRA adapters and logs [default: OUT/work]."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks: serving modes side by side, ICL cost against k, extraction cost."""
+
+
+@bench.command("serving")
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
+@click.option("--tasks", "task_list", default="sst2,subj,trec,agnews", show_default=True)
+@click.option("--n-per-task", default=125, show_default=True, help="Test queries per task.")
+@click.option("--modes", default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-folded,ltv-lora",
+              show_default=True, help="Offline modes ('' for none).")
+@click.option("--online-modes", default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-lora",
+              show_default=True, help="Modes served through the OpenAI server ('' for none).")
+@click.option("--concurrency", default="1,8,32", show_default=True)
+@click.option("--online-requests", default=200, show_default=True,
+              help="Requests per concurrency level (a balanced prefix of the queries).")
+@click.option("--gen-tokens", default=16, show_default=True,
+              help="Tokens per query in the offline generation pass (0: skip).")
+@click.option("--k", default=30, show_default=True)
+@click.option("--n", default=256, show_default=True)
+@click.option("--lam", default=5.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--no-noise-check", is_flag=True, help="Skip the second zero-shot run.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/serving"), show_default=True)
+@_engine_options
+@friendly
+def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, modes: str,
+                      online_modes: str, concurrency: str, online_requests: int, gen_tokens: int,
+                      k: int, n: int, lam: float, seed: int, no_noise_check: bool, out_dir: Path,
+                      dtype: str, max_model_len: int, kv_cache_gib: int, max_num_seqs: int | None,
+                      repeats: int, warmup: int, work_dir: Path | None) -> None:
+    """Zero-shot vs ICL (prefix cache on/off) vs LTV (fused, folded, LoRA) in vLLM."""
+    from .bench import BenchError
+    from .bench.report import markdown
+    from .bench.serving import bench_serving
+    from .bench.workload import EngineSettings
+
+    settings = EngineSettings(dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                              max_num_seqs=max_num_seqs, seed=seed)
+    try:
+        doc = bench_serving(
+            model_spec, _csv(task_list), n_per_task=n_per_task, modes=_csv(modes),
+            online_modes=_csv(online_modes), levels=_ints(concurrency),
+            online_requests=online_requests, repeats=repeats, gen_tokens=gen_tokens,
+            warmup=warmup, settings=settings, k=k, n=n, lam=lam, seed=seed, out_dir=out_dir,
+            work_dir=work_dir or out_dir / "work", command=_command_line(),
+            noise_check=not no_noise_check, log=lambda m: click.echo(m, err=True))
+    except BenchError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(markdown(doc))
+    click.echo(f"wrote {out_dir}/results.json, results.md and plots")
+
+
+@bench.command("icl-cost")
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
+@click.option("--tasks", "task_list", default="sst2,agnews", show_default=True)
+@click.option("--ks", default="0,10,30,50", show_default=True, help="Demonstrations per prompt.")
+@click.option("--n-per-task", default=64, show_default=True)
+@click.option("--vector-k", default=30, show_default=True,
+              help="Demonstrations behind the LTV vectors (their serving cost does not depend on it).")
+@click.option("--n", default=256, show_default=True)
+@click.option("--lam", default=5.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/icl_cost"), show_default=True)
+@_engine_options
+@friendly
+def bench_icl_cost_cmd(model_spec: str, task_list: str, ks: str, n_per_task: int, vector_k: int, n: int,
+                       lam: float, seed: int, out_dir: Path, dtype: str, max_model_len: int,
+                       kv_cache_gib: int, max_num_seqs: int | None, repeats: int, warmup: int,
+                       work_dir: Path | None) -> None:
+    """ICL serving cost as k grows (prefix cache on/off); LTV's does not depend on k."""
+    from .bench import BenchError
+    from .bench.report import icl_cost_markdown
+    from .bench.serving import bench_icl_cost
+    from .bench.workload import EngineSettings
+
+    settings = EngineSettings(dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                              max_num_seqs=max_num_seqs, seed=seed)
+    try:
+        doc = bench_icl_cost(model_spec, _csv(task_list), ks=_ints(ks), n_per_task=n_per_task,
+                             vector_k=vector_k,
+                             repeats=repeats, warmup=warmup, settings=settings, n=n, lam=lam,
+                             seed=seed, out_dir=out_dir, work_dir=work_dir or out_dir / "work",
+                             command=_command_line(), log=lambda m: click.echo(m, err=True))
+    except BenchError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(icl_cost_markdown(doc))
+
+
+@bench.command("extraction")
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
+@click.option("--tasks", "task_list", default="sst2", show_default=True)
+@click.option("--ks", default="10,30,50", show_default=True)
+@click.option("--ns", default="64,128,256", show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "bfloat16", "float16", "float32"]))
+@click.option("--naive/--no-naive", default=True, show_default=True,
+              help="Also time the reference code's path (slow).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/extraction_cost"), show_default=True)
+@friendly
+def bench_extraction_cmd(model_spec: str, task_list: str, ks: str, ns: str, seed: int,
+                         batch_size: int, dtype: str, naive: bool, out_dir: Path) -> None:
+    """Extraction time as k and N grow, with the shared demo cache and without it."""
+    from .bench.extraction import bench_extraction, extraction_markdown
+
+    doc = bench_extraction(model_spec, _csv(task_list), ks=_ints(ks), ns=_ints(ns), seed=seed,
+                           batch_size=batch_size, dtype=dtype, naive=naive, out_dir=out_dir,
+                           command=_command_line(), log=lambda m: click.echo(m, err=True))
+    click.echo(extraction_markdown(doc))
+
+
 if __name__ == "__main__":
     main()

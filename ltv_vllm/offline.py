@@ -42,18 +42,25 @@ def make_llm(
                logprobs_mode="processed_logprobs")
 
 
-def classify_offline(llm: Any, task: Task, texts: Sequence[str]) -> list[Classification]:
-    """One batched `generate` over all texts; each gets its label and restricted probabilities."""
+def classification_params(label_ids: Sequence[int]) -> Any:
+    """One greedy token restricted to the label tokens, with their (renormalised) logprobs."""
     from vllm import SamplingParams
 
+    return SamplingParams(max_tokens=1, temperature=0.0, logprobs=len(label_ids),
+                          allowed_token_ids=list(label_ids))
+
+
+def parse_classification(output: Any, label_ids: Sequence[int], labels: Sequence[str]) -> Classification:
+    """Label and restricted probabilities from a `RequestOutput` of `classification_params`."""
+    top = output.outputs[0].logprobs[0]  # token id → Logprob, restricted to the labels
+    lp = {lab: top[i].logprob for i, lab in zip(label_ids, labels) if i in top}
+    z = sum(math.exp(v) for v in lp.values())
+    probs = {lab: math.exp(lp[lab]) / z if lab in lp else 0.0 for lab in labels}
+    return Classification(label=max(probs, key=probs.__getitem__), probs=probs)
+
+
+def classify_offline(llm: Any, task: Task, texts: Sequence[str]) -> list[Classification]:
+    """One batched `generate` over all texts; each gets its label and restricted probabilities."""
     ids = label_token_ids(task, llm.get_tokenizer())
-    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=len(ids), allowed_token_ids=ids)
-    outs = llm.generate([task.query(t) for t in texts], params, use_tqdm=True)
-    results = []
-    for o in outs:
-        top = o.outputs[0].logprobs[0]  # token id → Logprob, restricted to the labels
-        lp = {lab: top[i].logprob for i, lab in zip(ids, task.labels) if i in top}
-        z = sum(math.exp(v) for v in lp.values())
-        probs = {lab: math.exp(lp[lab]) / z if lab in lp else 0.0 for lab in task.labels}
-        results.append(Classification(label=max(probs, key=probs.__getitem__), probs=probs))
-    return results
+    outs = llm.generate([task.query(t) for t in texts], classification_params(ids), use_tqdm=True)
+    return [parse_classification(o, ids, task.labels) for o in outs]

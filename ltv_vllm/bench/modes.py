@@ -1,0 +1,111 @@
+"""The serving modes compared, as vLLM engines: which engine arguments, which requests.
+
+Every mode runs the same queries with the same `EngineSettings`; prefix caching is on
+everywhere (vLLM's default) except in `icl-no-cache`. A fused or folded vector serves one
+task, so those modes run one engine per task (times are summed); the LoRA mode serves every
+task from one engine with the tasks mixed in one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .workload import EngineSettings, Query, Workload
+
+MODES = ("zero-shot", "icl-prefix-cache", "icl-no-cache", "ltv-fused", "ltv-folded", "ltv-lora")
+BASE_NAME = "base"  # served model name of the bare model
+
+
+@dataclass
+class Engine:
+    """One engine configuration and the requests it gets, grouped per task."""
+
+    label: str
+    llm_kwargs: dict[str, Any]                 # for vllm.LLM (offline)
+    server_args: Callable[[str, int], list[str]]  # (host, port) → argv after `-m SERVER_MODULE`
+    groups: list[list[dict[str, Any]]]
+
+
+def request(wl: Workload, q: Query, *, icl: bool, model: str,
+            lora: tuple[str, int, str] | None = None) -> dict[str, Any]:
+    return {"qid": q.qid, "prompt": q.icl if icl else q.zs, "task": q.task, "gold": q.gold,
+            "label_ids": wl.label_ids[q.task], "labels": list(wl.tasks[q.task].labels),
+            "model": model,
+            "lora": list(lora) if lora else None}
+
+
+def per_task(queries: list[Query]) -> dict[str, list[Query]]:
+    out: dict[str, list[Query]] = {}
+    for q in queries:
+        out.setdefault(q.task, []).append(q)
+    return out
+
+
+def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Query],
+            lora_dir: Path) -> list[Engine]:
+    """The engine(s) a mode needs for `queries` (a subset of the workload's)."""
+    from ..serve import engine_kwargs, server_args, wrapper_architecture
+
+    model = str(wl.model_dir)
+    caching = mode != "icl-no-cache"
+    common = {**settings.llm_kwargs(), "enable_prefix_caching": caching}
+    flags = [*settings.server_flags(),
+             "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
+
+    def plain(host: str, port: int) -> list[str]:
+        return ["--model", model, "--served-model-name", BASE_NAME, "--host", host,
+                "--port", str(port), "--dtype", settings.dtype,
+                "--max-model-len", str(settings.max_model_len),
+                "--logprobs-mode", "processed_logprobs", *flags]
+
+    groups = per_task(queries)
+    if mode in ("zero-shot", "icl-prefix-cache", "icl-no-cache"):
+        icl = mode != "zero-shot"
+        return [Engine(mode, {"model": model, **common}, plain,
+                       [[request(wl, q, icl=icl, model=BASE_NAME) for q in qs]
+                        for qs in groups.values()])]
+
+    if mode in ("ltv-fused", "ltv-folded"):
+        fold = mode == "ltv-folded"
+        out = []
+        for task, qs in groups.items():
+            vec = wl.vectors[task]
+
+            def fused(host: str, port: int, vec: Path = vec) -> list[str]:
+                return [*server_args(model, {"": vec}, lora_dir=lora_dir, served_name=BASE_NAME,
+                                     host=host, port=port, dtype=settings.dtype,
+                                     max_model_len=settings.max_model_len, fold=fold), *flags]
+
+            out.append(Engine(f"{mode}[{task}]", {**engine_kwargs(model, vec, fold=fold), **common},
+                              fused, [[request(wl, q, icl=False, model=task) for q in qs]]))
+        return out
+
+    if mode == "ltv-lora":
+        from ..vector import load_task_vector
+        from ..vllm_ext.lora import export_lora, lora_rank
+
+        names = list(groups)
+        loras, rank = {}, 1
+        for i, task in enumerate(names):
+            tv = load_task_vector(wl.vectors[task])
+            loras[task] = (task, i + 1, str(export_lora(tv, model, lora_dir / task)))
+            rank = max(rank, lora_rank(tv.rank))
+        kwargs = {"model": model, **common,
+                  "hf_overrides": {"architectures": [wrapper_architecture(model)]},
+                  "enable_lora": True, "max_lora_rank": rank,
+                  # one slot more than adapters, as `ltv-vllm serve` does (engine bug 1)
+                  "max_loras": len(names) + 1}
+
+        def multi(host: str, port: int) -> list[str]:
+            return [*server_args(model, {t: wl.vectors[t] for t in names}, lora_dir=lora_dir,
+                                 served_name=BASE_NAME, host=host, port=port,
+                                 dtype=settings.dtype, max_model_len=settings.max_model_len),
+                    *flags]
+
+        mixed = [request(wl, q, icl=False, model=q.task, lora=loras[q.task]) for q in queries]
+        return [Engine(mode, kwargs, multi, [mixed])]
+
+    raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")

@@ -1,0 +1,258 @@
+"""Benchmark results → ratios against zero-shot, target checks, markdown tables, plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..fileio import atomic_write
+
+GIB = 1024**3
+MIB = 1024**2
+LTV_MODES = ("ltv-fused", "ltv-folded", "ltv-lora")
+
+
+def zero_shot_reference(offline: dict[str, Any], key: str) -> float | None:
+    """Mean of the two zero-shot runs (first and last) when both exist."""
+    vals = [offline[m][key] for m in ("zero-shot", "zero-shot (again)")
+            if m in offline and offline[m].get(key)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, checked on offline classification throughput (req/s)."""
+    off = doc.get("offline", {})
+    zs = zero_shot_reference(off, "requests_per_s")
+
+    def rate(mode: str) -> float | None:
+        return off[mode]["requests_per_s"] if mode in off else None
+
+    rows = []
+
+    def check(name: str, num: float | None, den: float | None, bound: float, strict: bool = False):
+        if num is None or den is None:
+            return
+        ratio = num / den
+        ok = ratio > bound if strict else ratio >= bound
+        rows.append({"target": name, "ratio": ratio, "bound": bound, "met": ok})
+
+    check("LTV fused ≥ 0.97× zero-shot", rate("ltv-fused"), zs, 0.97)
+    check("LTV folded ≥ 0.99× zero-shot", rate("ltv-folded"), zs, 0.99)
+    check("LTV fused ≥ 5× ICL without prefix cache", rate("ltv-fused"), rate("icl-no-cache"), 5.0)
+    check("LTV fused > ICL with prefix cache", rate("ltv-fused"), rate("icl-prefix-cache"), 1.0,
+          strict=True)
+    check("LTV multi-task LoRA ≥ 0.85× zero-shot", rate("ltv-lora"), zs, 0.85)
+    return rows
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def _ratio(x: float | None, ref: float | None) -> str:
+    return "—" if x is None or not ref else f"{x / ref:.2f}×"
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    s = doc["settings"]
+    wl = doc["workload"]
+    lines = [
+        f"# Serving benchmark: {doc['model']}",
+        "",
+        "```", doc["command"], "```",
+        "",
+        (f"Machine: {doc['machine']['cpu']}, {doc['machine']['cores']} cores; torch "
+        f"{doc['machine']['torch']}, vLLM {doc['machine']['vllm']}. Started {doc['started']}."),
+        (f"Engine settings (every mode): dtype {s['dtype']}, max_model_len {s['max_model_len']}, "
+        f"KV cache {s['kv_cache_gib']} GiB, enforce_eager {s['enforce_eager']}, prefix caching "
+        "on except `icl-no-cache`."),
+        (f"Queries: {wl['queries']} test queries ({', '.join(f'{t} {n}' for t, n in wl['queries_per_task'].items())}), "
+        f"interleaved; ICL prompts carry k={wl['k']} demonstrations (k//K per class)."),
+        "",
+    ]
+    off = doc.get("offline")
+    if off:
+        zs = zero_shot_reference(off, "requests_per_s")
+        zs_gen = zero_shot_reference(off, "output_tokens_per_s")
+        kv_tok = doc["kv_bytes_per_token"]
+        lines += [
+            f"## Offline (`LLM.generate` over all queries; median of {doc['repeats']} timed passes)",
+            "",
+            ("Classification: one label-restricted token per query. Generation: "
+            f"{doc['gen_tokens']} free tokens per query (ignore_eos), where the shift runs at "
+            "every decoding step. × ZS: against the mean of the two zero-shot runs."),
+            *[f"`{m}`: {r['repeats']} timed pass(es)"
+              + ("" if r["gen_tokens"] else ", no generation pass") + "."
+              for m, r in off.items() if r.get("repeats", doc["repeats"]) != doc["repeats"]],
+            "",
+            ("| Mode | req/s | × ZS | gen tok/s | × ZS | accuracy | prompt tok/req | KV/req (MiB) "
+            "| peak KV | peak RSS (GiB) | prefix-cache hits |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for mode, r in off.items():
+            lines.append(
+                f"| {mode} | {r['requests_per_s']:.1f} | {_ratio(r['requests_per_s'], zs)} "
+                f"| {_fmt(r['output_tokens_per_s'])} | {_ratio(r['output_tokens_per_s'], zs_gen)} "
+                f"| {100 * r['accuracy']:.1f}% | {r['prompt_tokens_mean']:.0f} "
+                f"| {r['prompt_tokens_mean'] * kv_tok / MIB:.1f} | {100 * r['peak_kv_usage']:.1f}% "
+                f"| {r['peak_rss_bytes'] / GIB:.2f} | {100 * r['prefix_cache_hit_rate']:.0f}% |")
+        tm = doc["workload"].get("transformers_metrics") or {}
+        if tm:
+            lines += ["", ("Accuracy per task (vLLM offline) and, for reference, what transformers "
+                      "measured at extraction on the same queries:"), "",
+                      "| Mode | " + " | ".join(tm) + " |", "|---|" + "---|" * len(tm)]
+            for mode, r in off.items():
+                lines.append(f"| {mode} | " + " | ".join(
+                    f"{100 * r['accuracy_per_task'].get(t, float('nan')):.1f}" for t in tm) + " |")
+            for m in ("zero-shot", "icl", "ltv"):
+                lines.append(f"| transformers {m} | " + " | ".join(
+                    _fmt(100 * v[m] if v.get(m) is not None else None) for v in tm.values()) + " |")
+        rows = targets(doc)
+        if rows:
+            lines += ["", "### Targets (offline classification throughput)", "",
+                      "| Target | measured | met |", "|---|---|---|"]
+            lines += [f"| {t['target']} | {t['ratio']:.2f}× | {'yes' if t['met'] else '**no**'} |"
+                      for t in rows]
+    on = doc.get("online")
+    if on:
+        lines += ["", "## Online (vLLM's OpenAI server; requests with a fixed number in flight)", "",
+                  (f"{doc['online_requests']} requests per level, prefix cache reset before each "
+                  "level; latency = send → full response (one output token, so also time to "
+                  "first token); output tok/s = req/s."), "",
+                  ("| Mode | concurrency | req/s | × ZS | p50 (ms) | p99 (ms) | accuracy | peak KV "
+                  "| peak RSS (GiB) |"), "|---|---|---|---|---|---|---|---|---|"]
+        levels = [c for c in next(iter(on.values())) if c != "startup_seconds"]
+        for c in levels:
+            refs = [on[m][c]["requests_per_s"] for m in ("zero-shot", "zero-shot (again)") if m in on]
+            ref = sum(refs) / len(refs) if refs else None
+            for mode, r in on.items():
+                x = r[c]
+                lines.append(f"| {mode} | {c} | {x['requests_per_s']:.1f} | "
+                             f"{_ratio(x['requests_per_s'], ref)} | {x['latency_p50_ms']:.0f} | "
+                             f"{x['latency_p99_ms']:.0f} | {100 * x['accuracy']:.1f}% | "
+                             f"{100 * x['peak_kv_usage']:.1f}% | {x['peak_rss_bytes'] / GIB:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    off, on = doc.get("offline") or {}, doc.get("online") or {}
+    if off:
+        zs = zero_shot_reference(off, "requests_per_s")
+        zs_gen = zero_shot_reference(off, "output_tokens_per_s")
+        series: dict[str, dict[str, float]] = {"offline classify": {}, "offline generate": {}}
+        for m, r in off.items():
+            series["offline classify"][m] = r["requests_per_s"] / zs
+            if r.get("output_tokens_per_s") and zs_gen:
+                series["offline generate"][m] = r["output_tokens_per_s"] / zs_gen
+        for c in [c for c in (next(iter(on.values())) if on else {}) if c != "startup_seconds"]:
+            ref = on.get("zero-shot", {}).get(c, {}).get("requests_per_s")
+            if ref:
+                series[f"online c={c}"] = {m: r[c]["requests_per_s"] / ref for m, r in on.items()}
+        modes = list(off)
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        width = 0.8 / len(series)
+        for i, (name, vals) in enumerate(series.items()):
+            xs = [j + i * width for j, m in enumerate(modes) if m in vals]
+            ax.bar(xs, [vals[m] for m in modes if m in vals], width, label=name)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], modes, rotation=20)
+        ax.set_ylabel("throughput / zero-shot")
+        ax.set_title(f"{doc['model']}: throughput relative to zero-shot (log scale)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / "throughput_ratio.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for m, r in off.items():
+            ax.scatter(r["requests_per_s"], 100 * r["accuracy"], s=40)
+            ax.annotate(m, (r["requests_per_s"], 100 * r["accuracy"]), fontsize=8,
+                        xytext=(4, 4), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("offline requests/s (log)")
+        ax.set_ylabel("accuracy (%)")
+        ax.set_title("accuracy against cost, same queries")
+        fig.tight_layout()
+        paths.append(out_dir / "accuracy_vs_throughput.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    if on:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for m, r in on.items():
+            cs = [c for c in r if c != "startup_seconds"]
+            line, = ax.plot([int(c) for c in cs], [r[c]["latency_p50_ms"] for c in cs], marker="o",
+                            label=f"{m} p50")
+            ax.plot([int(c) for c in cs], [r[c]["latency_p99_ms"] for c in cs], marker="x",
+                    ls="--", color=line.get_color(), label=f"{m} p99")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("requests in flight")
+        ax.set_ylabel("latency (ms, log)")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        paths.append(out_dir / "latency.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def icl_cost_markdown(doc: dict[str, Any]) -> str:
+    r = doc["icl_cost"]
+    fused = r["ltv-fused"]["requests_per_s"]
+    lines = [f"# ICL serving cost as k grows: {doc['model']}", "", "```", doc["command"], "```", "",
+             (f"Offline, {r['ltv-fused']['requests']} queries ({', '.join(doc['workload']['tasks'])}); "
+             "median of the timed passes. k = 0 is the zero-shot prompt. LTV fused serves the "
+             f"zero-shot prompt whatever k its vector came from: {fused:.1f} req/s."), "",
+             ("| k | prompt tok/req | ICL + prefix cache req/s | ICL no cache req/s | LTV fused ÷ "
+             "ICL+cache | LTV fused ÷ ICL no cache | ICL+cache accuracy |"),
+             "|---|---|---|---|---|---|---|"]
+    for k in r["k"]:
+        on, off = r["icl-prefix-cache"][f"k={k}"], r["icl-no-cache"][f"k={k}"]
+        lines.append(f"| {k} | {on['prompt_tokens_mean']:.0f} | {on['requests_per_s']:.1f} | "
+                     f"{off['requests_per_s']:.1f} | {fused / on['requests_per_s']:.2f}× | "
+                     f"{fused / off['requests_per_s']:.2f}× | {100 * on['accuracy']:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def icl_cost_plot(doc: dict[str, Any], out_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = doc["icl_cost"]
+    ks = r["k"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, style in (("icl-prefix-cache", "o-"), ("icl-no-cache", "s-")):
+        a.plot(ks, [r[mode][f"k={k}"]["requests_per_s"] for k in ks], style, label=mode)
+    a.axhline(r["ltv-fused"]["requests_per_s"], color="g", ls="--", label="LTV fused (any k)")
+    a.set_yscale("log")
+    a.set_xlabel("k demonstrations in the prompt")
+    a.set_ylabel("requests/s (log)")
+    a.legend()
+    b.plot(ks, [r["icl-prefix-cache"][f"k={k}"]["prompt_tokens_mean"] for k in ks], "o-",
+           label="ICL prompt")
+    b.axhline(r["ltv-fused"]["prompt_tokens_mean"], color="g", ls="--", label="LTV (zero-shot prompt)")
+    b.set_xlabel("k")
+    b.set_ylabel("prompt tokens per request (= KV-cache tokens)")
+    b.legend()
+    fig.suptitle(f"{doc['model']}: serving cost against k")
+    fig.tight_layout()
+    path = out_dir / "icl_cost.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write(doc: dict[str, Any], out_dir: Path, md: str) -> None:
+    atomic_write(out_dir / "results.json", lambda t: Path(t).write_text(json.dumps(doc, indent=1)))
+    atomic_write(out_dir / "results.md", lambda t: Path(t).write_text(md))

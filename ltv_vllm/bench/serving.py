@@ -1,0 +1,319 @@
+"""Serving benchmark: zero-shot, ICL (prefix cache on/off) and LTV (fused, folded, LoRA) in vLLM.
+
+Offline: each mode's engine(s) run in a fresh process (`engine.py`) over the same queries;
+classification (one label-restricted token) and free generation (`gen_tokens` per request)
+are timed `repeats` times, the median is reported. Online: each mode's server gets the same
+requests at each concurrency level. Zero-shot runs first and again last, so the table shows
+how much two identical runs differ on this machine (the noise floor for every ratio).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import BenchError
+from .modes import MODES, Engine, engines
+from .workload import EngineSettings, Query, Workload, icl_queries, interleave
+
+HOST = "127.0.0.1"
+NOISE_MODE = "zero-shot (again)"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def run_engine_job(engine: Engine, passes: list[dict[str, Any]], *, repeats: int, gen_tokens: int,
+                   warmup: int, settings: EngineSettings, log_dir: Path) -> dict[str, Any]:
+    """One offline job (`engine.py`) in a fresh process; its result dict."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stem = engine.label.replace("[", "-").replace("]", "").replace(" ", "_")
+    job_path, out_path, log_path = (log_dir / f"{stem}.job.json", log_dir / f"{stem}.result.json",
+                                    log_dir / f"{stem}.log")
+    job_path.write_text(json.dumps({"llm_kwargs": engine.llm_kwargs, "passes": passes,
+                                    "repeats": repeats, "gen_tokens": gen_tokens,
+                                    "warmup": warmup}))
+    out_path.unlink(missing_ok=True)
+    env = {**os.environ, **settings.env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "ltv_vllm.bench.engine", str(job_path),
+                             str(out_path)], check=False, stdout=log, stderr=subprocess.STDOUT,
+                            env=env).returncode
+    if rc != 0 or not out_path.exists():
+        tail = log_path.read_text().strip().splitlines()[-1:] or ["(empty log)"]
+        raise BenchError(f"{engine.label}: engine job failed ({tail[0][:200]}); see {log_path}")
+    return json.loads(out_path.read_text())
+
+
+def _sum_runs(runs: list[list[float]]) -> list[float]:
+    return [sum(xs) for xs in zip(*runs)] if runs else []
+
+
+def combine_offline(results: list[dict[str, Any]], pass_name: str = "main") -> dict[str, Any]:
+    """Several engines (one per task) → one mode: times add up, peaks are maxima."""
+    ps = [r["passes"][pass_name] for r in results]
+    n = sum(p["requests"] for p in ps)
+    cls = _sum_runs([p["classify_seconds"] for p in ps])
+    gen = _sum_runs([p["generate_seconds"] for p in ps])
+    toks = sum(p["generate_tokens"] for p in ps)
+    preds = [x for p in ps for x in p["predictions"]]
+    return {
+        "engines": len(results),
+        "requests": n,
+        "classify_seconds": cls,
+        "requests_per_s": n / statistics.median(cls),
+        "generate_seconds": gen,
+        "generate_tokens": toks,
+        "output_tokens_per_s": toks / statistics.median(gen) if gen else None,
+        "accuracy": sum(x["pred"] == x["gold"] for x in preds) / max(1, len(preds)),
+        "accuracy_per_task": _per_task_accuracy(preds),
+        # per query, in workload order: predicted label index, label-restricted probabilities
+        "predictions": [x["pred"] for x in sorted(preds, key=lambda x: x["qid"])],
+        "probs": [x["probs"] for x in sorted(preds, key=lambda x: x["qid"])],
+        "prompt_tokens_mean": sum(p["prompt_tokens_mean"] * p["requests"] for p in ps) / max(1, n),
+        "prefix_cache_hit_rate": sum(p["prefix_cache_hit_rate"] * p["requests"] for p in ps) / max(1, n),
+        "peak_kv_usage": max(p["peak_kv_usage"] for p in ps),
+        "kv_capacity_tokens": min(r["kv_blocks"] * r["block_size"] for r in results),
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in results),
+        "startup_seconds": sum(r["startup_seconds"] for r in results),
+    }
+
+
+def _per_task_accuracy(preds: list[dict[str, Any]]) -> dict[str, float]:
+    out: dict[str, list[bool]] = {}
+    for x in preds:
+        out.setdefault(x["task"], []).append(x["pred"] == x["gold"])
+    return {t: sum(v) / len(v) for t, v in out.items()}
+
+
+def run_offline(wl: Workload, modes: Sequence[str], settings: EngineSettings, *, repeats: int,
+                gen_tokens: int, warmup: int, work_dir: Path, log: Callable[[str], None]
+                ) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode in modes:
+        base = MODES[0] if mode == NOISE_MODE else mode
+        # ICL without a prefix cache re-encodes every demonstration for every query: one timed
+        # classification pass (it is many times slower than the noise), no generation pass.
+        reps, gen = (1, 0) if base == "icl-no-cache" else (repeats, gen_tokens)
+        results = []
+        for eng in engines(base, wl, settings, wl.queries, work_dir / "adapters"):
+            if mode == NOISE_MODE:
+                eng.label = "zero-shot-again"
+            log(f"offline {eng.label}: {sum(map(len, eng.groups))} requests")
+            t0 = time.time()
+            results.append(run_engine_job(eng, [{"name": "main", "groups": eng.groups}],
+                                          repeats=reps, gen_tokens=gen, warmup=warmup,
+                                          settings=settings, log_dir=work_dir / "logs"))
+            log(f"  done in {time.time() - t0:.0f} s")
+        out[mode] = {**combine_offline(results), "repeats": reps, "gen_tokens": gen}
+        log(f"  {mode}: {out[mode]['requests_per_s']:.1f} req/s, "
+            f"accuracy {100 * out[mode]['accuracy']:.1f}%")
+    return out
+
+
+def run_online(wl: Workload, modes: Sequence[str], settings: EngineSettings, *,
+               queries: list[Query], levels: Sequence[int], warmup: int, work_dir: Path,
+               log: Callable[[str], None]) -> dict[str, Any]:
+    from .online import Server, drive
+
+    out: dict[str, Any] = {}
+    env = {**settings.env(), "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    (work_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for mode in modes:
+        base = MODES[0] if mode == NOISE_MODE else mode
+        per_level: dict[int, list[dict[str, Any]]] = {c: [] for c in levels}
+        startup = 0.0
+        for eng in engines(base, wl, settings, queries, work_dir / "adapters"):
+            reqs = [r for g in eng.groups for r in g]
+            port = _free_port()
+            stem = eng.label.replace("[", "-").replace("]", "")
+            log(f"online {eng.label}: starting server")
+            with Server(eng.server_args(HOST, port), url=f"http://{HOST}:{port}", env=env,
+                        log_path=work_dir / "logs" / f"server-{stem}.log") as srv:
+                startup += srv.startup_s
+                if warmup:
+                    drive(srv.url, reqs[:warmup], min(8, warmup))
+                for c in levels:
+                    srv.reset_prefix_cache()
+                    with srv.sampling():
+                        wall, res = drive(srv.url, reqs, c)
+                    per_level[c].append({"wall": wall, "results": res, "peak_rss": srv.peak_rss,
+                                         "peak_kv": srv.peak_kv})
+                    log(f"  concurrency {c}: {len(reqs) / wall:.1f} req/s")
+        out[mode] = {str(c): _combine_online(parts) for c, parts in per_level.items()}
+        out[mode]["startup_seconds"] = startup
+    return out
+
+
+def _combine_online(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    res = [x for p in parts for x in p["results"]]
+    wall = sum(p["wall"] for p in parts)
+    lat = sorted(x["latency"] for x in res)
+    return {
+        "requests": len(res),
+        "seconds": wall,
+        "requests_per_s": len(res) / wall,
+        "output_tokens_per_s": len(res) / wall,  # one token per classification request
+        "latency_p50_ms": 1000 * _quantile(lat, 0.50),
+        "latency_p99_ms": 1000 * _quantile(lat, 0.99),
+        "accuracy": sum(x["pred"] == x["gold"] for x in res) / max(1, len(res)),
+        "peak_rss_bytes": max(p["peak_rss"] for p in parts),
+        "peak_kv_usage": max(p["peak_kv"] for p in parts),
+    }
+
+
+def _quantile(sorted_xs: list[float], q: float) -> float:
+    """Linear-interpolated quantile of an already sorted list."""
+    if not sorted_xs:
+        return float("nan")
+    pos = q * (len(sorted_xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
+def run_icl_cost(wl: Workload, ks: Sequence[int], settings: EngineSettings, *, n_per_task: int,
+                 seed: int, repeats: int, warmup: int, work_dir: Path,
+                 log: Callable[[str], None]) -> dict[str, Any]:
+    """ICL serving cost as k grows (prefix cache on and off); LTV fused as the flat reference."""
+    from .modes import request
+
+    by_k: dict[int, list[Query]] = {}
+    for k in ks:
+        per_task = {name: icl_queries(t, k=k, n_test=n_per_task, seed=seed)
+                    for name, t in wl.tasks.items()} if k else {}
+        by_k[k] = interleave(per_task) if k else []
+    out: dict[str, Any] = {"k": list(ks)}
+    for mode in ("icl-prefix-cache", "icl-no-cache"):
+        eng = engines(mode, wl, settings, wl.queries, work_dir / "adapters")[0]
+        passes = []
+        for k in ks:
+            qs = by_k[k] or wl.queries  # k = 0: the zero-shot prompts
+            groups: dict[str, list[dict[str, Any]]] = {}
+            for q in qs:
+                groups.setdefault(q.task, []).append(request(wl, q, icl=k > 0, model="base"))
+            passes.append({"name": f"k={k}", "groups": list(groups.values())})
+        log(f"icl-cost {mode}: k in {list(ks)}")
+        eng.label = f"icl-cost-{mode}"
+        res = run_engine_job(eng, passes, repeats=repeats, gen_tokens=0, warmup=warmup,
+                             settings=settings, log_dir=work_dir / "logs")
+        out[mode] = {p["name"]: combine_offline([res], p["name"]) for p in passes}
+    fused = [run_engine_job(e, [{"name": "main", "groups": e.groups}], repeats=repeats,
+                            gen_tokens=0, warmup=warmup, settings=settings,
+                            log_dir=work_dir / "logs")
+             for e in engines("ltv-fused", wl, settings, wl.queries, work_dir / "adapters")]
+    out["ltv-fused"] = combine_offline(fused)
+    return out
+
+
+def bench_serving(
+    model_spec: str,
+    task_names: list[str],
+    *,
+    n_per_task: int,
+    modes: Sequence[str],
+    online_modes: Sequence[str],
+    levels: Sequence[int],
+    online_requests: int,
+    repeats: int,
+    gen_tokens: int,
+    warmup: int,
+    settings: EngineSettings,
+    k: int,
+    n: int,
+    lam: float,
+    seed: int,
+    out_dir: Path,
+    work_dir: Path,
+    command: str,
+    noise_check: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Build the workload, run the offline and online modes, write JSON, markdown and plots."""
+    from dataclasses import asdict
+
+    from . import report
+    from .workload import build_workload, kv_bytes_per_token, machine
+
+    unknown = [m for m in [*modes, *online_modes] if m not in MODES]
+    if unknown:
+        raise BenchError(f"unknown mode(s) {', '.join(unknown)} (known: {', '.join(MODES)})")
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    needs_vectors = any(m.startswith("ltv") for m in [*modes, *online_modes])
+    wl = build_workload(model_spec, task_names, n_per_task=n_per_task, k=k, n=n, lam=lam,
+                        seed=seed, vector_dir=work_dir / "vectors", with_vectors=needs_vectors)
+    doc: dict[str, Any] = {
+        "command": command, "model": model_spec, "started": started, "machine": machine(),
+        "settings": asdict(settings), "workload": wl.describe(), "repeats": repeats,
+        "gen_tokens": gen_tokens, "online_requests": None,
+        "kv_bytes_per_token": kv_bytes_per_token(wl.model_dir, settings.dtype),
+    }
+    t0 = time.time()
+    if modes:
+        order = list(modes)
+        if noise_check and "zero-shot" in order:
+            order.append(NOISE_MODE)
+        doc["offline"] = run_offline(wl, order, settings, repeats=repeats, gen_tokens=gen_tokens,
+                                     warmup=warmup, work_dir=work_dir, log=log)
+    if online_modes:
+        queries = wl.queries[:online_requests]
+        doc["online_requests"] = len(queries)
+        order = list(online_modes)
+        if noise_check and "zero-shot" in order:
+            order.append(NOISE_MODE)
+        doc["online"] = run_online(wl, order, settings, queries=queries, levels=levels,
+                                   warmup=warmup, work_dir=work_dir, log=log)
+    doc["seconds"] = time.time() - t0
+    doc["targets"] = report.targets(doc)
+    report.write(doc, out_dir, report.markdown(doc))
+    doc["plots"] = [str(p) for p in report.plot(doc, out_dir)]
+    return doc
+
+
+def bench_icl_cost(
+    model_spec: str,
+    task_names: list[str],
+    *,
+    ks: Sequence[int],
+    n_per_task: int,
+    vector_k: int = 30,
+    repeats: int,
+    warmup: int,
+    settings: EngineSettings,
+    n: int,
+    lam: float,
+    seed: int,
+    out_dir: Path,
+    work_dir: Path,
+    command: str,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from . import report
+    from .workload import build_workload, machine
+
+    # LTV's serving cost does not depend on the k its vector came from (`vector_k`)
+    wl = build_workload(model_spec, task_names, n_per_task=n_per_task, k=vector_k, n=n, lam=lam,
+                        seed=seed, vector_dir=work_dir / "vectors")
+    doc: dict[str, Any] = {"command": command, "model": model_spec,
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
+                           "settings": asdict(settings), "workload": wl.describe()}
+    doc["icl_cost"] = run_icl_cost(wl, ks, settings, n_per_task=n_per_task, seed=seed,
+                                   repeats=repeats, warmup=warmup, work_dir=work_dir, log=log)
+    report.write(doc, out_dir, report.icl_cost_markdown(doc))
+    doc["plots"] = [str(report.icl_cost_plot(doc, out_dir))]
+    return doc

@@ -1,0 +1,172 @@
+"""The benchmark commands run end to end on a tiny model and write well-formed results.
+
+Timings are not asserted (benchmarks are scripts, not timed tests). What is asserted: every
+mode ran every query, the files are there, and each mode's predictions are the ones
+transformers gives for the same prompts (zero-shot, ICL, and h + W h for every LTV mode), so
+the benchmark measures what it says it measures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_llama
+from ltv_vllm.apply import task_vector_applied
+from ltv_vllm.bench.extraction import grid
+from ltv_vllm.bench.workload import build_workload
+from ltv_vllm.tasks import get_task, label_token_ids
+from ltv_vllm.vector import TaskVector, load_task_vector, model_identity
+
+TASKS = "sst2,agnews"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    from transformers import LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("bench-model")
+    cfg = make_llama(len(tokenizer), hidden=128, layers=2, seed=5, tie=True).config
+    cfg.num_attention_heads, cfg.num_key_value_heads = 2, 1  # head_dim 64 for vLLM's CPU kernels
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def place_vectors(model_dir: Path, vector_dir: Path, tokenizer) -> None:
+    """Random vectors where the workload looks for them, so it uses these instead of fitting
+    (a fit on this random model barely moves its saturated label distributions)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ident = model_identity(model, str(model_dir))
+    vector_dir.mkdir(parents=True)
+    for seed, name in enumerate(TASKS.split(",")):
+        task = get_task(name)
+        g = torch.Generator().manual_seed(seed)
+        V = torch.linalg.qr(torch.randn(128, 8, generator=g))[0]
+        tv = TaskVector("hidden", 0.5 * torch.randn(128, 8, generator=g), V, None, ident,
+                        tuple(label_token_ids(task, tokenizer)), {"task": task.to_dict()})
+        tv.save(vector_dir / f"{name}-k6-n8-lam5-seed0.safetensors")
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "LTV_VLLM_CACHE": str(cwd / "cache")}
+    r = subprocess.run([sys.executable, "-m", "ltv_vllm.cli", *args], cwd=cwd, env=env,
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def reference_probs(model_dir: Path, wl, prompts: list[str], vectors: dict | None) -> list[torch.Tensor]:
+    """transformers (+ the reference hook): label-restricted probabilities per query."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    preds = []
+    for q, prompt in zip(wl.queries, prompts):
+        ids = torch.tensor([tok(prompt)["input_ids"]])
+        with torch.no_grad():
+            if vectors:
+                with task_vector_applied(model, vectors[q.task]):
+                    logits = model(ids).logits[0, -1]
+            else:
+                logits = model(ids).logits[0, -1]
+        preds.append(torch.softmax(logits[wl.label_ids[q.task]].double(), -1))
+    return preds
+
+
+def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
+    out = tmp_path / "serving"
+    place_vectors(model_dir, out / "work" / "vectors", tokenizer)
+    run_cli("bench", "serving", "--model", str(model_dir), "--tasks", TASKS, "--n-per-task", "6",
+            "--k", "6", "--n", "8", "--concurrency", "1,4", "--online-requests", "8",
+            "--online-modes", "ltv-lora", "--repeats", "2", "--gen-tokens", "3",
+            "--warmup", "2", "--dtype", "float32", "--max-model-len", "2048",
+            "--kv-cache-gib", "1", "--out", str(out), cwd=tmp_path)
+    doc = json.loads((out / "results.json").read_text())
+    md = (out / "results.md").read_text()
+    for f in ("throughput_ratio.png", "accuracy_vs_throughput.png", "latency.png"):
+        assert (out / f).stat().st_size > 1000, f
+    modes = ["zero-shot", "icl-prefix-cache", "icl-no-cache", "ltv-fused", "ltv-folded",
+             "ltv-lora", "zero-shot (again)"]
+    assert list(doc["offline"]) == modes
+    for m in modes:
+        r = doc["offline"][m]
+        slow = m == "icl-no-cache"  # one timed pass, no generation pass
+        assert r["requests"] == 12 and len(r["classify_seconds"]) == (1 if slow else 2), m
+        assert r["generate_tokens"] == (0 if slow else 12 * 3), m  # ignore_eos: exactly 3 each
+        assert r["requests_per_s"] > 0 and 0 <= r["accuracy"] <= 1
+        assert 0 < r["peak_rss_bytes"] and 0 <= r["peak_kv_usage"] <= 1
+        assert f"| {m} |" in md
+    assert doc["offline"]["ltv-fused"]["engines"] == 2  # one fused engine per task
+    # ICL prompts are longer; with the prefix cache on, their demos are found in the cache
+    assert doc["offline"]["icl-no-cache"]["prompt_tokens_mean"] > 3 * doc["offline"]["zero-shot"]["prompt_tokens_mean"]
+    assert doc["offline"]["icl-prefix-cache"]["prefix_cache_hit_rate"] > 0.3
+    assert doc["offline"]["icl-no-cache"]["prefix_cache_hit_rate"] == 0
+    assert {t["target"] for t in doc["targets"]} >= {"LTV fused ≥ 0.97× zero-shot",
+                                                      "LTV multi-task LoRA ≥ 0.85× zero-shot"}
+    assert list(doc["online"]) == ["ltv-lora"]
+    for m, levels in doc["online"].items():
+        for c in ("1", "4"):
+            x = levels[c]
+            assert x["requests"] == 8 and x["latency_p99_ms"] >= x["latency_p50_ms"] > 0, (m, c)
+    # the same queries through transformers: every mode predicts what the method predicts
+    wl = build_workload(str(model_dir), TASKS.split(","), n_per_task=6, k=6, n=8,
+                        vector_dir=out / "work" / "vectors", with_vectors=True)
+    vectors = {t: load_task_vector(p) for t, p in wl.vectors.items()}
+    zs = reference_probs(model_dir, wl, [q.zs for q in wl.queries], None)
+    icl = reference_probs(model_dir, wl, [q.icl for q in wl.queries], None)
+    ltv = reference_probs(model_dir, wl, [q.zs for q in wl.queries], vectors)
+    for mode, ref in (("zero-shot", zs), ("icl-prefix-cache", icl), ("icl-no-cache", icl),
+                      ("ltv-fused", ltv), ("ltv-folded", ltv), ("ltv-lora", ltv)):
+        got = doc["offline"][mode]
+        for i, p in enumerate(ref):
+            assert torch.allclose(torch.tensor(got["probs"][i], dtype=torch.float64), p,
+                                  atol=1e-4), (mode, i)
+        assert got["predictions"] == [int(p.argmax()) for p in ref], mode
+    # the vectors move the distributions, so the comparison above tells the methods apart
+    assert max(float((a - b).abs().max()) for a, b in zip(ltv, zs)) > 1e-2
+
+
+def test_bench_icl_cost_end_to_end(model_dir, tmp_path):
+    out = tmp_path / "icl"
+    r = run_cli("bench", "icl-cost", "--model", str(model_dir), "--tasks", TASKS, "--ks", "0,4,8",
+                "--n-per-task", "4", "--vector-k", "4", "--n", "8", "--repeats", "1", "--warmup", "2",
+                "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-gib", "1",
+                "--out", str(out), cwd=tmp_path)
+    doc = json.loads((out / "results.json").read_text())
+    ic = doc["icl_cost"]
+    assert ic["k"] == [0, 4, 8]
+    for mode in ("icl-prefix-cache", "icl-no-cache"):
+        toks = [ic[mode][f"k={k}"]["prompt_tokens_mean"] for k in (0, 4, 8)]
+        assert toks[0] < toks[1] < toks[2], (mode, toks)  # more demos, longer prompts
+        assert all(ic[mode][f"k={k}"]["requests"] == 8 for k in (0, 4, 8))
+    assert ic["ltv-fused"]["prompt_tokens_mean"] == ic["icl-no-cache"]["k=0"]["prompt_tokens_mean"]
+    assert (out / "icl_cost.png").stat().st_size > 1000
+    assert "| 8 |" in r.stdout
+
+
+def test_bench_extraction_end_to_end(model_dir, tmp_path):
+    out = tmp_path / "extraction"
+    run_cli("bench", "extraction", "--model", str(model_dir), "--tasks", "sst2", "--ks", "2,4",
+            "--ns", "4,8", "--dtype", "float32", "--out", str(out), cwd=tmp_path)
+    doc = json.loads((out / "results.json").read_text())
+    assert [(r["k"], r["n"]) for r in doc["rows"]] == grid([2, 4], [4, 8]) == [(2, 8), (4, 8), (4, 4)]
+    for r in doc["rows"]:
+        assert r["naive_capture_seconds"] > 0 and r["speedup"] > 0
+        # the shared demo cache gives the naive path's hidden states (float32)
+        assert r["max_abs_diff_h_icl"] < 1e-4 and r["max_abs_diff_h_zs"] < 1e-4
+    assert (out / "extraction_cost.png").stat().st_size > 1000
+    assert (out / "results.md").read_text().count("| sst2 |") == 3
