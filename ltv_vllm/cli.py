@@ -357,6 +357,8 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Untimed warm-up requests per engine."),
         click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
                      help="Vectors, LoRA adapters and logs [default: OUT/work]."),
+        click.option("--resume", is_flag=True,
+                     help="Reuse engine jobs an interrupted run finished (identical job only)."),
     ]):
         fn = opt(fn)
     return fn
@@ -393,7 +395,7 @@ def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, modes: s
                       online_modes: str, concurrency: str, online_requests: int, gen_tokens: int,
                       k: int, n: int, lam: float, seed: int, no_noise_check: bool, out_dir: Path,
                       dtype: str, max_model_len: int, kv_cache_gib: int, max_num_seqs: int | None,
-                      repeats: int, warmup: int, work_dir: Path | None) -> None:
+                      repeats: int, warmup: int, work_dir: Path | None, resume: bool) -> None:
     """Zero-shot vs ICL (prefix cache on/off) vs LTV (fused, folded, LoRA) in vLLM."""
     from .bench import BenchError
     from .bench.report import markdown
@@ -409,7 +411,7 @@ def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, modes: s
             online_requests=online_requests, repeats=repeats, gen_tokens=gen_tokens,
             warmup=warmup, settings=settings, k=k, n=n, lam=lam, seed=seed, out_dir=out_dir,
             work_dir=work_dir or out_dir / "work", command=_command_line(),
-            noise_check=not no_noise_check, log=lambda m: click.echo(m, err=True))
+            noise_check=not no_noise_check, resume=resume, log=lambda m: click.echo(m, err=True))
     except BenchError as e:
         raise click.ClickException(str(e)) from None
     click.echo(markdown(doc))
@@ -433,7 +435,7 @@ def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, modes: s
 def bench_icl_cost_cmd(model_spec: str, task_list: str, ks: str, n_per_task: int, vector_k: int, n: int,
                        lam: float, seed: int, out_dir: Path, dtype: str, max_model_len: int,
                        kv_cache_gib: int, max_num_seqs: int | None, repeats: int, warmup: int,
-                       work_dir: Path | None) -> None:
+                       work_dir: Path | None, resume: bool) -> None:
     """ICL serving cost as k grows (prefix cache on/off); LTV's does not depend on k."""
     from .bench import BenchError
     from .bench.report import icl_cost_markdown
@@ -447,10 +449,21 @@ def bench_icl_cost_cmd(model_spec: str, task_list: str, ks: str, n_per_task: int
                              vector_k=vector_k,
                              repeats=repeats, warmup=warmup, settings=settings, n=n, lam=lam,
                              seed=seed, out_dir=out_dir, work_dir=work_dir or out_dir / "work",
-                             command=_command_line(), log=lambda m: click.echo(m, err=True))
+                             command=_command_line(), resume=resume,
+                             log=lambda m: click.echo(m, err=True))
     except BenchError as e:
         raise click.ClickException(str(e)) from None
     click.echo(icl_cost_markdown(doc))
+
+
+@bench.command("report")
+@click.argument("out_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+def bench_report_cmd(out_dir: Path) -> None:
+    """Re-render a serving or icl-cost result directory from its results.json."""
+    from .bench.serving import rerender
+
+    rerender(out_dir)
+    click.echo((out_dir / "results.md").read_text())
 
 
 @bench.command("extraction")

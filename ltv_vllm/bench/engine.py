@@ -148,6 +148,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         }
     kv.close()
     return {
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "startup_seconds": startup,
         "kv_blocks": cache.num_gpu_blocks,
         "block_size": cache.block_size,

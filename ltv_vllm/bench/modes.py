@@ -96,6 +96,7 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
         kwargs = {"model": model, **common,
                   "hf_overrides": {"architectures": [wrapper_architecture(model)]},
                   "enable_lora": True, "max_lora_rank": rank,
+                  "lora_target_modules": ["lm_head"],  # as `ltv-vllm serve` does
                   # one slot more than adapters, as `ltv-vllm serve` does (engine bug 1)
                   "max_loras": len(names) + 1}
 

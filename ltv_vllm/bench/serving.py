@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 from . import BenchError
 from .modes import MODES, Engine, engines
+from .report import derive_rates
 from .workload import EngineSettings, Query, Workload, icl_queries, interleave
 
 HOST = "127.0.0.1"
@@ -36,21 +36,29 @@ def _free_port() -> int:
 
 
 def run_engine_job(engine: Engine, passes: list[dict[str, Any]], *, repeats: int, gen_tokens: int,
-                   warmup: int, settings: EngineSettings, log_dir: Path) -> dict[str, Any]:
+                   warmup: int, settings: EngineSettings, log_dir: Path,
+                   resume: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """One offline job (`engine.py`) in a fresh process; its result dict."""
     log_dir.mkdir(parents=True, exist_ok=True)
     stem = engine.label.replace("[", "-").replace("]", "").replace(" ", "_")
     job_path, out_path, log_path = (log_dir / f"{stem}.job.json", log_dir / f"{stem}.result.json",
                                     log_dir / f"{stem}.log")
-    job_path.write_text(json.dumps({"llm_kwargs": engine.llm_kwargs, "passes": passes,
-                                    "repeats": repeats, "gen_tokens": gen_tokens,
-                                    "warmup": warmup}))
+    job = json.dumps({"llm_kwargs": engine.llm_kwargs, "passes": passes, "repeats": repeats,
+                      "gen_tokens": gen_tokens, "warmup": warmup})
+    if resume and out_path.exists() and job_path.exists() and job_path.read_text() == job:
+        # an interrupted run picks up the identical jobs it finished, with when they ran
+        res = json.loads(out_path.read_text())
+        res.setdefault("measured_at", time.strftime(
+            "%Y-%m-%d %H:%M:%S %Z", time.localtime(out_path.stat().st_mtime)))
+        log(f"{engine.label}: reusing the result measured at {res['measured_at']}")
+        return res
+    job_path.write_text(job)
     out_path.unlink(missing_ok=True)
     env = {**os.environ, **settings.env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "TOKENIZERS_PARALLELISM": "false"}
-    with open(log_path, "w") as log:
+    with open(log_path, "w") as logf:
         rc = subprocess.run([sys.executable, "-m", "ltv_vllm.bench.engine", str(job_path),
-                             str(out_path)], check=False, stdout=log, stderr=subprocess.STDOUT,
+                             str(out_path)], check=False, stdout=logf, stderr=subprocess.STDOUT,
                             env=env).returncode
     if rc != 0 or not out_path.exists():
         tail = log_path.read_text().strip().splitlines()[-1:] or ["(empty log)"]
@@ -70,14 +78,12 @@ def combine_offline(results: list[dict[str, Any]], pass_name: str = "main") -> d
     gen = _sum_runs([p["generate_seconds"] for p in ps])
     toks = sum(p["generate_tokens"] for p in ps)
     preds = [x for p in ps for x in p["predictions"]]
-    return {
+    return derive_rates({
         "engines": len(results),
         "requests": n,
         "classify_seconds": cls,
-        "requests_per_s": n / statistics.median(cls),
         "generate_seconds": gen,
         "generate_tokens": toks,
-        "output_tokens_per_s": toks / statistics.median(gen) if gen else None,
         "accuracy": sum(x["pred"] == x["gold"] for x in preds) / max(1, len(preds)),
         "accuracy_per_task": _per_task_accuracy(preds),
         # per query, in workload order: predicted label index, label-restricted probabilities
@@ -89,7 +95,8 @@ def combine_offline(results: list[dict[str, Any]], pass_name: str = "main") -> d
         "kv_capacity_tokens": min(r["kv_blocks"] * r["block_size"] for r in results),
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in results),
         "startup_seconds": sum(r["startup_seconds"] for r in results),
-    }
+        "measured_at": [r.get("measured_at") for r in results],
+    })
 
 
 def _per_task_accuracy(preds: list[dict[str, Any]]) -> dict[str, float]:
@@ -100,8 +107,8 @@ def _per_task_accuracy(preds: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def run_offline(wl: Workload, modes: Sequence[str], settings: EngineSettings, *, repeats: int,
-                gen_tokens: int, warmup: int, work_dir: Path, log: Callable[[str], None]
-                ) -> dict[str, Any]:
+                gen_tokens: int, warmup: int, work_dir: Path, log: Callable[[str], None],
+                resume: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in modes:
         base = MODES[0] if mode == NOISE_MODE else mode
@@ -116,7 +123,8 @@ def run_offline(wl: Workload, modes: Sequence[str], settings: EngineSettings, *,
             t0 = time.time()
             results.append(run_engine_job(eng, [{"name": "main", "groups": eng.groups}],
                                           repeats=reps, gen_tokens=gen, warmup=warmup,
-                                          settings=settings, log_dir=work_dir / "logs"))
+                                          settings=settings, log_dir=work_dir / "logs",
+                                          resume=resume, log=log))
             log(f"  done in {time.time() - t0:.0f} s")
         out[mode] = {**combine_offline(results), "repeats": reps, "gen_tokens": gen}
         log(f"  {mode}: {out[mode]['requests_per_s']:.1f} req/s, "
@@ -126,7 +134,7 @@ def run_offline(wl: Workload, modes: Sequence[str], settings: EngineSettings, *,
 
 def run_online(wl: Workload, modes: Sequence[str], settings: EngineSettings, *,
                queries: list[Query], levels: Sequence[int], warmup: int, work_dir: Path,
-               log: Callable[[str], None]) -> dict[str, Any]:
+               log: Callable[[str], None], resume: bool = False) -> dict[str, Any]:
     from .online import Server, drive
 
     out: dict[str, Any] = {}
@@ -138,21 +146,36 @@ def run_online(wl: Workload, modes: Sequence[str], settings: EngineSettings, *,
         startup = 0.0
         for eng in engines(base, wl, settings, queries, work_dir / "adapters"):
             reqs = [r for g in eng.groups for r in g]
-            port = _free_port()
             stem = eng.label.replace("[", "-").replace("]", "")
-            log(f"online {eng.label}: starting server")
-            with Server(eng.server_args(HOST, port), url=f"http://{HOST}:{port}", env=env,
-                        log_path=work_dir / "logs" / f"server-{stem}.log") as srv:
-                startup += srv.startup_s
-                if warmup:
-                    drive(srv.url, reqs[:warmup], min(8, warmup))
-                for c in levels:
-                    srv.reset_prefix_cache()
-                    with srv.sampling():
-                        wall, res = drive(srv.url, reqs, c)
-                    per_level[c].append({"wall": wall, "results": res, "peak_rss": srv.peak_rss,
-                                         "peak_kv": srv.peak_kv})
-                    log(f"  concurrency {c}: {len(reqs) / wall:.1f} req/s")
+            if mode == NOISE_MODE:
+                stem += "-again"
+            cache = work_dir / "logs" / f"online-{stem}.json"
+            key = json.dumps({"args": eng.server_args(HOST, 0), "requests": reqs,
+                              "levels": list(levels), "warmup": warmup})
+            if resume and cache.exists() and json.loads(cache.read_text())["key"] == key:
+                done = json.loads(cache.read_text())
+                log(f"online {eng.label}: reusing the result measured at {done['measured_at']}")
+            else:
+                done = {"key": key, "levels": {}}
+                port = _free_port()
+                log(f"online {eng.label}: starting server")
+                with Server(eng.server_args(HOST, port), url=f"http://{HOST}:{port}", env=env,
+                            log_path=work_dir / "logs" / f"server-{stem}.log") as srv:
+                    done["startup"] = srv.startup_s
+                    if warmup:
+                        drive(srv.url, reqs[:warmup], min(8, warmup))
+                    for c in levels:
+                        srv.reset_prefix_cache()
+                        with srv.sampling():
+                            wall, res = drive(srv.url, reqs, c)
+                        done["levels"][str(c)] = {"wall": wall, "results": res,
+                                                  "peak_rss": srv.peak_rss, "peak_kv": srv.peak_kv}
+                        log(f"  concurrency {c}: {len(reqs) / wall:.1f} req/s")
+                done["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+                cache.write_text(json.dumps(done))
+            startup += done["startup"]
+            for c in levels:
+                per_level[c].append(done["levels"][str(c)])
         out[mode] = {str(c): _combine_online(parts) for c, parts in per_level.items()}
         out[mode]["startup_seconds"] = startup
     return out
@@ -187,7 +210,7 @@ def _quantile(sorted_xs: list[float], q: float) -> float:
 
 def run_icl_cost(wl: Workload, ks: Sequence[int], settings: EngineSettings, *, n_per_task: int,
                  seed: int, repeats: int, warmup: int, work_dir: Path,
-                 log: Callable[[str], None]) -> dict[str, Any]:
+                 log: Callable[[str], None], resume: bool = False) -> dict[str, Any]:
     """ICL serving cost as k grows (prefix cache on and off); LTV fused as the flat reference."""
     from .modes import request
 
@@ -209,11 +232,11 @@ def run_icl_cost(wl: Workload, ks: Sequence[int], settings: EngineSettings, *, n
         log(f"icl-cost {mode}: k in {list(ks)}")
         eng.label = f"icl-cost-{mode}"
         res = run_engine_job(eng, passes, repeats=repeats, gen_tokens=0, warmup=warmup,
-                             settings=settings, log_dir=work_dir / "logs")
+                             settings=settings, log_dir=work_dir / "logs", resume=resume, log=log)
         out[mode] = {p["name"]: combine_offline([res], p["name"]) for p in passes}
     fused = [run_engine_job(e, [{"name": "main", "groups": e.groups}], repeats=repeats,
                             gen_tokens=0, warmup=warmup, settings=settings,
-                            log_dir=work_dir / "logs")
+                            log_dir=work_dir / "logs", resume=resume, log=log)
              for e in engines("ltv-fused", wl, settings, wl.queries, work_dir / "adapters")]
     out["ltv-fused"] = combine_offline(fused)
     return out
@@ -240,6 +263,7 @@ def bench_serving(
     work_dir: Path,
     command: str,
     noise_check: bool = True,
+    resume: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Build the workload, run the offline and online modes, write JSON, markdown and plots."""
@@ -267,7 +291,7 @@ def bench_serving(
         if noise_check and "zero-shot" in order:
             order.append(NOISE_MODE)
         doc["offline"] = run_offline(wl, order, settings, repeats=repeats, gen_tokens=gen_tokens,
-                                     warmup=warmup, work_dir=work_dir, log=log)
+                                     warmup=warmup, work_dir=work_dir, log=log, resume=resume)
     if online_modes:
         queries = wl.queries[:online_requests]
         doc["online_requests"] = len(queries)
@@ -275,7 +299,7 @@ def bench_serving(
         if noise_check and "zero-shot" in order:
             order.append(NOISE_MODE)
         doc["online"] = run_online(wl, order, settings, queries=queries, levels=levels,
-                                   warmup=warmup, work_dir=work_dir, log=log)
+                                   warmup=warmup, work_dir=work_dir, log=log, resume=resume)
     doc["seconds"] = time.time() - t0
     doc["targets"] = report.targets(doc)
     report.write(doc, out_dir, report.markdown(doc))
@@ -299,6 +323,7 @@ def bench_icl_cost(
     out_dir: Path,
     work_dir: Path,
     command: str,
+    resume: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     from dataclasses import asdict
@@ -313,7 +338,30 @@ def bench_icl_cost(
                            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
                            "settings": asdict(settings), "workload": wl.describe()}
     doc["icl_cost"] = run_icl_cost(wl, ks, settings, n_per_task=n_per_task, seed=seed,
-                                   repeats=repeats, warmup=warmup, work_dir=work_dir, log=log)
+                                   repeats=repeats, warmup=warmup, work_dir=work_dir, log=log,
+                                   resume=resume)
     report.write(doc, out_dir, report.icl_cost_markdown(doc))
     doc["plots"] = [str(report.icl_cost_plot(doc, out_dir))]
+    return doc
+
+
+def rerender(out_dir: Path) -> dict[str, Any]:
+    """Recompute rates, targets, markdown and plots from a results.json (no engine runs)."""
+    from . import report
+
+    doc = json.loads((out_dir / "results.json").read_text())
+    if "icl_cost" in doc:
+        ic = doc["icl_cost"]
+        for mode in ("icl-prefix-cache", "icl-no-cache"):
+            for r in ic[mode].values():
+                derive_rates(r)
+        derive_rates(ic["ltv-fused"])
+        report.write(doc, out_dir, report.icl_cost_markdown(doc))
+        report.icl_cost_plot(doc, out_dir)
+        return doc
+    for r in (doc.get("offline") or {}).values():
+        derive_rates(r)
+    doc["targets"] = report.targets(doc)
+    report.write(doc, out_dir, report.markdown(doc))
+    report.plot(doc, out_dir)
     return doc
