@@ -26,6 +26,11 @@ class Classification:
     probs: dict[str, float]  # label word → restricted probability
 
 
+def token_logprobs(top: dict[str, float]) -> dict[int, float]:
+    """`top_logprobs` keyed `token_id:N` (return_tokens_as_token_ids) → {N: logprob}."""
+    return {int(k.split(":", 1)[1]): v for k, v in top.items()}
+
+
 def label_ids_from_server(base_url: str, model: str, task: Task) -> list[int]:
     """First token of " " + label for each label, from the server's own tokenizer."""
     import httpx
@@ -72,9 +77,8 @@ def classify(
             raise ClientError(f"server refused ({e.status_code}): {_message(e)}") from None
         except openai.APIConnectionError:
             raise ClientError(f"cannot reach {base_url}") from None
-        top: dict[str, float] = r.choices[0].logprobs.top_logprobs[0]  # type: ignore[union-attr]
-        lp = {by_id[int(k.split(":", 1)[1])]: v for k, v in top.items()
-              if int(k.split(":", 1)[1]) in by_id}
+        top = token_logprobs(r.choices[0].logprobs.top_logprobs[0])  # type: ignore[union-attr]
+        lp = {by_id[i]: v for i, v in top.items() if i in by_id}
         z = sum(math.exp(v) for v in lp.values())
         probs = {lab: math.exp(lp[lab]) / z if lab in lp else 0.0 for lab in task.labels}
         return Classification(label=max(probs, key=probs.__getitem__), probs=probs)

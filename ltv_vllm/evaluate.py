@@ -24,7 +24,7 @@ import torch
 from . import __version__
 from .capture import Capturer
 from .extract import METHODS, LoadedModel, capture_test_zero_shot, run_episode
-from .fileio import atomic_write
+from .fileio import atomic_write, save_figure
 from .tasks import Task, label_token_ids
 
 METHOD_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", "ltv": "LTV", "mean": "Mean shift"}
@@ -222,8 +222,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.suptitle(f"{cfg['model']}: d_NTP vs accuracy (k={cfg['k']}, N={cfg['n']})")
     fig.tight_layout()
     p = out_dir / "dntp_vs_accuracy.png"
-    atomic_write(p, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    plt.close(fig)
+    save_figure(fig, p)
     paths.append(p)
 
     # Per-task accuracy bars with the std over runs.
@@ -243,8 +242,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     p = out_dir / "accuracy_per_task.png"
-    atomic_write(p, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    plt.close(fig)
+    save_figure(fig, p)
     paths.append(p)
     return paths
 

@@ -25,3 +25,12 @@ def atomic_write(path: str | Path, write: Callable[[str], object]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def save_figure(fig: object, path: str | Path, dpi: int = 120) -> Path:
+    """Write a matplotlib figure as PNG atomically, then close it (frees its memory)."""
+    import matplotlib.pyplot as plt
+
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))  # type: ignore[attr-defined]
+    plt.close(fig)  # type: ignore[arg-type]
+    return Path(path)

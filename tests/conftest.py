@@ -72,6 +72,19 @@ def make_llama(vocab_size: int, *, hidden: int = 64, layers: int = 2, seed: int 
     return model
 
 
+def make_vllm_llama(tokenizer, *, seed: int, tie: bool = True):
+    """A tiny Llama vLLM's CPU attention accepts (hidden 128, 2 heads → head_dim 64)."""
+    from transformers import LlamaForCausalLM
+
+    cfg = make_llama(len(tokenizer), hidden=128, layers=2, seed=seed, tie=tie).config
+    cfg.num_attention_heads, cfg.num_key_value_heads = 2, 1
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_llama
+from conftest import make_vllm_llama
 from ltv_vllm.apply import task_vector_applied
 from ltv_vllm.bench.extraction import grid
 from ltv_vllm.bench.workload import build_workload
@@ -29,16 +29,8 @@ TASKS = "sst2,agnews"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer):
-    from transformers import LlamaForCausalLM
-
     d = tmp_path_factory.mktemp("bench-model")
-    cfg = make_llama(len(tokenizer), hidden=128, layers=2, seed=5, tie=True).config
-    cfg.num_attention_heads, cfg.num_key_value_heads = 2, 1  # head_dim 64 for vLLM's CPU kernels
-    torch.manual_seed(5)
-    model = LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
-    model.save_pretrained(d)
+    make_vllm_llama(tokenizer, seed=5).save_pretrained(d)
     tokenizer.save_pretrained(d)
     return d
 

@@ -21,7 +21,7 @@ import openai
 import pytest
 import torch
 
-from conftest import make_llama, reference_logprobs
+from conftest import make_vllm_llama, reference_logprobs
 from ltv_vllm.client import classify
 from ltv_vllm.tasks import BUILTIN_TASKS, label_token_ids
 from ltv_vllm.vector import TaskVector, model_identity
@@ -39,14 +39,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory, tokenizer):
     d = tmp_path_factory.mktemp("srv-model")
-    model = make_llama(len(tokenizer), hidden=128, layers=2, seed=31, tie=True)
-    model.config.num_attention_heads, model.config.num_key_value_heads = 2, 1
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(31)
-    model = LlamaForCausalLM(model.config).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
+    model = make_vllm_llama(tokenizer, seed=31)
     model.save_pretrained(d)
     tokenizer.save_pretrained(d)
     vd = tmp_path_factory.mktemp("srv-vectors")

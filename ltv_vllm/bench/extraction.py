@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..capture import Capturer
+from ..fileio import save_figure
 
 
 def time_paths(cap: Capturer, task_name: str, k: int, n: int, seed: int, *,
@@ -137,7 +138,4 @@ def extraction_plot(doc: dict[str, Any], out_dir: Path) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle(f"{doc['model']}: extraction cost")
     fig.tight_layout()
-    path = out_dir / "extraction_cost.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir / "extraction_cost.png")

@@ -23,6 +23,7 @@ from typing import Any, Self
 
 import httpx
 
+from ..client import token_logprobs
 from ..serve import SERVER_MODULE
 from . import BenchError
 
@@ -154,8 +155,7 @@ async def _drive(url: str, requests: list[dict[str, Any]], concurrency: int
             if resp.status_code != 200:
                 raise BenchError(f"request for {r['model']!r} refused ({resp.status_code}): "
                                  f"{resp.text[:200]}")
-            top = resp.json()["choices"][0]["logprobs"]["top_logprobs"][0]
-            lp = {int(k.split(":", 1)[1]): v for k, v in top.items()}
+            lp = token_logprobs(resp.json()["choices"][0]["logprobs"]["top_logprobs"][0])
             scores = [lp.get(i, float("-inf")) for i in r["label_ids"]]
             return {"qid": r["qid"], "task": r["task"], "gold": r["gold"], "latency": latency,
                     "pred": max(range(len(scores)), key=scores.__getitem__)}

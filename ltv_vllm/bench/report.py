@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..fileio import atomic_write
+from ..fileio import atomic_write, save_figure
 
 GIB = 1024**3
 MIB = 1024**2
@@ -187,9 +187,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_title(f"{doc['model']}: throughput relative to zero-shot (log scale)")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        paths.append(out_dir / "throughput_ratio.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir / "throughput_ratio.png"))
 
         fig, ax = plt.subplots(figsize=(6, 4.5))
         for m, r in off.items():
@@ -201,9 +199,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_ylabel("accuracy (%)")
         ax.set_title("accuracy against cost, same queries")
         fig.tight_layout()
-        paths.append(out_dir / "accuracy_vs_throughput.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir / "accuracy_vs_throughput.png"))
     if on:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for m, r in on.items():
@@ -218,9 +214,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_ylabel("latency (ms, log)")
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
-        paths.append(out_dir / "latency.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir / "latency.png"))
     return paths
 
 
@@ -266,10 +260,7 @@ def icl_cost_plot(doc: dict[str, Any], out_dir: Path) -> Path:
     b.legend()
     fig.suptitle(f"{doc['model']}: serving cost against k")
     fig.tight_layout()
-    path = out_dir / "icl_cost.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir / "icl_cost.png")
 
 
 def write(doc: dict[str, Any], out_dir: Path, md: str) -> None:

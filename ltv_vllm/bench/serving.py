@@ -35,12 +35,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _stem(label: str) -> str:
+    """File-name stem of an engine label: `ltv-fused[sst2]` → `ltv-fused-sst2`."""
+    return label.replace("[", "-").replace("]", "").replace(" ", "_")
+
+
 def run_engine_job(engine: Engine, passes: list[dict[str, Any]], *, repeats: int, gen_tokens: int,
                    warmup: int, settings: EngineSettings, log_dir: Path,
                    resume: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """One offline job (`engine.py`) in a fresh process; its result dict."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    stem = engine.label.replace("[", "-").replace("]", "").replace(" ", "_")
+    stem = _stem(engine.label)
     job_path, out_path, log_path = (log_dir / f"{stem}.job.json", log_dir / f"{stem}.result.json",
                                     log_dir / f"{stem}.log")
     job = json.dumps({"llm_kwargs": engine.llm_kwargs, "passes": passes, "repeats": repeats,
@@ -146,7 +151,7 @@ def run_online(wl: Workload, modes: Sequence[str], settings: EngineSettings, *,
         startup = 0.0
         for eng in engines(base, wl, settings, queries, work_dir / "adapters"):
             reqs = [r for g in eng.groups for r in g]
-            stem = eng.label.replace("[", "-").replace("]", "")
+            stem = _stem(eng.label)
             if mode == NOISE_MODE:
                 stem += "-again"
             cache = work_dir / "logs" / f"online-{stem}.json"
@@ -269,7 +274,6 @@ def bench_serving(
     """Build the workload, run the offline and online modes, write JSON, markdown and plots."""
     from dataclasses import asdict
 
-    from . import report
     from .workload import build_workload, kv_bytes_per_token, machine
 
     unknown = [m for m in [*modes, *online_modes] if m not in MODES]
@@ -301,10 +305,7 @@ def bench_serving(
         doc["online"] = run_online(wl, order, settings, queries=queries, levels=levels,
                                    warmup=warmup, work_dir=work_dir, log=log, resume=resume)
     doc["seconds"] = time.time() - t0
-    doc["targets"] = report.targets(doc)
-    report.write(doc, out_dir, report.markdown(doc))
-    doc["plots"] = [str(p) for p in report.plot(doc, out_dir)]
-    return doc
+    return render(doc, out_dir)
 
 
 def bench_icl_cost(
@@ -328,7 +329,6 @@ def bench_icl_cost(
 ) -> dict[str, Any]:
     from dataclasses import asdict
 
-    from . import report
     from .workload import build_workload, machine
 
     # LTV's serving cost does not depend on the k its vector came from (`vector_k`)
@@ -340,28 +340,29 @@ def bench_icl_cost(
     doc["icl_cost"] = run_icl_cost(wl, ks, settings, n_per_task=n_per_task, seed=seed,
                                    repeats=repeats, warmup=warmup, work_dir=work_dir, log=log,
                                    resume=resume)
-    report.write(doc, out_dir, report.icl_cost_markdown(doc))
-    doc["plots"] = [str(report.icl_cost_plot(doc, out_dir))]
+    return render(doc, out_dir)
+
+
+def render(doc: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Rates, targets, results.json, results.md and plots of a serving or icl-cost doc."""
+    from . import report
+
+    if "icl_cost" in doc:
+        ic = doc["icl_cost"]
+        for r in [*ic["icl-prefix-cache"].values(), *ic["icl-no-cache"].values(), ic["ltv-fused"]]:
+            derive_rates(r)
+        report.write(doc, out_dir, report.icl_cost_markdown(doc))
+        plots = [report.icl_cost_plot(doc, out_dir)]
+    else:
+        for r in (doc.get("offline") or {}).values():
+            derive_rates(r)
+        doc["targets"] = report.targets(doc)
+        report.write(doc, out_dir, report.markdown(doc))
+        plots = report.plot(doc, out_dir)
+    doc["plots"] = [str(p) for p in plots]
     return doc
 
 
 def rerender(out_dir: Path) -> dict[str, Any]:
-    """Recompute rates, targets, markdown and plots from a results.json (no engine runs)."""
-    from . import report
-
-    doc = json.loads((out_dir / "results.json").read_text())
-    if "icl_cost" in doc:
-        ic = doc["icl_cost"]
-        for mode in ("icl-prefix-cache", "icl-no-cache"):
-            for r in ic[mode].values():
-                derive_rates(r)
-        derive_rates(ic["ltv-fused"])
-        report.write(doc, out_dir, report.icl_cost_markdown(doc))
-        report.icl_cost_plot(doc, out_dir)
-        return doc
-    for r in (doc.get("offline") or {}).values():
-        derive_rates(r)
-    doc["targets"] = report.targets(doc)
-    report.write(doc, out_dir, report.markdown(doc))
-    report.plot(doc, out_dir)
-    return doc
+    """Re-render a result directory from its results.json (no engine runs)."""
+    return render(json.loads((out_dir / "results.json").read_text()), out_dir)
