@@ -59,6 +59,13 @@ def label_head(model: PreTrainedModel, label_ids: Sequence[int]) -> tuple[torch.
     return w, b
 
 
+def full_head(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The whole LM head as it sits in the model (any device/dtype): W (V, d), b (V,) or None."""
+    head = lm_head(model)
+    bias = head.bias.detach() if head.bias is not None else None
+    return head.weight.detach(), bias
+
+
 def _batches(n: int, size: int) -> Iterator[range]:
     for start in range(0, n, size):
         yield range(start, min(n, start + size))
@@ -106,6 +113,7 @@ class Capturer:
             pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         self.pad_id = int(pad)
         self.pack = pack
+        self._prefix: _Prefix | None = None  # last demo prefix: callers pass one in chunks
 
     # -- tokenisation -------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -179,12 +187,17 @@ class Capturer:
     @torch.no_grad()
     def encode_prefix(self, prefix: str) -> _Prefix:
         ids = self.encode(prefix)
+        # Chunked callers (ltv_vllm.store) pass the same demos many times; the passes never
+        # write into the cache, so the last prefix's KV can be reused as it is.
+        if self._prefix is not None and self._prefix.ids == ids:
+            return self._prefix
         out = self.base(
             input_ids=torch.tensor([ids], device=self.device),
             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=self.device),
             use_cache=True,
         )
-        return _Prefix(ids=ids, cache=out.past_key_values)
+        self._prefix = _Prefix(ids=ids, cache=out.past_key_values)
+        return self._prefix
 
     def icl(self, prefix: str, prompts: Sequence[str], desc: str = "icl") -> torch.Tensor:
         """h(prefix + p) for each prompt, reusing one KV cache of the prefix. (n, d)"""

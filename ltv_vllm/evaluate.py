@@ -23,16 +23,34 @@ import torch
 
 from . import __version__
 from .capture import Capturer
-from .extract import METHODS, LoadedModel, capture_test_zero_shot, run_episode
+from .extract import (
+    METHODS,
+    TRANSFER_K,
+    TRANSFER_METHOD,
+    LoadedModel,
+    SourceModel,
+    capture_test_zero_shot,
+    check_pair,
+    run_episode,
+    run_transfer_episode,
+)
 from .fileio import atomic_write, save_figure
 from .tasks import Task, label_token_ids
 
-METHOD_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", "ltv": "LTV", "mean": "Mean shift"}
+METHOD_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", "ltv": "LTV", "mean": "Mean shift",
+                 TRANSFER_METHOD: "Transferred LTV"}
+SOURCE = "source-"  # prefix of the source model's own methods in a transfer evaluation
+
+
+def method_label(m: str) -> str:
+    if m.startswith(SOURCE):
+        return "Source " + METHOD_LABELS.get(m.removeprefix(SOURCE), m)
+    return METHOD_LABELS.get(m, m)
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    k: int = 30
+    k: int | None = None  # None: 30, or max(10, K) per task in a transfer evaluation
     n: int = 256
     lam: float = 5.0
     n_test: int = 500
@@ -47,61 +65,101 @@ def evaluate(
     methods: Sequence[str],
     cfg: EvalConfig,
     *,
+    source: SourceModel | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Run every task × run and return the result document (also what `write_report` saves)."""
+    """Run every task × run and return the result document (also what `write_report` saves).
+
+    With a `source`, `methods` (other than "ltv-transfer") run on both models — the source's
+    as "source-<method>" — and "ltv-transfer" is the source → target logit-space vector
+    scored on the target: the paper's transfer table.
+    """
     from tqdm.auto import tqdm
 
     from .data import load_dataset, sample_episode
 
-    unknown = [m for m in methods if m not in METHODS]
+    known = (*METHODS, TRANSFER_METHOD) if source is not None else METHODS
+    unknown = [m for m in methods if m not in known]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+        hint = " (ltv-transfer needs a source model)" if TRANSFER_METHOD in unknown else ""
+        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(known)}{hint}")
+    own = tuple(m for m in methods if m in METHODS)
+    keys = list(own)
+    if source is not None:
+        keys += [SOURCE + m for m in own] + [TRANSFER_METHOD]
+
+    def k_for(task: Task) -> int:
+        if cfg.k is not None:
+            return cfg.k
+        return max(TRANSFER_K, task.num_classes) if source is not None else 30
+
+    datasets = {t.name: load_dataset(t) for t in tasks}
+
+    def episodes(t: Task, seed: int) -> Any:
+        return sample_episode(datasets[t.name], k=k_for(t), n=cfg.n, n_test=cfg.n_test, seed=seed)
+
+    if source is not None:  # every pair check before the first heavy pass
+        pair_ids = {t.name: check_pair(lm, source, episodes(t, cfg.seed)) for t in tasks}
     cap = Capturer(lm.model, lm.tokenizer, batch_size=cfg.batch_size, progress=progress)
     records: list[dict[str, Any]] = []
     started = time.perf_counter()
     bar = tqdm(total=len(tasks) * cfg.runs, desc="episodes", unit="run", disable=not progress)
     for task in tasks:
         label_ids = label_token_ids(task, lm.tokenizer)
-        dataset = load_dataset(task)
-        h_zs_test = None
+        h_zs_test = h_zs_test_source = None
         for run in range(cfg.runs):
             seed = cfg.seed + run
-            episode = sample_episode(dataset, k=cfg.k, n=cfg.n, n_test=cfg.n_test, seed=seed)
-            if h_zs_test is None:  # the test subset is the same for every run
-                h_zs_test = capture_test_zero_shot(cap, task, episode)
-            res = run_episode(
-                cap, episode, cfg.lam, label_ids, h_zs_test=h_zs_test, methods=tuple(methods)
-            )
-            for m in methods:
+            episode = episodes(task, seed)
+            if source is None:
+                if h_zs_test is None:  # the test subset is the same for every run
+                    h_zs_test = capture_test_zero_shot(cap, task, episode)
+                res = run_episode(cap, episode, cfg.lam, label_ids, h_zs_test=h_zs_test,
+                                  methods=own)
+                metrics = res.metrics
+                ext = dict.fromkeys(("ltv", "mean"), res.timings["extraction_seconds"])
+            else:
+                tr, ct, cs = run_transfer_episode(
+                    cap, source, episode, cfg.lam, pair_ids[task.name],
+                    h_zs_test_target=h_zs_test, h_zs_test_source=h_zs_test_source)
+                h_zs_test, h_zs_test_source = ct.h_zs_test, cs.h_zs_test
+                metrics = tr.metrics
+                t_ext = tr.target.timings["extraction_seconds"]
+                s_ext = tr.source.timings["extraction_seconds"]
+                ext = {"ltv": t_ext, "mean": t_ext, SOURCE + "ltv": s_ext, SOURCE + "mean": s_ext,
+                       TRANSFER_METHOD: tr.timings["extraction_seconds"]}
+            for m in keys:
                 records.append(
                     {
                         "task": task.name,
                         "run": run,
                         "seed": seed,
                         "method": m,
-                        "accuracy": res.metrics[m]["accuracy"],
-                        "d_ntp": res.metrics[m]["d_ntp"],
-                        "extraction_seconds": res.timings["extraction_seconds"]
-                        if m in ("ltv", "mean")
-                        else None,
+                        "accuracy": metrics[m]["accuracy"],
+                        "d_ntp": metrics[m]["d_ntp"],
+                        "extraction_seconds": ext.get(m),
                         "k_used": len(episode.demos),
                         "n_test": len(episode.test),
                     }
                 )
             bar.set_postfix_str(
-                f"{task.name}: " + " ".join(f"{m}={res.metrics[m]['accuracy']:.3f}" for m in methods)
+                f"{task.name}: " + " ".join(f"{m}={metrics[m]['accuracy']:.3f}" for m in keys)
             )
             bar.update(1)
     bar.close()
+    source_cfg = {}
+    if source is not None:
+        source_cfg = {"source_model": source.spec, "source_identity": source.identity.to_dict(),
+                      "source_load": {k: v for k, v in source.load.items() if v is not None}}
     return {
         "config": {
             "model": lm.spec,
             "model_identity": lm.identity.to_dict(),
             "dtype": str(lm.model.dtype).removeprefix("torch."),
             "tasks": [t.name for t in tasks],
-            "methods": list(methods),
+            "methods": keys,
+            **source_cfg,
             **cfg.__dict__,
+            "k_per_task": {t.name: k_for(t) for t in tasks},
         },
         "machine": {
             "platform": platform.platform(),
@@ -113,7 +171,7 @@ def evaluate(
         },
         "wall_seconds": time.perf_counter() - started,
         "records": records,
-        "summary": summarise(records, [t.name for t in tasks], list(methods)),
+        "summary": summarise(records, [t.name for t in tasks], keys),
     }
 
 
@@ -150,10 +208,17 @@ def summarise(records: list[dict[str, Any]], tasks: list[str], methods: list[str
 def markdown_table(doc: dict[str, Any]) -> str:
     cfg, summ = doc["config"], doc["summary"]
     tasks, methods = cfg["tasks"], cfg["methods"]
+    transfer = TRANSFER_METHOD in methods
+    k = cfg.get("k_per_task") or {t: cfg["k"] for t in tasks}
+    ks = sorted(set(k.values()))
+    k_text = f"k={ks[0]}" if len(ks) == 1 else "k=" + ", ".join(f"{t} {k[t]}" for t in tasks)
+    model = f"Model `{cfg['model']}`"
+    if transfer:
+        model = f"Target (small) `{cfg['model']}`, source (large) `{cfg['source_model']}`"
     head = "| Method | " + " | ".join(tasks) + " | Avg. |"
     sep = "|---|" + "---|" * (len(tasks) + 1)
     lines = [
-        (f"Model `{cfg['model']}` ({cfg['dtype']}), k={cfg['k']}, N={cfg['n']}, λ={cfg['lam']}, "
+        (f"{model} ({cfg['dtype']}), {k_text}, N={cfg['n']}, λ={cfg['lam']}, "
          f"{cfg['n_test']} test queries, {cfg['runs']} runs (mean ± std over runs)."),
         "",
         "**Accuracy (%)**",
@@ -165,27 +230,46 @@ def markdown_table(doc: dict[str, Any]) -> str:
         cells = []
         for t in tasks:
             c = summ["per_task"][t][m]
-            std = f" ± {100 * c['accuracy_std']:.1f}" if m != "zero-shot" else ""
+            std = f" ± {100 * c['accuracy_std']:.1f}" if not m.endswith("zero-shot") else ""
             cells.append(f"{100 * c['accuracy']:.1f}{std}")
         lines.append(
-            f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(cells)
+            f"| {_row_label(m, cfg)} | " + " | ".join(cells)
             + f" | {100 * summ['average'][m]['accuracy']:.1f} |"
         )
-    lines += ["", "**d_NTP = KL(P_icl ‖ P_method), label-restricted (lower is closer to ICL)**", "",
-              head, sep]
+    if transfer and "ltv" in methods:  # the paper's "(+4.76)": against the target's own LTV
+        deltas = [100 * (summ["per_task"][t][TRANSFER_METHOD]["accuracy"]
+                         - summ["per_task"][t]["ltv"]["accuracy"]) for t in tasks]
+        avg = 100 * (summ["average"][TRANSFER_METHOD]["accuracy"] - summ["average"]["ltv"]["accuracy"])
+        lines.append("| Δ transferred − target LTV | " + " | ".join(f"{d:+.1f}" for d in deltas)
+                     + f" | {avg:+.1f} |")
+    ref = ("; for transferred LTV, against the source's ICL, which it is fitted to" if transfer
+           else "")
+    title = (f"**d_NTP = KL(P_icl ‖ P_method) against the same model's ICL{ref}; "
+             "label-restricted (lower is closer to ICL)**")
+    lines += ["", title, "", head, sep]
     for m in methods:
-        if m == "icl":
+        if m.endswith("icl"):
             continue
         cells = [f"{summ['per_task'][t][m]['d_ntp']:.3f}" for t in tasks]
         lines.append(
-            f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(cells)
+            f"| {_row_label(m, cfg)} | " + " | ".join(cells)
             + f" | {summ['average'][m]['d_ntp']:.3f} |"
         )
-    ext = [summ["per_task"][t].get("ltv", {}).get("extraction_seconds") for t in tasks]
-    if any(e is not None for e in ext):
-        lines += ["", "**LTV extraction time per run (s)**: "
-                  + ", ".join(f"{t} {e:.1f}" for t, e in zip(tasks, ext) if e is not None)]
+    for m in ("ltv", SOURCE + "ltv", TRANSFER_METHOD):
+        ext = [summ["per_task"][t].get(m, {}).get("extraction_seconds") for t in tasks]
+        if any(e is not None for e in ext):
+            lines += ["", f"**{_row_label(m, cfg).strip('*')} extraction time per run (s)**: "
+                      + ", ".join(f"{t} {e:.1f}" for t, e in zip(tasks, ext) if e is not None)]
     return "\n".join(lines) + "\n"
+
+
+def _row_label(m: str, cfg: dict[str, Any]) -> str:
+    if TRANSFER_METHOD not in cfg["methods"]:
+        return method_label(m)
+    if m == TRANSFER_METHOD:
+        return "**Transferred LTV (source → target)**"
+    side = "Source" if m.startswith(SOURCE) else "Target"
+    return f"{side}: {METHOD_LABELS.get(m.removeprefix(SOURCE), m)}"
 
 
 def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -196,8 +280,11 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
 
     cfg, records = doc["config"], doc["records"]
     tasks = cfg["tasks"]
-    methods = [m for m in cfg["methods"] if m != "icl"]
-    colors = {"zero-shot": "tab:gray", "ltv": "tab:blue", "mean": "tab:orange", "icl": "tab:green"}
+    methods = [m for m in cfg["methods"] if not m.endswith("icl")]
+    colors = {"zero-shot": "tab:gray", "ltv": "tab:blue", "mean": "tab:orange", "icl": "tab:green",
+              SOURCE + "zero-shot": "silver", SOURCE + "ltv": "lightskyblue",
+              SOURCE + "mean": "navajowhite", SOURCE + "icl": "yellowgreen",
+              TRANSFER_METHOD: "tab:red"}
     paths = []
 
     # d_NTP against accuracy, one point per run and method, one panel per task (paper Fig. 3).
@@ -208,7 +295,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         for m in methods:
             rs = [r for r in records if r["task"] == t and r["method"] == m]
             ax.scatter([r["d_ntp"] for r in rs], [100 * r["accuracy"] for r in rs],
-                       label=METHOD_LABELS.get(m, m), color=colors.get(m), alpha=0.8, s=22)
+                       label=method_label(m), color=colors.get(m), alpha=0.8, s=22)
         icl = [100 * r["accuracy"] for r in records if r["task"] == t and r["method"] == "icl"]
         if icl:
             ax.axhline(statistics.fmean(icl), color=colors["icl"], ls="--", lw=1, label="ICL (mean)")
@@ -219,7 +306,9 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     for ax in list(axes.flat)[len(tasks):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"{cfg['model']}: d_NTP vs accuracy (k={cfg['k']}, N={cfg['n']})")
+    k = cfg["k"] if cfg["k"] is not None else "/".join(
+        str(v) for v in sorted(set((cfg.get("k_per_task") or {}).values())))
+    fig.suptitle(f"{cfg['model']}: d_NTP vs accuracy (k={k}, N={cfg['n']})")
     fig.tight_layout()
     p = out_dir / "dntp_vs_accuracy.png"
     save_figure(fig, p)
@@ -227,18 +316,18 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
 
     # Per-task accuracy bars with the std over runs.
     all_methods = cfg["methods"]
-    fig, ax = plt.subplots(figsize=(1.3 * len(tasks) + 3, 3.6))
+    fig, ax = plt.subplots(figsize=((0.25 * len(all_methods) + 0.6) * len(tasks) + 3, 3.6))
     width = 0.8 / len(all_methods)
     for i, m in enumerate(all_methods):
         cells = [doc["summary"]["per_task"][t][m] for t in tasks]
         xs = [j + (i - (len(all_methods) - 1) / 2) * width for j in range(len(tasks))]
         ax.bar(xs, [100 * c["accuracy"] for c in cells], width,
                yerr=[100 * c["accuracy_std"] for c in cells], capsize=2,
-               label=METHOD_LABELS.get(m, m), color=colors.get(m))
+               label=method_label(m), color=colors.get(m))
     ax.set_xticks(range(len(tasks)), tasks)
     ax.set_ylabel("accuracy (%)")
     ax.set_title(f"{cfg['model']}: accuracy per task ({cfg['runs']} runs)")
-    ax.legend(fontsize=8, ncols=len(all_methods))
+    ax.legend(fontsize=8, ncols=min(5, len(all_methods)))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     p = out_dir / "accuracy_per_task.png"

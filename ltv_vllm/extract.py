@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import __version__
-from .capture import Capturer, label_head
+from .capture import Capturer, full_head, label_head
 from .data import Episode
 from .metrics import accuracy, d_ntp
 from .ridge import Factors, mean_shift, ridge_fit
@@ -21,6 +21,7 @@ from .tasks import Task, label_token_ids
 from .vector import ModelIdentity, TaskVector, model_identity
 
 METHODS = ("zero-shot", "icl", "ltv", "mean")
+TRANSFER_METHOD = "ltv-transfer"
 
 
 @dataclass
@@ -33,18 +34,58 @@ class LoadedModel:
     identity: ModelIdentity
 
 
-def load_model(spec: str | None, *, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
-    """Resolve a model spec (alias | local dir | hub id) and load it with transformers."""
+def load_model(
+    spec: str | None,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    device_map: str | None = None,
+    quantization: str | None = None,
+) -> LoadedModel:
+    """Resolve a model spec (alias | local dir | hub id) and load it with transformers.
+
+    `device_map="auto"` spreads the layers over every visible GPU (then CPU) with accelerate;
+    `quantization` "8bit" / "4bit" loads the linear layers with bitsandbytes (LM head kept
+    as it is, so logits stay in the checkpoint's precision).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .models import DEFAULT_MODEL, resolve_model
 
     spec = spec or DEFAULT_MODEL
     path = resolve_model(spec)
-    torch_dtype: Any = dtype if dtype == "auto" else getattr(torch, dtype)
+    kwargs: dict[str, Any] = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
+    if device_map:
+        kwargs["device_map"] = device_map
+    if quantization:
+        kwargs["quantization_config"] = _quantization_config(quantization)
+        kwargs.setdefault("device_map", "auto")  # bitsandbytes places weights on the GPU itself
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if "device_map" not in kwargs:
+        model = model.to(device)
+    model.eval()
     return LoadedModel(model=model, tokenizer=tok, spec=spec, identity=model_identity(model, spec))
+
+
+QUANTIZATIONS = ("8bit", "4bit")
+
+
+def _quantization_config(quantization: str) -> Any:
+    import importlib.util
+
+    from transformers import BitsAndBytesConfig
+
+    from .models import ModelError
+
+    if quantization not in QUANTIZATIONS:
+        raise ModelError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if importlib.util.find_spec("bitsandbytes") is None or not torch.cuda.is_available():
+        raise ModelError(f"{quantization} loading needs a CUDA GPU and `pip install bitsandbytes`")
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                              bnb_4bit_compute_dtype=torch.bfloat16)
 
 
 @dataclass
@@ -57,9 +98,76 @@ class EpisodeResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def capture_test_zero_shot(cap: Capturer, task: Task, episode: Episode) -> torch.Tensor:
+@dataclass
+class Captures:
+    """One model's states for one episode, float32 (rows, d)."""
+
+    h_zs: torch.Tensor       # N train queries, zero-shot
+    h_icl: torch.Tensor      # N train queries after the demos
+    h_zs_test: torch.Tensor  # test subset, zero-shot
+    h_icl_test: torch.Tensor
+    capture_seconds: float   # the train passes (what extraction costs)
+    test_seconds: float
+
+
+def capture_test_zero_shot(cap: Any, task: Task, episode: Episode) -> torch.Tensor:
     """h_zs on the test subset: it does not depend on the demos, so runs share it. (n_test, d)"""
     return cap.hidden([task.query(e.text) for e in episode.test], desc=f"{task.name} zero-shot test")
+
+
+def capture_episode(cap: Any, episode: Episode, *, h_zs_test: torch.Tensor | None = None) -> Captures:
+    """Every pass an episode needs; `cap` is a Capturer or a StoredCapturer."""
+    task = episode.task
+    prefix = episode.demo_prefix()
+    queries = [task.query(e.text) for e in episode.queries]
+    t0 = time.perf_counter()
+    h_zs = cap.hidden(queries, desc=f"{task.name} zero-shot train")  # (N, d)
+    h_icl = cap.icl(prefix, queries, desc=f"{task.name} icl train")   # (N, d)
+    t1 = time.perf_counter()
+    if h_zs_test is None:
+        h_zs_test = capture_test_zero_shot(cap, task, episode)
+    test_queries = [task.query(e.text) for e in episode.test]
+    h_icl_test = cap.icl(prefix, test_queries, desc=f"{task.name} icl test")
+    t2 = time.perf_counter()
+    return Captures(h_zs, h_icl, h_zs_test, h_icl_test, t1 - t0, t2 - t1)
+
+
+def score_episode(
+    c: Captures,
+    lam: float,
+    w_c: torch.Tensor,
+    b_c: torch.Tensor,
+    labels: torch.Tensor,
+    methods: tuple[str, ...] = METHODS,
+) -> EpisodeResult:
+    """Fit LTV (and the mean shift) on the train states; score every method on the test ones."""
+    t0 = time.perf_counter()
+    y = c.h_icl - c.h_zs  # (N, d) targets
+    factors = ridge_fit(c.h_zs, y, lam)
+    mean = mean_shift(y)
+    fit_seconds = time.perf_counter() - t0
+    hidden = {
+        "zero-shot": c.h_zs_test,
+        "icl": c.h_icl_test,
+        "ltv": c.h_zs_test + factors.apply(c.h_zs_test),
+        "mean": c.h_zs_test + mean,
+    }
+    logits = {m: hidden[m] @ w_c.T + b_c for m in methods}
+    metrics = {
+        m: {"accuracy": accuracy(z, labels), "d_ntp": d_ntp(logits["icl"], z)}
+        for m, z in logits.items()
+    }
+    timings = {
+        "capture_seconds": c.capture_seconds,
+        "fit_seconds": fit_seconds,
+        "extraction_seconds": c.capture_seconds + fit_seconds,
+        "test_seconds": c.test_seconds,
+    }
+    return EpisodeResult(factors, mean, logits, labels, metrics, timings)
+
+
+def episode_labels(episode: Episode) -> torch.Tensor:
+    return torch.tensor([e.label for e in episode.test])
 
 
 def run_episode(
@@ -71,45 +179,9 @@ def run_episode(
     h_zs_test: torch.Tensor | None = None,
     methods: tuple[str, ...] = METHODS,
 ) -> EpisodeResult:
-    task = episode.task
     w_c, b_c = label_head(cap.model, label_ids)  # (K, d), (K,)
-    prefix = episode.demo_prefix()
-    queries = [task.query(e.text) for e in episode.queries]
-
-    t0 = time.perf_counter()
-    h_zs = cap.hidden(queries, desc=f"{task.name} zero-shot train")  # (N, d)
-    h_icl = cap.icl(prefix, queries, desc=f"{task.name} icl train")   # (N, d)
-    t1 = time.perf_counter()
-    y = h_icl - h_zs                                                    # (N, d) targets
-    factors = ridge_fit(h_zs, y, lam)
-    mean = mean_shift(y)
-    t2 = time.perf_counter()
-
-    if h_zs_test is None:
-        h_zs_test = capture_test_zero_shot(cap, task, episode)
-    test_queries = [task.query(e.text) for e in episode.test]
-    h_icl_test = cap.icl(prefix, test_queries, desc=f"{task.name} icl test")
-    t3 = time.perf_counter()
-
-    hidden = {
-        "zero-shot": h_zs_test,
-        "icl": h_icl_test,
-        "ltv": h_zs_test + factors.apply(h_zs_test),
-        "mean": h_zs_test + mean,
-    }
-    logits = {m: hidden[m] @ w_c.T + b_c for m in methods}
-    labels = torch.tensor([e.label for e in episode.test])
-    metrics = {
-        m: {"accuracy": accuracy(z, labels), "d_ntp": d_ntp(logits["icl"], z)}
-        for m, z in logits.items()
-    }
-    timings = {
-        "capture_seconds": t1 - t0,
-        "fit_seconds": t2 - t1,
-        "extraction_seconds": t2 - t0,
-        "test_seconds": t3 - t2,
-    }
-    return EpisodeResult(factors, mean, logits, labels, metrics, timings)
+    c = capture_episode(cap, episode, h_zs_test=h_zs_test)
+    return score_episode(c, lam, w_c, b_c, episode_labels(episode), methods)
 
 
 def extract(
@@ -151,6 +223,236 @@ def extract(
             "episode": episode.fingerprint(),
             "ridge_form": res.factors.form,
             "dtype": str(lm.model.dtype).removeprefix("torch."),
+            "package_version": __version__,
+            "metrics": res.metrics,
+            "timings": res.timings,
+        },
+    )
+    return tv, res
+
+
+# -- cross-model transfer -----------------------------------------------------------------
+TRANSFER_K = 10  # the paper's transfer setting: few demos, where a small model's ICL is weak
+
+
+@dataclass
+class SourceModel:
+    """The large model of a transfer, loaded only if some of its captures are missing.
+
+    Everything about it that is needed before a heavy pass (tokenizer, identity, LM head) is
+    read from its directory without building the model.
+    """
+
+    spec: str
+    path: str
+    tokenizer: Any
+    identity: ModelIdentity
+    cap: Any  # StoredCapturer
+    load: dict[str, Any]
+    _head: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W_lm (V, d_L) and its bias: from the loaded model, else from the checkpoint."""
+        if self.cap.loaded:
+            return full_head(self.cap.capturer.model)
+        if self._head is None:
+            from .vector import read_lm_head
+
+            self._head = (read_lm_head(self.path), _read_head_bias(self.path))
+        return self._head
+
+
+def _read_head_bias(path: str) -> torch.Tensor | None:
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            if "lm_head.bias" in f.keys():  # noqa: SIM118 - safe_open has no __contains__
+                return f.get_tensor("lm_head.bias")
+    return None
+
+
+def local_model_dir(spec: str) -> str:
+    """A model spec as a local directory: hub ids go through the local hub cache/download."""
+    from pathlib import Path
+
+    from .models import ModelError, resolve_model
+
+    path = resolve_model(spec)
+    if Path(path).is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
+                                                       "*.tiktoken"])
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated repo
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"{spec}: not a packaged alias, local directory or reachable hub model "
+                         f"({first})") from None
+
+
+def open_source(
+    spec: str,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    device_map: str | None = None,
+    quantization: str | None = None,
+    work_dir: str | None = None,
+    chunk_size: int = 64,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> SourceModel:
+    """Prepare the source side of a transfer: tokenizer, identity, a resumable capture store."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from .models import cache_dir
+    from .store import StoredCapturer
+    from .vector import identity_from_dir
+
+    path = local_model_dir(spec)
+    ident = identity_from_dir(path, name=spec)
+    load = {"dtype": dtype, "device": device, "device_map": device_map, "quantization": quantization}
+
+    def make() -> Capturer:
+        lm = load_model(path, **load)
+        return Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=progress)
+
+    # Not the spec: the same weights reached by another path or alias reuse the captures.
+    key = {"model": {k_: v for k_, v in ident.to_dict().items() if k_ != "name"}, "dtype": dtype, "quantization": quantization,
+           "capture": "post-norm last token, v1"}
+    root = Path(work_dir) if work_dir else cache_dir() / "captures"
+    store = StoredCapturer(root, key, make, chunk_size=chunk_size, progress=progress)
+    return SourceModel(spec=spec, path=path, tokenizer=AutoTokenizer.from_pretrained(path),
+                       identity=ident, cap=store, load=load)
+
+
+def check_pair(target: LoadedModel, source: SourceModel, episode: Episode) -> list[int]:
+    """Same tokenizer on this episode's prompts and label words; returns the label ids."""
+    from .transfer import TransferError, check_same_tokenizer
+
+    task = episode.task
+    prefix = episode.demo_prefix()
+    prompts = [prefix + task.query(e.text) for e in episode.queries[:4]]
+    prompts += [task.query(e.text) for e in (*episode.queries[:16], *episode.test[:16])]
+    check_same_tokenizer(target.tokenizer, source.tokenizer, prompts,
+                         names=(f"target {target.spec}", f"source {source.spec}"))
+    ids_t = label_token_ids(task, target.tokenizer)
+    ids_s = label_token_ids(task, source.tokenizer)
+    if ids_t != ids_s:
+        raise TransferError(f"label words of {task.name!r} map to {ids_t} in the target's tokenizer "
+                            f"but {ids_s} in the source's")
+    return ids_t
+
+
+@dataclass
+class TransferResult:
+    factors: Factors                      # W̃ = U Vᵀ, U (V_S, r), V (d_S, r)
+    target: EpisodeResult                 # the target's own zero-shot / ICL / LTV / mean
+    source: EpisodeResult                 # the source's own
+    metrics: dict[str, dict[str, float]]  # target methods, "source-*" and "ltv-transfer"
+    timings: dict[str, float]
+
+
+def _label_rows(w: torch.Tensor, b: torch.Tensor | None, label_ids: list[int]):
+    idx = torch.tensor(label_ids, dtype=torch.long, device=w.device)
+    w_c = w.index_select(0, idx).float().cpu()
+    b_c = b.index_select(0, idx).float().cpu() if b is not None else torch.zeros(len(label_ids))
+    return w_c, b_c
+
+
+def run_transfer_episode(
+    target_cap: Capturer,
+    source: SourceModel,
+    episode: Episode,
+    lam: float,
+    label_ids: list[int],
+    *,
+    h_zs_test_target: torch.Tensor | None = None,
+    h_zs_test_source: torch.Tensor | None = None,
+) -> tuple[TransferResult, Captures, Captures]:
+    """Both models' passes, each model's own LTV, and the logit-space fit source → target."""
+    from .transfer import fit_transfer, full_logits, transfer_label_logits
+
+    labels = episode_labels(episode)
+    ct = capture_episode(target_cap, episode, h_zs_test=h_zs_test_target)
+    cs = capture_episode(source.cap, episode, h_zs_test=h_zs_test_source)
+    w_t, b_t = full_head(target_cap.model)
+    w_s, b_s = source.head()
+    res_t = score_episode(ct, lam, *_label_rows(w_t, b_t, label_ids), labels)
+    res_s = score_episode(cs, lam, *_label_rows(w_s, b_s, label_ids), labels)
+
+    t0 = time.perf_counter()
+    z_icl_s = full_logits(cs.h_icl, w_s, b_s)  # (N, V_L): the regression's reference
+    z_zs_t = full_logits(ct.h_zs, w_t, b_t)    # (N, V_S)
+    factors = fit_transfer(ct.h_zs, z_icl_s, z_zs_t, lam)
+    del z_icl_s, z_zs_t
+    fit_seconds = time.perf_counter() - t0
+
+    w_c, b_c = _label_rows(w_t, b_t, label_ids)
+    z_tr = transfer_label_logits(ct.h_zs_test, w_c, b_c, factors, label_ids)
+    metrics = dict(res_t.metrics)
+    metrics.update({f"source-{m}": v for m, v in res_s.metrics.items()})
+    # The transferred vector imitates the source's ICL: that is its d_NTP reference.
+    metrics["ltv-transfer"] = {"accuracy": accuracy(z_tr, labels),
+                               "d_ntp": d_ntp(res_s.label_logits["icl"], z_tr)}
+    timings = {
+        "source_capture_seconds": cs.capture_seconds,
+        "target_capture_seconds": ct.capture_seconds,
+        "fit_seconds": fit_seconds,
+        "extraction_seconds": cs.capture_seconds + ct.capture_seconds + fit_seconds,
+        "test_seconds": cs.test_seconds + ct.test_seconds,
+    }
+    return TransferResult(factors, res_t, res_s, metrics, timings), ct, cs
+
+
+def extract_transfer(
+    target: LoadedModel,
+    source: SourceModel,
+    task: Task,
+    *,
+    k: int | None = None,
+    n: int = 256,
+    lam: float = 5.0,
+    seed: int = 0,
+    n_test: int = 500,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> tuple[TaskVector, TransferResult]:
+    """A logit-space task vector for `target`, fitted to `source`'s ICL (paper appendix)."""
+    from .data import load_dataset, sample_episode
+
+    k = k if k is not None else max(TRANSFER_K, task.num_classes)
+    episode = sample_episode(load_dataset(task), k=k, n=n, n_test=n_test, seed=seed)
+    label_ids = check_pair(target, source, episode)  # before any heavy pass
+    cap = Capturer(target.model, target.tokenizer, batch_size=batch_size, progress=progress)
+    res, _, _ = run_transfer_episode(cap, source, episode, lam, label_ids)
+    tv = TaskVector(
+        kind="logit",
+        U=res.factors.U,
+        V=res.factors.V,
+        bias=None,
+        model=target.identity,
+        label_token_ids=tuple(label_ids),
+        meta={
+            "method": "ltv-transfer",
+            "source_model": source.identity.to_dict(),
+            "source_load": {k_: v for k_, v in source.load.items() if v is not None},
+            "task": task.to_dict(),
+            "k": k,
+            "k_used": len(episode.demos),
+            "n": n,
+            "lam": lam,
+            "seed": seed,
+            "n_test": len(episode.test),
+            "episode": episode.fingerprint(),
+            "ridge_form": res.factors.form,
+            "dtype": str(target.model.dtype).removeprefix("torch."),
             "package_version": __version__,
             "metrics": res.metrics,
             "timings": res.timings,

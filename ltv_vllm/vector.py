@@ -39,14 +39,31 @@ class ModelIdentity:
     hidden_size: int
     vocab_size: int
     lm_head_fingerprint: str
+    # Decoder depth: a copy keeping only its first layers (`ltv-vllm models derive`) shares the
+    # LM head, so the fingerprint alone would not tell it apart. None in files that predate it.
+    num_layers: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "name": self.name,
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
             "lm_head_fingerprint": self.lm_head_fingerprint,
         }
+        if self.num_layers is not None:
+            d["num_layers"] = self.num_layers
+        return d
+
+    @classmethod
+    def from_dict(cls, m: dict[str, Any]) -> ModelIdentity:
+        layers = m.get("num_layers")
+        return cls(
+            name=str(m["name"]),
+            hidden_size=int(m["hidden_size"]),
+            vocab_size=int(m["vocab_size"]),
+            lm_head_fingerprint=str(m["lm_head_fingerprint"]),
+            num_layers=int(layers) if layers is not None else None,
+        )
 
 
 def fingerprint_lm_head(weight: torch.Tensor) -> str:
@@ -73,7 +90,13 @@ def model_identity(model: Any, name: str | None = None) -> ModelIdentity:
         hidden_size=int(cfg.hidden_size),
         vocab_size=int(head.weight.shape[0]),
         lm_head_fingerprint=fingerprint_lm_head(head.weight),
+        num_layers=_num_layers(cfg),
     )
+
+
+def _num_layers(cfg: Any) -> int | None:
+    n = cfg.get("num_hidden_layers") if isinstance(cfg, dict) else getattr(cfg, "num_hidden_layers", None)
+    return int(n) if n is not None else None
 
 
 @dataclass(frozen=True)
@@ -146,6 +169,11 @@ class TaskVector:
                 f"{mine.lm_head_fingerprint}), not from {ident.name} (LM head "
                 f"{ident.lm_head_fingerprint})"
             )
+        if None not in (ident.num_layers, mine.num_layers) and ident.num_layers != mine.num_layers:
+            raise VectorError(
+                f"task vector {self.task_name!r} was extracted from {mine.name} "
+                f"({mine.num_layers} layers), not from {ident.name} ({ident.num_layers} layers)"
+            )
 
     def check_tokenizer(self, tokenizer: Any) -> None:
         """The label words must still map to the token ids recorded at extraction."""
@@ -210,13 +238,7 @@ def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:
         if not isinstance(tensors.get(name), torch.Tensor):
             raise VectorError(f"{path}: missing tensor {name!r}")
     try:
-        m = header["model"]
-        ident = ModelIdentity(
-            name=str(m["name"]),
-            hidden_size=int(m["hidden_size"]),
-            vocab_size=int(m["vocab_size"]),
-            lm_head_fingerprint=str(m["lm_head_fingerprint"]),
-        )
+        ident = ModelIdentity.from_dict(header["model"])
         return TaskVector(
             kind=header["kind"],
             U=tensors["U"].float(),
@@ -292,9 +314,11 @@ def identity_from_dir(path: str | Path, name: str | None = None) -> ModelIdentit
     path = Path(path)
     cfg = _read_config(path)
     weight = read_lm_head(path)
+    text_cfg = cfg.get("text_config", cfg)
     return ModelIdentity(
         name=name or str(path),
-        hidden_size=int(cfg.get("text_config", cfg)["hidden_size"]),
+        hidden_size=int(text_cfg["hidden_size"]),
         vocab_size=int(weight.shape[0]),
         lm_head_fingerprint=fingerprint_lm_head(weight),
+        num_layers=_num_layers(text_cfg),
     )
