@@ -19,9 +19,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from .data import DataError
     from .models import ModelError
     from .tasks import TaskError
+    from .transfer import TransferError
     from .vector import VectorError
 
-    return (CaptureError, DataError, ModelError, TaskError, VectorError)
+    return (CaptureError, DataError, ModelError, TaskError, TransferError, VectorError)
 
 
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -87,6 +88,38 @@ def models_prepare(name: str, force: bool) -> None:
     click.echo(str(prepare_model(name, force=force)))
 
 
+@models.command("derive")
+@click.argument("base")
+@click.option(
+    "--keep-layers",
+    type=int,
+    required=True,
+    help="Keep decoder layers 0..L-1 (1 <= L < BASE's layer count).",
+)
+@click.option(
+    "--name",
+    default=None,
+    help="Cache name that --model accepts afterwards [default: BASE-lL].",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Write this directory instead of a cache entry (not with --name).",
+)
+@click.option("--force", is_flag=True, help="Rebuild even if it exists.")
+@friendly
+def models_derive(
+    base: str, keep_layers: int, name: str | None, output: Path | None, force: bool
+) -> None:
+    """A smaller model sharing BASE's tokenizer: its first L layers; prints its directory."""
+    from .models import derive_model
+
+    path = derive_model(base, keep_layers=keep_layers, name=name, out=output, force=force)
+    click.echo(str(path))
+
+
 # -- tasks and data -------------------------------------------------------------------------
 @main.group()
 def tasks() -> None:
@@ -135,16 +168,55 @@ def data_show(task: str, n_show: int, k: int, seed: int) -> None:
 
 # -- extract ------------------------------------------------------------------------------
 def _print_metrics(metrics: dict[str, dict[str, float]]) -> None:
-    click.echo(f"{'method':<10} {'accuracy':>9} {'d_NTP':>8}")
+    width = max(10, *(len(m) for m in metrics))
+    click.echo(f"{'method':<{width}} {'accuracy':>9} {'d_NTP':>8}")
     for m, v in metrics.items():
-        click.echo(f"{m:<10} {100 * v['accuracy']:>8.1f}% {v['d_ntp']:>8.4f}")
+        click.echo(f"{m:<{width}} {100 * v['accuracy']:>8.1f}% {v['d_ntp']:>8.4f}")
+
+
+def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Options of the large model in cross-model transfer (extract, evaluate)."""
+    opts = [
+        click.option("--source-model", "source_spec", default=None,
+                     help="Large model whose ICL the vector imitates (same tokenizer as --model): "
+                          "fits a logit-space vector for --model."),
+        click.option("--source-dtype", default="auto", show_default=True,
+                     type=click.Choice(["auto", "bfloat16", "float16", "float32"])),
+        click.option("--source-device-map", default=None,
+                     help="transformers device_map for the source, e.g. 'auto' to spread it over "
+                          "every GPU [default: CPU]."),
+        click.option("--source-quantization", default="none", show_default=True,
+                     type=click.Choice(["none", "8bit", "4bit"]),
+                     help="Load the source with bitsandbytes (needs CUDA)."),
+        click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help="Where source captures are saved chunk by chunk; a rerun resumes from "
+                          "them [default: the ltv-vllm cache's captures/]."),
+        click.option("--chunk-size", default=64, show_default=True,
+                     help="Source prompts per saved chunk."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _open_source(spec: str, dtype: str, device_map: str | None, quantization: str,
+                 work_dir: Path | None, chunk_size: int, batch_size: int, quiet: bool) -> Any:
+    from .extract import open_source
+
+    return open_source(spec, dtype=dtype, device_map=device_map,
+                       quantization=None if quantization == "none" else quantization,
+                       work_dir=str(work_dir) if work_dir else None, chunk_size=chunk_size,
+                       batch_size=batch_size, progress=not quiet)
 
 
 @main.command()
 @click.option("--model", "model_spec", default=None,
-              help="Packaged alias, local HF directory or hub id [default: smollm2-135m].")
+              help="Packaged alias, local HF directory or hub id [default: smollm2-135m]. "
+                   "With --source-model: the (small) target the vector is applied to.")
 @click.option("--task", required=True, help="Built-in task name or a .json/.yaml task spec.")
-@click.option("--k", default=30, show_default=True, help="Demonstrations (k//K per class).")
+@click.option("--k", type=int, default=None,
+              help="Demonstrations (k//K per class) [default: 30; 10 (at least K) with --source-model, "
+                   "the paper's transfer setting].")
 @click.option("--n", default=256, show_default=True, help="Unlabeled train queries N.")
 @click.option("--lam", default=5.0, show_default=True, help="Ridge penalty λ.")
 @click.option("--seed", default=0, show_default=True, help="Demo/query sampling seed.")
@@ -152,32 +224,53 @@ def _print_metrics(metrics: dict[str, dict[str, float]]) -> None:
 @click.option("--batch-size", default=16, show_default=True)
 @click.option("--dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "bfloat16", "float16", "float32"]))
+@click.option("--device", default="cpu", show_default=True, help="Device of --model (cpu, cuda, ...).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Task-vector file (.pt or .safetensors) [default: TASK.pt].")
+              help="Task-vector file (.pt or .safetensors) [default: TASK.pt, TASK.transfer.pt].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@_source_options
 @friendly
-def extract(model_spec: str | None, task: str, k: int, n: int, lam: float, seed: int,
-            n_test: int, batch_size: int, dtype: str, output: Path | None, quiet: bool) -> None:
-    """Extract a task vector and report zero-shot / ICL / LTV accuracy and d_NTP."""
+def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float, seed: int,
+            n_test: int, batch_size: int, dtype: str, device: str, output: Path | None, quiet: bool,
+            source_spec: str | None, source_dtype: str, source_device_map: str | None,
+            source_quantization: str, work_dir: Path | None, chunk_size: int) -> None:
+    """Extract a task vector and report zero-shot / ICL / LTV accuracy and d_NTP.
+
+    With --source-model LARGE: a logit-space vector for --model, fitted to LARGE's ICL
+    (cross-model transfer; the two must share a tokenizer).
+    """
     from .extract import extract as run_extract
-    from .extract import load_model
+    from .extract import extract_transfer, load_model
     from .tasks import get_task
 
     t = get_task(task)
-    output = output or Path(f"{t.name}.pt")
+    output = output or Path(f"{t.name}.transfer.pt" if source_spec else f"{t.name}.pt")
     if output.suffix not in (".pt", ".safetensors"):
         raise click.BadParameter("must end in .pt or .safetensors", param_hint="--output")
-    lm = load_model(model_spec, dtype=dtype)
-    tv, res = run_extract(lm, t, k=k, n=n, lam=lam, seed=seed, n_test=n_test,
-                          batch_size=batch_size, progress=not quiet)
+    source = _open_source(source_spec, source_dtype, source_device_map, source_quantization,
+                          work_dir, chunk_size, batch_size, quiet) if source_spec else None
+    lm = load_model(model_spec, dtype=dtype, device=device)
+    if source is None:
+        tv, res = run_extract(lm, t, k=30 if k is None else k, n=n, lam=lam, seed=seed,
+                              n_test=n_test, batch_size=batch_size, progress=not quiet)
+    else:
+        tv, res = extract_transfer(lm, source, t, k=k, n=n, lam=lam, seed=seed, n_test=n_test,
+                                   batch_size=batch_size, progress=not quiet)
     tv.save(output)
-    click.echo(f"\n{t.name} on {lm.spec}: k={tv.meta['k_used']} demos, N={n}, λ={lam}, "
+    src = f" from {source.spec}" if source else ""
+    click.echo(f"\n{t.name} on {lm.spec}{src}: k={tv.meta['k_used']} demos, N={n}, λ={lam}, "
                f"{tv.meta['n_test']} test queries")
     _print_metrics(res.metrics)
-    click.echo(f"extraction {res.timings['extraction_seconds']:.1f} s "
-               f"(capture {res.timings['capture_seconds']:.1f} s, fit {res.timings['fit_seconds']:.2f} s)"
-               f"; rank {tv.rank}")
-    click.echo(f"wrote {output}")
+    tm = res.timings
+    if source is None:
+        click.echo(f"extraction {tm['extraction_seconds']:.1f} s (capture {tm['capture_seconds']:.1f} s,"
+                   f" fit {tm['fit_seconds']:.2f} s); rank {tv.rank}")
+    else:
+        click.echo(f"extraction {tm['extraction_seconds']:.1f} s (source {tm['source_capture_seconds']:.1f}"
+                   f" s, target {tm['target_capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s); "
+                   f"rank {tv.rank}; source captures in {source.cap.dir} "
+                   f"({source.cap.reused} chunks reused, {source.cap.computed} computed)")
+    click.echo(f"wrote {output} ({tv.kind} vector)")
 
 
 @main.command()
@@ -286,12 +379,17 @@ def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | No
 # -- evaluate -----------------------------------------------------------------------------
 @main.command()
 @click.option("--model", "model_spec", default=None,
-              help="Packaged alias, local HF directory or hub id [default: smollm2-135m].")
+              help="Packaged alias, local HF directory or hub id [default: smollm2-135m]. "
+                   "With --source-model: the (small) target.")
 @click.option("--tasks", "task_list", default="sst2", show_default=True,
               help="Comma-separated task names/spec files, or 'packaged' for all seven packaged tasks.")
-@click.option("--methods", default="zero-shot,icl,ltv,mean", show_default=True)
+@click.option("--methods", default=None,
+              help="Comma-separated, from zero-shot, icl, ltv, mean (and ltv-transfer with "
+                   "--source-model) [default: zero-shot,icl,ltv,mean; "
+                   "zero-shot,icl,ltv,ltv-transfer with --source-model].")
 @click.option("--runs", default=5, show_default=True, help="Episodes (demo seeds) per task.")
-@click.option("--k", default=30, show_default=True)
+@click.option("--k", type=int, default=None,
+              help="Demonstrations [default: 30; max(10, K) per task with --source-model].")
 @click.option("--n", default=256, show_default=True)
 @click.option("--lam", default=5.0, show_default=True)
 @click.option("--n-test", default=500, show_default=True)
@@ -299,33 +397,49 @@ def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | No
 @click.option("--batch-size", default=16, show_default=True)
 @click.option("--dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "bfloat16", "float16", "float32"]))
+@click.option("--device", default="cpu", show_default=True, help="Device of --model.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("ltv-eval"), show_default=True)
 @click.option("--quiet", is_flag=True)
+@_source_options
 @friendly
-def evaluate(model_spec: str | None, task_list: str, methods: str, runs: int, k: int, n: int,
-             lam: float, n_test: int, seed: int, batch_size: int, dtype: str, out_dir: Path,
-             quiet: bool) -> None:
-    """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots."""
+def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: int, k: int | None,
+             n: int, lam: float, n_test: int, seed: int, batch_size: int, dtype: str, device: str,
+             out_dir: Path, quiet: bool, source_spec: str | None, source_dtype: str,
+             source_device_map: str | None, source_quantization: str, work_dir: Path | None,
+             chunk_size: int) -> None:
+    """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots.
+
+    With --source-model LARGE it is the paper's transfer table: each method on the target
+    (--model) and on LARGE, and LARGE's ICL transferred to the target in logit space.
+    """
     from .evaluate import EvalConfig, markdown_table, write_report
     from .evaluate import evaluate as run_evaluate
-    from .extract import METHODS, load_model
+    from .extract import METHODS, TRANSFER_METHOD, load_model
     from .tasks import BUILTIN_TASKS, get_task
 
     names = [s.strip() for s in task_list.split(",") if s.strip()]
     if names == ["packaged"]:
         names = [t.name for t in BUILTIN_TASKS.values() if t.source.startswith("packaged:")]
     tasks_ = [get_task(s) for s in names]
+    if methods is None:
+        methods = "zero-shot,icl,ltv," + (TRANSFER_METHOD if source_spec else "mean")
     ms = [m.strip() for m in methods.split(",") if m.strip()]
-    bad = [m for m in ms if m not in METHODS]
+    known = (*METHODS, TRANSFER_METHOD) if source_spec else METHODS
+    bad = [m for m in ms if m not in known]
     if bad:
-        raise click.BadParameter(f"unknown {bad}; choose from {', '.join(METHODS)}",
+        hint = " (ltv-transfer needs --source-model)" if TRANSFER_METHOD in bad else ""
+        raise click.BadParameter(f"unknown {bad}; choose from {', '.join(known)}{hint}",
                                  param_hint="--methods")
     if "icl" not in ms:
         ms.insert(0, "icl")  # d_NTP is measured against ICL, so ICL always runs
-    lm = load_model(model_spec, dtype=dtype)
+    if source_spec and TRANSFER_METHOD not in ms:
+        ms.append(TRANSFER_METHOD)
+    source = _open_source(source_spec, source_dtype, source_device_map, source_quantization,
+                          work_dir, chunk_size, batch_size, quiet) if source_spec else None
+    lm = load_model(model_spec, dtype=dtype, device=device)
     cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size)
-    doc = run_evaluate(lm, tasks_, ms, cfg, progress=not quiet)
+    doc = run_evaluate(lm, tasks_, ms, cfg, source=source, progress=not quiet)
     paths = write_report(doc, out_dir, _command_line())
     click.echo(markdown_table({**doc}))
     click.echo("wrote " + ", ".join(str(p) for p in paths))

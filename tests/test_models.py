@@ -21,18 +21,24 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from conftest import make_llama
 from ltv_vllm import models
+from ltv_vllm.cli import main
 from ltv_vllm.models import (
     DEFAULT_MODEL,
+    DERIVED_MARKER,
     MARKER,
     PACKAGED_MODELS,
     ModelError,
     PackagedModel,
     cache_dir,
     convert_gguf,
+    derive_model,
     list_models,
     prepare_model,
     resolve_model,
@@ -548,3 +554,224 @@ def test_convert_names_missing_dependencies(tmp_path: Path, monkeypatch) -> None
     with pytest.raises(ModelError, match="pip install accelerate"):
         convert_gguf(tmp_path / "x.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# --- derived models: the first L decoder layers, same tokenizer ---
+
+PROMPT = "Review: a gorgeous, witty movie.\nSentiment:"
+
+
+def save_base(path: Path, tokenizer, *, tie: bool, shard: bool = False) -> Path:
+    """A tiny random 3-layer Llama with its tokenizer, as an HF directory."""
+    model = make_llama(len(tokenizer), layers=3, seed=3, tie=tie)
+    model.save_pretrained(path, max_shard_size="40KB" if shard else "5GB")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def all_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
+@pytest.mark.parametrize(("tie", "shard"), [(True, False), (False, True)])
+def test_derive_matches_the_truncated_model(
+    tmp_path: Path, cache: Path, tokenizer, tie: bool, shard: bool
+) -> None:
+    base = save_base(tmp_path / "tiny", tokenizer, tie=tie, shard=shard)
+    if shard:
+        assert len(list(base.glob("*.safetensors"))) > 1
+        assert (base / "model.safetensors.index.json").is_file()
+
+    path = derive_model(str(base), keep_layers=1, progress=False)
+    assert path == cache / "models" / "tiny-l1"
+    assert entries(cache) == ["tiny-l1"]  # no temp dir left
+    files = {p.name for p in path.iterdir()}
+    assert {"config.json", "model.safetensors", DERIVED_MARKER, "tokenizer.json"} <= files
+    assert not any(f.endswith(".index.json") for f in files)
+    assert [f for f in files if f.endswith(".safetensors")] == ["model.safetensors"]
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 1
+    marker = json.loads((path / DERIVED_MARKER).read_text())
+    assert (marker["base_path"], marker["keep_layers"]) == (str(base), 1)
+    assert marker["base_num_hidden_layers"] == 3
+
+    # Bytes: every kept tensor equal to the base's, the dropped layers gone.
+    src, got = all_tensors(base), all_tensors(path)
+    assert got.keys() == {
+        k for k in src if not k.startswith(("model.layers.1.", "model.layers.2."))
+    }
+    assert all(torch.equal(got[k], src[k]) for k in got)
+
+    # Maths: the derived model is the base with its layer list cut after layer 0.
+    derived, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ref = AutoModelForCausalLM.from_pretrained(base).eval()
+    ids = torch.tensor([tokenizer(PROMPT)["input_ids"]])
+    with torch.no_grad():
+        full = ref(ids).logits
+        ref.model.layers = ref.model.layers[:1]
+        ref.config.num_hidden_layers = 1
+        want = ref(ids).logits
+        logits = derived.eval()(ids).logits
+    assert derived.dtype == torch.float32
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
+    assert (logits - full).abs().max() > 1e-2  # the dropped layers mattered
+    shared = derived.lm_head.weight.data_ptr() == derived.model.embed_tokens.weight.data_ptr()
+    assert shared == tie
+
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.get_vocab() == tokenizer.get_vocab()
+    assert tok(PROMPT)["input_ids"] == tokenizer(PROMPT)["input_ids"]
+
+
+def test_derive_copies_every_dtype_and_only_the_decoder_stack(tmp_path: Path, cache: Path) -> None:
+    base = tmp_path / "mixed"
+    base.mkdir()
+    config = {
+        "architectures": ["SomeVisionTextModel"],
+        "text_config": {"num_hidden_layers": 2, "layer_types": ["a", "b"], "max_window_layers": 2},
+        "vision_config": {"num_hidden_layers": 3},
+    }
+    (base / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(0)
+    tensors = {  # odd sizes in mixed dtypes: a careless writer would misalign the wider ones
+        "model.embed.weight": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+        "model.norm.weight": torch.randn(3, generator=g, dtype=torch.float64),
+        "step": torch.tensor(7, dtype=torch.int64),
+        **{f"model.layers.{i}.w": torch.randn(3, generator=g).half() for i in range(2)},
+        **{f"model.layers.{i}.b": torch.arange(7, dtype=torch.int8) + i for i in range(2)},
+        **{f"vision.layers.{i}.w": torch.randn(3, generator=g) for i in range(3)},
+    }
+    save_file(tensors, base / "model.safetensors", metadata={"format": "pt"})
+    for extra in ("tokenizer.json", "chat_template.jinja", "pytorch_model.bin", MARKER):
+        (base / extra).write_text("x")
+
+    path = derive_model(str(base), keep_layers=1, progress=False)
+    got = load_file(path / "model.safetensors")
+    want = {k: v for k, v in tensors.items() if not k.startswith("model.layers.1.")}
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    header, data_start = models._read_safetensors_header(path / "model.safetensors")
+    assert data_start % 8 == 0 and header.pop("__metadata__") == {"format": "pt"}
+    for k, entry in header.items():
+        assert entry["data_offsets"][0] % got[k].element_size() == 0, k
+
+    new_config = json.loads((path / "config.json").read_text())
+    assert new_config["text_config"] == {
+        "num_hidden_layers": 1,
+        "layer_types": ["a"],
+        "max_window_layers": 1,
+    }
+    assert new_config["vision_config"] == config["vision_config"]
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        [
+            "chat_template.jinja",
+            "config.json",
+            DERIVED_MARKER,
+            "model.safetensors",
+            "tokenizer.json",
+        ]
+    )
+
+
+def test_derive_rejects_bad_requests(tmp_path: Path, cache: Path, tokenizer) -> None:
+    base = save_base(tmp_path / "tiny", tokenizer, tie=False)
+    for keep in (0, -1, 3, 7):
+        with pytest.raises(ModelError, match="between 1 and 2 .* has 3 layers"):
+            derive_model(str(base), keep_layers=keep, progress=False)
+    with pytest.raises(ModelError, match="local model directory"):
+        derive_model("some-org/some-model", keep_layers=1)
+    with pytest.raises(ModelError, match="not both"):
+        derive_model(str(base), keep_layers=1, name="a", out=tmp_path / "b")
+    for name in ("../escape", "smollm2-135m", ".hidden"):
+        with pytest.raises(ModelError, match="cannot name a derived model"):
+            derive_model(str(base), keep_layers=1, name=name)
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ModelError, match="num_hidden_layers"):
+        derive_model(str(odd), keep_layers=1)
+    (odd / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    with pytest.raises(ModelError, match="no .*safetensors"):
+        derive_model(str(odd), keep_layers=1)
+    two = {f"{s}.layers.{i}.w": torch.zeros(2) for s in ("a", "b") for i in range(2)}
+    save_file(two, odd / "model.safetensors")
+    with pytest.raises(ModelError, match="one decoder layer stack"):
+        derive_model(str(odd), keep_layers=1)
+    assert entries(cache) == []
+
+
+def test_derived_name_resolves_and_is_reused(
+    tmp_path: Path, cache: Path, tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = save_base(tmp_path / "tiny", tokenizer, tie=True)
+    path = derive_model(str(base), keep_layers=2, name="small", progress=False)
+    assert resolve_model("small") == str(path)
+    listed = list_models()
+    assert [m["alias"] for m in listed] == [*PACKAGED_MODELS, "small"]
+    assert listed[-1]["prepared"] and listed[-1]["path"] == str(path)
+    assert listed[-1]["description"] == f"first 2 of 3 layers of {base}"
+
+    # A derived name is itself a base: its own default name follows.
+    deeper = derive_model("small", keep_layers=1, progress=False)
+    assert deeper == cache / "models" / "small-l1"
+    assert json.loads((deeper / DERIVED_MARKER).read_text())["base_path"] == str(path)
+
+    # Complete and the same request: returned without writing anything.
+    writer = models._write_safetensors
+    monkeypatch.setattr(models, "_write_safetensors", lambda *a: pytest.fail("rewritten"))
+    assert derive_model(str(base), keep_layers=2, name="small", progress=False) == path
+    # Same name, another request: refused unless forced.
+    with pytest.raises(ModelError, match="already holds the first 2 layers"):
+        derive_model(str(base), keep_layers=1, name="small")
+    monkeypatch.setattr(models, "_write_safetensors", writer)
+    assert derive_model(str(base), keep_layers=1, name="small", force=True, progress=False) == path
+    assert json.loads((path / DERIVED_MARKER).read_text())["keep_layers"] == 1
+    assert entries(cache) == ["small", "small-l1"]
+
+    # Anywhere else by path; a folder that is not a derived model is never replaced.
+    out = derive_model(str(base), keep_layers=1, out=tmp_path / "elsewhere", progress=False)
+    assert out == tmp_path / "elsewhere" and (out / DERIVED_MARKER).is_file()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(ModelError, match="not a derived model"):
+        derive_model(str(base), keep_layers=1, out=mine, force=True)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_interrupted_derive_leaves_nothing(
+    tmp_path: Path, cache: Path, tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = save_base(tmp_path / "tiny", tokenizer, tie=False)
+
+    def crash(path: Path, *args: object) -> None:
+        path.write_bytes(b"half a tensor")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(models, "_write_safetensors", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        derive_model(str(base), keep_layers=1, progress=False)
+    assert not (cache / "models" / "tiny-l1").exists()
+    assert entries(cache) == []
+    assert resolve_model("tiny-l1") == "tiny-l1"  # not found: taken for a hub id
+
+
+def test_models_derive_cli(tmp_path: Path, cache: Path, tokenizer) -> None:
+    base = save_base(tmp_path / "tiny", tokenizer, tie=True)
+    runner = CliRunner()
+    ok = runner.invoke(main, ["models", "derive", str(base), "--keep-layers", "2"])
+    assert ok.exit_code == 0, ok.output
+    assert ok.stdout.strip() == str(cache / "models" / "tiny-l2")
+    listed = runner.invoke(main, ["models", "list"])
+    assert listed.exit_code == 0 and "tiny-l2" in listed.stdout
+    assert "first 2 of 3 layers" in listed.stdout
+
+    bad = runner.invoke(main, ["models", "derive", str(base), "--keep-layers", "3"])
+    assert bad.exit_code == 1
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: keep_layers must be between 1 and 2")
