@@ -52,6 +52,10 @@ def _fused_overrides(
             "weight shard; keep task vectors elsewhere"
         )
     tv = checked_vector(model_dir, vector_path)
+    if fold and (tv.kind != "hidden" or tv.bias is not None):
+        # the wrapper refuses it too, but only inside the engine process, after start-up
+        raise VectorError(f"{vector_path.name}: only a hidden-space vector without a bias can be "
+                          "folded into the LM head; serve it without --fold")
     overrides: dict[str, Any] = {
         "architectures": [wrapper_architecture(model_dir)],
         "ltv_task_vector": str(vector_path),

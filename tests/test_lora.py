@@ -14,16 +14,19 @@ from ltv_vllm.vllm_ext.lora import export_lora, lora_rank
 PROMPT = "Review: the plot is dull\nSentiment:"
 
 
+@pytest.mark.parametrize("kind", ["hidden", "logit"])
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("rank", [5, 8])
-def test_peft_adapter_equals_hook(tmp_path, tokenizer, tie, rank):
+def test_peft_adapter_equals_hook(tmp_path, tokenizer, tie, rank, kind):
     from peft import PeftModel
 
     model = make_llama(len(tokenizer), seed=4, tie=tie)
     model.save_pretrained(tmp_path / "m")
     g = torch.Generator().manual_seed(rank)
-    tv = TaskVector("hidden", 0.5 * torch.randn(64, rank, generator=g),
-                    torch.linalg.qr(torch.randn(64, rank, generator=g))[0], None,
+    # hidden: U (d, r) shifts h; logit: U (vocab, r) is added to the logits (lora_B = U)
+    U = (0.5 * torch.randn(64, rank, generator=g) if kind == "hidden"
+         else 2.0 * torch.randn(len(tokenizer), rank, generator=g))
+    tv = TaskVector(kind, U, torch.linalg.qr(torch.randn(64, rank, generator=g))[0], None,
                     model_identity(model, "tiny"), (1, 2), {"task": BUILTIN_TASKS["sst2"].to_dict()})
     out = export_lora(tv, tmp_path / "m", tmp_path / "adapter")
     ids = tokenizer(PROMPT, return_tensors="pt")

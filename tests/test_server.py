@@ -1,6 +1,7 @@
-"""The real OpenAI server on 127.0.0.1 with a tiny model and two task vectors.
+"""The real OpenAI server on 127.0.0.1 with a tiny model and three task vectors (two
+hidden-space, one logit-space).
 
-Concurrent mixed requests (two tasks and the bare model in flight together) through the
+Concurrent mixed requests (three tasks and the bare model in flight together) through the
 `openai` client; every returned logprob is checked against transformers + the reference
 hook within 1e-4 (float32), in fused mode and in multi-task (LoRA) mode. Bad requests get
 OpenAI-style errors and the server stays up.
@@ -45,10 +46,12 @@ def assets(tmp_path_factory, tokenizer):
     vd = tmp_path_factory.mktemp("srv-vectors")
     ident = model_identity(model, str(d))
     vecs = {}
-    for name, seed in (("alpha", 1), ("beta", 2)):
+    # gamma is logit-space: its LoRA's lora_B is U itself (vocab-sized), not W_lm U
+    for name, kind, seed in (("alpha", "hidden", 1), ("beta", "hidden", 2), ("gamma", "logit", 3)):
         g = torch.Generator().manual_seed(seed)
-        tv = TaskVector("hidden", 0.5 * torch.randn(128, 8, generator=g),
-                        torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None, ident,
+        U = (0.5 * torch.randn(128, 8, generator=g) if kind == "hidden"
+             else 2.0 * torch.randn(len(tokenizer), 8, generator=g))
+        tv = TaskVector(kind, U, torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None, ident,
                         tuple(label_token_ids(SST2, tokenizer)), {"task": {**SST2.to_dict(), "name": name}})
         vecs[name] = (tv, tv.save(vd / f"{name}.pt"))
     return d, model, vecs
@@ -115,11 +118,15 @@ def test_multi_task_server(assets, tokenizer, tmp_path):
     d, model, vecs = assets
     proc, url, log = start_server(d, [f"{n}={p}" for n, (_, p) in vecs.items()], tmp_path)
     try:
-        served = {"alpha": vecs["alpha"][0], "beta": vecs["beta"][0], str(d): None}
+        served = {name: tv for name, (tv, _) in vecs.items()} | {str(d): None}
         check_mixed(url, served, model, tokenizer)
+        # the logit vector really moves the logits
+        moved = (reference_logprobs(model, tokenizer, PROMPTS[0], [], vecs["gamma"][0])
+                 - reference_logprobs(model, tokenizer, PROMPTS[0], [], None))
+        assert moved.abs().max() > 1e-2
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.NotFoundError):
-            client.completions.create(model="gamma", prompt=PROMPTS[0], max_tokens=1)
+            client.completions.create(model="omega", prompt=PROMPTS[0], max_tokens=1)
         with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
             client.completions.create(model="alpha", prompt=PROMPTS[0], max_tokens=1,
                                       extra_body={"prompt_logprobs": 1})

@@ -24,7 +24,9 @@ WORKER = Path(__file__).parent / "vllm_workers" / "offline_fused.py"
 PROMPTS = ["Review: the plot is dull\nSentiment:", "News: the team wins the final game\nType:"]
 
 
-def run_worker(model_dir: Path, vector: str, max_tokens: int = 4, tp: int = 1) -> list[dict]:
+def run_worker(model_dir: Path, vector: str, max_tokens: int = 4, tp: int = 1,
+               check_local: bool = False) -> dict:
+    """{"outputs": per-prompt logprobs, "local": per-rank local-path checks or None}."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if tp == 1:
@@ -32,10 +34,11 @@ def run_worker(model_dir: Path, vector: str, max_tokens: int = 4, tp: int = 1) -
     else:
         # the CPU backend wants one NUMA node per rank; on one node, bind a core per rank
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    if check_local:
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc sends a function
     p = subprocess.run([sys.executable, str(WORKER), str(model_dir), vector, json.dumps(PROMPTS),
-                        str(max_tokens), str(tp)], capture_output=True, text=True, env=env,
-                       timeout=600,
-                       check=False)
+                        str(max_tokens), str(tp), "local" if check_local else ""],
+                       capture_output=True, text=True, env=env, timeout=600, check=False)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, p.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -57,6 +60,18 @@ def served(tmp_path_factory, tokenizer):
                     model_identity(model, "tiny"), (1, 2), {"task": BUILTIN_TASKS["sst2"].to_dict()})
     path = tv.save(tmp_path_factory.mktemp("vectors") / "tv.safetensors")
     return d, model, tv, path
+
+
+@pytest.fixture(scope="module")
+def logit_vector(served, tmp_path_factory):
+    """A logit-space vector for the same model: U is vocab-sized, added to the logits."""
+    _d, model, tv, _path = served
+    g = torch.Generator().manual_seed(7)
+    vocab = model.lm_head.weight.shape[0]
+    ltv = TaskVector("logit", 2.0 * torch.randn(vocab, 8, generator=g),
+                     torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None,
+                     model_identity(model, "tiny"), tv.label_token_ids, tv.meta)
+    return ltv, ltv.save(tmp_path_factory.mktemp("logit-vectors") / "ltv.safetensors")
 
 
 def make_llama_from(config):
@@ -81,32 +96,53 @@ def assert_decode_matches(out: list[dict], model, tokenizer, tv) -> None:
                 assert abs(v - float(row[int(tok)])) < 1e-4, (step, tok, v, float(row[int(tok)]))
 
 
-@pytest.mark.parametrize("mode", ["fused", "fold", "plain", "fused-tp2", "fold-tp2"])
-def test_vllm_fused_matches_transformers(served, tokenizer, mode):
-    """tp2: tensor_parallel_size=2 on the CPU backend (lm_head sharded by vocabulary)."""
+@pytest.mark.parametrize(
+    "mode", ["fused", "fold", "plain", "logit", "fused-tp2", "fold-tp2", "logit-tp2"])
+def test_vllm_fused_matches_transformers(served, logit_vector, tokenizer, mode):
+    """tp2: tensor_parallel_size=2 on the CPU backend (lm_head sharded by vocabulary).
+    logit: a logit-space vector (U vocab-sized, added to the LM head's output)."""
     d, model, tv, path = served
     kind, _, tp = mode.partition("-tp")
-    arg = {"fused": str(path), "fold": f"fold:{path}", "plain": "-"}[kind]
-    out = run_worker(d, arg, max_tokens=5, tp=int(tp or 1))
+    if kind == "logit":
+        tv, path = logit_vector
+    arg = {"fused": str(path), "logit": str(path), "fold": f"fold:{path}", "plain": "-"}[kind]
+    # The vocab-local entry points are checked where they can differ: a logit vector, where
+    # each rank must add only its own rows of U.
+    res = run_worker(d, arg, max_tokens=5, tp=int(tp or 1), check_local=kind == "logit")
+    out = res["outputs"]
     fused = kind != "plain"
     ref_tv = tv if fused else None
     assert_decode_matches(out, model, tokenizer, ref_tv)
-    for prompt, res in zip(PROMPTS, out):
+    for prompt, r in zip(PROMPTS, out):
         # prompt-logprob rows go through compute_logits too
-        ref = reference_logprobs(model, tokenizer, prompt, res["token_ids"], ref_tv)
-        for i, lp in enumerate(res["prompt_logprobs"][1:], start=1):
+        ref = reference_logprobs(model, tokenizer, prompt, r["token_ids"], ref_tv)
+        for i, lp in enumerate(r["prompt_logprobs"][1:], start=1):
             for tok, v in lp.items():
                 assert abs(v - float(ref[i - 1, int(tok)])) < 1e-4
     if fused:  # and the shift really changed something
         plain = reference_logprobs(model, tokenizer, PROMPTS[0], out[0]["token_ids"], None)
         shifted = reference_logprobs(model, tokenizer, PROMPTS[0], out[0]["token_ids"], tv)
         assert (plain - shifted).abs().max() > 1e-2
+    if res["local"] is not None:
+        ranks = res["local"]
+        assert len(ranks) == int(tp or 1)
+        # the shards tile the vocabulary; the last one carries vLLM's padding columns
+        assert [r["start"] for r in ranks] == [sum(x["n"] for x in ranks[:i])
+                                               for i in range(len(ranks))]
+        assert sum(r["n"] for r in ranks) == model.lm_head.weight.shape[0]
+        assert ranks[-1]["pad"] > 0 and ranks[-1]["local_width"] == ranks[-1]["n"] + ranks[-1]["pad"]
+        for r in ranks:
+            assert r["max_err"] < 1e-4 and r["top_ok"], r
 
 
-def test_vector_for_another_model_refused_before_engine(served, tokenizer, tmp_path):
+def test_vector_for_another_model_refused_before_engine(served, logit_vector, tokenizer,
+                                                        tmp_path):
     from ltv_vllm.serve import engine_kwargs
 
     d, _model, tv, _path = served
+    with pytest.raises(VectorError, match="only a hidden-space vector"):
+        engine_kwargs(d, logit_vector[1], fold=True)
+    assert engine_kwargs(d, logit_vector[1])["hf_overrides"]["ltv_task_vector"]
     other = make_llama(len(tokenizer), hidden=128, seed=99)
     bad = TaskVector("hidden", tv.U, tv.V, None, model_identity(other, "other"),
                      tv.label_token_ids, tv.meta)
@@ -172,4 +208,5 @@ def served_qwen2(tmp_path_factory, tokenizer):
 
 def test_vllm_qwen2_wrapper_matches_transformers(served_qwen2, tokenizer):
     d, model, tv, path = served_qwen2
-    assert_decode_matches(run_worker(d, str(path), max_tokens=4), model, tokenizer, tv)
+    out = run_worker(d, str(path), max_tokens=4)["outputs"]
+    assert_decode_matches(out, model, tokenizer, tv)

@@ -8,7 +8,8 @@ U (Vᵀ h) to the logits instead. The vector file is named by the HF config attr
 
 Tensor parallelism: hidden states are replicated on every rank, so every rank applies the same
 shift before its vocab shard of the LM head — no communication is added. A logit-space delta
-is added once, to the gathered logits.
+is added once, to the gathered logits; on vLLM's vocab-local path (`compute_logits_local`)
+each rank adds the rows of U for its own vocab shard.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ class LTVMixin:
                 raise ValueError(
                     f"task vector {path} is for hidden size {self._ltv.V.shape[0]}, model has {d}"
                 )
+            vocab = int(config.vocab_size)
+            if self._ltv.kind == "logit" and self._ltv.U.shape[0] != vocab:
+                # compute_logits adds U's rows to the first columns: a mismatch would shift
+                # the wrong tokens rather than fail
+                raise ValueError(
+                    f"logit vector {path} is for vocabulary {self._ltv.U.shape[0]}, model has "
+                    f"{vocab}"
+                )
 
     def _ltv_factors(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         # One cast to the engine's device/dtype, on first use (vLLM may build the module on
@@ -61,10 +70,11 @@ class LTVMixin:
             self._ltv_cast = cast
         return cast
 
-    def _ltv_delta(self, h: torch.Tensor) -> torch.Tensor:
+    def _ltv_delta(self, h: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
+        """U (Vᵀ h) (+ bias), only the outputs in `part` (a vocab shard for a logit vector)."""
         V, U, bias = self._ltv_factors(h)
-        out = (h @ V) @ U.T  # (rows, d_out): rank-r, never a dense d×d
-        return out + bias if bias is not None else out
+        out = (h @ V) @ U[part].T  # (n, d_out): rank-r, never a dense d×d
+        return out + bias[part] if bias is not None else out
 
     def _ltv_hidden(self, h: torch.Tensor) -> torch.Tensor:
         if self._ltv is None or self._ltv.kind != "hidden" or h.shape[0] == 0:
@@ -109,16 +119,32 @@ class LTVMixin:
 
 
 class LTVLocalMixin(LTVMixin):
-    """For hosts with vocab-local logits/argmax (vLLM's LocalArgmaxMixin): shift there too."""
+    """For hosts with vocab-local logits/argmax (vLLM's LocalArgmaxMixin): shift there too.
+
+    vLLM 0.32 calls these only on opt-in paths: `compute_logits_local` with
+    --enable-batch-sharded-sampling (TP > 1, model runner V2), `get_top_tokens` for a draft
+    model with speculative `use_local_argmax_reduction`. A hidden vector shifts h as usual.
+    A logit vector is handled rather than opted out of: vLLM detects support with `hasattr`,
+    which an inherited method cannot decline cleanly, and a missing `get_top_tokens` is an error.
+    """
 
     def compute_logits_local(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self._ltv is not None and self._ltv.kind == "logit":
-            raise NotImplementedError("logit-space vectors need gathered logits")
-        return super().compute_logits_local(self._ltv_hidden(hidden_states))  # type: ignore[misc]
+        logits = super().compute_logits_local(self._ltv_hidden(hidden_states))  # type: ignore[misc]
+        if self._ltv is not None and self._ltv.kind == "logit" and hidden_states.shape[0]:
+            # This rank's logits are the columns [org_vocab_start, org_vocab_end) of the real
+            # vocabulary, then padding: add the matching rows of U, nothing to the padding.
+            shard = self.lm_head.shard_indices  # type: ignore[attr-defined]
+            part = slice(shard.org_vocab_start_index, shard.org_vocab_end_index)
+            logits[..., : shard.num_org_elements] += self._ltv_delta(hidden_states, part).to(
+                logits.dtype)
+        return logits
 
     def get_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self._ltv is not None and self._ltv.kind == "logit":
-            raise NotImplementedError("logit-space vectors need gathered logits")
+            # The stock reduction projects through the LM head itself, past any hook of ours.
+            # Argmax of the full (all-gathered on every rank) shifted logits is the same token;
+            # it only gives up the communication saving, on a rare draft-model path.
+            return self.compute_logits(hidden_states).argmax(dim=-1)
         return super().get_top_tokens(self._ltv_hidden(hidden_states))  # type: ignore[misc]
 
 

@@ -1,6 +1,10 @@
 """Run in a fresh process: vllm.LLM with a fused task vector; print logprobs as JSON.
 
-argv: model_dir vector_path|fold:vector_path|- prompts_json max_tokens [tensor_parallel_size]
+argv: model_dir vector_path|fold:vector_path|- prompts_json max_tokens [tensor_parallel_size
+      [local]]
+`local` also runs, on every rank, the vocab-local entry points (`compute_logits_local`,
+`get_top_tokens`) against the gathered `compute_logits` (see `local_check`); their results come
+back under "local", one entry per rank.
 """
 
 from __future__ import annotations
@@ -9,9 +13,32 @@ import json
 import sys
 
 
+def local_check(worker) -> dict:
+    """On one rank: the vocab-local logits are this rank's columns of the gathered logits, and
+    the local-argmax token is the argmax of the gathered logits (vLLM calls these on opt-in
+    paths only, which a CPU engine never takes, so they are called here directly)."""
+    import torch
+
+    model = worker.get_model()
+    shard = model.lm_head.shard_indices
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, model.lm_head.weight.shape[1], generator=g).to(model.lm_head.weight)
+    with torch.inference_mode():
+        full = model.compute_logits(h)
+        local = model.compute_logits_local(h)
+        top = model.get_top_tokens(h)
+    n = shard.num_org_elements
+    ours = full[:, shard.org_vocab_start_index : shard.org_vocab_end_index]
+    return {"start": shard.org_vocab_start_index, "n": n, "pad": shard.num_org_vocab_padding,
+            "local_width": local.shape[-1],
+            "max_err": float((local[:, :n] - ours).abs().max()),
+            "top_ok": bool((top == full.argmax(-1)).all())}
+
+
 def main() -> None:
     model_dir, vector, prompts_json, max_tokens = sys.argv[1:5]
     tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    check_local = len(sys.argv) > 6 and sys.argv[6] == "local"
     from vllm import LLM, SamplingParams
 
     from ltv_vllm.serve import engine_kwargs
@@ -35,7 +62,8 @@ def main() -> None:
             "prompt_logprobs": [None if s is None else {str(k): v.logprob for k, v in s.items()}
                                 for s in o.prompt_logprobs],
         })
-    print("RESULT " + json.dumps(result))
+    local = llm.collective_rpc(local_check) if check_local else None
+    print("RESULT " + json.dumps({"outputs": result, "local": local}))
 
 
 if __name__ == "__main__":
