@@ -151,3 +151,25 @@ def test_newer_format_and_failed_write_leave_nothing(tmp_path, tiny_model, token
 def test_identity_dict_round_trip(tiny_model):
     ident = model_identity(tiny_model, "x")
     assert ModelIdentity(**ident.to_dict()) == ident
+
+
+def test_truncated_copy_with_the_same_head_is_refused(tmp_path, tokenizer):
+    """`models derive` keeps the LM head, so only the layer count tells the copy apart."""
+    from ltv_vllm.models import derive_model
+    from ltv_vllm.vector import identity_from_dir
+
+    model = make_llama(len(tokenizer), layers=3, seed=3)
+    model.save_pretrained(tmp_path / "full")
+    tokenizer.save_pretrained(tmp_path / "full")
+    tv = make_vector(model, tokenizer)
+    assert tv.model.num_layers == 3
+    short = derive_model(str(tmp_path / "full"), keep_layers=2, out=tmp_path / "short", progress=False)
+    ident = identity_from_dir(short)
+    assert ident.lm_head_fingerprint == tv.model.lm_head_fingerprint
+    with pytest.raises(VectorError, match=r"\(3 layers\), not from .* \(2 layers\)"):
+        tv.check_model(ident)
+    tv.check_model(identity_from_dir(tmp_path / "full"))
+    # files written before the layer count was recorded still load and check
+    old = ModelIdentity.from_dict({k: v for k, v in tv.model.to_dict().items() if k != "num_layers"})
+    assert old.num_layers is None
+    TaskVector(tv.kind, tv.U, tv.V, None, old, tv.label_token_ids, tv.meta).check_model(ident)
