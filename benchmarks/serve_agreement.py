@@ -6,6 +6,8 @@ then starts the real OpenAI server with the vector fused and classifies the same
 through it. Reports agreement, both accuracies and the largest gap in label probabilities.
 
     python benchmarks/serve_agreement.py --model smollm2-135m --task sst2 --n-test 500
+    python benchmarks/serve_agreement.py --model qwen2.5-coder-1.5b-l14 --task sst2 \
+        --vector sst2.transfer.pt --n-test 100      # a cross-model (logit-space) vector
 """
 
 from __future__ import annotations
@@ -61,7 +63,11 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
     cap = Capturer(lm.model, lm.tokenizer)
     w, b = label_head(lm.model, tv.label_token_ids)
     h = cap.hidden([task.query(t) for t in texts], desc="transformers ltv")
-    ref_probs = torch.softmax((tv.shift_hidden(h) @ w.T + b).double(), -1)  # (n, K)
+    if tv.kind == "hidden":
+        z = tv.shift_hidden(h) @ w.T + b
+    else:  # a cross-model transfer vector: z_zs + W̃ h on the label rows
+        z = h @ w.T + b + tv.delta(h)[:, list(tv.label_token_ids)]
+    ref_probs = torch.softmax(z.double(), -1)  # (n, K)
     ref_pred = ref_probs.argmax(-1)
     del lm, cap
 
@@ -104,7 +110,9 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
         "agreement": agree,
         "accuracy_transformers": (ref_pred == labels).double().mean().item(),
         "accuracy_server": (srv_pred == labels).double().mean().item(),
-        "accuracy_recorded_at_extraction": tv.meta.get("metrics", {}).get("ltv", {}).get("accuracy"),
+        "vector_kind": tv.kind,
+        "accuracy_recorded_at_extraction": tv.meta.get("metrics", {}).get(
+            tv.meta.get("method", "ltv"), {}).get("accuracy"),
         "max_abs_prob_gap": (srv_probs - ref_probs).abs().max().item(),
         "mean_abs_prob_gap": (srv_probs - ref_probs).abs().mean().item(),
         "server_startup_seconds": startup,
