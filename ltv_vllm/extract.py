@@ -315,6 +315,8 @@ def open_source(
     from .store import StoredCapturer
     from .vector import identity_from_dir
 
+    if quantization:
+        _quantization_config(quantization)  # refuse a missing GPU/bitsandbytes before any pass
     path = local_model_dir(spec)
     ident = identity_from_dir(path, name=spec)
     load = {"dtype": dtype, "device": device, "device_map": device_map, "quantization": quantization}

@@ -290,3 +290,22 @@ def test_evaluate_transfer_table(pair, tmp_path):
     assert rec["accuracy"] == pytest.approx(res.metrics["ltv-transfer"]["accuracy"])
     assert rec["d_ntp"] == pytest.approx(res.metrics["ltv-transfer"]["d_ntp"], rel=1e-4)
     assert source.cap.computed == 0  # evaluate's source captures were reused
+
+
+def test_source_loading_options(pair, tmp_path):
+    """device_map (accelerate) gives the same captures; bitsandbytes without CUDA is refused
+    up front, before the target's passes."""
+    prompts = [f"Review: {w} movie\nSentiment:" for w in WORDS[:5]]
+    plain = open_source(str(pair / "source"), dtype="float32", work_dir=str(tmp_path / "a"),
+                        progress=False)
+    mapped = open_source(str(pair / "source"), dtype="float32", device_map="cpu",
+                         work_dir=str(tmp_path / "b"), progress=False)
+    torch.testing.assert_close(mapped.cap.hidden(prompts), plain.cap.hidden(prompts),
+                               rtol=1e-5, atol=1e-5)
+    if not torch.cuda.is_available():
+        r = CliRunner().invoke(main, [
+            "extract", "--model", str(pair / "target"), "--source-model", str(pair / "source"),
+            "--task", str(pair / "toy.json"), "--source-quantization", "4bit",
+            "--work-dir", str(tmp_path / "c"), "-o", str(tmp_path / "q.pt"), "--quiet"])
+        assert r.exit_code == 1 and "needs a CUDA GPU" in r.output.strip().splitlines()[-1]
+        assert not (tmp_path / "q.pt").exists()
