@@ -211,24 +211,31 @@ def extract(
         bias=None,
         model=lm.identity,
         label_token_ids=tuple(label_ids),
-        meta={
-            "method": "ltv",
-            "task": task.to_dict(),
-            "k": k,
-            "k_used": len(episode.demos),
-            "n": n,
-            "lam": lam,
-            "seed": seed,
-            "n_test": len(episode.test),
-            "episode": episode.fingerprint(),
-            "ridge_form": res.factors.form,
-            "dtype": str(lm.model.dtype).removeprefix("torch."),
-            "package_version": __version__,
-            "metrics": res.metrics,
-            "timings": res.timings,
-        },
+        meta=_meta(lm, episode, res, k=k, n=n, lam=lam, seed=seed, method="ltv"),
     )
     return tv, res
+
+
+def _meta(lm: LoadedModel, episode: Episode, res: Any, *, k: int, n: int, lam: float,
+          seed: int, method: str, **extra: Any) -> dict[str, Any]:
+    """What a task-vector file records about its extraction (res: Episode/TransferResult)."""
+    return {
+        "method": method,
+        **extra,
+        "task": episode.task.to_dict(),
+        "k": k,
+        "k_used": len(episode.demos),
+        "n": n,
+        "lam": lam,
+        "seed": seed,
+        "n_test": len(episode.test),
+        "episode": episode.fingerprint(),
+        "ridge_form": res.factors.form,
+        "dtype": str(lm.model.dtype).removeprefix("torch."),
+        "package_version": __version__,
+        "metrics": res.metrics,
+        "timings": res.timings,
+    }
 
 
 # -- cross-model transfer -----------------------------------------------------------------
@@ -256,22 +263,10 @@ class SourceModel:
         if self.cap.loaded:
             return full_head(self.cap.capturer.model)
         if self._head is None:
-            from .vector import read_lm_head
+            from .vector import read_lm_head, read_lm_head_bias
 
-            self._head = (read_lm_head(self.path), _read_head_bias(self.path))
+            self._head = (read_lm_head(self.path), read_lm_head_bias(self.path))
         return self._head
-
-
-def _read_head_bias(path: str) -> torch.Tensor | None:
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    for shard in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            if "lm_head.bias" in f.keys():  # noqa: SIM118 - safe_open has no __contains__
-                return f.get_tensor("lm_head.bias")
-    return None
 
 
 def local_model_dir(spec: str) -> str:
@@ -441,23 +436,8 @@ def extract_transfer(
         bias=None,
         model=target.identity,
         label_token_ids=tuple(label_ids),
-        meta={
-            "method": "ltv-transfer",
-            "source_model": source.identity.to_dict(),
-            "source_load": {k_: v for k_, v in source.load.items() if v is not None},
-            "task": task.to_dict(),
-            "k": k,
-            "k_used": len(episode.demos),
-            "n": n,
-            "lam": lam,
-            "seed": seed,
-            "n_test": len(episode.test),
-            "episode": episode.fingerprint(),
-            "ridge_form": res.factors.form,
-            "dtype": str(target.model.dtype).removeprefix("torch."),
-            "package_version": __version__,
-            "metrics": res.metrics,
-            "timings": res.timings,
-        },
+        meta=_meta(target, episode, res, k=k, n=n, lam=lam, seed=seed, method=TRANSFER_METHOD,
+                   source_model=source.identity.to_dict(),
+                   source_load={k_: v for k_, v in source.load.items() if v is not None}),
     )
     return tv, res

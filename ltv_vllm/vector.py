@@ -285,7 +285,6 @@ def load_task_vector(path: str | Path) -> TaskVector:
 def read_lm_head(path: str | Path) -> torch.Tensor:
     """The LM-head weight (vocab, d) of an HF model directory, read from its safetensors
     shards without building the model (the input embedding when the head is tied to it)."""
-    from safetensors import safe_open
 
     path = Path(path)
     cfg = _read_config(path)
@@ -293,13 +292,28 @@ def read_lm_head(path: str | Path) -> torch.Tensor:
     tied = bool(text_cfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
     wanted = ["lm_head.weight"] if not tied else []
     wanted += ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight"]
+    weight = _read_first(path, wanted)
+    if weight is None:
+        raise VectorError(f"{path}: no LM-head weight found in its safetensors files")
+    return weight
+
+
+def read_lm_head_bias(path: str | Path) -> torch.Tensor | None:
+    """The LM head's bias (vocab,) of an HF model directory, or None (most models have none)."""
+    return _read_first(Path(path), ["lm_head.bias"])
+
+
+def _read_first(path: Path, wanted: list[str]) -> torch.Tensor | None:
+    """The first of `wanted` found in the directory's safetensors shards, in `wanted` order."""
+    from safetensors import safe_open
+
     for shard in sorted(path.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
             keys = set(f.keys())
             for key in wanted:
                 if key in keys:
                     return f.get_tensor(key)
-    raise VectorError(f"{path}: no LM-head weight found in its safetensors files")
+    return None
 
 
 def _read_config(path: Path) -> dict[str, Any]:

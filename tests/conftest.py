@@ -85,6 +85,22 @@ def make_vllm_llama(tokenizer, *, seed: int, tie: bool = True):
     return model
 
 
+def write_toy_task(directory, words, *, n: int = 240):
+    """A two-class user task (JSON spec + jsonl) of random `words` sentences; returns the spec."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    with open(directory / "toy.jsonl", "w") as f:
+        for i in range(n):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 9)))
+            f.write(json.dumps({"text": f"{text} {i}", "label": ["negative", "positive"][i % 2]}) + "\n")
+    (directory / "toy.json").write_text(json.dumps({
+        "name": "toy", "in_prefix": "Review", "label_prefix": "Sentiment",
+        "labels": ["negative", "positive"], "data": "toy.jsonl"}))
+    return directory / "toy.json"
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import random
 
 import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import make_llama
+from conftest import make_llama, write_toy_task
 from ltv_vllm.cli import main
 from ltv_vllm.data import load_dataset, sample_episode
 from ltv_vllm.extract import extract, load_model
@@ -34,16 +33,7 @@ def model_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def task_file(tmp_path_factory):
-    d = tmp_path_factory.mktemp("task")
-    rng = random.Random(0)
-    with open(d / "toy.jsonl", "w") as f:
-        for i in range(240):
-            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))
-            f.write(json.dumps({"text": f"{text} {i}", "label": ["negative", "positive"][i % 2]}) + "\n")
-    (d / "toy.json").write_text(json.dumps({
-        "name": "toy", "in_prefix": "Review", "label_prefix": "Sentiment",
-        "labels": ["negative", "positive"], "data": "toy.jsonl"}))
-    return d / "toy.json"
+    return write_toy_task(tmp_path_factory.mktemp("task"), WORDS)
 
 
 def hand_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:

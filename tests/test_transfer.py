@@ -8,13 +8,12 @@ forwards (`output_hidden_states`, `.logits`, no shared cache), W̃ from `torch.l
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import make_llama, make_tokenizer
+from conftest import make_llama, make_tokenizer, write_toy_task
 from ltv_vllm.apply import task_vector_applied
 from ltv_vllm.capture import Capturer
 from ltv_vllm.cli import main
@@ -53,14 +52,7 @@ def pair(tmp_path_factory):
     # a model whose tokenizer adds BOS: same vocabulary, other ids for every prompt
     make_llama(len(tok), hidden=64, layers=2, seed=13).save_pretrained(root / "bos")
     make_tokenizer(bos=True).save_pretrained(root / "bos")
-    rng = random.Random(0)
-    with open(root / "toy.jsonl", "w") as f:
-        for i in range(240):
-            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))
-            f.write(json.dumps({"text": f"{text} {i}", "label": ["negative", "positive"][i % 2]}) + "\n")
-    (root / "toy.json").write_text(json.dumps({
-        "name": "toy", "in_prefix": "Review", "label_prefix": "Sentiment",
-        "labels": ["negative", "positive"], "data": "toy.jsonl"}))
+    write_toy_task(root, WORDS)
     return root
 
 
