@@ -227,12 +227,15 @@ def _open_source(spec: str, dtype: str, device_map: str | None, quantization: st
 @click.option("--device", default="cpu", show_default=True, help="Device of --model (cpu, cuda, ...).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Task-vector file (.pt or .safetensors) [default: TASK.pt, TASK.transfer.pt].")
+@click.option("--rank", type=click.IntRange(min=1), default=None,
+              help="Keep the best rank-R part of the fit (scored and saved as such) "
+                   "[default: the full rank, ≤ N].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @_source_options
 @friendly
 def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float, seed: int,
-            n_test: int, batch_size: int, dtype: str, device: str, output: Path | None, quiet: bool,
-            source_spec: str | None, source_dtype: str, source_device_map: str | None,
+            n_test: int, batch_size: int, dtype: str, device: str, output: Path | None,
+            rank: int | None, quiet: bool, source_spec: str | None, source_dtype: str, source_device_map: str | None,
             source_quantization: str, work_dir: Path | None, chunk_size: int) -> None:
     """Extract a task vector and report zero-shot / ICL / LTV accuracy and d_NTP.
 
@@ -252,10 +255,11 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     lm = load_model(model_spec, dtype=dtype, device=device)
     if source is None:
         tv, res = run_extract(lm, t, k=30 if k is None else k, n=n, lam=lam, seed=seed,
-                              n_test=n_test, batch_size=batch_size, progress=not quiet)
+                              n_test=n_test, batch_size=batch_size, progress=not quiet,
+                              rank=rank)
     else:
         tv, res = extract_transfer(lm, source, t, k=k, n=n, lam=lam, seed=seed, n_test=n_test,
-                                   batch_size=batch_size, progress=not quiet)
+                                   batch_size=batch_size, progress=not quiet, rank=rank)
     tv.save(output)
     src = f" from {source.spec}" if source else ""
     click.echo(f"\n{t.name} on {lm.spec}{src}: k={tv.meta['k_used']} demos, N={n}, λ={lam}, "
@@ -298,8 +302,11 @@ def inspect(path: Path) -> None:
               help="Adapter directory to write.")
 @click.option("--model", "model_spec", default=None,
               help="Model the vector belongs to [default: the one recorded in the vector].")
+@click.option("--rank", type=click.IntRange(min=1), default=None,
+              help="Cut the vector to its best rank-R approximation first (vLLM's CPU LoRA "
+                   "kernel costs grow with the rank) [default: its full rank].")
 @friendly
-def export_lora(vector: Path, output: Path, model_spec: str | None) -> None:
+def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | None) -> None:
     """Write a task vector as a PEFT LoRA adapter on lm_head (loadable by any vLLM)."""
     from .models import resolve_model
     from .vector import load_task_vector
@@ -307,8 +314,11 @@ def export_lora(vector: Path, output: Path, model_spec: str | None) -> None:
 
     tv = load_task_vector(vector)
     model_dir = resolve_model(model_spec or tv.model.name)
+    full = tv.rank
+    tv = tv.truncated(rank) if rank else tv
     out = run_export(tv, model_dir, output)
-    click.echo(f"wrote {out} (rank {tv.rank} padded to the LoRA rank vLLM accepts)")
+    cut = f", cut from {full}" if tv.rank < full else ""
+    click.echo(f"wrote {out} (rank {tv.rank}{cut}, padded to the LoRA rank vLLM accepts)")
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -323,11 +333,15 @@ def export_lora(vector: Path, output: Path, model_spec: str | None) -> None:
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--fold", is_flag=True,
               help="Fused mode: fold the shift into the LM-head weight at load (zero cost).")
+@click.option("--lora-rank", type=click.IntRange(min=1), default=None,
+              help="Multi-task mode: cut every adapter to its best rank-R approximation "
+                   "(cheaper LoRA serving) [default: full rank].")
 @click.option("--dry-run", is_flag=True, help="Check everything, print the vLLM command, exit.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @friendly
 def serve(model_spec: str | None, vectors: tuple[str, ...], host: str, port: int, dtype: str,
-          max_model_len: int | None, fold: bool, dry_run: bool, vllm_args: tuple[str, ...]) -> None:
+          max_model_len: int | None, fold: bool, lora_rank: int | None, dry_run: bool,
+          vllm_args: tuple[str, ...]) -> None:
     """Start vLLM's OpenAI-compatible server with task vectors (extra args go to vLLM)."""
     import hashlib
     import os
@@ -338,12 +352,12 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], host: str, port: int
     spec = model_spec or DEFAULT_MODEL
     model_dir = resolve_model(spec)
     parsed = parse_vector_specs(list(vectors))
-    digest = hashlib.sha256("".join(
+    digest = hashlib.sha256((f"r{lora_rank}:" + "".join(
         f"{n}={p.resolve()}:{p.stat().st_mtime_ns}" for n, p in sorted(parsed.items())
-        if p.exists()).encode()).hexdigest()[:12]
+        if p.exists())).encode()).hexdigest()[:12]
     args = server_args(model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest,
                        served_name=spec, host=host, port=port, dtype=dtype,
-                       max_model_len=max_model_len, fold=fold)
+                       max_model_len=max_model_len, fold=fold, lora_rank_cap=lora_rank)
     argv = [sys.executable, "-m", SERVER_MODULE, *args, *vllm_args]
     click.echo(" ".join(shlex.quote(a) for a in argv), err=True)
     if dry_run:
@@ -481,7 +495,7 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 @main.group()
 def bench() -> None:
-    """Benchmarks: serving modes side by side, ICL cost against k, extraction cost."""
+    """Benchmarks: serving modes side by side, ICL cost against k, extraction cost, rank."""
 
 
 @bench.command("serving")
@@ -489,7 +503,8 @@ def bench() -> None:
 @click.option("--tasks", "task_list", default="sst2,subj,trec,agnews", show_default=True)
 @click.option("--n-per-task", default=125, show_default=True, help="Test queries per task.")
 @click.option("--modes", default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-folded,ltv-lora",
-              show_default=True, help="Offline modes ('' for none).")
+              show_default=True,
+              help="Offline modes ('' for none); also ltv-lora-rR: LoRA adapters cut to rank R.")
 @click.option("--online-modes", default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-lora",
               show_default=True, help="Modes served through the OpenAI server ('' for none).")
 @click.option("--concurrency", default="1,8,32", show_default=True)
@@ -605,6 +620,35 @@ def bench_extraction_cmd(model_spec: str, task_list: str, ks: str, ns: str, seed
                            command=_command_line(), log=lambda m: click.echo(m, err=True))
     click.echo(extraction_markdown(doc))
 
+
+
+@bench.command("rank")
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
+@click.option("--tasks", "task_list", default="sst2,subj,trec,agnews", show_default=True)
+@click.option("--ranks", default="1,4,8,16,32,64,128", show_default=True,
+              help="Ranks to cut each fit to (the full rank is always added).")
+@click.option("--runs", default=1, show_default=True, help="Episodes per task (seeds seed, seed+1, ...).")
+@click.option("--k", default=30, show_default=True)
+@click.option("--n", default=256, show_default=True)
+@click.option("--lam", default=5.0, show_default=True)
+@click.option("--n-test", default=500, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "bfloat16", "float16", "float32"]))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/rank"), show_default=True)
+@friendly
+def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int, k: int, n: int,
+                   lam: float, n_test: int, seed: int, batch_size: int, dtype: str,
+                   out_dir: Path) -> None:
+    """Accuracy and d_NTP of each LTV cut to lower ranks (what cheaper LoRA serving costs)."""
+    from .bench.rank import bench_rank, rank_markdown
+
+    doc = bench_rank(model_spec, _csv(task_list), ranks=_ints(ranks), runs=runs, k=k, n=n,
+                     lam=lam, n_test=n_test, seed=seed, batch_size=batch_size, dtype=dtype,
+                     out_dir=out_dir, command=_command_line(), log=lambda m: click.echo(m, err=True))
+    click.echo(rank_markdown(doc))
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,7 @@ from . import __version__
 from .capture import Capturer, full_head, label_head
 from .data import Episode
 from .metrics import accuracy, d_ntp
-from .ridge import Factors, mean_shift, ridge_fit
+from .ridge import Factors, mean_shift, ridge_fit, truncate
 from .tasks import Task, label_token_ids
 from .vector import ModelIdentity, TaskVector, model_identity
 
@@ -139,11 +139,17 @@ def score_episode(
     b_c: torch.Tensor,
     labels: torch.Tensor,
     methods: tuple[str, ...] = METHODS,
+    rank: int | None = None,
 ) -> EpisodeResult:
-    """Fit LTV (and the mean shift) on the train states; score every method on the test ones."""
+    """Fit LTV (and the mean shift) on the train states; score every method on the test ones.
+
+    rank: keep only the best rank-`rank` part of the fit (it is what gets served and scored).
+    """
     t0 = time.perf_counter()
     y = c.h_icl - c.h_zs  # (N, d) targets
     factors = ridge_fit(c.h_zs, y, lam)
+    if rank is not None:
+        factors = truncate(factors, rank)
     mean = mean_shift(y)
     fit_seconds = time.perf_counter() - t0
     hidden = {
@@ -178,10 +184,11 @@ def run_episode(
     *,
     h_zs_test: torch.Tensor | None = None,
     methods: tuple[str, ...] = METHODS,
+    rank: int | None = None,
 ) -> EpisodeResult:
     w_c, b_c = label_head(cap.model, label_ids)  # (K, d), (K,)
     c = capture_episode(cap, episode, h_zs_test=h_zs_test)
-    return score_episode(c, lam, w_c, b_c, episode_labels(episode), methods)
+    return score_episode(c, lam, w_c, b_c, episode_labels(episode), methods, rank)
 
 
 def extract(
@@ -195,15 +202,19 @@ def extract(
     n_test: int = 500,
     batch_size: int = 16,
     progress: bool = True,
+    rank: int | None = None,
 ) -> tuple[TaskVector, EpisodeResult]:
-    """Fit an LTV for `task` on `lm` and measure it on the held-out test subset."""
+    """Fit an LTV for `task` on `lm` and measure it on the held-out test subset.
+
+    rank: cut the fit to its best rank-`rank` approximation before it is scored and saved.
+    """
     from .data import load_dataset, sample_episode
 
     label_ids = label_token_ids(task, lm.tokenizer)
     dataset = load_dataset(task)
     episode = sample_episode(dataset, k=k, n=n, n_test=n_test, seed=seed)
     cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=progress)
-    res = run_episode(cap, episode, lam, label_ids)
+    res = run_episode(cap, episode, lam, label_ids, rank=rank)
     tv = TaskVector(
         kind="hidden",
         U=res.factors.U,
@@ -231,6 +242,7 @@ def _meta(lm: LoadedModel, episode: Episode, res: Any, *, k: int, n: int, lam: f
         "n_test": len(episode.test),
         "episode": episode.fingerprint(),
         "ridge_form": res.factors.form,
+        "metrics_rank": int(res.factors.U.shape[1]),  # the rank the metrics were measured at
         "dtype": str(lm.model.dtype).removeprefix("torch."),
         "package_version": __version__,
         "metrics": res.metrics,
@@ -372,6 +384,7 @@ def run_transfer_episode(
     *,
     h_zs_test_target: torch.Tensor | None = None,
     h_zs_test_source: torch.Tensor | None = None,
+    rank: int | None = None,
 ) -> tuple[TransferResult, Captures, Captures]:
     """Both models' passes, each model's own LTV, and the logit-space fit source → target."""
     from .transfer import fit_transfer, full_logits, transfer_label_logits
@@ -388,6 +401,8 @@ def run_transfer_episode(
     z_icl_s = full_logits(cs.h_icl, w_s, b_s)  # (N, V_L): the regression's reference
     z_zs_t = full_logits(ct.h_zs, w_t, b_t)    # (N, V_S)
     factors = fit_transfer(ct.h_zs, z_icl_s, z_zs_t, lam)
+    if rank is not None:
+        factors = truncate(factors, rank)
     del z_icl_s, z_zs_t
     fit_seconds = time.perf_counter() - t0
 
@@ -420,6 +435,7 @@ def extract_transfer(
     n_test: int = 500,
     batch_size: int = 16,
     progress: bool = True,
+    rank: int | None = None,
 ) -> tuple[TaskVector, TransferResult]:
     """A logit-space task vector for `target`, fitted to `source`'s ICL (paper appendix)."""
     from .data import load_dataset, sample_episode
@@ -428,7 +444,7 @@ def extract_transfer(
     episode = sample_episode(load_dataset(task), k=k, n=n, n_test=n_test, seed=seed)
     label_ids = check_pair(target, source, episode)  # before any heavy pass
     cap = Capturer(target.model, target.tokenizer, batch_size=batch_size, progress=progress)
-    res, _, _ = run_transfer_episode(cap, source, episode, lam, label_ids)
+    res, _, _ = run_transfer_episode(cap, source, episode, lam, label_ids, rank=rank)
     tv = TaskVector(
         kind="logit",
         U=res.factors.U,

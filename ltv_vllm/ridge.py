@@ -98,6 +98,23 @@ def _balance(U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return p[:, keep] * s[keep], qv @ qt.T[:, keep]
 
 
+def truncate(f: Factors, rank: int) -> Factors:
+    """The best rank-`rank` approximation of W = U Vᵀ (Eckart–Young), as balanced factors.
+
+    Balanced factors are already SVD-ordered (U's columns by decreasing norm), but factors
+    from elsewhere need not be, so they are rebalanced first (a QR and a thin SVD of r
+    columns: cheap). Serving cost grows with the rank on some paths (vLLM's LoRA gathers a
+    vocab × rank matrix per sampled row), which is what cutting the rank buys.
+    """
+    if rank < 1:
+        raise ValueError(f"rank must be ≥ 1, got {rank}")
+    if rank >= f.U.shape[1]:
+        return f
+    U, V = _balance(f.U.double(), f.V.double())
+    return Factors(U=U[:, :rank].float().contiguous(), V=V[:, :rank].float().contiguous(),
+                   form=f.form)
+
+
 def mean_shift(y: torch.Tensor) -> torch.Tensor:
     """The constant-mapping baseline (paper appendix): c* = mean_j (h_icl − h_zs)(x_j). (d_out,)"""
     return y.double().mean(0).float()

@@ -104,12 +104,14 @@ def server_args(
     dtype: str = "auto",
     max_model_len: int | None = None,
     fold: bool = False,
+    lora_rank_cap: int | None = None,
 ) -> list[str]:
     """argv for vLLM's OpenAI server; every vector is checked against the model first.
 
     One unnamed vector → fused: the LTV wrapper shifts every request (folded into the LM head
     with `fold=True`). Named vectors → multi-task: each becomes an lm_head LoRA adapter that a
-    request selects with its `model` field; requests for `served_name` get no shift.
+    request selects with its `model` field; requests for `served_name` get no shift;
+    `lora_rank_cap` cuts each adapter to its best rank-R approximation (cheaper to serve).
     """
     from .vllm_ext.lora import export_lora, lora_rank
 
@@ -122,11 +124,16 @@ def server_args(
     if max_model_len:
         args += ["--max-model-len", str(max_model_len)]
     if "" in vectors:  # fused single task
+        if lora_rank_cap is not None:
+            raise VectorError("a LoRA rank applies to multi-task serving (name=path vectors), "
+                              "not to one fused vector")
         overrides, tv = _fused_overrides(model_dir, vectors[""], fold)
         args += ["--hf-overrides", json.dumps(overrides),
                  "--served-model-name", tv.task_name, served_name]
         return args
     checked = {name: checked_vector(model_dir, p) for name, p in vectors.items()}
+    if lora_rank_cap is not None:
+        checked = {name: tv.truncated(lora_rank_cap) for name, tv in checked.items()}
     modules = []
     max_rank = 1
     for name, tv in checked.items():

@@ -134,6 +134,20 @@ class TaskVector:
     def task_name(self) -> str:
         return str(self.meta.get("task", {}).get("name", "?"))
 
+    def truncated(self, rank: int) -> TaskVector:
+        """This vector cut to its best rank-`rank` approximation (unchanged if rank ≥ its own).
+
+        The metrics in `meta` stay those measured at extraction, at `meta["metrics_rank"]`.
+        """
+        from dataclasses import replace
+
+        from .ridge import Factors, truncate
+
+        if rank >= self.rank:
+            return self
+        f = truncate(Factors(self.U, self.V, form=str(self.meta.get("ridge_form", "?"))), rank)
+        return replace(self, U=f.U, V=f.V)
+
     def delta(self, h: torch.Tensor) -> torch.Tensor:
         """U (Vᵀ h) + bias for rows h (B, d_in), computed in h's dtype. (B, d_out)"""
         out = (h @ self.V.to(device=h.device, dtype=h.dtype)) @ self.U.to(

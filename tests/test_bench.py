@@ -84,6 +84,8 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
     place_vectors(model_dir, out / "work" / "vectors", tokenizer)
     run_cli("bench", "serving", "--model", str(model_dir), "--tasks", TASKS, "--n-per-task", "6",
             "--k", "6", "--n", "8", "--concurrency", "1,4", "--online-requests", "8",
+            "--modes", "zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-folded,ltv-lora,"
+            "ltv-lora-r4",
             "--online-modes", "ltv-lora", "--repeats", "2", "--gen-tokens", "3",
             "--warmup", "2", "--dtype", "float32", "--max-model-len", "2048",
             "--kv-cache-gib", "1", "--out", str(out), cwd=tmp_path)
@@ -92,7 +94,7 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
     for f in ("throughput_ratio.png", "accuracy_vs_throughput.png", "latency.png"):
         assert (out / f).stat().st_size > 1000, f
     modes = ["zero-shot", "icl-prefix-cache", "icl-no-cache", "ltv-fused", "ltv-folded",
-             "ltv-lora", "zero-shot (again)"]
+             "ltv-lora", "ltv-lora-r4", "zero-shot (again)"]
     assert list(doc["offline"]) == modes
     for m in modes:
         r = doc["offline"][m]
@@ -107,8 +109,9 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
     assert doc["offline"]["icl-no-cache"]["prompt_tokens_mean"] > 3 * doc["offline"]["zero-shot"]["prompt_tokens_mean"]
     assert doc["offline"]["icl-prefix-cache"]["prefix_cache_hit_rate"] > 0.3
     assert doc["offline"]["icl-no-cache"]["prefix_cache_hit_rate"] == 0
-    assert {t["target"] for t in doc["targets"]} >= {"LTV fused ≥ 0.97× zero-shot",
-                                                      "LTV multi-task LoRA ≥ 0.85× zero-shot"}
+    assert {t["target"] for t in doc["targets"]} >= {
+        "LTV fused ≥ 0.97× zero-shot", "LTV multi-task LoRA ≥ 0.85× zero-shot",
+        "LTV multi-task LoRA, rank 4, ≥ 0.85× zero-shot"}
     assert "fastest of 2 timed passes" in md
     for m in modes:  # the headline rate is the fastest pass, the median is kept beside it
         r = doc["offline"][m]
@@ -129,8 +132,17 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
     zs = reference_probs(model_dir, wl, [q.zs for q in wl.queries], None)
     icl = reference_probs(model_dir, wl, [q.icl for q in wl.queries], None)
     ltv = reference_probs(model_dir, wl, [q.zs for q in wl.queries], vectors)
+    # rank 4 of the rank-8 vectors: the best rank-4 part, from an SVD of each dense W
+    cut = {}
+    for t, tv in vectors.items():
+        P, sv, Qt = torch.linalg.svd((tv.U @ tv.V.T).double())
+        cut[t] = TaskVector("hidden", (P[:, :4] * sv[:4]).float(), Qt[:4].T.float(), None,
+                            tv.model, tv.label_token_ids, tv.meta)
+    ltv4 = reference_probs(model_dir, wl, [q.zs for q in wl.queries], cut)
+    assert max(float((a - b).abs().max()) for a, b in zip(ltv, ltv4)) > 1e-3  # a real cut
     for mode, ref in (("zero-shot", zs), ("icl-prefix-cache", icl), ("icl-no-cache", icl),
-                      ("ltv-fused", ltv), ("ltv-folded", ltv), ("ltv-lora", ltv)):
+                      ("ltv-fused", ltv), ("ltv-folded", ltv), ("ltv-lora", ltv),
+                      ("ltv-lora-r4", ltv4)):
         got = doc["offline"][mode]
         for i, p in enumerate(ref):
             assert torch.allclose(torch.tensor(got["probs"][i], dtype=torch.float64), p,
@@ -170,3 +182,34 @@ def test_bench_extraction_end_to_end(model_dir, tmp_path):
         assert r["max_abs_diff_h_icl"] < 1e-4 and r["max_abs_diff_h_zs"] < 1e-4
     assert (out / "extraction_cost.png").stat().st_size > 1000
     assert (out / "results.md").read_text().count("| sst2 |") == 3
+
+
+def test_bench_rank_end_to_end(model_dir, tmp_path):
+    """Every rank row is what `extract --rank` measures on the same episode."""
+    from ltv_vllm.extract import extract, load_model
+
+    out = tmp_path / "rank"
+    r = run_cli("bench", "rank", "--model", str(model_dir), "--tasks", "sst2", "--ranks", "1,2,64",
+                "--k", "4", "--n", "10", "--n-test", "12", "--runs", "2", "--dtype", "float32",
+                "--out", str(out), cwd=tmp_path)
+    doc = json.loads((out / "results.json").read_text())
+    rows = doc["rows"]
+    assert [(x["run"], x["rank_label"]) for x in rows] == [
+        (run, lab) for run in (0, 1) for lab in ("1", "2", "full")]  # 64 ≥ the full rank: once
+    assert all(x["full_rank"] == 10 for x in rows)  # rank ≤ N
+    lm = load_model(str(model_dir), dtype="float32")
+    for x in rows:
+        rank = None if x["rank_label"] == "full" else x["rank"]
+        tv, res = extract(lm, get_task("sst2"), k=4, n=10, n_test=12, seed=x["seed"],
+                          progress=False, rank=rank)
+        assert tv.rank == x["rank"]
+        for m in ("accuracy", "d_ntp"):
+            assert x["ltv"][m] == pytest.approx(res.metrics["ltv"][m], abs=1e-6), (x, m)
+            assert x["zero-shot"][m] == pytest.approx(res.metrics["zero-shot"][m], abs=1e-6)
+        assert x["lora_b_bytes_bf16"] == len(lm.tokenizer) * {1: 1, 2: 8, 10: 16}[x["rank"]] * 2
+    s = doc["summary"]
+    assert s["full"]["sst2"]["accuracy"] == pytest.approx(
+        sum(x["ltv"]["accuracy"] for x in rows if x["rank_label"] == "full") / 2)
+    assert (out / "rank.png").stat().st_size > 1000
+    md = (out / "results.md").read_text()
+    assert "| LTV r=1 |" in md and "| LTV r=full |" in md and md in r.stdout

@@ -44,11 +44,21 @@ def hand_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return total / len(p_logits)
 
 
-def test_extract_metrics_match_independent_computation(model_dir, task_file):
+@pytest.mark.parametrize("rank", [None, 3])
+def test_extract_metrics_match_independent_computation(model_dir, task_file, rank):
     lm = load_model(str(model_dir), dtype="float32")
     task = get_task(str(task_file))
-    tv, res = extract(lm, task, k=6, n=24, lam=5.0, seed=3, n_test=20, batch_size=5, progress=False)
+    tv, res = extract(lm, task, k=6, n=24, lam=5.0, seed=3, n_test=20, batch_size=5,
+                      progress=False, rank=rank)
     assert tv.meta["k_used"] == 6 and tv.meta["n"] == 24 and tv.rank <= 24
+    assert tv.meta["metrics_rank"] == tv.rank
+    if rank is not None:  # the best rank-3 part (an SVD of the full fit's dense W)
+        full, _ = extract(lm, task, k=6, n=24, lam=5.0, seed=3, n_test=20, batch_size=5,
+                          progress=False)
+        P, s, Qt = torch.linalg.svd((full.U @ full.V.T).double())
+        assert tv.rank == 3 < full.rank
+        torch.testing.assert_close((tv.U @ tv.V.T).double(), (P[:, :3] * s[:3]) @ Qt[:3],
+                                   atol=1e-4, rtol=1e-4)
     ids = label_token_ids(task, lm.tokenizer)
     ep = sample_episode(load_dataset(task), k=6, n=24, n_test=20, seed=3)
     labels = torch.tensor([e.label for e in ep.test])
@@ -68,7 +78,8 @@ def test_extract_metrics_match_independent_computation(model_dir, task_file):
         assert res.metrics[name]["accuracy"] == pytest.approx(acc, abs=1e-9), name
         assert res.metrics[name]["d_ntp"] == pytest.approx(hand_kl(icl, z), abs=1e-4), name
     # the fit moves the zero-shot distribution toward ICL on held-out queries
-    assert res.metrics["ltv"]["d_ntp"] < res.metrics["zero-shot"]["d_ntp"]
+    if rank is None:
+        assert res.metrics["ltv"]["d_ntp"] < res.metrics["zero-shot"]["d_ntp"]
 
 
 def test_cli_extract_inspect_evaluate(tmp_path, model_dir, task_file):

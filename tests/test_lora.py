@@ -72,3 +72,41 @@ def test_cli_export_lora(tmp_path, tokenizer):
     assert r.exit_code == 0, r.output
     assert {p.name for p in (tmp_path / "a").iterdir()} == {
         "adapter_config.json", "adapter_model.safetensors", "ltv_vllm.json"}
+
+
+@pytest.mark.parametrize("kind", ["hidden", "logit"])
+def test_cli_export_lora_rank(tmp_path, tokenizer, kind):
+    """`export-lora --rank 3` of a rank-12 vector serves W's best rank-3 approximation,
+    computed here independently from an SVD of the dense W; checked through PEFT itself."""
+    from click.testing import CliRunner
+    from peft import PeftModel
+
+    from ltv_vllm.cli import main
+
+    model = make_llama(len(tokenizer), seed=4)
+    model.save_pretrained(tmp_path / "m")
+    g = torch.Generator().manual_seed(2)
+    d_out = 64 if kind == "hidden" else len(tokenizer)
+    # raw factors, not SVD-ordered: the cut must find the top directions itself
+    tv = TaskVector(kind, 0.3 * torch.randn(d_out, 12, generator=g), 0.3 * torch.randn(64, 12, generator=g),
+                    None, model_identity(model, str(tmp_path / "m")), (1, 2),
+                    {"task": BUILTIN_TASKS["sst2"].to_dict(), "metrics_rank": 12})
+    tv.save(tmp_path / "v.pt")
+    r = CliRunner().invoke(main, ["export-lora", str(tmp_path / "v.pt"), "-o", str(tmp_path / "a"),
+                                  "--rank", "3"])
+    assert r.exit_code == 0, r.output
+    assert "rank 3, cut from 12" in r.output
+    P, s, Qt = torch.linalg.svd((tv.U @ tv.V.T).double())
+    best = TaskVector(kind, (P[:, :3] * s[:3]).float(), Qt[:3].T.float(), None, tv.model, (1, 2), {})
+    ids = tokenizer(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        with task_vector_applied(model, best):
+            ref = model(**ids).logits
+        with task_vector_applied(model, tv):
+            full = model(**ids).logits
+        peft_model = PeftModel.from_pretrained(make_llama(len(tokenizer), seed=4), tmp_path / "a")
+        got = peft_model(**ids).logits
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert (full - ref).abs().max() > 1e-3  # the cut is real
+    assert peft_model.peft_config["default"].r == lora_rank(3) == 8
+    assert tv.truncated(3).meta == tv.meta and tv.truncated(12) is tv

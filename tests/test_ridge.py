@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ltv_vllm.ridge import choose_form, mean_shift, ridge_fit
+from ltv_vllm.ridge import choose_form, mean_shift, ridge_fit, truncate
 
 
 def direct_solution(h: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Tensor:
@@ -67,3 +67,30 @@ def test_mean_shift_and_bad_lambda():
     assert torch.equal(mean_shift(y), torch.tensor([2.0, 4.0]))
     with pytest.raises(ValueError, match="lam must be > 0"):
         ridge_fit(torch.ones(2, 2), torch.ones(2, 2), 0.0)
+
+
+@pytest.mark.parametrize("balanced", [True, False])
+def test_truncate_is_the_best_rank_r_approximation(balanced):
+    """Eckart–Young against an SVD of the dense W, for fitted (SVD-ordered) factors and for
+    arbitrary ones (which truncate must rebalance first)."""
+    g = torch.Generator().manual_seed(11)
+    if balanced:
+        f = ridge_fit(torch.randn(20, 16, generator=g), torch.randn(20, 24, generator=g), 1.0)
+    else:
+        from ltv_vllm.ridge import Factors
+
+        f = Factors(U=torch.randn(24, 10, generator=g), V=torch.randn(16, 10, generator=g),
+                    form="raw")
+    W = f.dense().double()
+    P, s, Qt = torch.linalg.svd(W)
+    for r in (1, 3, 7):
+        t = truncate(f, r)
+        assert t.U.shape == (24, r) and t.V.shape == (16, r)
+        best = (P[:, :r] * s[:r]) @ Qt[:r]
+        torch.testing.assert_close(t.dense().double(), best, atol=1e-5, rtol=1e-5)
+        # the error is the discarded singular values, nothing more
+        err = torch.linalg.matrix_norm(W - t.dense().double())
+        torch.testing.assert_close(err, s[r:].norm(), atol=1e-5, rtol=1e-5)
+    assert truncate(f, f.U.shape[1]) is f and truncate(f, 10_000) is f
+    with pytest.raises(ValueError, match="rank must be"):
+        truncate(f, 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +42,19 @@ def test_dry_run_commands(setup, monkeypatch):
     assert r.exit_code == 0, r.output
     assert "--enable-lora" in r.output and "--max-loras 3" in r.output
     assert "refuse_prompt_logprobs" in r.output
+    assert "--max-lora-rank 8" in r.output  # rank 2, padded to a rank vLLM accepts
+    # --lora-rank cuts every adapter (W = 2·11ᵀ here has rank 1): a smaller LoRA rank
+    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
+                                  f"a={good}", "--task-vector", f"b={good}", "--dry-run",
+                                  "--lora-rank", "1"])
+    assert r.exit_code == 0, r.output
+    assert "--max-lora-rank 1" in r.output
+    adapter = r.output.split("--lora-modules ")[1].split()[0].split("=", 1)[1]
+    assert json.loads((Path(adapter) / "adapter_config.json").read_text())["r"] == 1
+    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector", str(good),
+                                  "--dry-run", "--lora-rank", "4"])
+    assert r.exit_code == 1 and "applies to multi-task serving" in r.output
+    assert len(r.output.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("which,message", [("bad", "was extracted from other"),

@@ -3,11 +3,14 @@
 Every mode runs the same queries with the same `EngineSettings`; prefix caching is on
 everywhere (vLLM's default) except in `icl-no-cache`. A fused or folded vector serves one
 task, so those modes run one engine per task (times are summed); the LoRA mode serves every
-task from one engine with the tasks mixed in one batch.
+task from one engine with the tasks mixed in one batch; `ltv-lora-rR` does the same with
+every adapter cut to its best rank-R approximation (vLLM's CPU LoRA kernel gathers a
+vocab × rank matrix per sampled row, so its cost grows with the rank).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +20,17 @@ from .workload import EngineSettings, Query, Workload
 
 MODES = ("zero-shot", "icl-prefix-cache", "icl-no-cache", "ltv-fused", "ltv-folded", "ltv-lora")
 BASE_NAME = "base"  # served model name of the bare model
+_LORA_MODE = re.compile(r"ltv-lora(?:-r([1-9][0-9]*))?")
+
+
+def lora_mode_rank(mode: str) -> tuple[bool, int | None]:
+    """(is a LoRA mode, its rank cap): `ltv-lora` → (True, None), `ltv-lora-r32` → (True, 32)."""
+    m = _LORA_MODE.fullmatch(mode)
+    return (m is not None, int(m.group(1)) if m and m.group(1) else None)
+
+
+def known_mode(mode: str) -> bool:
+    return mode in MODES or lora_mode_rank(mode)[0]
 
 
 @dataclass
@@ -83,7 +97,8 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
                               fused, [[request(wl, q, icl=False, model=task) for q in qs]]))
         return out
 
-    if mode == "ltv-lora":
+    is_lora, cap = lora_mode_rank(mode)
+    if is_lora:
         from ..vector import load_task_vector
         from ..vllm_ext.lora import export_lora, lora_rank
 
@@ -91,7 +106,9 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
         loras, rank = {}, 1
         for i, task in enumerate(names):
             tv = load_task_vector(wl.vectors[task])
-            loras[task] = (task, i + 1, str(export_lora(tv, model, lora_dir / task)))
+            tv = tv.truncated(cap) if cap else tv
+            path = export_lora(tv, model, lora_dir / (task if cap is None else f"{task}-r{cap}"))
+            loras[task] = (task, i + 1, str(path))
             rank = max(rank, lora_rank(tv.rank))
         kwargs = {"model": model, **common,
                   "hf_overrides": {"architectures": [wrapper_architecture(model)]},
@@ -103,10 +120,11 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
         def multi(host: str, port: int) -> list[str]:
             return [*server_args(model, {t: wl.vectors[t] for t in names}, lora_dir=lora_dir,
                                  served_name=BASE_NAME, host=host, port=port,
-                                 dtype=settings.dtype, max_model_len=settings.max_model_len),
+                                 dtype=settings.dtype, max_model_len=settings.max_model_len,
+                                 lora_rank_cap=cap),
                     *flags]
 
         mixed = [request(wl, q, icl=False, model=q.task, lora=loras[q.task]) for q in queries]
         return [Engine(mode, kwargs, multi, [mixed])]
 
-    raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
+    raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)}, ltv-lora-rR)")

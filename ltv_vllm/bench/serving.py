@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import BenchError
-from .modes import MODES, Engine, engines
+from .modes import MODES, Engine, engines, known_mode
 from .report import derive_rates
 from .workload import EngineSettings, Query, Workload, icl_queries, interleave
 
@@ -276,9 +276,10 @@ def bench_serving(
 
     from .workload import build_workload, kv_bytes_per_token, machine
 
-    unknown = [m for m in [*modes, *online_modes] if m not in MODES]
+    unknown = [m for m in [*modes, *online_modes] if not known_mode(m)]
     if unknown:
-        raise BenchError(f"unknown mode(s) {', '.join(unknown)} (known: {', '.join(MODES)})")
+        raise BenchError(f"unknown mode(s) {', '.join(unknown)} "
+                         f"(known: {', '.join(MODES)}, ltv-lora-rR for a rank-R cap)")
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     needs_vectors = any(m.startswith("ltv") for m in [*modes, *online_modes])
     wl = build_workload(model_spec, task_names, n_per_task=n_per_task, k=k, n=n, lam=lam,
