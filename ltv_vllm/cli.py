@@ -228,8 +228,8 @@ def _open_source(spec: str, dtype: str, device_map: str | None, quantization: st
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Task-vector file (.pt or .safetensors) [default: TASK.pt, TASK.transfer.pt].")
 @click.option("--rank", type=click.IntRange(min=1), default=None,
-              help="Keep the best rank-R part of the fit (scored and saved as such) "
-                   "[default: the full rank, ≤ N].")
+              help="Cut the fit to rank R, keeping what matters on its training states "
+                   "(scored and saved as such) [default: the full rank, ≤ N].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @_source_options
 @friendly
@@ -303,8 +303,8 @@ def inspect(path: Path) -> None:
 @click.option("--model", "model_spec", default=None,
               help="Model the vector belongs to [default: the one recorded in the vector].")
 @click.option("--rank", type=click.IntRange(min=1), default=None,
-              help="Cut the vector to its best rank-R approximation first (vLLM's CPU LoRA "
-                   "kernel costs grow with the rank) [default: its full rank].")
+              help="Cut the vector to rank R first, keeping what matters on its training "
+                   "states (vLLM's CPU LoRA kernel cost grows with the rank) [default: full].")
 @friendly
 def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | None) -> None:
     """Write a task vector as a PEFT LoRA adapter on lm_head (loadable by any vLLM)."""
@@ -314,11 +314,10 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
 
     tv = load_task_vector(vector)
     model_dir = resolve_model(model_spec or tv.model.name)
-    full = tv.rank
-    tv = tv.truncated(rank) if rank else tv
-    out = run_export(tv, model_dir, output)
-    cut = f", cut from {full}" if tv.rank < full else ""
-    click.echo(f"wrote {out} (rank {tv.rank}{cut}, padded to the LoRA rank vLLM accepts)")
+    out = run_export(tv, model_dir, output, rank=rank)
+    r = min(tv.rank, rank or tv.rank)
+    cut = f", cut from {tv.rank}" if r < tv.rank else ""
+    click.echo(f"wrote {out} (rank {r}{cut}, padded to the LoRA rank vLLM accepts)")
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -334,8 +333,8 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
 @click.option("--fold", is_flag=True,
               help="Fused mode: fold the shift into the LM-head weight at load (zero cost).")
 @click.option("--lora-rank", type=click.IntRange(min=1), default=None,
-              help="Multi-task mode: cut every adapter to its best rank-R approximation "
-                   "(cheaper LoRA serving) [default: full rank].")
+              help="Multi-task mode: cut every adapter to rank R (cheaper LoRA serving; "
+                   "see export-lora --rank) [default: full rank].")
 @click.option("--dry-run", is_flag=True, help="Check everything, print the vLLM command, exit.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @friendly

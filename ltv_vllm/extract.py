@@ -140,16 +140,18 @@ def score_episode(
     labels: torch.Tensor,
     methods: tuple[str, ...] = METHODS,
     rank: int | None = None,
+    head_gram: torch.Tensor | None = None,
 ) -> EpisodeResult:
     """Fit LTV (and the mean shift) on the train states; score every method on the test ones.
 
-    rank: keep only the best rank-`rank` part of the fit (it is what gets served and scored).
+    rank: cut the fit to rank `rank` (`ridge.truncate`, weighted by the LM head's Gram
+    `head_gram` = W_lmᵀ W_lm when given); the cut is what gets scored and saved.
     """
     t0 = time.perf_counter()
     y = c.h_icl - c.h_zs  # (N, d) targets
     factors = ridge_fit(c.h_zs, y, lam)
     if rank is not None:
-        factors = truncate(factors, rank)
+        factors = truncate(factors, rank, head_gram=head_gram)
     mean = mean_shift(y)
     fit_seconds = time.perf_counter() - t0
     hidden = {
@@ -188,7 +190,14 @@ def run_episode(
 ) -> EpisodeResult:
     w_c, b_c = label_head(cap.model, label_ids)  # (K, d), (K,)
     c = capture_episode(cap, episode, h_zs_test=h_zs_test)
-    return score_episode(c, lam, w_c, b_c, episode_labels(episode), methods, rank)
+    return score_episode(c, lam, w_c, b_c, episode_labels(episode), methods, rank,
+                         head_gram(cap.model) if rank is not None else None)
+
+
+def head_gram(model: Any) -> torch.Tensor:
+    """W_lmᵀ W_lm (d, d) in float64: how the LM head weighs hidden-space directions."""
+    w = full_head(model)[0].double()
+    return w.T @ w
 
 
 def extract(
@@ -206,7 +215,7 @@ def extract(
 ) -> tuple[TaskVector, EpisodeResult]:
     """Fit an LTV for `task` on `lm` and measure it on the held-out test subset.
 
-    rank: cut the fit to its best rank-`rank` approximation before it is scored and saved.
+    rank: cut the fit to rank `rank` (`ridge.truncate`) before it is scored and saved.
     """
     from .data import load_dataset, sample_episode
 
@@ -223,6 +232,7 @@ def extract(
         model=lm.identity,
         label_token_ids=tuple(label_ids),
         meta=_meta(lm, episode, res, k=k, n=n, lam=lam, seed=seed, method="ltv"),
+        gram=res.factors.gram,
     )
     return tv, res
 
@@ -455,5 +465,6 @@ def extract_transfer(
         meta=_meta(target, episode, res, k=k, n=n, lam=lam, seed=seed, method=TRANSFER_METHOD,
                    source_model=source.identity.to_dict(),
                    source_load={k_: v for k_, v in source.load.items() if v is not None}),
+        gram=res.factors.gram,
     )
     return tv, res

@@ -38,6 +38,9 @@ class Factors:
     U: torch.Tensor  # (d_out, r)
     V: torch.Tensor  # (d_in, r)
     form: str        # "primal" | "dual": which system was solved
+    # (Vᵀ H)(Vᵀ H)ᵀ / N (r, r): the training states' second moment in V's coordinates, so a
+    # later rank cut can weigh directions by how much the states use them (see `truncate`).
+    gram: torch.Tensor | None = None
 
     def apply(self, h: torch.Tensor) -> torch.Tensor:
         """W h for a batch of rows: (B, d_in) → (B, d_out)."""
@@ -84,7 +87,9 @@ def ridge_fit(
     else:
         raise ValueError(f"form must be auto, primal or dual, got {form!r}")
     U, V = _balance(U, V)
-    return Factors(U=U.float().cpu().contiguous(), V=V.float().cpu().contiguous(), form=form)
+    A = V.T @ H  # (r, N): the training states in V's coordinates
+    return Factors(U=U.float().cpu().contiguous(), V=V.float().cpu().contiguous(), form=form,
+                   gram=(A @ A.T / n).float().cpu())
 
 
 def _balance(U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,21 +103,49 @@ def _balance(U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return p[:, keep] * s[keep], qv @ qt.T[:, keep]
 
 
-def truncate(f: Factors, rank: int) -> Factors:
-    """The best rank-`rank` approximation of W = U Vᵀ (Eckart–Young), as balanced factors.
+def truncate(f: Factors, rank: int, *, head_gram: torch.Tensor | None = None) -> Factors:
+    """The rank-`rank` W_r closest to W = U Vᵀ where it matters: min ‖M (W − W_r) H‖_F.
 
-    Balanced factors are already SVD-ordered (U's columns by decreasing norm), but factors
-    from elsewhere need not be, so they are rebalanced first (a QR and a thin SVD of r
-    columns: cheap). Serving cost grows with the rank on some paths (vLLM's LoRA gathers a
-    vocab × rank matrix per sampled row), which is what cutting the rank buys.
+    H are the states W is applied to, known through `f.gram` = (Vᵀ H)(Vᵀ H)ᵀ/N (without it,
+    VᵀV: every input direction alike, i.e. plain Eckart–Young on W); M is what the output
+    goes through next, known through `head_gram` = MᵀM (the LM head's Gram W_lmᵀ W_lm for a
+    hidden-space vector; none, i.e. M = I, for a logit-space one). A plain SVD of W keeps the
+    directions with the largest gain, which are not the ones the states use or the head
+    reads: on SmolLM2 a rank-128 cut of that kind gave up most of the fit (bench rank).
+
+    With gram = L Lᵀ and head_gram = Rᵀ R the error is ‖R (U − U') L‖_F over W_r = U' Vᵀ
+    (W_r keeps W's row space: outside it H has nothing of W's to lose), so
+    R U' L = [R U L]_rank (a truncated SVD) — a generalised reduced-rank regression.
+    Returns balanced factors (V orthonormal) and the gram in their coordinates.
     """
     if rank < 1:
         raise ValueError(f"rank must be ≥ 1, got {rank}")
     if rank >= f.U.shape[1]:
         return f
-    U, V = _balance(f.U.double(), f.V.double())
-    return Factors(U=U[:, :rank].float().contiguous(), V=V[:, :rank].float().contiguous(),
-                   form=f.form)
+    U, V = f.U.double(), f.V.double()
+    G = f.gram.double() if f.gram is not None else V.T @ V
+    L = torch.linalg.cholesky(_jitter(G))  # G = L Lᵀ
+    X = U @ L
+    R = None
+    if head_gram is not None:
+        R = torch.linalg.cholesky(_jitter(head_gram.double())).T  # MᵀM = Rᵀ R, R upper
+        X = R @ X
+    P, s, Qt = torch.linalg.svd(X, full_matrices=False)
+    Ur = P[:, :rank] * s[:rank]
+    if R is not None:
+        Ur = torch.linalg.solve_triangular(R, Ur, upper=True)
+    # W_r = Ur Q_rᵀ L⁻¹ Vᵀ: its input factor is V L⁻ᵀ Q_r
+    Vr = V @ torch.linalg.solve_triangular(L.T, Qt[:rank].T, upper=True)
+    Ub, Vb = _balance(Ur, Vr)
+    C = torch.linalg.lstsq(V, Vb).solution  # Vb = V C, so (Vbᵀ H) = Cᵀ (Vᵀ H)
+    return Factors(U=Ub.float().contiguous(), V=Vb.float().contiguous(), form=f.form,
+                   gram=(C.T @ G @ C).float())
+
+
+def _jitter(G: torch.Tensor) -> torch.Tensor:
+    """G + εI with ε relative to G's scale, so a merely semi-definite Gram factorises."""
+    eps = 1e-10 * float(G.diagonal().mean().clamp(min=1e-30))
+    return G + eps * torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
 
 
 def mean_shift(y: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ def server_args(
     One unnamed vector → fused: the LTV wrapper shifts every request (folded into the LM head
     with `fold=True`). Named vectors → multi-task: each becomes an lm_head LoRA adapter that a
     request selects with its `model` field; requests for `served_name` get no shift;
-    `lora_rank_cap` cuts each adapter to its best rank-R approximation (cheaper to serve).
+    `lora_rank_cap` cuts each adapter to rank R (`TaskVector.truncated`; cheaper to serve).
     """
     from .vllm_ext.lora import export_lora, lora_rank
 
@@ -132,14 +132,12 @@ def server_args(
                  "--served-model-name", tv.task_name, served_name]
         return args
     checked = {name: checked_vector(model_dir, p) for name, p in vectors.items()}
-    if lora_rank_cap is not None:
-        checked = {name: tv.truncated(lora_rank_cap) for name, tv in checked.items()}
     modules = []
     max_rank = 1
     for name, tv in checked.items():
-        out = export_lora(tv, model_dir, lora_dir / name)
+        out = export_lora(tv, model_dir, lora_dir / name, rank=lora_rank_cap)
         modules.append(f"{name}={out}")
-        max_rank = max(max_rank, lora_rank(tv.rank))
+        max_rank = max(max_rank, lora_rank(min(tv.rank, lora_rank_cap or tv.rank)))
     args += [
         "--hf-overrides", json.dumps({"architectures": [wrapper]}),
         "--served-model-name", served_name,

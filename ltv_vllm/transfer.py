@@ -104,7 +104,8 @@ def fit_transfer(
     f = ridge_fit(h_zs_target, y, lam)
     extra = z_zs_target.shape[1] - vocab
     if extra:
-        f = Factors(U=torch.cat([f.U, f.U.new_zeros(extra, f.U.shape[1])]), V=f.V, form=f.form)
+        f = Factors(U=torch.cat([f.U, f.U.new_zeros(extra, f.U.shape[1])]), V=f.V, form=f.form,
+                    gram=f.gram)
     return f
 
 

@@ -108,6 +108,7 @@ class TaskVector:
     model: ModelIdentity
     label_token_ids: tuple[int, ...]
     meta: dict[str, Any] = field(default_factory=dict)  # task, k, n, lam, seed, metrics, ...
+    gram: torch.Tensor | None = None  # (r, r) training states in V's coordinates (rank cuts)
 
     def __post_init__(self) -> None:
         if self.kind not in ("hidden", "logit"):
@@ -125,6 +126,9 @@ class TaskVector:
             )
         if self.bias is not None and tuple(self.bias.shape) != (d_out,):
             raise VectorError(f"bias must have shape ({d_out},), got {tuple(self.bias.shape)}")
+        r = self.U.shape[1]
+        if self.gram is not None and tuple(self.gram.shape) != (r, r):
+            raise VectorError(f"gram must have shape ({r}, {r}), got {tuple(self.gram.shape)}")
 
     @property
     def rank(self) -> int:
@@ -134,8 +138,10 @@ class TaskVector:
     def task_name(self) -> str:
         return str(self.meta.get("task", {}).get("name", "?"))
 
-    def truncated(self, rank: int) -> TaskVector:
-        """This vector cut to its best rank-`rank` approximation (unchanged if rank ≥ its own).
+    def truncated(self, rank: int, lm_head: torch.Tensor | None = None) -> TaskVector:
+        """This vector cut to rank `rank` (unchanged if rank ≥ its own), losing as little as
+        possible of its effect on the training states (`gram`) as seen through `lm_head`
+        (vocab, d) for a hidden-space vector: see `ridge.truncate`.
 
         The metrics in `meta` stay those measured at extraction, at `meta["metrics_rank"]`.
         """
@@ -145,8 +151,13 @@ class TaskVector:
 
         if rank >= self.rank:
             return self
-        f = truncate(Factors(self.U, self.V, form=str(self.meta.get("ridge_form", "?"))), rank)
-        return replace(self, U=f.U, V=f.V)
+        head_gram = None
+        if self.kind == "hidden" and lm_head is not None:
+            w = lm_head.double()
+            head_gram = w.T @ w
+        f = truncate(Factors(self.U, self.V, form=str(self.meta.get("ridge_form", "?")),
+                             gram=self.gram), rank, head_gram=head_gram)
+        return replace(self, U=f.U, V=f.V, gram=f.gram)
 
     def delta(self, h: torch.Tensor) -> torch.Tensor:
         """U (Vᵀ h) + bias for rows h (B, d_in), computed in h's dtype. (B, d_out)"""
@@ -216,6 +227,8 @@ class TaskVector:
         t = {"U": self.U.float().contiguous(), "V": self.V.float().contiguous()}
         if self.bias is not None:
             t["bias"] = self.bias.float().contiguous()
+        if self.gram is not None:
+            t["gram"] = self.gram.float().contiguous()
         return t
 
     def save(self, path: str | Path) -> Path:
@@ -261,6 +274,7 @@ def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:
             model=ident,
             label_token_ids=tuple(int(i) for i in header["label_token_ids"]),
             meta=dict(header.get("meta") or {}),
+            gram=tensors["gram"].float() if "gram" in tensors else None,
         )
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, VectorError):

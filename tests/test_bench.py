@@ -207,9 +207,14 @@ def test_bench_rank_end_to_end(model_dir, tmp_path):
             assert x["ltv"][m] == pytest.approx(res.metrics["ltv"][m], abs=1e-6), (x, m)
             assert x["zero-shot"][m] == pytest.approx(res.metrics["zero-shot"][m], abs=1e-6)
         assert x["lora_b_bytes_bf16"] == len(lm.tokenizer) * {1: 1, 2: 8, 10: 16}[x["rank"]] * 2
+        if x["rank_label"] == "full":  # nothing cut: both cuts are the fit itself
+            assert x["ltv_plain"] == x["ltv"]
     s = doc["summary"]
-    assert s["full"]["sst2"]["accuracy"] == pytest.approx(
+    assert s["LTV r=full"]["sst2"]["accuracy"] == pytest.approx(
         sum(x["ltv"]["accuracy"] for x in rows if x["rank_label"] == "full") / 2)
+    assert s["plain SVD r=2"]["sst2"]["d_ntp"] == pytest.approx(
+        sum(x["ltv_plain"]["d_ntp"] for x in rows if x["rank_label"] == "2") / 2)
     assert (out / "rank.png").stat().st_size > 1000
     md = (out / "results.md").read_text()
-    assert "| LTV r=1 |" in md and "| LTV r=full |" in md and md in r.stdout
+    assert "| LTV r=1 |" in md and "| LTV r=full |" in md and "| plain SVD r=2 |" in md
+    assert md in r.stdout

@@ -52,15 +52,26 @@ def test_extract_metrics_match_independent_computation(model_dir, task_file, ran
                       progress=False, rank=rank)
     assert tv.meta["k_used"] == 6 and tv.meta["n"] == 24 and tv.rank <= 24
     assert tv.meta["metrics_rank"] == tv.rank
-    if rank is not None:  # the best rank-3 part (an SVD of the full fit's dense W)
+    ep = sample_episode(load_dataset(task), k=6, n=24, n_test=20, seed=3)
+    # the recorded gram is the train queries' zero-shot states in V's coordinates,
+    # here from transformers' own forward (last layer, post-norm, last token)
+    h = []
+    for e in ep.queries:
+        enc = lm.tokenizer(task.query(e.text), return_tensors="pt")
+        with torch.no_grad():
+            h.append(lm.model(**enc, output_hidden_states=True).hidden_states[-1][0, -1].float())
+    A = tv.V.T @ torch.stack(h).T
+    torch.testing.assert_close(tv.gram, A @ A.T / 24, atol=1e-4, rtol=1e-3)
+    if rank is not None:  # the rank-3 cut of the full fit, weighted by its states and LM head
+        from ltv_vllm.extract import head_gram
+        from ltv_vllm.ridge import Factors, truncate
+
         full, _ = extract(lm, task, k=6, n=24, lam=5.0, seed=3, n_test=20, batch_size=5,
                           progress=False)
-        P, s, Qt = torch.linalg.svd((full.U @ full.V.T).double())
         assert tv.rank == 3 < full.rank
-        torch.testing.assert_close((tv.U @ tv.V.T).double(), (P[:, :3] * s[:3]) @ Qt[:3],
-                                   atol=1e-4, rtol=1e-4)
+        cut = truncate(Factors(full.U, full.V, "", full.gram), 3, head_gram=head_gram(lm.model))
+        torch.testing.assert_close(tv.U @ tv.V.T, cut.dense(), atol=1e-5, rtol=1e-4)
     ids = label_token_ids(task, lm.tokenizer)
-    ep = sample_episode(load_dataset(task), k=6, n=24, n_test=20, seed=3)
     labels = torch.tensor([e.label for e in ep.test])
     from ltv_vllm.apply import task_vector_applied
 

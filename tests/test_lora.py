@@ -76,8 +76,8 @@ def test_cli_export_lora(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("kind", ["hidden", "logit"])
 def test_cli_export_lora_rank(tmp_path, tokenizer, kind):
-    """`export-lora --rank 3` of a rank-12 vector serves W's best rank-3 approximation,
-    computed here independently from an SVD of the dense W; checked through PEFT itself."""
+    """`export-lora --rank 3` of a rank-12 vector serves the rank-3 map closest to W in what
+    it does to the logits, computed here independently; checked through PEFT itself."""
     from click.testing import CliRunner
     from peft import PeftModel
 
@@ -96,8 +96,17 @@ def test_cli_export_lora_rank(tmp_path, tokenizer, kind):
                                   "--rank", "3"])
     assert r.exit_code == 0, r.output
     assert "rank 3, cut from 12" in r.output
-    P, s, Qt = torch.linalg.svd((tv.U @ tv.V.T).double())
-    best = TaskVector(kind, (P[:, :3] * s[:3]).float(), Qt[:3].T.float(), None, tv.model, (1, 2), {})
+    # no training states recorded (no gram): min ‖M (W − W_r)‖_F with M the LM head for a
+    # hidden vector (its logits are what the adapter changes), I for a logit vector; by the
+    # reduced-rank formula W_r = R⁻¹ P_r P_rᵀ R W (M = Q R, P_r: top singular vectors of R W)
+    W = (tv.U @ tv.V.T).double()
+    R = (torch.linalg.qr(model.lm_head.weight.detach().double())[1] if kind == "hidden"
+         else torch.eye(d_out, dtype=torch.float64))
+    P = torch.linalg.svd(R @ W)[0]
+    Wr = torch.linalg.solve(R, P[:, :3] @ P[:, :3].T @ R @ W)
+    P2, s2, Qt2 = torch.linalg.svd(Wr)
+    best = TaskVector(kind, (P2[:, :3] * s2[:3]).float(), Qt2[:3].T.float(), None, tv.model,
+                      (1, 2), {})
     ids = tokenizer(PROMPT, return_tensors="pt")
     with torch.no_grad():
         with task_vector_applied(model, best):

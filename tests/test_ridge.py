@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ltv_vllm.ridge import choose_form, mean_shift, ridge_fit, truncate
+from ltv_vllm.ridge import Factors, choose_form, mean_shift, ridge_fit, truncate
 
 
 def direct_solution(h: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Tensor:
@@ -70,15 +70,14 @@ def test_mean_shift_and_bad_lambda():
 
 
 @pytest.mark.parametrize("balanced", [True, False])
-def test_truncate_is_the_best_rank_r_approximation(balanced):
-    """Eckart–Young against an SVD of the dense W, for fitted (SVD-ordered) factors and for
-    arbitrary ones (which truncate must rebalance first)."""
+def test_truncate_without_weights_is_eckart_young(balanced):
+    """No states and no head: the best rank-r approximation of W itself, against an SVD of the
+    dense W, for fitted (SVD-ordered) factors and for arbitrary ones."""
     g = torch.Generator().manual_seed(11)
     if balanced:
-        f = ridge_fit(torch.randn(20, 16, generator=g), torch.randn(20, 24, generator=g), 1.0)
+        fit = ridge_fit(torch.randn(20, 16, generator=g), torch.randn(20, 24, generator=g), 1.0)
+        f = Factors(fit.U, fit.V, fit.form)  # the fit without its gram
     else:
-        from ltv_vllm.ridge import Factors
-
         f = Factors(U=torch.randn(24, 10, generator=g), V=torch.randn(16, 10, generator=g),
                     form="raw")
     W = f.dense().double()
@@ -94,3 +93,41 @@ def test_truncate_is_the_best_rank_r_approximation(balanced):
     assert truncate(f, f.U.shape[1]) is f and truncate(f, 10_000) is f
     with pytest.raises(ValueError, match="rank must be"):
         truncate(f, 0)
+
+
+@pytest.mark.parametrize("with_head", [False, True])
+def test_truncate_weighted_is_reduced_rank_regression(with_head):
+    """With the fit's states H (its gram) and a head M: min ‖M (W − W_r) H‖_F, checked against
+    the reduced-rank-regression formula W_r = R⁻¹ P_r P_rᵀ R W (M = Q R, P_r the top left
+    singular vectors of R W H), which uses neither Cholesky factor."""
+    g = torch.Generator().manual_seed(5)
+    # states with a few loud directions (as post-norm states have), targets of another shape
+    h = torch.randn(40, 16, generator=g) * torch.linspace(0.1, 10, 16)
+    fit = ridge_fit(h, torch.randn(40, 24, generator=g), 1.0)
+    M = torch.randn(30, 24, generator=g).double() if with_head else torch.eye(24).double()
+    H = h.double().T
+    torch.testing.assert_close(fit.gram.double(), (fit.V.double().T @ H) @ (H.T @ fit.V.double()) / 40,
+                               atol=1e-3, rtol=1e-4)
+    W = fit.dense().double()
+    R = torch.linalg.qr(M)[1]
+    P = torch.linalg.svd(R @ W @ H)[0]
+    plain = truncate(Factors(fit.U, fit.V, fit.form), 4)
+
+    def loss(Wr):
+        return float(torch.linalg.matrix_norm(M @ (W - Wr) @ H))
+
+    for r in (1, 4, 9):
+        t = truncate(fit, r, head_gram=M.T @ M if with_head else None)
+        ref = torch.linalg.solve(R, P[:, :r] @ P[:, :r].T @ R @ W)
+        torch.testing.assert_close(t.dense().double(), ref, atol=1e-4, rtol=1e-4)
+        assert loss(t.dense().double()) == pytest.approx(loss(ref), rel=1e-5)
+        # the gram travels with the factors: it is the states in the new V's coordinates
+        A = t.V.double().T @ H
+        torch.testing.assert_close(t.gram.double(), A @ A.T / 40, atol=1e-3, rtol=1e-4)
+        if r == 4:  # weighing by the states beats cutting W alone, on what W is applied to
+            assert loss(t.dense().double()) < 0.9 * loss(plain.dense().double())
+    # cutting the cut again is the same as cutting once (the gram was carried along)
+    t4 = truncate(fit, 4, head_gram=M.T @ M if with_head else None)
+    torch.testing.assert_close(truncate(t4, 2, head_gram=M.T @ M if with_head else None).dense(),
+                               truncate(fit, 2, head_gram=M.T @ M if with_head else None).dense(),
+                               atol=1e-4, rtol=1e-4)

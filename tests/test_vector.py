@@ -34,6 +34,7 @@ def make_vector(model, tokenizer, *, rank: int = 3, bias: bool = False) -> TaskV
         label_token_ids=tuple(label_token_ids(TASK, tokenizer)),
         meta={"task": TASK.to_dict(), "k": 30, "n": 256, "lam": 5.0, "seed": 1,
               "metrics": {"ltv": {"accuracy": 0.5, "d_ntp": 0.1}}},
+        gram=torch.randn(rank, rank, generator=g),
     )
 
 
@@ -44,6 +45,7 @@ def test_round_trip(tmp_path, tiny_model, tokenizer, suffix, bias):
     path = tv.save(tmp_path / f"v{suffix}")
     back = load_task_vector(path)
     assert torch.equal(back.U, tv.U) and torch.equal(back.V, tv.V)
+    assert torch.equal(back.gram, tv.gram)
     assert (back.bias is None) == (tv.bias is None)
     if bias:
         assert torch.equal(back.bias, tv.bias)
@@ -88,6 +90,9 @@ def test_bad_shapes_refused(tiny_model, tokenizer):
         TaskVector("hidden", torch.zeros(64, 2), torch.zeros(64, 2), torch.zeros(3), ident, (1, 2))
     with pytest.raises(VectorError, match="kind"):
         TaskVector("other", torch.zeros(64, 2), torch.zeros(64, 2), None, ident, (1, 2))  # type: ignore[arg-type]
+    with pytest.raises(VectorError, match="gram"):
+        TaskVector("hidden", torch.zeros(64, 2), torch.zeros(64, 2), None, ident, (1, 2), {},
+                   torch.zeros(3, 3))
 
 
 def test_corrupt_and_foreign_files_refused(tmp_path, tiny_model, tokenizer):

@@ -4,7 +4,7 @@ Every mode runs the same queries with the same `EngineSettings`; prefix caching 
 everywhere (vLLM's default) except in `icl-no-cache`. A fused or folded vector serves one
 task, so those modes run one engine per task (times are summed); the LoRA mode serves every
 task from one engine with the tasks mixed in one batch; `ltv-lora-rR` does the same with
-every adapter cut to its best rank-R approximation (vLLM's CPU LoRA kernel gathers a
+every adapter cut to rank R (`TaskVector.truncated`; vLLM's CPU LoRA kernel gathers a
 vocab × rank matrix per sampled row, so its cost grows with the rank).
 """
 
@@ -106,10 +106,10 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
         loras, rank = {}, 1
         for i, task in enumerate(names):
             tv = load_task_vector(wl.vectors[task])
-            tv = tv.truncated(cap) if cap else tv
-            path = export_lora(tv, model, lora_dir / (task if cap is None else f"{task}-r{cap}"))
+            path = export_lora(tv, model, lora_dir / (task if cap is None else f"{task}-r{cap}"),
+                               rank=cap)
             loras[task] = (task, i + 1, str(path))
-            rank = max(rank, lora_rank(tv.rank))
+            rank = max(rank, lora_rank(min(tv.rank, cap or tv.rank)))
         kwargs = {"model": model, **common,
                   "hf_overrides": {"architectures": [wrapper_architecture(model)]},
                   "enable_lora": True, "max_lora_rank": rank,

@@ -1,11 +1,11 @@
 """What serving an LTV at a lower rank costs in quality.
 
-A fitted LTV has rank up to N (256); its factors are SVD-ordered, so its best rank-R
-approximation is its first R columns (`ridge.truncate`). vLLM's CPU LoRA kernel gathers a
-vocab × rank matrix per sampled row, so multi-task serving gets cheaper as R drops; this
-measures what R does to accuracy and d_NTP. Per task and run: one episode's captures and one
-fit, then every rank scored on the same held-out states (the full rank is the last row), so
-differences between ranks are the truncation's alone.
+A fitted LTV has rank up to N (256). vLLM's CPU LoRA kernel gathers a vocab × rank matrix per
+sampled row, so multi-task serving gets cheaper as the rank drops; this measures what a cut to
+rank R does to accuracy and d_NTP, for the cut we ship (`ridge.truncate` weighted by the
+train states and the LM head) and for a plain SVD of W. Per task and run: one episode's
+captures and one fit, then every cut scored on the same held-out states (`full` is the fit
+itself), so differences between rows are the cut's alone.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,11 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
         capture_episode,
         capture_test_zero_shot,
         episode_labels,
+        head_gram,
         load_model,
         score_episode,
     )
+    from ..ridge import Factors, truncate
     from ..tasks import get_task, label_token_ids
     from ..vllm_ext.lora import VLLM_LORA_RANKS, lora_rank
     from . import report
@@ -48,6 +51,7 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
         task = get_task(name)
         label_ids = label_token_ids(task, lm.tokenizer)
         w_c, b_c = label_head(lm.model, label_ids)
+        hg = head_gram(lm.model)
         dataset = load_dataset(task)
         h_zs_test = None
         for run in range(runs):
@@ -57,16 +61,22 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
             c = capture_episode(cap, ep, h_zs_test=h_zs_test)
             labels = episode_labels(ep)
             full = score_episode(c, lam, w_c, b_c, labels, ("zero-shot", "icl", "ltv"))
-            r_full = int(full.factors.U.shape[1])
+            f = full.factors
+            r_full = int(f.U.shape[1])
+            z_icl = full.label_logits["icl"]
+            scored = partial(_score, h=c.h_zs_test, w_c=w_c, b_c=b_c, labels=labels, z_icl=z_icl)
+
             base = {"task": name, "run": run, "seed": seed + run, "full_rank": r_full,
                     "zero-shot": full.metrics["zero-shot"], "icl": full.metrics["icl"]}
             for r in [*[x for x in ranks if x < r_full], r_full]:
-                res = full if r == r_full else score_episode(c, lam, w_c, b_c, labels,
-                                                             ("icl", "ltv"), rank=r)
                 lr = lora_rank(r) if r <= VLLM_LORA_RANKS[-1] else None
-                rows.append({**base, "rank": r, "ltv": res.metrics["ltv"],
-                             "rank_label": FULL if r == r_full else str(r), "lora_rank": lr,
-                             "lora_b_bytes_bf16": vocab * lr * 2 if lr else None})
+                rows.append({
+                    **base, "rank": r, "rank_label": FULL if r == r_full else str(r),
+                    # what ships: weighted by the train states and the LM head
+                    "ltv": scored(truncate(f, r, head_gram=hg)),
+                    # a plain SVD of W, for comparison
+                    "ltv_plain": scored(truncate(Factors(f.U, f.V, f.form), r)),
+                    "lora_rank": lr, "lora_b_bytes_bf16": vocab * lr * 2 if lr else None})
             log(f"{name} run {run}: full rank {r_full}, LTV "
                 f"{100 * full.metrics['ltv']['accuracy']:.1f}% at full rank")
     doc = {"command": command, "model": model_spec, "dtype": str(lm.model.dtype),
@@ -79,49 +89,62 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
     return doc
 
 
-def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """{rank_label: {task and "avg": {accuracy, d_ntp, ...}}} as means over runs."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
+def _score(cut: Any, *, h: Any, w_c: Any, b_c: Any, labels: Any, z_icl: Any) -> dict[str, float]:
+    """Accuracy and d_NTP of h + W_R h on the test states (label-restricted logits)."""
+    from ..metrics import accuracy, d_ntp
+
+    z = (h + cut.apply(h)) @ w_c.T + b_c
+    return {"accuracy": accuracy(z, labels), "d_ntp": d_ntp(z_icl, z)}
+
+
+def _rows_in_order(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """(row name, rank label, key in a result row) for the tables, in display order."""
     labels = list(dict.fromkeys(r["rank_label"] for r in sorted(rows, key=lambda r: r["rank"])))
+    cut = [x for x in labels if x != FULL]
+    return ([(f"LTV r={x}", x, "ltv") for x in cut] + [(f"LTV r={FULL}", FULL, "ltv")]
+            + [(f"plain SVD r={x}", x, "ltv_plain") for x in cut]
+            + [("zero-shot", FULL, "zero-shot"), ("icl", FULL, "icl")])
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """{row name: {task and "avg": {accuracy, d_ntp}}}, means over runs."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
     tasks = list(dict.fromkeys(r["task"] for r in rows))
-    for lab in [*labels, "zero-shot", "icl"]:
-        per: dict[str, dict[str, float]] = {}
+    for name, lab, key in _rows_in_order(rows):
+        per = {}
         for t in tasks:
-            if lab in ("zero-shot", "icl"):
-                sel = [r[lab] for r in rows if r["task"] == t and r["rank_label"] == FULL]
-            else:
-                sel = [r["ltv"] for r in rows if r["task"] == t and r["rank_label"] == lab]
-            if sel:
-                per[t] = {m: statistics.fmean(x[m] for x in sel) for m in ("accuracy", "d_ntp")}
-        if per:
-            per["avg"] = {m: statistics.fmean(v[m] for v in per.values()) for m in ("accuracy", "d_ntp")}
-            out[lab] = per
+            sel = [r[key] for r in rows if r["task"] == t and r["rank_label"] == lab]
+            per[t] = {m: statistics.fmean(x[m] for x in sel) for m in ("accuracy", "d_ntp")}
+        per["avg"] = {m: statistics.fmean(v[m] for v in per.values()) for m in ("accuracy", "d_ntp")}
+        out[name] = per
     return out
 
 
 def rank_markdown(doc: dict[str, Any]) -> str:
     s = doc["summary"]
     tasks = [t for t in next(iter(s.values())) if t != "avg"]
-    lora_mib = {r["rank_label"]: r["lora_b_bytes_bf16"] / 2**20 for r in doc["rows"]
-                if r["lora_b_bytes_bf16"]}
+    lora_mib = {name: r["lora_b_bytes_bf16"] / 2**20 for name, lab, _ in _rows_in_order(doc["rows"])
+                for r in doc["rows"] if r["rank_label"] == lab and r["lora_b_bytes_bf16"]
+                and name.startswith(("LTV", "plain"))}
     lines = [
         "# LTV at a lower rank: accuracy and d_NTP", "", "```", doc["command"], "```", "",
         (f"Model `{doc['model']}` ({doc['dtype']}), k={doc['k']}, N={doc['n']}, "
          f"λ={doc['lam']}, {doc['n_test']} test queries, {doc['runs']} run(s) (means over runs). "
-         "Each rank is the best rank-R approximation of the same fit, scored on the same test "
-         "states; `full` is the fit's own rank. LoRA B = vocab × (rank padded to one vLLM "
-         "accepts) in bf16: what vLLM's CPU LoRA kernel gathers per sampled row."), "",
+         "`LTV r=R`: the fit cut to rank R as ltv-vllm does (`extract --rank`, `export-lora "
+         "--rank`, `serve --lora-rank`): min ‖W_lm (W − W_R) H‖ over the train states H; "
+         "`plain SVD r=R`: W's own top-R singular directions; `full`: the fit itself. All "
+         "scored on the same test states. LoRA B = vocab × (rank padded to one vLLM accepts) "
+         "in bf16: what vLLM's CPU LoRA kernel gathers per sampled row."), "",
     ]
-    for metric, title, fmt in (("accuracy", "Accuracy (%)", lambda x: f"{100 * x:.1f}"),
-                               ("d_ntp", "d_NTP (vs ICL)", lambda x: f"{x:.3f}")):
+    for metric, title, fmt in (("d_ntp", "d_NTP (vs ICL; lower is closer)", lambda x: f"{x:.3f}"),
+                               ("accuracy", "Accuracy (%)", lambda x: f"{100 * x:.1f}")):
         lines += [f"**{title}**", "",
-                  "| LTV rank | LoRA B (MiB) | " + " | ".join(tasks) + " | Avg. |",
+                  "| Method | LoRA B (MiB) | " + " | ".join(tasks) + " | Avg. |",
                   "|---|---|" + "---|" * (len(tasks) + 1)]
-        for lab, per in s.items():
-            if metric == "d_ntp" and lab == "icl":
+        for name, per in s.items():
+            if metric == "d_ntp" and name == "icl":
                 continue  # 0 by definition
-            name = lab if lab in ("zero-shot", "icl") else f"LTV r={lab}"
-            mib = f"{lora_mib[lab]:.1f}" if lab in lora_mib else "—"
+            mib = f"{lora_mib[name]:.1f}" if name in lora_mib else "—"
             lines.append(f"| {name} | {mib} | "
                          + " | ".join(fmt(per[t][metric]) for t in tasks)
                          + f" | {fmt(per['avg'][metric])} |")
@@ -137,23 +160,27 @@ def rank_plot(doc: dict[str, Any], out_dir: Path) -> Path:
 
     rows = doc["rows"]
     tasks = list(dict.fromkeys(r["task"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, metric, label in ((axes[0], "accuracy", "accuracy"), (axes[1], "d_ntp", "d_NTP vs ICL")):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric, label in ((axes[0], "d_ntp", "d_NTP vs ICL"), (axes[1], "accuracy", "accuracy")):
         for t in tasks:
-            pts: dict[int, list[float]] = {}
-            for r in rows:
-                if r["task"] == t:
-                    pts.setdefault(r["rank"], []).append(r["ltv"][metric])
-            xs = sorted(pts)
-            line, = ax.plot(xs, [statistics.fmean(pts[x]) for x in xs], "o-", label=f"{t} LTV")
-            ref = "icl" if metric == "accuracy" else "zero-shot"
+            color = None
+            for key, style, what in (("ltv", "o-", "ltv-vllm cut"), ("ltv_plain", "x--", "plain SVD")):
+                pts: dict[int, list[float]] = {}
+                for r in rows:
+                    if r["task"] == t:
+                        pts.setdefault(r["rank"], []).append(r[key][metric])
+                xs = sorted(pts)
+                line, = ax.plot(xs, [statistics.fmean(pts[x]) for x in xs], style, color=color,
+                                label=f"{t} {what}")
+                color = line.get_color()
+            ref = "zero-shot" if metric == "d_ntp" else "icl"
             vals = [r[ref][metric] for r in rows if r["task"] == t and r["rank_label"] == FULL]
-            ax.axhline(statistics.fmean(vals), color=line.get_color(), ls=":", lw=1)
+            ax.axhline(statistics.fmean(vals), color=color, ls=":", lw=1)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("LTV rank R (best rank-R approximation)")
+        ax.set_xlabel("rank R")
         ax.set_ylabel(label)
-        ax.set_title(f"{label} (dotted: {'ICL' if metric == 'accuracy' else 'zero-shot'})")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{doc['model']}: LTV quality against rank")
+        ax.set_title(f"{label} (dotted: {'zero-shot' if metric == 'd_ntp' else 'ICL'})")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{doc['model']}: LTV cut to rank R")
     fig.tight_layout()
     return save_figure(fig, out_dir / "rank.png")

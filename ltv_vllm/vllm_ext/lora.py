@@ -41,12 +41,21 @@ def lora_factors(tv: TaskVector, lm_head: torch.Tensor) -> tuple[torch.Tensor, t
     return A.contiguous(), B.contiguous()
 
 
-def export_lora(tv: TaskVector, model_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+def export_lora(tv: TaskVector, model_dir: str | Path, out_dir: str | Path,
+                rank: int | None = None) -> Path:
+    """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
+
+    rank: cut the vector to rank `rank` first (`TaskVector.truncated`, weighted by this LM
+    head): vLLM's CPU LoRA kernel gathers a vocab × rank matrix per sampled row.
+    """
     from safetensors.torch import save_file
 
     tv.check_model(identity_from_dir(model_dir))
-    A, B = lora_factors(tv, read_lm_head(model_dir))
+    head = read_lm_head(model_dir)
+    full_rank = tv.rank
+    if rank is not None:
+        tv = tv.truncated(rank, lm_head=head)
+    A, B = lora_factors(tv, head)
     rank = A.shape[0]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -66,7 +75,7 @@ def export_lora(tv: TaskVector, model_dir: str | Path, out_dir: str | Path) -> P
     }
     # Provenance beside the adapter, not in it: PEFT warns about unknown config keys.
     provenance = {"task": tv.meta.get("task"), "kind": tv.kind, "rank": tv.rank,
-                  "model": tv.model.to_dict()}
+                  "full_rank": full_rank, "model": tv.model.to_dict()}
     tensors = {
         "base_model.model.lm_head.lora_A.weight": A,
         "base_model.model.lm_head.lora_B.weight": B,
