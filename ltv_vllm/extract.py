@@ -16,7 +16,7 @@ from . import __version__
 from .capture import Capturer, full_head, label_head
 from .data import Episode
 from .metrics import accuracy, d_ntp
-from .ridge import Factors, mean_shift, ridge_fit, truncate
+from .ridge import Factors, head_gram, mean_shift, ridge_fit, truncate
 from .tasks import Task, label_token_ids
 from .vector import ModelIdentity, TaskVector, model_identity
 
@@ -190,14 +190,8 @@ def run_episode(
 ) -> EpisodeResult:
     w_c, b_c = label_head(cap.model, label_ids)  # (K, d), (K,)
     c = capture_episode(cap, episode, h_zs_test=h_zs_test)
-    return score_episode(c, lam, w_c, b_c, episode_labels(episode), methods, rank,
-                         head_gram(cap.model) if rank is not None else None)
-
-
-def head_gram(model: Any) -> torch.Tensor:
-    """W_lmᵀ W_lm (d, d) in float64: how the LM head weighs hidden-space directions."""
-    w = full_head(model)[0].double()
-    return w.T @ w
+    hg = head_gram(full_head(cap.model)[0]) if rank is not None else None
+    return score_episode(c, lam, w_c, b_c, episode_labels(episode), methods, rank, hg)
 
 
 def extract(

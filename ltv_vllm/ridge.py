@@ -142,6 +142,12 @@ def truncate(f: Factors, rank: int, *, head_gram: torch.Tensor | None = None) ->
                    gram=(C.T @ G @ C).float())
 
 
+def head_gram(w: torch.Tensor) -> torch.Tensor:
+    """MᵀM (d, d) in float64 for an output map M (vocab, d): `truncate`'s head weighting."""
+    w = w.double()
+    return w.T @ w
+
+
 def _jitter(G: torch.Tensor) -> torch.Tensor:
     """G + εI with ε relative to G's scale, so a merely semi-definite Gram factorises."""
     eps = 1e-10 * float(G.diagonal().mean().clamp(min=1e-30))

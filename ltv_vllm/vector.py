@@ -147,16 +147,13 @@ class TaskVector:
         """
         from dataclasses import replace
 
-        from .ridge import Factors, truncate
+        from .ridge import Factors, head_gram, truncate
 
         if rank >= self.rank:
             return self
-        head_gram = None
-        if self.kind == "hidden" and lm_head is not None:
-            w = lm_head.double()
-            head_gram = w.T @ w
+        hg = head_gram(lm_head) if self.kind == "hidden" and lm_head is not None else None
         f = truncate(Factors(self.U, self.V, form=str(self.meta.get("ridge_form", "?")),
-                             gram=self.gram), rank, head_gram=head_gram)
+                             gram=self.gram), rank, head_gram=hg)
         return replace(self, U=f.U, V=f.V, gram=f.gram)
 
     def delta(self, h: torch.Tensor) -> torch.Tensor:

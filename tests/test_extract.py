@@ -63,13 +63,13 @@ def test_extract_metrics_match_independent_computation(model_dir, task_file, ran
     A = tv.V.T @ torch.stack(h).T
     torch.testing.assert_close(tv.gram, A @ A.T / 24, atol=1e-4, rtol=1e-3)
     if rank is not None:  # the rank-3 cut of the full fit, weighted by its states and LM head
-        from ltv_vllm.extract import head_gram
-        from ltv_vllm.ridge import Factors, truncate
+        from ltv_vllm.capture import full_head
+        from ltv_vllm.ridge import Factors, head_gram, truncate
 
         full, _ = extract(lm, task, k=6, n=24, lam=5.0, seed=3, n_test=20, batch_size=5,
                           progress=False)
         assert tv.rank == 3 < full.rank
-        cut = truncate(Factors(full.U, full.V, "", full.gram), 3, head_gram=head_gram(lm.model))
+        cut = truncate(Factors(full.U, full.V, "", full.gram), 3, head_gram=head_gram(full_head(lm.model)[0]))
         torch.testing.assert_close(tv.U @ tv.V.T, cut.dense(), atol=1e-5, rtol=1e-4)
     ids = label_token_ids(task, lm.tokenizer)
     labels = torch.tensor([e.label for e in ep.test])

@@ -27,17 +27,16 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
                out_dir: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     import torch
 
-    from ..capture import Capturer, label_head
+    from ..capture import Capturer, full_head, label_head
     from ..data import load_dataset, sample_episode
     from ..extract import (
         capture_episode,
         capture_test_zero_shot,
         episode_labels,
-        head_gram,
         load_model,
         score_episode,
     )
-    from ..ridge import Factors, truncate
+    from ..ridge import Factors, head_gram, truncate
     from ..tasks import get_task, label_token_ids
     from ..vllm_ext.lora import VLLM_LORA_RANKS, lora_rank
     from . import report
@@ -51,7 +50,7 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
         task = get_task(name)
         label_ids = label_token_ids(task, lm.tokenizer)
         w_c, b_c = label_head(lm.model, label_ids)
-        hg = head_gram(lm.model)
+        hg = head_gram(full_head(lm.model)[0])
         dataset = load_dataset(task)
         h_zs_test = None
         for run in range(runs):

@@ -56,15 +56,15 @@ def export_lora(tv: TaskVector, model_dir: str | Path, out_dir: str | Path,
     if rank is not None:
         tv = tv.truncated(rank, lm_head=head)
     A, B = lora_factors(tv, head)
-    rank = A.shape[0]
+    r_lora = A.shape[0]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": tv.model.name,
-        "r": rank,
-        "lora_alpha": rank,  # scale alpha / r = 1: the adapter adds exactly W_lm U Vᵀ h
+        "r": r_lora,
+        "lora_alpha": r_lora,  # scale alpha / r = 1: the adapter adds exactly W_lm U Vᵀ h
         "lora_dropout": 0.0,
         "target_modules": ["lm_head"],
         "bias": "none",
