@@ -72,6 +72,7 @@ def bench_extraction(model_spec: str, task_names: list[str], *, ks: Sequence[int
     from . import report
     from .workload import machine
 
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     lm = load_model(model_spec, dtype=dtype)
     cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=True)
     rows = []
@@ -83,7 +84,8 @@ def bench_extraction(model_spec: str, task_names: list[str], *, ks: Sequence[int
                 + (f", naive {r['naive_capture_seconds']:.1f} s ({r['speedup']:.1f}×)" if naive else ""))
     doc = {"command": command, "model": model_spec, "dtype": str(lm.model.dtype),
            "batch_size": batch_size, "threads": torch.get_num_threads(), "machine": machine(),
-           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows}
+           "started": started,
+           "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows}
     report.write(doc, out_dir, extraction_markdown(doc))
     doc["plots"] = [str(extraction_plot(doc, out_dir))]
     return doc

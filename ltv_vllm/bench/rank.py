@@ -42,6 +42,7 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
     from . import report
     from .workload import machine
 
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     lm = load_model(model_spec, dtype=dtype)
     cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=True)
     vocab = lm.identity.vocab_size
@@ -81,7 +82,8 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
     doc = {"command": command, "model": model_spec, "dtype": str(lm.model.dtype),
            "k": k, "n": n, "lam": lam, "n_test": n_test, "runs": runs, "vocab_size": vocab,
            "threads": torch.get_num_threads(), "machine": machine(),
-           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows,
+           "started": started,
+           "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows,
            "summary": summarise(rows)}
     report.write(doc, out_dir, rank_markdown(doc))
     doc["plots"] = [str(rank_plot(doc, out_dir))]
