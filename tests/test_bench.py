@@ -132,11 +132,19 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
     zs = reference_probs(model_dir, wl, [q.zs for q in wl.queries], None)
     icl = reference_probs(model_dir, wl, [q.icl for q in wl.queries], None)
     ltv = reference_probs(model_dir, wl, [q.zs for q in wl.queries], vectors)
-    # rank 4 of the rank-8 vectors: the best rank-4 part, from an SVD of each dense W
+    # rank 4 of the rank-8 vectors (placed without training states): the rank-4 map closest to
+    # W in what it does to the logits, min ‖W_lm (W − W_4)‖_F, by the reduced-rank formula
+    # W_4 = R⁻¹ P_4 P_4ᵀ R W (W_lm = Q R, P_4: top left singular vectors of R W)
+    from transformers import AutoModelForCausalLM
+
+    w_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).lm_head.weight
+    R = torch.linalg.qr(w_lm.detach().double())[1]
     cut = {}
     for t, tv in vectors.items():
-        P, sv, Qt = torch.linalg.svd((tv.U @ tv.V.T).double())
-        cut[t] = TaskVector("hidden", (P[:, :4] * sv[:4]).float(), Qt[:4].T.float(), None,
+        W = (tv.U @ tv.V.T).double()
+        P = torch.linalg.svd(R @ W)[0]
+        P2, sv, Qt = torch.linalg.svd(torch.linalg.solve(R, P[:, :4] @ P[:, :4].T @ R @ W))
+        cut[t] = TaskVector("hidden", (P2[:, :4] * sv[:4]).float(), Qt[:4].T.float(), None,
                             tv.model, tv.label_token_ids, tv.meta)
     ltv4 = reference_probs(model_dir, wl, [q.zs for q in wl.queries], cut)
     assert max(float((a - b).abs().max()) for a, b in zip(ltv, ltv4)) > 1e-3  # a real cut
