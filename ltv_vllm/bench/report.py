@@ -12,6 +12,7 @@ from ..fileio import atomic_write, save_figure
 GIB = 1024**3
 MIB = 1024**2
 
+
 def derive_rates(r: dict[str, Any]) -> dict[str, Any]:
     """Throughput from the raw timed passes. The headline is the fastest pass (the one least
     disturbed by anything else on the machine, as `timeit` does); the median is kept too."""
