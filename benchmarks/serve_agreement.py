@@ -27,7 +27,7 @@ import torch
 from ltv_vllm.capture import Capturer, label_head
 from ltv_vllm.client import classify
 from ltv_vllm.data import load_dataset, sample_test
-from ltv_vllm.extract import extract, load_model
+from ltv_vllm.extract import ExtractOptions, extract, load_model
 from ltv_vllm.tasks import get_task
 from ltv_vllm.vector import load_task_vector
 
@@ -53,7 +53,7 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
     task = get_task(task_name)
     lm = load_model(model_spec, dtype=dtype)
     if vector is None:
-        tv, _ = extract(lm, task, n_test=n_test)
+        tv, _ = extract(lm, task, ExtractOptions(n_test=n_test))
         vector = tv.save(out_dir / f"{task.name}.safetensors")
     tv = load_task_vector(vector)
     test = sample_test(load_dataset(task), n_test=n_test)

@@ -29,16 +29,9 @@ def task_vector_applied(
     head = lm_head(model)  # type: ignore[arg-type]
     if check:
         tv.check_model(model_identity(model))
-    # Cast once to the head's dtype/device: the single explicit point where a float32 CPU
-    # vector meets the model.
-    dev, dt = head.weight.device, head.weight.dtype
-    V = tv.V.to(device=dev, dtype=dt)
-    U = tv.U.to(device=dev, dtype=dt)
-    bias = tv.bias.to(device=dev, dtype=dt) if tv.bias is not None else None
-
-    def delta(h: torch.Tensor) -> torch.Tensor:
-        out = (h @ V) @ U.T
-        return out + bias if bias is not None else out
+    # The single explicit point where the float32 CPU vector meets the model.
+    cast = tv.to(head.weight.device, head.weight.dtype)
+    delta = cast.delta
 
     if tv.kind == "hidden":
 

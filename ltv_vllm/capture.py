@@ -26,8 +26,10 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from .errors import UserError
 
-class CaptureError(ValueError):
+
+class CaptureError(UserError):
     """A prompt that cannot be run (e.g. longer than the model's context)."""
 
 

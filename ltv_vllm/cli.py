@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import shlex
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,28 +11,21 @@ from typing import Any
 import click
 
 from . import __version__
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from .capture import CaptureError
-    from .data import DataError
-    from .models import ModelError
-    from .tasks import TaskError
-    from .transfer import TransferError
-    from .vector import VectorError
-
-    return (CaptureError, DataError, ModelError, TaskError, TransferError, VectorError)
+from .fileio import check_writable
 
 
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Bad input ends in one clear line and exit status 1, not a traceback."""
+    """Anything a user can cause (`UserError`) ends in one line and exit status 1, not a
+    traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from .errors import UserError
+
         try:
             return fn(*args, **kwargs)
-        except _user_errors() as e:
-            raise click.ClickException(str(e)) from None
+        except UserError as e:
+            raise click.ClickException(" ".join(str(e).split())) from None
 
     return wrapper
 
@@ -174,14 +166,19 @@ def _print_metrics(metrics: dict[str, dict[str, float]]) -> None:
         click.echo(f"{m:<{width}} {100 * v['accuracy']:>8.1f}% {v['d_ntp']:>8.4f}")
 
 
+DTYPE = click.Choice(["auto", "bfloat16", "float16", "float32"])
+DTYPE_HELP = ("auto: what the device computes natively (CPU: bfloat16 only with native bf16, "
+              "else float32; CUDA: bfloat16 where supported).")
+
+
 def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Options of the large model in cross-model transfer (extract, evaluate)."""
     opts = [
         click.option("--source-model", "source_spec", default=None,
                      help="Large model whose ICL the vector imitates (same tokenizer as --model): "
                           "fits a logit-space vector for --model."),
-        click.option("--source-dtype", default="auto", show_default=True,
-                     type=click.Choice(["auto", "bfloat16", "float16", "float32"])),
+        click.option("--source-dtype", default="auto", show_default=True, type=DTYPE,
+                     help=DTYPE_HELP),
         click.option("--source-device-map", default=None,
                      help="transformers device_map for the source, e.g. 'auto' to spread it over "
                           "every GPU [default: CPU]."),
@@ -199,14 +196,19 @@ def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def _open_source(spec: str, dtype: str, device_map: str | None, quantization: str,
-                 work_dir: Path | None, chunk_size: int, batch_size: int, quiet: bool) -> Any:
-    from .extract import open_source
+def _source(spec: str | None, dtype: str, device_map: str | None, quantization: str,
+            work_dir: Path | None, chunk_size: int, batch_size: int, quiet: bool) -> Any:
+    """SourceOptions from the --source-* options (None without --source-model)."""
+    from .extract import SourceOptions
 
-    return open_source(spec, dtype=dtype, device_map=device_map,
-                       quantization=None if quantization == "none" else quantization,
-                       work_dir=str(work_dir) if work_dir else None, chunk_size=chunk_size,
-                       batch_size=batch_size, progress=not quiet)
+    if spec is None:
+        return None
+    if work_dir is not None:
+        check_writable(work_dir, option="--work-dir", directory=True)
+    return SourceOptions(spec, dtype=dtype, device_map=device_map,
+                         quantization=None if quantization == "none" else quantization,
+                         work_dir=str(work_dir) if work_dir else None, chunk_size=chunk_size,
+                         batch_size=batch_size, progress=not quiet)
 
 
 @main.command()
@@ -218,16 +220,15 @@ def _open_source(spec: str, dtype: str, device_map: str | None, quantization: st
               help="Demonstrations (k//K per class) [default: 30; 10 (at least K) with --source-model, "
                    "the paper's transfer setting].")
 @click.option("--n", default=256, show_default=True, help="Unlabeled train queries N.")
-@click.option("--lam", default=5.0, show_default=True, help="Ridge penalty λ.")
+@click.option("--lam", default=5.0, show_default=True, help="Ridge penalty λ (> 0).")
 @click.option("--seed", default=0, show_default=True, help="Demo/query sampling seed.")
 @click.option("--n-test", default=500, show_default=True, help="Held-out queries scored.")
 @click.option("--batch-size", default=16, show_default=True)
-@click.option("--dtype", default="auto", show_default=True,
-              type=click.Choice(["auto", "bfloat16", "float16", "float32"]))
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--device", default="cpu", show_default=True, help="Device of --model (cpu, cuda, ...).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Task-vector file (.pt or .safetensors) [default: TASK.pt, TASK.transfer.pt].")
-@click.option("--rank", type=click.IntRange(min=1), default=None,
+@click.option("--rank", type=int, default=None,
               help="Cut the fit to rank R, keeping what matters on its training states "
                    "(scored and saved as such) [default: the full rank, ≤ N].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
@@ -235,44 +236,57 @@ def _open_source(spec: str, dtype: str, device_map: str | None, quantization: st
 @friendly
 def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float, seed: int,
             n_test: int, batch_size: int, dtype: str, device: str, output: Path | None,
-            rank: int | None, quiet: bool, source_spec: str | None, source_dtype: str, source_device_map: str | None,
-            source_quantization: str, work_dir: Path | None, chunk_size: int) -> None:
+            rank: int | None, quiet: bool, source_spec: str | None, source_dtype: str,
+            source_device_map: str | None, source_quantization: str, work_dir: Path | None,
+            chunk_size: int) -> None:
     """Extract a task vector and report zero-shot / ICL / LTV accuracy and d_NTP.
 
     With --source-model LARGE: a logit-space vector for --model, fitted to LARGE's ICL
     (cross-model transfer; the two must share a tokenizer).
     """
+    from .extract import (
+        ExtractOptions,
+        extract_transfer,
+        load_model,
+        load_tokenizer,
+        open_source,
+        plan_episode,
+    )
     from .extract import extract as run_extract
-    from .extract import extract_transfer, load_model
-    from .tasks import get_task
+    from .hardware import why
+    from .tasks import get_task, label_token_ids
 
+    # Everything a user can get wrong is refused here, before any model loads.
+    opts = ExtractOptions(k=k, n=n, lam=lam, seed=seed, n_test=n_test, batch_size=batch_size,
+                          rank=rank, progress=not quiet)
+    source_opts = _source(source_spec, source_dtype, source_device_map, source_quantization,
+                          work_dir, chunk_size, batch_size, quiet)
     t = get_task(task)
-    output = output or Path(f"{t.name}.transfer.pt" if source_spec else f"{t.name}.pt")
-    if output.suffix not in (".pt", ".safetensors"):
-        raise click.BadParameter("must end in .pt or .safetensors", param_hint="--output")
-    source = _open_source(source_spec, source_dtype, source_device_map, source_quantization,
-                          work_dir, chunk_size, batch_size, quiet) if source_spec else None
+    default = f"{t.name}.transfer.pt" if source_opts else f"{t.name}.pt"
+    output = check_writable(output or default, option="--output", suffixes=(".pt", ".safetensors"))
+    label_token_ids(t, load_tokenizer(model_spec))  # labels sharing a first token: refused
+    episode = plan_episode(t, opts, transfer=source_opts is not None)  # reads the data
+    source = open_source(source_opts) if source_opts else None  # tokenizer and identity only
     lm = load_model(model_spec, dtype=dtype, device=device)
     if source is None:
-        tv, res = run_extract(lm, t, k=30 if k is None else k, n=n, lam=lam, seed=seed,
-                              n_test=n_test, batch_size=batch_size, progress=not quiet,
-                              rank=rank)
+        tv, res = run_extract(lm, t, opts, episode=episode)
     else:
-        tv, res = extract_transfer(lm, source, t, k=k, n=n, lam=lam, seed=seed, n_test=n_test,
-                                   batch_size=batch_size, progress=not quiet, rank=rank)
+        tv, res = extract_transfer(lm, source, t, opts, episode=episode)
     tv.save(output)
     src = f" from {source.spec}" if source else ""
     click.echo(f"\n{t.name} on {lm.spec}{src}: k={tv.meta['k_used']} demos, N={n}, λ={lam}, "
                f"{tv.meta['n_test']} test queries")
     _print_metrics(res.metrics)
     tm = res.timings
+    dt = tv.meta["dtype"]
+    hw = f"{dt} on {why(dt, device)}"
     if source is None:
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s (capture {tm['capture_seconds']:.1f} s,"
-                   f" fit {tm['fit_seconds']:.2f} s); rank {tv.rank}")
+                   f" fit {tm['fit_seconds']:.2f} s; {hw}); rank {tv.rank}")
     else:
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s (source {tm['source_capture_seconds']:.1f}"
-                   f" s, target {tm['target_capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s); "
-                   f"rank {tv.rank}; source captures in {source.cap.dir} "
+                   f" s, target {tm['target_capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s; "
+                   f"{hw}); rank {tv.rank}; source captures in {source.cap.dir} "
                    f"({source.cap.reused} chunks reused, {source.cap.computed} computed)")
     click.echo(f"wrote {output} ({tv.kind} vector)")
 
@@ -302,16 +316,19 @@ def inspect(path: Path) -> None:
               help="Adapter directory to write.")
 @click.option("--model", "model_spec", default=None,
               help="Model the vector belongs to [default: the one recorded in the vector].")
-@click.option("--rank", type=click.IntRange(min=1), default=None,
+@click.option("--rank", type=int, default=None,
               help="Cut the vector to rank R first, keeping what matters on its training "
                    "states (vLLM's CPU LoRA kernel cost grows with the rank) [default: full].")
 @friendly
 def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | None) -> None:
     """Write a task vector as a PEFT LoRA adapter on lm_head (loadable by any vLLM)."""
+    from .extract import check_counts
     from .models import resolve_model
     from .vector import load_task_vector
     from .vllm_ext.lora import export_lora as run_export
 
+    check_counts(rank=rank)
+    check_writable(output, option="--output", directory=True)
     tv = load_task_vector(vector)
     model_dir = resolve_model(model_spec or tv.model.name)
     out = run_export(tv, model_dir, output, rank=rank)
@@ -328,42 +345,37 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
                    "by the OpenAI `model` field).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True)
-@click.option("--dtype", default="auto", show_default=True)
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--fold", is_flag=True,
               help="Fused mode: fold the shift into the LM-head weight at load (zero cost).")
-@click.option("--lora-rank", type=click.IntRange(min=1), default=None,
+@click.option("--lora-rank", type=int, default=None,
               help="Multi-task mode: cut every adapter to rank R (cheaper LoRA serving; "
                    "see export-lora --rank) [default: full rank].")
-@click.option("--dry-run", is_flag=True, help="Check everything, print the vLLM command, exit.")
+@click.option("--dry-run", is_flag=True,
+              help="Check everything, print the vLLM command and exit; writes nothing.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @friendly
 def serve(model_spec: str | None, vectors: tuple[str, ...], host: str, port: int, dtype: str,
           max_model_len: int | None, fold: bool, lora_rank: int | None, dry_run: bool,
           vllm_args: tuple[str, ...]) -> None:
-    """Start vLLM's OpenAI-compatible server with task vectors (extra args go to vLLM)."""
-    import hashlib
-    import os
+    """Start vLLM's OpenAI-compatible server with task vectors (extra args go to vLLM).
 
-    from .models import DEFAULT_MODEL, cache_dir, resolve_model
-    from .serve import SERVER_MODULE, parse_vector_specs, server_args
+    On the CPU backend the engine runs eager (--enforce-eager) unless you pass a compilation
+    flag of vLLM's own (--no-enforce-eager, -O, --compilation-config).
+    """
+    from .serve import ServeOptions, plan_server
 
-    spec = model_spec or DEFAULT_MODEL
-    model_dir = resolve_model(spec)
-    parsed = parse_vector_specs(list(vectors))
-    digest = hashlib.sha256((f"r{lora_rank}:" + "".join(
-        f"{n}={p.resolve()}:{p.stat().st_mtime_ns}" for n, p in sorted(parsed.items())
-        if p.exists())).encode()).hexdigest()[:12]
-    args = server_args(model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest,
-                       served_name=spec, host=host, port=port, dtype=dtype,
-                       max_model_len=max_model_len, fold=fold, lora_rank_cap=lora_rank)
-    argv = [sys.executable, "-m", SERVER_MODULE, *args, *vllm_args]
-    click.echo(" ".join(shlex.quote(a) for a in argv), err=True)
+    plan = plan_server(ServeOptions(model_spec, vectors, host=host, port=port, dtype=dtype,
+                                    max_model_len=max_model_len, fold=fold, lora_rank=lora_rank,
+                                    vllm_args=vllm_args))
+    click.echo(" ".join(shlex.quote(a) for a in plan.argv), err=True)
     if dry_run:
+        if plan.lora is not None:
+            click.echo(f"(dry run: the {len(plan.lora.adapters)} LoRA adapters above were not "
+                       "written)", err=True)
         return
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # read by the CPU backend only
-    os.execve(sys.executable, argv, env)  # the server replaces this process
+    plan.start()  # writes the adapters, then the server replaces this process
 
 
 @main.command()
@@ -408,8 +420,7 @@ def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | No
 @click.option("--n-test", default=500, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Seed of the first run.")
 @click.option("--batch-size", default=16, show_default=True)
-@click.option("--dtype", default="auto", show_default=True,
-              type=click.Choice(["auto", "bfloat16", "float16", "float32"]))
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--device", default="cpu", show_default=True, help="Device of --model.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("ltv-eval"), show_default=True)
@@ -426,33 +437,24 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     With --source-model LARGE it is the paper's transfer table: each method on the target
     (--model) and on LARGE, and LARGE's ICL transferred to the target in logit space.
     """
-    from .evaluate import EvalConfig, markdown_table, write_report
+    from .evaluate import EvalConfig, markdown_table, plan_episodes, resolve_methods, write_report
     from .evaluate import evaluate as run_evaluate
-    from .extract import METHODS, TRANSFER_METHOD, load_model
-    from .tasks import BUILTIN_TASKS, get_task
+    from .extract import load_model, load_tokenizer, open_source
+    from .tasks import get_tasks, label_token_ids
 
-    names = [s.strip() for s in task_list.split(",") if s.strip()]
-    if names == ["packaged"]:
-        names = [t.name for t in BUILTIN_TASKS.values() if t.source.startswith("packaged:")]
-    tasks_ = [get_task(s) for s in names]
-    if methods is None:
-        methods = "zero-shot,icl,ltv," + (TRANSFER_METHOD if source_spec else "mean")
-    ms = [m.strip() for m in methods.split(",") if m.strip()]
-    known = (*METHODS, TRANSFER_METHOD) if source_spec else METHODS
-    bad = [m for m in ms if m not in known]
-    if bad:
-        hint = " (ltv-transfer needs --source-model)" if TRANSFER_METHOD in bad else ""
-        raise click.BadParameter(f"unknown {bad}; choose from {', '.join(known)}{hint}",
-                                 param_hint="--methods")
-    if "icl" not in ms:
-        ms.insert(0, "icl")  # d_NTP is measured against ICL, so ICL always runs
-    if source_spec and TRANSFER_METHOD not in ms:
-        ms.append(TRANSFER_METHOD)
-    source = _open_source(source_spec, source_dtype, source_device_map, source_quantization,
-                          work_dir, chunk_size, batch_size, quiet) if source_spec else None
-    lm = load_model(model_spec, dtype=dtype, device=device)
     cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size)
-    doc = run_evaluate(lm, tasks_, ms, cfg, source=source, progress=not quiet)
+    source_opts = _source(source_spec, source_dtype, source_device_map, source_quantization,
+                          work_dir, chunk_size, batch_size, quiet)
+    ms = resolve_methods(_csv(methods) if methods else None, transfer=source_opts is not None)
+    tasks_ = get_tasks(task_list)
+    check_writable(out_dir, option="--out", directory=True)
+    tok = load_tokenizer(model_spec)
+    for t in tasks_:
+        label_token_ids(t, tok)  # labels sharing a first token: refused before any pass
+    episodes = plan_episodes(tasks_, cfg, transfer=source_opts is not None)  # reads the data
+    source = open_source(source_opts) if source_opts else None
+    lm = load_model(model_spec, dtype=dtype, device=device)
+    doc = run_evaluate(lm, tasks_, ms, cfg, source=source, progress=not quiet, episodes=episodes)
     paths = write_report(doc, out_dir, _command_line())
     click.echo(markdown_table({**doc}))
     click.echo("wrote " + ", ".join(str(p) for p in paths))
@@ -472,11 +474,12 @@ def _ints(value: str) -> list[int]:
 
 def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Engine settings shared by every serving benchmark (identical for every mode)."""
+    from .bench.workload import EngineSettings as E
+
     for opt in reversed([
-        click.option("--dtype", default="bfloat16", show_default=True,
-                     type=click.Choice(["bfloat16", "float16", "float32"])),
-        click.option("--max-model-len", default=4096, show_default=True),
-        click.option("--kv-cache-gib", default=4, show_default=True,
+        click.option("--dtype", default=E.dtype, show_default=True, type=DTYPE, help=DTYPE_HELP),
+        click.option("--max-model-len", default=E.max_model_len, show_default=True),
+        click.option("--kv-cache-gib", default=E.kv_cache_gib, show_default=True,
                      help="VLLM_CPU_KVCACHE_SPACE for the CPU backend."),
         click.option("--max-num-seqs", type=int, default=None, help="[default: vLLM's]"),
         click.option("--repeats", default=3, show_default=True,
@@ -490,6 +493,29 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     ]):
         fn = opt(fn)
     return fn
+
+
+def _task_specs(task_list: str) -> tuple[str, ...]:
+    """--tasks checked now (names, spec files), passed on as given."""
+    from .tasks import get_tasks
+
+    tasks = get_tasks(task_list)
+    return tuple(t.name for t in tasks) if task_list.strip() == "packaged" else tuple(_csv(task_list))
+
+
+def _serving_bench(out_dir: Path, work_dir: Path | None, dtype: str, max_model_len: int,
+                   kv_cache_gib: int, max_num_seqs: int | None, seed: int, **fields: Any) -> Any:
+    """ServingBench from the command's options, output paths checked."""
+    from .bench.serving import ServingBench
+    from .bench.workload import EngineSettings
+
+    check_writable(out_dir, option="--out", directory=True)
+    if work_dir is not None:
+        check_writable(work_dir, option="--work-dir", directory=True)
+    settings = EngineSettings(dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                              max_num_seqs=max_num_seqs, seed=seed)
+    return ServingBench(out_dir=out_dir, work_dir=work_dir, settings=settings, seed=seed,
+                        **fields)
 
 
 @main.group()
@@ -526,23 +552,16 @@ def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, modes: s
                       dtype: str, max_model_len: int, kv_cache_gib: int, max_num_seqs: int | None,
                       repeats: int, warmup: int, work_dir: Path | None, resume: bool) -> None:
     """Zero-shot vs ICL (prefix cache on/off) vs LTV (fused, folded, LoRA) in vLLM."""
-    from .bench import BenchError
     from .bench.report import markdown
     from .bench.serving import bench_serving
-    from .bench.workload import EngineSettings
-
-    settings = EngineSettings(dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                              max_num_seqs=max_num_seqs, seed=seed)
-    try:
-        doc = bench_serving(
-            model_spec, _csv(task_list), n_per_task=n_per_task, modes=_csv(modes),
-            online_modes=_csv(online_modes), levels=_ints(concurrency),
-            online_requests=online_requests, repeats=repeats, gen_tokens=gen_tokens,
-            warmup=warmup, settings=settings, k=k, n=n, lam=lam, seed=seed, out_dir=out_dir,
-            work_dir=work_dir or out_dir / "work", command=_command_line(),
-            noise_check=not no_noise_check, resume=resume, log=lambda m: click.echo(m, err=True))
-    except BenchError as e:
-        raise click.ClickException(str(e)) from None
+    b = _serving_bench(
+        out_dir, work_dir, dtype, max_model_len, kv_cache_gib, max_num_seqs, seed,
+        model_spec=model_spec, tasks=_task_specs(task_list),
+        n_per_task=n_per_task, modes=tuple(_csv(modes)), online_modes=tuple(_csv(online_modes)),
+        levels=tuple(_ints(concurrency)), online_requests=online_requests,
+        gen_tokens=gen_tokens, k=k, n=n, lam=lam, noise_check=not no_noise_check,
+        repeats=repeats, warmup=warmup, resume=resume)
+    doc = bench_serving(b, command=_command_line(), log=lambda m: click.echo(m, err=True))
     click.echo(markdown(doc))
     click.echo(f"wrote {out_dir}/results.json, results.md and plots")
 
@@ -566,22 +585,14 @@ def bench_icl_cost_cmd(model_spec: str, task_list: str, ks: str, n_per_task: int
                        kv_cache_gib: int, max_num_seqs: int | None, repeats: int, warmup: int,
                        work_dir: Path | None, resume: bool) -> None:
     """ICL serving cost as k grows (prefix cache on/off); LTV's does not depend on k."""
-    from .bench import BenchError
     from .bench.report import icl_cost_markdown
     from .bench.serving import bench_icl_cost
-    from .bench.workload import EngineSettings
-
-    settings = EngineSettings(dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                              max_num_seqs=max_num_seqs, seed=seed)
-    try:
-        doc = bench_icl_cost(model_spec, _csv(task_list), ks=_ints(ks), n_per_task=n_per_task,
-                             vector_k=vector_k,
-                             repeats=repeats, warmup=warmup, settings=settings, n=n, lam=lam,
-                             seed=seed, out_dir=out_dir, work_dir=work_dir or out_dir / "work",
-                             command=_command_line(), resume=resume,
-                             log=lambda m: click.echo(m, err=True))
-    except BenchError as e:
-        raise click.ClickException(str(e)) from None
+    b = _serving_bench(
+        out_dir, work_dir, dtype, max_model_len, kv_cache_gib, max_num_seqs, seed,
+        model_spec=model_spec, tasks=_task_specs(task_list),
+        n_per_task=n_per_task, ks=tuple(_ints(ks)), k=vector_k, n=n, lam=lam,
+        modes=(), online_modes=(), repeats=repeats, warmup=warmup, resume=resume)
+    doc = bench_icl_cost(b, command=_command_line(), log=lambda m: click.echo(m, err=True))
     click.echo(icl_cost_markdown(doc))
 
 
@@ -602,8 +613,7 @@ def bench_report_cmd(out_dir: Path) -> None:
 @click.option("--ns", default="64,128,256", show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--batch-size", default=16, show_default=True)
-@click.option("--dtype", default="auto", show_default=True,
-              type=click.Choice(["auto", "bfloat16", "float16", "float32"]))
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--naive/--no-naive", default=True, show_default=True,
               help="Also time the reference code's path (slow).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
@@ -613,7 +623,15 @@ def bench_extraction_cmd(model_spec: str, task_list: str, ks: str, ns: str, seed
                          batch_size: int, dtype: str, naive: bool, out_dir: Path) -> None:
     """Extraction time as k and N grow, with the shared demo cache and without it."""
     from .bench.extraction import bench_extraction, extraction_markdown
+    from .extract import check_counts
 
+    _task_specs(task_list)
+    for k_ in _ints(ks):
+        check_counts(k=k_)
+    for n_ in _ints(ns):
+        check_counts(n=n_)
+    check_counts(batch_size=batch_size)
+    check_writable(out_dir, option="--out", directory=True)
     doc = bench_extraction(model_spec, _csv(task_list), ks=_ints(ks), ns=_ints(ns), seed=seed,
                            batch_size=batch_size, dtype=dtype, naive=naive, out_dir=out_dir,
                            command=_command_line(), log=lambda m: click.echo(m, err=True))
@@ -633,8 +651,7 @@ def bench_extraction_cmd(model_spec: str, task_list: str, ks: str, ns: str, seed
 @click.option("--n-test", default=500, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--batch-size", default=16, show_default=True)
-@click.option("--dtype", default="auto", show_default=True,
-              type=click.Choice(["auto", "bfloat16", "float16", "float32"]))
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("benchmarks/results/rank"), show_default=True)
 @friendly
@@ -643,7 +660,13 @@ def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int, k: in
                    out_dir: Path) -> None:
     """Accuracy and d_NTP of each LTV cut to lower ranks (what cheaper LoRA serving costs)."""
     from .bench.rank import bench_rank, rank_markdown
+    from .extract import check_counts
 
+    _task_specs(task_list)
+    for r in _ints(ranks):
+        check_counts(rank=r)
+    check_counts(runs=runs, k=k, n=n, lam=lam, n_test=n_test, batch_size=batch_size)
+    check_writable(out_dir, option="--out", directory=True)
     doc = bench_rank(model_spec, _csv(task_list), ranks=_ints(ranks), runs=runs, k=k, n=n,
                      lam=lam, n_test=n_test, seed=seed, batch_size=batch_size, dtype=dtype,
                      out_dir=out_dir, command=_command_line(), log=lambda m: click.echo(m, err=True))

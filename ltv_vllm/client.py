@@ -13,10 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import UserError
 from .tasks import Task
 
 
-class ClientError(RuntimeError):
+class ClientError(UserError):
     """The server refused or could not be reached (one line)."""
 
 

@@ -59,8 +59,10 @@ from typing import IO, Any
 
 from ltv_vllm.tasks import Task
 
+from .errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError):
     """Examples that cannot be loaded or sampled; the message is one user-facing line."""
 
 

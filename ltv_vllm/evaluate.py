@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import platform
 import statistics
 import time
 from collections.abc import Sequence
@@ -19,22 +17,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from . import __version__
 from .capture import Capturer
+from .errors import ArgumentError
 from .extract import (
     METHODS,
-    TRANSFER_K,
     TRANSFER_METHOD,
+    ExtractOptions,
     LoadedModel,
     SourceModel,
     capture_test_zero_shot,
+    check_counts,
     check_pair,
+    plan_episode,
     run_episode,
     run_transfer_episode,
 )
 from .fileio import atomic_write, save_figure
+from .hardware import hardware, machine_line
 from .tasks import Task, label_token_ids
 
 METHOD_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", "ltv": "LTV", "mean": "Mean shift",
@@ -50,13 +50,48 @@ def method_label(m: str) -> str:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    k: int | None = None  # None: 30, or max(10, K) per task in a transfer evaluation
+    k: int | None = None  # None: DEFAULT_K, or max(TRANSFER_K, K) per task in a transfer evaluation
     n: int = 256
     lam: float = 5.0
     n_test: int = 500
     runs: int = 5
     seed: int = 0
     batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        check_counts(k=self.k, n=self.n, lam=self.lam, n_test=self.n_test,
+                     batch_size=self.batch_size, runs=self.runs)
+
+    def episode_options(self, seed: int) -> ExtractOptions:
+        return ExtractOptions(k=self.k, n=self.n, lam=self.lam, seed=seed, n_test=self.n_test,
+                              batch_size=self.batch_size)
+
+
+def default_methods(transfer: bool) -> list[str]:
+    return ["zero-shot", "icl", "ltv", TRANSFER_METHOD if transfer else "mean"]
+
+
+def resolve_methods(methods: Sequence[str] | None, *, transfer: bool) -> list[str]:
+    """The methods an evaluation runs, in order: unknown ones refused; ICL always (d_NTP is
+    measured against it), and ltv-transfer always in a transfer evaluation."""
+    ms = list(methods) if methods else default_methods(transfer)
+    known = (*METHODS, TRANSFER_METHOD) if transfer else METHODS
+    unknown = [m for m in ms if m not in known]
+    if unknown:
+        hint = " (ltv-transfer needs --source-model)" if TRANSFER_METHOD in unknown else ""
+        raise ArgumentError(f"--methods: unknown {', '.join(unknown)}; choose from "
+                            f"{', '.join(known)}{hint}")
+    if "icl" not in ms:
+        ms.insert(0, "icl")
+    if transfer and TRANSFER_METHOD not in ms:
+        ms.append(TRANSFER_METHOD)
+    return ms
+
+
+def plan_episodes(tasks: Sequence[Task], cfg: EvalConfig, *, transfer: bool) -> dict[str, list[Any]]:
+    """Every run's episode per task: data loaded and k / N checked before any model loads."""
+    return {t.name: [plan_episode(t, cfg.episode_options(cfg.seed + r), transfer=transfer)
+                     for r in range(cfg.runs)] for t in tasks}
 
 
 def evaluate(
@@ -67,6 +102,7 @@ def evaluate(
     *,
     source: SourceModel | None = None,
     progress: bool = True,
+    episodes: dict[str, list[Any]] | None = None,
 ) -> dict[str, Any]:
     """Run every task × run and return the result document (also what `write_report` saves).
 
@@ -76,30 +112,18 @@ def evaluate(
     """
     from tqdm.auto import tqdm
 
-    from .data import load_dataset, sample_episode
-
-    known = (*METHODS, TRANSFER_METHOD) if source is not None else METHODS
-    unknown = [m for m in methods if m not in known]
-    if unknown:
-        hint = " (ltv-transfer needs a source model)" if TRANSFER_METHOD in unknown else ""
-        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(known)}{hint}")
+    methods = resolve_methods(methods, transfer=source is not None)
     own = tuple(m for m in methods if m in METHODS)
     keys = list(own)
     if source is not None:
         keys += [SOURCE + m for m in own] + [TRANSFER_METHOD]
+    plan = episodes or plan_episodes(tasks, cfg, transfer=source is not None)
 
     def k_for(task: Task) -> int:
-        if cfg.k is not None:
-            return cfg.k
-        return max(TRANSFER_K, task.num_classes) if source is not None else 30
-
-    datasets = {t.name: load_dataset(t) for t in tasks}
-
-    def episodes(t: Task, seed: int) -> Any:
-        return sample_episode(datasets[t.name], k=k_for(t), n=cfg.n, n_test=cfg.n_test, seed=seed)
+        return cfg.episode_options(cfg.seed).k_for(task, transfer=source is not None)
 
     if source is not None:  # every pair check before the first heavy pass
-        pair_ids = {t.name: check_pair(lm, source, episodes(t, cfg.seed)) for t in tasks}
+        pair_ids = {t.name: check_pair(lm, source, plan[t.name][0]) for t in tasks}
     cap = Capturer(lm.model, lm.tokenizer, batch_size=cfg.batch_size, progress=progress)
     records: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -109,7 +133,7 @@ def evaluate(
         h_zs_test = h_zs_test_source = None
         for run in range(cfg.runs):
             seed = cfg.seed + run
-            episode = episodes(task, seed)
+            episode = plan[task.name][run]
             if source is None:
                 if h_zs_test is None:  # the test subset is the same for every run
                     h_zs_test = capture_test_zero_shot(cap, task, episode)
@@ -161,14 +185,7 @@ def evaluate(
             **cfg.__dict__,
             "k_per_task": {t.name: k_for(t) for t in tasks},
         },
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "ltv_vllm": __version__,
-        },
+        "machine": {**hardware(), "ltv_vllm": __version__},
         "wall_seconds": time.perf_counter() - started,
         "records": records,
         "summary": summarise(records, [t.name for t in tasks], keys),
@@ -345,7 +362,7 @@ def write_report(doc: dict[str, Any], out_dir: str | Path, command: str) -> list
     atomic_write(j, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1)))
     table = markdown_table(doc)
     text = f"# ltv-vllm evaluate\n\n```\n{command}\n```\n\n{table}\n" \
-           f"Machine: {doc['machine']['processor']}, {doc['machine']['cpus']} CPUs, " \
-           f"torch {doc['machine']['torch']}; wall time {doc['wall_seconds'] / 60:.1f} min.\n"
+           f"Machine: {machine_line(doc['machine'])}, torch {doc['machine']['torch']}, " \
+           f"{doc['config']['dtype']}; wall time {doc['wall_seconds'] / 60:.1f} min.\n"
     atomic_write(md, lambda tmp: Path(tmp).write_text(text))
     return [j, md, *plot(doc, out)]

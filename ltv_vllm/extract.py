@@ -15,6 +15,7 @@ import torch
 from . import __version__
 from .capture import Capturer, full_head, label_head
 from .data import Episode
+from .errors import ArgumentError
 from .metrics import accuracy, d_ntp
 from .ridge import Factors, head_gram, mean_shift, ridge_fit, truncate
 from .tasks import Task, label_token_ids
@@ -22,6 +23,58 @@ from .vector import ModelIdentity, TaskVector, model_identity
 
 METHODS = ("zero-shot", "icl", "ltv", "mean")
 TRANSFER_METHOD = "ltv-transfer"
+DEFAULT_K = 30  # the paper's main setting
+TRANSFER_K = 10  # the paper's transfer setting: few demos, where a small model's ICL is weak
+
+
+def check_counts(*, k: int | None = None, n: int | None = None, lam: float | None = None,
+                 n_test: int | None = None, batch_size: int | None = None,
+                 rank: int | None = None, runs: int | None = None) -> None:
+    """Refuse impossible option values with the option's CLI name, before any heavy work.
+
+    What depends on the task (k against its classes, N against its data) is checked when
+    the episode is sampled (`plan_episode`), still before a model loads.
+    """
+    import math
+
+    for name, value in (("--k", k), ("--n", n), ("--n-test", n_test),
+                        ("--batch-size", batch_size), ("--rank", rank), ("--runs", runs)):
+        if value is not None and (isinstance(value, bool) or int(value) < 1):
+            raise ArgumentError(f"{name} must be at least 1, got {value}")
+    if lam is not None and not (math.isfinite(lam) and lam > 0):
+        raise ArgumentError(f"--lam must be a positive number (the ridge penalty λ), got {lam}")
+
+
+@dataclass(frozen=True)
+class ExtractOptions:
+    """How one task vector is extracted; checked when built (the CLI builds it first)."""
+
+    k: int | None = None  # None: DEFAULT_K, or max(TRANSFER_K, K) for a transfer vector
+    n: int = 256
+    lam: float = 5.0
+    seed: int = 0
+    n_test: int = 500
+    batch_size: int = 16
+    rank: int | None = None  # cut the fit to this rank (ridge.truncate)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_counts(k=self.k, n=self.n, lam=self.lam, n_test=self.n_test,
+                     batch_size=self.batch_size, rank=self.rank)
+
+    def k_for(self, task: Task, *, transfer: bool = False) -> int:
+        if self.k is not None:
+            return self.k
+        return max(TRANSFER_K, task.num_classes) if transfer else DEFAULT_K
+
+
+def plan_episode(task: Task, opts: ExtractOptions, *, transfer: bool = False) -> Episode:
+    """The episode an extraction runs on (data loaded, k against the classes, N against the
+    data): everything that can be refused without a model."""
+    from .data import load_dataset, sample_episode
+
+    return sample_episode(load_dataset(task), k=opts.k_for(task, transfer=transfer), n=opts.n,
+                          n_test=opts.n_test, seed=opts.seed)
 
 
 @dataclass
@@ -48,24 +101,38 @@ def load_model(
     `quantization` "8bit" / "4bit" loads the linear layers with bitsandbytes (LM head kept
     as it is, so logits stay in the checkpoint's precision).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    from .hardware import checkpoint_dtype, resolve_dtype
     from .models import DEFAULT_MODEL, resolve_model
 
     spec = spec or DEFAULT_MODEL
     path = resolve_model(spec)
-    kwargs: dict[str, Any] = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
+    # a device map places weights where they fit: GPUs first when there are any
+    spread = (device_map or quantization) and torch.cuda.is_available()
+    where = "cuda" if spread else device
+    resolved = resolve_dtype(dtype, device=where, checkpoint=checkpoint_dtype(path))
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, resolved)}
     if device_map:
         kwargs["device_map"] = device_map
     if quantization:
         kwargs["quantization_config"] = _quantization_config(quantization)
         kwargs.setdefault("device_map", "auto")  # bitsandbytes places weights on the GPU itself
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if "device_map" not in kwargs:
         model = model.to(device)
     model.eval()
     return LoadedModel(model=model, tokenizer=tok, spec=spec, identity=model_identity(model, spec))
+
+
+def load_tokenizer(spec: str | None) -> Any:
+    """The tokenizer of a model spec, without its weights: enough to check label tokens."""
+    from transformers import AutoTokenizer
+
+    from .models import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(spec))
 
 
 QUANTIZATIONS = ("8bit", "4bit")
@@ -197,27 +264,20 @@ def run_episode(
 def extract(
     lm: LoadedModel,
     task: Task,
+    opts: ExtractOptions | None = None,
     *,
-    k: int = 30,
-    n: int = 256,
-    lam: float = 5.0,
-    seed: int = 0,
-    n_test: int = 500,
-    batch_size: int = 16,
-    progress: bool = True,
-    rank: int | None = None,
+    episode: Episode | None = None,
 ) -> tuple[TaskVector, EpisodeResult]:
     """Fit an LTV for `task` on `lm` and measure it on the held-out test subset.
 
-    rank: cut the fit to rank `rank` (`ridge.truncate`) before it is scored and saved.
+    `episode`: one already sampled (`plan_episode(task, opts)`), e.g. by a caller that
+    checked it before loading the model. `opts.rank` cuts the fit before it is scored and saved.
     """
-    from .data import load_dataset, sample_episode
-
+    opts = opts or ExtractOptions()
     label_ids = label_token_ids(task, lm.tokenizer)
-    dataset = load_dataset(task)
-    episode = sample_episode(dataset, k=k, n=n, n_test=n_test, seed=seed)
-    cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=progress)
-    res = run_episode(cap, episode, lam, label_ids, rank=rank)
+    episode = episode or plan_episode(task, opts)
+    cap = Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size, progress=opts.progress)
+    res = run_episode(cap, episode, opts.lam, label_ids, rank=opts.rank)
     tv = TaskVector(
         kind="hidden",
         U=res.factors.U,
@@ -225,29 +285,32 @@ def extract(
         bias=None,
         model=lm.identity,
         label_token_ids=tuple(label_ids),
-        meta=_meta(lm, episode, res, k=k, n=n, lam=lam, seed=seed, method="ltv"),
+        meta=_meta(lm, episode, res, opts, method="ltv"),
         gram=res.factors.gram,
     )
     return tv, res
 
 
-def _meta(lm: LoadedModel, episode: Episode, res: Any, *, k: int, n: int, lam: float,
-          seed: int, method: str, **extra: Any) -> dict[str, Any]:
+def _meta(lm: LoadedModel, episode: Episode, res: Any, opts: ExtractOptions, *, method: str,
+          **extra: Any) -> dict[str, Any]:
     """What a task-vector file records about its extraction (res: Episode/TransferResult)."""
+    from .hardware import hardware
+
     return {
         "method": method,
         **extra,
         "task": episode.task.to_dict(),
-        "k": k,
+        "k": opts.k_for(episode.task, transfer=method == TRANSFER_METHOD),
         "k_used": len(episode.demos),
-        "n": n,
-        "lam": lam,
-        "seed": seed,
+        "n": opts.n,
+        "lam": opts.lam,
+        "seed": opts.seed,
         "n_test": len(episode.test),
         "episode": episode.fingerprint(),
         "ridge_form": res.factors.form,
         "metrics_rank": int(res.factors.U.shape[1]),  # the rank the metrics were measured at
         "dtype": str(lm.model.dtype).removeprefix("torch."),
+        "hardware": hardware(),
         "package_version": __version__,
         "metrics": res.metrics,
         "timings": res.timings,
@@ -255,7 +318,6 @@ def _meta(lm: LoadedModel, episode: Episode, res: Any, *, k: int, n: int, lam: f
 
 
 # -- cross-model transfer -----------------------------------------------------------------
-TRANSFER_K = 10  # the paper's transfer setting: few demos, where a small model's ICL is weak
 
 
 @dataclass
@@ -305,43 +367,68 @@ def local_model_dir(spec: str) -> str:
                          f"({first})") from None
 
 
-def open_source(
-    spec: str,
-    *,
-    dtype: str = "auto",
-    device: str = "cpu",
-    device_map: str | None = None,
-    quantization: str | None = None,
-    work_dir: str | None = None,
-    chunk_size: int = 64,
-    batch_size: int = 16,
-    progress: bool = True,
-) -> SourceModel:
-    """Prepare the source side of a transfer: tokenizer, identity, a resumable capture store."""
+@dataclass(frozen=True)
+class SourceOptions:
+    """The large model of a cross-model transfer and how it is loaded and captured."""
+
+    spec: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    device_map: str | None = None  # e.g. "auto": spread over every GPU (accelerate)
+    quantization: str | None = None  # "8bit" | "4bit" (bitsandbytes, CUDA only)
+    work_dir: str | None = None  # where captures are saved [default: the cache's captures/]
+    chunk_size: int = 64
+    batch_size: int = 16
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        from .hardware import DTYPE_CHOICES
+
+        if self.chunk_size < 1:
+            raise ArgumentError(f"--chunk-size must be at least 1, got {self.chunk_size}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ArgumentError(f"--source-quantization must be one of none, "
+                                f"{', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ArgumentError(f"--source-dtype must be one of {', '.join(DTYPE_CHOICES)}, "
+                                f"got {self.dtype!r}")
+
+
+def open_source(opts: SourceOptions) -> SourceModel:
+    """Prepare the source side of a transfer: tokenizer, identity, a resumable capture store.
+
+    Nothing heavy: the model loads only when a capture chunk is missing.
+    """
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
+    from .hardware import resolve_for_model
     from .models import cache_dir
     from .store import StoredCapturer
     from .vector import identity_from_dir
 
-    if quantization:
-        _quantization_config(quantization)  # refuse a missing GPU/bitsandbytes before any pass
-    path = local_model_dir(spec)
-    ident = identity_from_dir(path, name=spec)
-    load = {"dtype": dtype, "device": device, "device_map": device_map, "quantization": quantization}
+    if opts.quantization:
+        _quantization_config(opts.quantization)  # refuse a missing GPU/bitsandbytes first
+    path = local_model_dir(opts.spec)
+    ident = identity_from_dir(path, name=opts.spec)
+    spread = (opts.device_map or opts.quantization) and torch.cuda.is_available()
+    # resolved here: the capture store's key must hold the precision the states came from
+    dtype = resolve_for_model(opts.dtype, path, "cuda" if spread else opts.device)
+    load = {"dtype": dtype, "device": opts.device, "device_map": opts.device_map,
+            "quantization": opts.quantization}
 
     def make() -> Capturer:
         lm = load_model(path, **load)
-        return Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=progress)
+        return Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size,
+                        progress=opts.progress)
 
     # Not the spec: the same weights reached by another path or alias reuse the captures.
-    key = {"model": {k_: v for k_, v in ident.to_dict().items() if k_ != "name"}, "dtype": dtype, "quantization": quantization,
-           "capture": "post-norm last token, v1"}
-    root = Path(work_dir) if work_dir else cache_dir() / "captures"
-    store = StoredCapturer(root, key, make, chunk_size=chunk_size, progress=progress)
-    return SourceModel(spec=spec, path=path, tokenizer=AutoTokenizer.from_pretrained(path),
+    key = {"model": {k_: v for k_, v in ident.to_dict().items() if k_ != "name"}, "dtype": dtype,
+           "quantization": opts.quantization, "capture": "post-norm last token, v1"}
+    root = Path(opts.work_dir) if opts.work_dir else cache_dir() / "captures"
+    store = StoredCapturer(root, key, make, chunk_size=opts.chunk_size, progress=opts.progress)
+    return SourceModel(spec=opts.spec, path=path, tokenizer=AutoTokenizer.from_pretrained(path),
                        identity=ident, cap=store, load=load)
 
 
@@ -431,24 +518,17 @@ def extract_transfer(
     target: LoadedModel,
     source: SourceModel,
     task: Task,
+    opts: ExtractOptions | None = None,
     *,
-    k: int | None = None,
-    n: int = 256,
-    lam: float = 5.0,
-    seed: int = 0,
-    n_test: int = 500,
-    batch_size: int = 16,
-    progress: bool = True,
-    rank: int | None = None,
+    episode: Episode | None = None,
 ) -> tuple[TaskVector, TransferResult]:
     """A logit-space task vector for `target`, fitted to `source`'s ICL (paper appendix)."""
-    from .data import load_dataset, sample_episode
-
-    k = k if k is not None else max(TRANSFER_K, task.num_classes)
-    episode = sample_episode(load_dataset(task), k=k, n=n, n_test=n_test, seed=seed)
+    opts = opts or ExtractOptions()
+    episode = episode or plan_episode(task, opts, transfer=True)
     label_ids = check_pair(target, source, episode)  # before any heavy pass
-    cap = Capturer(target.model, target.tokenizer, batch_size=batch_size, progress=progress)
-    res, _, _ = run_transfer_episode(cap, source, episode, lam, label_ids, rank=rank)
+    cap = Capturer(target.model, target.tokenizer, batch_size=opts.batch_size,
+                   progress=opts.progress)
+    res, _, _ = run_transfer_episode(cap, source, episode, opts.lam, label_ids, rank=opts.rank)
     tv = TaskVector(
         kind="logit",
         U=res.factors.U,
@@ -456,7 +536,7 @@ def extract_transfer(
         bias=None,
         model=target.identity,
         label_token_ids=tuple(label_ids),
-        meta=_meta(target, episode, res, k=k, n=n, lam=lam, seed=seed, method=TRANSFER_METHOD,
+        meta=_meta(target, episode, res, opts, method=TRANSFER_METHOD,
                    source_model=source.identity.to_dict(),
                    source_load={k_: v for k_, v in source.load.items() if v is not None}),
         gram=res.factors.gram,

@@ -34,3 +34,29 @@ def save_figure(fig: object, path: str | Path, dpi: int = 120) -> Path:
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))  # type: ignore[attr-defined]
     plt.close(fig)  # type: ignore[arg-type]
     return Path(path)
+
+
+def check_writable(path: str | Path, *, option: str, suffixes: tuple[str, ...] = (),
+                   directory: bool = False) -> Path:
+    """Refuse an output path that cannot be written, before any work is done for it.
+
+    The nearest existing ancestor must be a writable directory (missing parents are made
+    later); a file output must not be an existing directory, and `suffixes` are the endings
+    it may have.
+    """
+    from .errors import ArgumentError
+
+    path = Path(path).expanduser()
+    if suffixes and not directory and path.suffix not in suffixes:
+        raise ArgumentError(f"{option} {path}: must end in {' or '.join(suffixes)}")
+    if path.exists() and path.is_dir() != directory:
+        kind = "a directory" if path.is_dir() else "a file"
+        raise ArgumentError(f"{option} {path}: is {kind}")
+    probe = path if directory and path.exists() else path.parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ArgumentError(f"{option} {path}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ArgumentError(f"{option} {path}: {probe} is not writable")
+    return path

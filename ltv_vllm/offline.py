@@ -29,10 +29,12 @@ def make_llm(
     """A `vllm.LLM` for the model, with the vector fused (or folded) when one is given."""
     from vllm import LLM
 
+    from .hardware import resolve_for_model
     from .models import resolve_model
     from .serve import engine_kwargs
 
     model_dir = resolve_model(model_spec)
+    dtype = resolve_for_model(dtype, model_dir)
     kwargs: dict[str, Any] = (
         engine_kwargs(model_dir, vector, fold=fold) if vector else {"model": model_dir}
     )

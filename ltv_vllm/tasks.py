@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import UserError
 
-class TaskError(ValueError):
+
+class TaskError(UserError):
     """A task spec that cannot be used (unknown name, bad file, colliding labels)."""
 
 
@@ -155,6 +157,20 @@ def get_task(spec: str | Task) -> Task:
         return load_task_file(spec)
     known = ", ".join(sorted(BUILTIN_TASKS))
     raise TaskError(f"unknown task {spec!r}; built-in tasks: {known}; or pass a .json/.yaml spec")
+
+
+def get_tasks(spec: str) -> list[Task]:
+    """Comma-separated task names / spec files, or "packaged" for every packaged task."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if names == ["packaged"]:
+        return [t for t in BUILTIN_TASKS.values() if t.source.startswith("packaged:")]
+    if not names:
+        raise TaskError("no task given")
+    tasks = [get_task(n) for n in names]
+    dup = sorted({t.name for t in tasks if sum(u.name == t.name for u in tasks) > 1})
+    if dup:
+        raise TaskError(f"task(s) given twice: {', '.join(dup)}")
+    return tasks
 
 
 def label_token_ids(task: Task, tokenizer: Any) -> list[int]:

@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
+from .errors import UserError
 from .ridge import Factors, ridge_fit
 
 
-class TransferError(ValueError):
+class TransferError(UserError):
     """Source and target cannot be paired (different tokenizers)."""
 
 
@@ -120,6 +121,8 @@ def transfer_label_logits(
 
     Only the K label rows of U are needed: W̃ h restricted to C is U[C] (Vᵀ h).
     """
+    from .ridge import low_rank_delta
+
     idx = torch.tensor(list(label_ids), dtype=torch.long)
     h = h_zs.float()
-    return h @ w_c.T + b_c + (h @ factors.V) @ factors.U.index_select(0, idx).T
+    return h @ w_c.T + b_c + low_rank_delta(h, factors.U, factors.V, rows=idx)

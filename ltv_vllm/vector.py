@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from .errors import UserError
 from .fileio import atomic_write
 
 FORMAT = "ltv-vllm-task-vector"
@@ -29,7 +30,7 @@ FORMAT_VERSION = 1
 Kind = Literal["hidden", "logit"]
 
 
-class VectorError(ValueError):
+class VectorError(UserError):
     """A task-vector file that is malformed or does not fit the model it is applied to."""
 
 
@@ -156,14 +157,30 @@ class TaskVector:
                              gram=self.gram), rank, head_gram=hg)
         return replace(self, U=f.U, V=f.V, gram=f.gram)
 
-    def delta(self, h: torch.Tensor) -> torch.Tensor:
-        """U (Vᵀ h) + bias for rows h (B, d_in), computed in h's dtype. (B, d_out)"""
-        out = (h @ self.V.to(device=h.device, dtype=h.dtype)) @ self.U.to(
-            device=h.device, dtype=h.dtype
-        ).T
-        if self.bias is not None:
-            out = out + self.bias.to(device=h.device, dtype=h.dtype)
-        return out
+    def to(self, device: torch.device | str | None = None,
+           dtype: torch.dtype | None = None) -> TaskVector:
+        """A copy whose U, V and bias live on `device` in `dtype` (as steering-vectors'
+        `SteeringVector.to`): the one explicit point where a stored float32 CPU vector meets a
+        model. `gram` stays as it is (float32, CPU: it only serves rank cuts)."""
+        from dataclasses import replace
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype)
+
+        if all(t is None or (t.dtype == (dtype or t.dtype) and (device is None or
+               t.device == torch.device(device))) for t in (self.U, self.V, self.bias)):
+            return self
+        return replace(self, U=cast(self.U), V=cast(self.V),
+                       bias=cast(self.bias) if self.bias is not None else None)
+
+    def delta(self, h: torch.Tensor, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+        """U (Vᵀ h) + bias for rows h (B, d_in) → (B, d_out), only the outputs `rows` if given.
+
+        h must share the vector's device and dtype: cast the vector once with `to`.
+        """
+        from .ridge import low_rank_delta
+
+        return low_rank_delta(h, self.U, self.V, self.bias, rows)
 
     def shift_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """h_tv = h + W h (+ bias) for a hidden-space vector. (B, d)"""
@@ -292,19 +309,45 @@ def load_task_vector(path: str | Path) -> TaskVector:
             with safe_open(str(path), framework="pt") as f:
                 header_json = (f.metadata() or {}).get("ltv_vllm")
             tensors = load_file(str(path))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise VectorError(f"{path}: not a readable safetensors file ({e})") from None
+        except (SafetensorError, OSError, ValueError, RuntimeError):
+            raise VectorError(f"{path}: {CORRUPT}") from None
         return _parse(header_json, tensors, path)
     if path.suffix == ".pt":
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - corrupt zip, pickle refused, truncated file
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise VectorError(f"{path}: not a readable task-vector file ({first})") from None
+        obj = _torch_load(path)
         if not isinstance(obj, dict) or not isinstance(obj.get("tensors"), dict):
             raise VectorError(f"{path}: not an ltv-vllm task-vector file")
         return _parse(obj.get("ltv_vllm"), obj["tensors"], path)
     raise VectorError(f"task-vector files end in .pt or .safetensors, got {path.name!r}")
+
+
+CORRUPT = "not a task-vector file: truncated or corrupt"
+
+
+def _torch_load(path: Path) -> Any:
+    """torch.load(weights_only=True), its failures in one line of ours.
+
+    A pickle that names anything but tensors and plain containers (a class, a function:
+    code that would run on load) is refused by torch's weights-only unpickler; say that,
+    rather than torch's paragraph on how to load it anyway.
+    """
+    import pickle
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # "Unsupported global": the pickle names a callable (code); anything else the
+        # weights-only unpickler trips on ("Unsupported operand", EOF) is damage
+        if "unsupported global" in str(e).lower():
+            raise VectorError(
+                f"{path}: refused: the file contains code (pickled objects other than tensors), "
+                "which a task-vector file never holds; it was not loaded"
+            ) from None
+        raise VectorError(f"{path}: {CORRUPT}") from None
+    except Exception:  # noqa: BLE001 - bad zip, truncated data, wrong magic number, EOF
+        raise VectorError(f"{path}: {CORRUPT}") from None
 
 
 def read_lm_head(path: str | Path) -> torch.Tensor:

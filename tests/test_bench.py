@@ -194,7 +194,7 @@ def test_bench_extraction_end_to_end(model_dir, tmp_path):
 
 def test_bench_rank_end_to_end(model_dir, tmp_path):
     """Every rank row is what `extract --rank` measures on the same episode."""
-    from ltv_vllm.extract import extract, load_model
+    from ltv_vllm.extract import ExtractOptions, extract, load_model
 
     out = tmp_path / "rank"
     r = run_cli("bench", "rank", "--model", str(model_dir), "--tasks", "sst2", "--ranks", "1,2,64",
@@ -208,8 +208,8 @@ def test_bench_rank_end_to_end(model_dir, tmp_path):
     lm = load_model(str(model_dir), dtype="float32")
     for x in rows:
         rank = None if x["rank_label"] == "full" else x["rank"]
-        tv, res = extract(lm, get_task("sst2"), k=4, n=10, n_test=12, seed=x["seed"],
-                          progress=False, rank=rank)
+        tv, res = extract(lm, get_task("sst2"), ExtractOptions(
+            k=4, n=10, n_test=12, seed=x["seed"], progress=False, rank=rank))
         assert tv.rank == x["rank"]
         for m in ("accuracy", "d_ntp"):
             assert x["ltv"][m] == pytest.approx(res.metrics["ltv"][m], abs=1e-6), (x, m)

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from conftest import make_llama, write_toy_task
 from ltv_vllm.cli import main
 from ltv_vllm.data import load_dataset, sample_episode
-from ltv_vllm.extract import extract, load_model
+from ltv_vllm.extract import ExtractOptions, extract, load_model
 from ltv_vllm.tasks import get_task, label_token_ids
 from ltv_vllm.vector import load_task_vector
 
@@ -48,8 +48,8 @@ def hand_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 def test_extract_metrics_match_independent_computation(model_dir, task_file, rank):
     lm = load_model(str(model_dir), dtype="float32")
     task = get_task(str(task_file))
-    tv, res = extract(lm, task, k=6, n=24, lam=5.0, seed=3, n_test=20, batch_size=5,
-                      progress=False, rank=rank)
+    tv, res = extract(lm, task, ExtractOptions(k=6, n=24, lam=5.0, seed=3, n_test=20,
+                                               batch_size=5, progress=False, rank=rank))
     assert tv.meta["k_used"] == 6 and tv.meta["n"] == 24 and tv.rank <= 24
     assert tv.meta["metrics_rank"] == tv.rank
     ep = sample_episode(load_dataset(task), k=6, n=24, n_test=20, seed=3)
@@ -66,8 +66,8 @@ def test_extract_metrics_match_independent_computation(model_dir, task_file, ran
         from ltv_vllm.capture import full_head
         from ltv_vllm.ridge import Factors, head_gram, truncate
 
-        full, _ = extract(lm, task, k=6, n=24, lam=5.0, seed=3, n_test=20, batch_size=5,
-                          progress=False)
+        full, _ = extract(lm, task, ExtractOptions(k=6, n=24, lam=5.0, seed=3, n_test=20,
+                                                   batch_size=5, progress=False))
         assert tv.rank == 3 < full.rank
         cut = truncate(Factors(full.U, full.V, "", full.gram), 3, head_gram=head_gram(full_head(lm.model)[0]))
         torch.testing.assert_close(tv.U @ tv.V.T, cut.dense(), atol=1e-5, rtol=1e-4)

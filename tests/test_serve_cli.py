@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from conftest import make_llama
 from ltv_vllm.cli import main
-from ltv_vllm.serve import parse_vector_specs
+from ltv_vllm.serve import parse_vector_specs, plan_lora
 from ltv_vllm.vector import TaskVector, VectorError, model_identity
 
 
@@ -36,7 +36,17 @@ def test_dry_run_commands(setup, monkeypatch):
     overrides = json.loads(r.output.split("--hf-overrides ")[1].split("' ")[0].strip("'"))
     assert overrides == {"architectures": ["LTVLlamaForCausalLM"],
                          "ltv_task_vector": str(good.resolve()), "ltv_fold": True}
+    # the user's own compilation flag is passed on, and serve adds no second one
     assert r.output.rstrip().endswith("--enforce-eager")
+    assert r.output.count("--enforce-eager") == 1
+    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector", str(good),
+                                  "--dry-run", "-O3"])
+    assert r.exit_code == 0, r.output
+    assert "--enforce-eager" not in r.output and r.output.rstrip().endswith("-O3")
+    if not torch.cuda.is_available():  # the CPU backend starts eager by default
+        r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
+                                      str(good), "--dry-run"])
+        assert r.exit_code == 0 and "--enforce-eager" in r.output, r.output
     r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
                                   f"a={good}", "--task-vector", f"b={good}", "--dry-run"])
     assert r.exit_code == 0, r.output
@@ -49,8 +59,14 @@ def test_dry_run_commands(setup, monkeypatch):
                                   "--lora-rank", "1"])
     assert r.exit_code == 0, r.output
     assert "--max-lora-rank 1" in r.output
-    adapter = r.output.split("--lora-modules ")[1].split()[0].split("=", 1)[1]
-    assert json.loads((Path(adapter) / "adapter_config.json").read_text())["r"] == 1
+    adapter = Path(r.output.split("--lora-modules ")[1].split()[0].split("=", 1)[1])
+    assert not adapter.exists()  # a dry run writes nothing
+    assert not (tmp / "cache").exists()
+    # the plan the dry run printed, written for real: a rank-1 adapter where it said
+    plan = plan_lora(tmp / "m", {"a": good, "b": good}, lora_dir=adapter.parent, rank_cap=1)
+    plan.write()
+    assert plan.adapters["a"] == adapter
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 1
     r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector", str(good),
                                   "--dry-run", "--lora-rank", "4"])
     assert r.exit_code == 1 and "applies to multi-task serving" in r.output

@@ -18,7 +18,14 @@ from ltv_vllm.apply import task_vector_applied
 from ltv_vllm.capture import Capturer
 from ltv_vllm.cli import main
 from ltv_vllm.data import load_dataset, sample_episode
-from ltv_vllm.extract import extract_transfer, load_model, open_source, run_transfer_episode
+from ltv_vllm.extract import (
+    ExtractOptions,
+    SourceOptions,
+    extract_transfer,
+    load_model,
+    open_source,
+    run_transfer_episode,
+)
 from ltv_vllm.ridge import ridge_fit
 from ltv_vllm.store import StoredCapturer
 from ltv_vllm.tasks import get_task, label_token_ids
@@ -161,7 +168,7 @@ def test_transfer_vector_matches_independent_computation(pair, tmp_path):
 def test_same_model_transfer_reproduces_ltv(pair):
     """Source = target: the transferred vector scores exactly like the model's own LTV."""
     lm = load_model(str(pair / "target"), dtype="float32")
-    source = open_source(str(pair / "target"), dtype="float32", work_dir=None, progress=False)
+    source = open_source(SourceOptions(str(pair / "target"), dtype="float32", work_dir=None, progress=False))
     task = get_task(str(pair / "toy.json"))
     ep = sample_episode(load_dataset(task), k=10, n=24, n_test=20, seed=1)
     ids = label_token_ids(task, lm.tokenizer)
@@ -212,9 +219,9 @@ def test_finished_source_pass_is_not_loaded_again(pair, tmp_path):
     task = get_task(str(pair / "toy.json"))
     vectors = []
     for _ in range(2):
-        source = open_source(str(pair / "source"), dtype="float32", work_dir=str(tmp_path),
-                             chunk_size=16, progress=False)
-        tv, _ = extract_transfer(lm, source, task, n=24, n_test=20, progress=False)
+        source = open_source(SourceOptions(str(pair / "source"), dtype="float32", work_dir=str(tmp_path),
+                             chunk_size=16, progress=False))
+        tv, _ = extract_transfer(lm, source, task, ExtractOptions(n=24, n_test=20, progress=False))
         vectors.append((tv, source.cap.loaded, source.cap.computed))
     (first, loaded1, computed1), (second, loaded2, computed2) = vectors
     assert loaded1 and computed1 > 0
@@ -274,10 +281,10 @@ def test_evaluate_transfer_table(pair, tmp_path):
     assert "Transferred LTV (source → target)" in md and "Δ transferred − target LTV" in md
     # run 0 is the episode `extract --seed 0` fits: same vector, same score
     lm = load_model(str(pair / "target"), dtype="float32")
-    source = open_source(str(pair / "source"), dtype="float32", work_dir=str(tmp_path / "w"),
-                         progress=False)
-    _, res = extract_transfer(lm, source, get_task(str(pair / "toy.json")), n=24, n_test=20,
-                              progress=False)
+    source = open_source(SourceOptions(str(pair / "source"), dtype="float32", work_dir=str(tmp_path / "w"),
+                         progress=False))
+    _, res = extract_transfer(lm, source, get_task(str(pair / "toy.json")),
+                              ExtractOptions(n=24, n_test=20, progress=False))
     rec = next(x for x in doc["records"] if x["run"] == 0 and x["method"] == "ltv-transfer")
     assert rec["accuracy"] == pytest.approx(res.metrics["ltv-transfer"]["accuracy"])
     assert rec["d_ntp"] == pytest.approx(res.metrics["ltv-transfer"]["d_ntp"], rel=1e-4)
@@ -288,10 +295,10 @@ def test_source_loading_options(pair, tmp_path):
     """device_map (accelerate) gives the same captures; bitsandbytes without CUDA is refused
     up front, before the target's passes."""
     prompts = [f"Review: {w} movie\nSentiment:" for w in WORDS[:5]]
-    plain = open_source(str(pair / "source"), dtype="float32", work_dir=str(tmp_path / "a"),
-                        progress=False)
-    mapped = open_source(str(pair / "source"), dtype="float32", device_map="cpu",
-                         work_dir=str(tmp_path / "b"), progress=False)
+    plain = open_source(SourceOptions(str(pair / "source"), dtype="float32", work_dir=str(tmp_path / "a"),
+                        progress=False))
+    mapped = open_source(SourceOptions(str(pair / "source"), dtype="float32", device_map="cpu",
+                         work_dir=str(tmp_path / "b"), progress=False))
     torch.testing.assert_close(mapped.cap.hidden(prompts), plain.cap.hidden(prompts),
                                rtol=1e-5, atol=1e-5)
     if not torch.cuda.is_available():

@@ -178,3 +178,46 @@ def test_truncated_copy_with_the_same_head_is_refused(tmp_path, tokenizer):
     old = ModelIdentity.from_dict({k: v for k, v in tv.model.to_dict().items() if k != "num_layers"})
     assert old.num_layers is None
     TaskVector(tv.kind, tv.U, tv.V, None, old, tv.label_token_ids, tv.meta).check_model(ident)
+
+
+class _Boom:
+    """Unpickling this would call os.system: what a malicious .pt file does."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_refused_and_truncated_files_say_so_in_one_line(tmp_path, tiny_model):
+    from ltv_vllm.vector import VectorError, load_task_vector
+
+    tv = TaskVector("hidden", torch.ones(64, 2), torch.ones(64, 2), None,
+                    model_identity(tiny_model, "tiny"), (1, 2), {"task": {"name": "t"}})
+    for suffix in (".pt", ".safetensors"):
+        good = tv.save(tmp_path / f"good{suffix}")
+        data = good.read_bytes()
+        for name, blob in (("truncated", data[: len(data) // 2]), ("empty", b""),
+                           ("garbage", b"\x00garbage" * 10)):
+            bad = tmp_path / f"{name}{suffix}"
+            bad.write_bytes(blob)
+            with pytest.raises(VectorError) as e:
+                load_task_vector(bad)
+            assert str(e.value) == f"{bad}: not a task-vector file: truncated or corrupt"
+    # a pickle holding code: torch's weights-only unpickler refuses it; we say why, in one line
+    evil = tmp_path / "evil.pt"
+    torch.save({"tensors": {"U": torch.ones(2, 1)}, "ltv_vllm": _Boom()}, evil)
+    with pytest.raises(VectorError) as e:
+        load_task_vector(evil)
+    msg = str(e.value)
+    assert msg.startswith(f"{evil}: refused: the file contains code") and "\n" not in msg
+    # through the CLI: one line, exit 1, no torch paragraph, no warning
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    for path, text in ((evil, "refused: the file contains code"),
+                       (tmp_path / "truncated.pt", "truncated or corrupt")):
+        r = CliRunner().invoke(main, ["inspect", str(path)])
+        assert r.exit_code == 1 and text in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output

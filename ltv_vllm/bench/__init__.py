@@ -6,6 +6,8 @@ turns results into JSON, markdown and plots; `serving` and `extraction` are the 
 behind `ltv-vllm bench ...` and the scripts in `benchmarks/`.
 """
 
+from ..errors import UserError
 
-class BenchError(RuntimeError):
+
+class BenchError(UserError):
     """A benchmark step failed (one line, plus where its log is)."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..capture import Capturer
 from ..fileio import save_figure
+from ..hardware import machine_line
 
 
 def time_paths(cap: Capturer, task_name: str, k: int, n: int, seed: int, *,
@@ -96,7 +97,7 @@ def extraction_markdown(doc: dict[str, Any]) -> str:
         "# Extraction time: shared demo cache vs naive (batch 1, full prompt per query)", "",
         "```", doc["command"], "```", "",
         (f"Model `{doc['model']}` ({doc['dtype']}), batch {doc['batch_size']}, "
-        f"{doc['machine']['cpu']}, {doc['machine']['cores']} cores, torch {doc['machine']['torch']}. "
+        f"{machine_line(doc['machine'])}, torch {doc['machine']['torch']}. "
         "Capture = zero-shot and ICL hidden states of the N train queries; fit = ridge."), "",
         ("| task | k | demos | prefix tokens | N | ours (s) | naive (s) | speed-up | "
         "max abs diff h_icl |"),

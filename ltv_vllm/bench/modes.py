@@ -61,7 +61,7 @@ def per_task(queries: list[Query]) -> dict[str, list[Query]]:
 def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Query],
             lora_dir: Path) -> list[Engine]:
     """The engine(s) a mode needs for `queries` (a subset of the workload's)."""
-    from ..serve import engine_kwargs, server_args, wrapper_architecture
+    from ..serve import engine_kwargs, plan_lora, server_args
 
     model = str(wl.model_dir)
     caching = mode != "icl-no-cache"
@@ -89,9 +89,10 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
             vec = wl.vectors[task]
 
             def fused(host: str, port: int, vec: Path = vec) -> list[str]:
-                return [*server_args(model, {"": vec}, lora_dir=lora_dir, served_name=BASE_NAME,
-                                     host=host, port=port, dtype=settings.dtype,
-                                     max_model_len=settings.max_model_len, fold=fold), *flags]
+                args, _ = server_args(model, {"": vec}, lora_dir=lora_dir, served_name=BASE_NAME,
+                                      host=host, port=port, dtype=settings.dtype,
+                                      max_model_len=settings.max_model_len, fold=fold)
+                return [*args, *flags]
 
             out.append(Engine(f"{mode}[{task}]", {**engine_kwargs(model, vec, fold=fold), **common},
                               fused, [[request(wl, q, icl=False, model=task) for q in qs]]))
@@ -99,30 +100,20 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
 
     is_lora, cap = lora_mode_rank(mode)
     if is_lora:
-        from ..vector import load_task_vector
-        from ..vllm_ext.lora import export_lora, lora_rank
-
         names = list(groups)
-        loras, rank = {}, 1
-        for i, task in enumerate(names):
-            tv = load_task_vector(wl.vectors[task])
-            path = export_lora(tv, model, lora_dir / (task if cap is None else f"{task}-r{cap}"),
-                               rank=cap)
-            loras[task] = (task, i + 1, str(path))
-            rank = max(rank, lora_rank(min(tv.rank, cap or tv.rank)))
-        kwargs = {"model": model, **common,
-                  "hf_overrides": {"architectures": [wrapper_architecture(model)]},
-                  "enable_lora": True, "max_lora_rank": rank,
-                  "lora_target_modules": ["lm_head"],  # as `ltv-vllm serve` does
-                  # one slot more than adapters, as `ltv-vllm serve` does (engine bug 1)
-                  "max_loras": len(names) + 1}
+        # the plan `ltv-vllm serve` uses: same adapters, slots, target modules
+        plan = plan_lora(model, {t: wl.vectors[t] for t in names}, lora_dir=lora_dir,
+                         rank_cap=cap)
+        plan.write()
+        loras = {t: (t, i + 1, str(plan.adapters[t])) for i, t in enumerate(names)}
+        kwargs = {"model": model, **common, **plan.engine_kwargs()}
 
         def multi(host: str, port: int) -> list[str]:
-            return [*server_args(model, {t: wl.vectors[t] for t in names}, lora_dir=lora_dir,
-                                 served_name=BASE_NAME, host=host, port=port,
-                                 dtype=settings.dtype, max_model_len=settings.max_model_len,
-                                 lora_rank_cap=cap),
-                    *flags]
+            args, _ = server_args(model, {t: wl.vectors[t] for t in names}, lora_dir=lora_dir,
+                                  served_name=BASE_NAME, host=host, port=port,
+                                  dtype=settings.dtype, max_model_len=settings.max_model_len,
+                                  lora_rank_cap=cap)
+            return [*args, *flags]
 
         mixed = [request(wl, q, icl=False, model=q.task, lora=loras[q.task]) for q in queries]
         return [Engine(mode, kwargs, multi, [mixed])]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fileio import save_figure
+from ..hardware import machine_line
 
 FULL = "full"
 
@@ -130,7 +131,8 @@ def rank_markdown(doc: dict[str, Any]) -> str:
     lines = [
         "# LTV at a lower rank: accuracy and d_NTP", "", "```", doc["command"], "```", "",
         (f"Model `{doc['model']}` ({doc['dtype']}), k={doc['k']}, N={doc['n']}, "
-         f"λ={doc['lam']}, {doc['n_test']} test queries, {doc['runs']} run(s) (means over runs). "
+         f"λ={doc['lam']}, {doc['n_test']} test queries, {doc['runs']} run(s) (means over runs); "
+         f"{machine_line(doc['machine'])}. "
          "`LTV r=R`: the fit cut to rank R as ltv-vllm does (`extract --rank`, `export-lora "
          "--rank`, `serve --lora-rank`): min ‖W_lm (W − W_R) H‖ over the train states H; "
          "`plain SVD r=R`: W's own top-R singular directions; `full`: the fit itself. All "

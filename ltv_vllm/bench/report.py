@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fileio import atomic_write, save_figure
+from ..hardware import machine_line
 
 GIB = 1024**3
 MIB = 1024**2
@@ -78,7 +79,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "```", doc["command"], "```",
         "",
-        (f"Machine: {doc['machine']['cpu']}, {doc['machine']['cores']} cores; torch "
+        (f"Machine: {machine_line(doc['machine'])}; torch "
         f"{doc['machine']['torch']}, vLLM {doc['machine']['vllm']}. Started {doc['started']}."),
         (f"Engine settings (every mode): dtype {s['dtype']}, max_model_len {s['max_model_len']}, "
         f"KV cache {s['kv_cache_gib']} GiB, enforce_eager {s['enforce_eager']}, prefix caching "

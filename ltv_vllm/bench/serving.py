@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -247,101 +248,130 @@ def run_icl_cost(wl: Workload, ks: Sequence[int], settings: EngineSettings, *, n
     return out
 
 
-def bench_serving(
-    model_spec: str,
-    task_names: list[str],
-    *,
-    n_per_task: int,
-    modes: Sequence[str],
-    online_modes: Sequence[str],
-    levels: Sequence[int],
-    online_requests: int,
-    repeats: int,
-    gen_tokens: int,
-    warmup: int,
-    settings: EngineSettings,
-    k: int,
-    n: int,
-    lam: float,
-    seed: int,
-    out_dir: Path,
-    work_dir: Path,
-    command: str,
-    noise_check: bool = True,
-    resume: bool = False,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
+ONLINE_MODES = ("zero-shot", "icl-prefix-cache", "icl-no-cache", "ltv-fused", "ltv-lora")
+
+
+@dataclass(frozen=True)
+class ServingBench:
+    """One serving (or ICL-cost) benchmark run: workload, modes, engine settings, output.
+
+    Built once by the CLI and checked there (modes, counts, writable output), before any
+    vector is extracted or engine started.
+    """
+
+    model_spec: str = "smollm2-135m"
+    tasks: tuple[str, ...] = ("sst2", "subj", "trec", "agnews")
+    n_per_task: int = 125
+    modes: tuple[str, ...] = MODES
+    online_modes: tuple[str, ...] = ONLINE_MODES
+    levels: tuple[int, ...] = (1, 8, 32)
+    online_requests: int = 100
+    gen_tokens: int = 16
+    k: int = 30  # demonstrations behind the ICL prompts and the vectors
+    n: int = 256
+    lam: float = 5.0
+    seed: int = 0
+    noise_check: bool = True
+    settings: EngineSettings = EngineSettings()
+    repeats: int = 3
+    warmup: int = 16
+    out_dir: Path = Path("benchmarks/results/serving")
+    work_dir: Path | None = None  # [default: out_dir/work]
+    resume: bool = False
+    ks: tuple[int, ...] = (0, 10, 30, 50)  # icl-cost only: demonstrations per prompt
+
+    def __post_init__(self) -> None:
+        from ..errors import ArgumentError
+        from ..extract import check_counts
+
+        unknown = [m for m in [*self.modes, *self.online_modes] if not known_mode(m)]
+        if unknown:
+            raise ArgumentError(f"unknown mode(s) {', '.join(unknown)} "
+                                f"(known: {', '.join(MODES)}, ltv-lora-rR for a rank-R cap)")
+        if not self.tasks:
+            raise ArgumentError("--tasks: give at least one task")
+        check_counts(k=self.k, n=self.n, lam=self.lam)
+        for name, v, low in (("--n-per-task", self.n_per_task, 1), ("--repeats", self.repeats, 1),
+                             ("--online-requests", self.online_requests, 1),
+                             ("--warmup", self.warmup, 0), ("--gen-tokens", self.gen_tokens, 0),
+                             ("--kv-cache-gib", self.settings.kv_cache_gib, 1),
+                             ("--max-model-len", self.settings.max_model_len, 1),
+                             *(("--concurrency", c, 1) for c in self.levels),
+                             *(("--ks", c, 0) for c in self.ks)):
+            if v < low:
+                raise ArgumentError(f"{name} must be at least {low}, got {v}")
+
+    @property
+    def work(self) -> Path:
+        return self.work_dir or self.out_dir / "work"
+
+
+def _resolved(wl: Workload, settings: EngineSettings) -> EngineSettings:
+    """The settings with `auto` turned into the dtype this machine runs fast (`hardware`)."""
+    from dataclasses import replace
+
+    from ..hardware import resolve_for_model
+
+    return replace(settings, dtype=resolve_for_model(settings.dtype, wl.model_dir))
+
+
+def bench_serving(b: ServingBench, *, command: str,
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the workload, run the offline and online modes, write JSON, markdown and plots."""
     from dataclasses import asdict
 
     from .workload import build_workload, kv_bytes_per_token, machine
 
-    unknown = [m for m in [*modes, *online_modes] if not known_mode(m)]
-    if unknown:
-        raise BenchError(f"unknown mode(s) {', '.join(unknown)} "
-                         f"(known: {', '.join(MODES)}, ltv-lora-rR for a rank-R cap)")
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    needs_vectors = any(m.startswith("ltv") for m in [*modes, *online_modes])
-    wl = build_workload(model_spec, task_names, n_per_task=n_per_task, k=k, n=n, lam=lam,
-                        seed=seed, vector_dir=work_dir / "vectors", with_vectors=needs_vectors)
+    needs_vectors = any(m.startswith("ltv") for m in [*b.modes, *b.online_modes])
+    wl = build_workload(b.model_spec, list(b.tasks), n_per_task=b.n_per_task, k=b.k, n=b.n,
+                        lam=b.lam, seed=b.seed, vector_dir=b.work / "vectors",
+                        with_vectors=needs_vectors)
+    settings = _resolved(wl, b.settings)
     doc: dict[str, Any] = {
-        "command": command, "model": model_spec, "started": started, "machine": machine(),
-        "settings": asdict(settings), "workload": wl.describe(), "repeats": repeats,
-        "gen_tokens": gen_tokens, "online_requests": None,
+        "command": command, "model": b.model_spec, "started": started, "machine": machine(),
+        "settings": asdict(settings), "workload": wl.describe(), "repeats": b.repeats,
+        "gen_tokens": b.gen_tokens, "online_requests": None,
         "kv_bytes_per_token": kv_bytes_per_token(wl.model_dir, settings.dtype),
     }
     t0 = time.time()
-    if modes:
-        order = list(modes)
-        if noise_check and "zero-shot" in order:
+    if b.modes:
+        order = list(b.modes)
+        if b.noise_check and "zero-shot" in order:
             order.append(NOISE_MODE)
-        doc["offline"] = run_offline(wl, order, settings, repeats=repeats, gen_tokens=gen_tokens,
-                                     warmup=warmup, work_dir=work_dir, log=log, resume=resume)
-    if online_modes:
-        queries = wl.queries[:online_requests]
+        doc["offline"] = run_offline(wl, order, settings, repeats=b.repeats,
+                                     gen_tokens=b.gen_tokens, warmup=b.warmup, work_dir=b.work,
+                                     log=log, resume=b.resume)
+    if b.online_modes:
+        queries = wl.queries[:b.online_requests]
         doc["online_requests"] = len(queries)
-        order = list(online_modes)
-        if noise_check and "zero-shot" in order:
+        order = list(b.online_modes)
+        if b.noise_check and "zero-shot" in order:
             order.append(NOISE_MODE)
-        doc["online"] = run_online(wl, order, settings, queries=queries, levels=levels,
-                                   warmup=warmup, work_dir=work_dir, log=log, resume=resume)
+        doc["online"] = run_online(wl, order, settings, queries=queries, levels=b.levels,
+                                   warmup=b.warmup, work_dir=b.work, log=log, resume=b.resume)
     doc["seconds"] = time.time() - t0
-    return render(doc, out_dir)
+    return render(doc, b.out_dir)
 
 
-def bench_icl_cost(
-    model_spec: str,
-    task_names: list[str],
-    *,
-    ks: Sequence[int],
-    n_per_task: int,
-    vector_k: int = 30,
-    repeats: int,
-    warmup: int,
-    settings: EngineSettings,
-    n: int,
-    lam: float,
-    seed: int,
-    out_dir: Path,
-    work_dir: Path,
-    command: str,
-    resume: bool = False,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
+def bench_icl_cost(b: ServingBench, *, command: str,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
+    """ICL serving cost for each k in `b.ks`; LTV fused (vectors from `b.k` demos) beside it."""
     from dataclasses import asdict
 
     from .workload import build_workload, machine
 
-    # LTV's serving cost does not depend on the k its vector came from (`vector_k`)
-    wl = build_workload(model_spec, task_names, n_per_task=n_per_task, k=vector_k, n=n, lam=lam,
-                        seed=seed, vector_dir=work_dir / "vectors")
-    doc: dict[str, Any] = {"command": command, "model": model_spec,
+    # LTV's serving cost does not depend on the k its vector came from (`b.k`)
+    wl = build_workload(b.model_spec, list(b.tasks), n_per_task=b.n_per_task, k=b.k, n=b.n,
+                        lam=b.lam, seed=b.seed, vector_dir=b.work / "vectors")
+    settings = _resolved(wl, b.settings)
+    doc: dict[str, Any] = {"command": command, "model": b.model_spec,
                            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
                            "settings": asdict(settings), "workload": wl.describe()}
-    doc["icl_cost"] = run_icl_cost(wl, ks, settings, n_per_task=n_per_task, seed=seed,
-                                   repeats=repeats, warmup=warmup, work_dir=work_dir, log=log,
-                                   resume=resume)
-    return render(doc, out_dir)
+    doc["icl_cost"] = run_icl_cost(wl, b.ks, settings, n_per_task=b.n_per_task, seed=b.seed,
+                                   repeats=b.repeats, warmup=b.warmup, work_dir=b.work, log=log,
+                                   resume=b.resume)
+    return render(doc, b.out_dir)
 
 
 def render(doc: dict[str, Any], out_dir: Path) -> dict[str, Any]:

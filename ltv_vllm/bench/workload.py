@@ -9,8 +9,6 @@ is a balanced mix. Task vectors are extracted once with transformers (or loaded 
 from __future__ import annotations
 
 import json
-import os
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ from ..tasks import Task
 class EngineSettings:
     """Identical for every mode; only prefix caching differs (ICL without it)."""
 
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # resolved per machine (`hardware.resolve_dtype`) before any engine
     max_model_len: int = 4096
     kv_cache_gib: int = 4          # VLLM_CPU_KVCACHE_SPACE (CPU backend)
     enforce_eager: bool = True
@@ -136,10 +134,11 @@ def build_workload(
         if path.exists():
             tv = checked_vector(model_dir, path)
         else:
-            from ..extract import extract, load_model
+            from ..extract import ExtractOptions, extract, load_model
 
             lm = lm or load_model(str(model_dir), dtype=extract_dtype)
-            tv, _ = extract(lm, task, k=k, n=n, lam=lam, seed=seed, n_test=n_per_task)
+            tv, _ = extract(lm, task, ExtractOptions(k=k, n=n, lam=lam, seed=seed,
+                                                     n_test=n_per_task))
             tv.save(path)
         wl.vectors[name] = path
         wl.transformers_metrics[name] = {
@@ -156,12 +155,13 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    width = {"float32": 4, "auto": 2}.get(dtype, 2)
+    width = {"float32": 4}.get(dtype, 2)
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * width
 
 
 def machine() -> dict[str, Any]:
-    import torch
+    """The hardware record (`hardware.hardware`) plus the vLLM version."""
+    from ..hardware import hardware
 
     try:
         import vllm
@@ -169,14 +169,4 @@ def machine() -> dict[str, Any]:
         vllm_version = vllm.__version__
     except ImportError:  # pragma: no cover - the benchmarks need vLLM anyway
         vllm_version = None
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "vllm": vllm_version, "cuda": torch.cuda.is_available()}
+    return {**hardware(), "vllm": vllm_version}

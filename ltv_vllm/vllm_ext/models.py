@@ -24,7 +24,7 @@ from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
-from ..vector import TaskVector, load_task_vector
+from ..vector import TaskVector, VectorError, load_task_vector
 
 CONFIG_KEY = "ltv_task_vector"
 FOLD_KEY = "ltv_fold"
@@ -34,7 +34,7 @@ class LTVMixin:
     """Shared by every wrapper; expects the host class's `compute_logits` and `config`."""
 
     _ltv: TaskVector | None
-    _ltv_cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None
+    _ltv_cast: TaskVector | None  # _ltv on the engine's device and dtype
 
     def _ltv_init(self, config: object) -> None:
         path = getattr(config, CONFIG_KEY, None)
@@ -42,39 +42,31 @@ class LTVMixin:
         self._ltv_cast = None
         self._ltv_fold = bool(getattr(config, FOLD_KEY, False)) and self._ltv is not None
         if self._ltv_fold and (self._ltv.kind != "hidden" or self._ltv.bias is not None):
-            raise ValueError("only a hidden-space vector without a bias can be folded")
+            raise VectorError("only a hidden-space vector without a bias can be folded")
         if self._ltv is not None:
             d = int(config.hidden_size)
             if self._ltv.V.shape[0] != d:
-                raise ValueError(
+                raise VectorError(
                     f"task vector {path} is for hidden size {self._ltv.V.shape[0]}, model has {d}"
                 )
             vocab = int(config.vocab_size)
             if self._ltv.kind == "logit" and self._ltv.U.shape[0] != vocab:
                 # compute_logits adds U's rows to the first columns: a mismatch would shift
                 # the wrong tokens rather than fail
-                raise ValueError(
+                raise VectorError(
                     f"logit vector {path} is for vocabulary {self._ltv.U.shape[0]}, model has "
                     f"{vocab}"
                 )
 
-    def _ltv_factors(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _ltv_delta(self, h: torch.Tensor, part: slice | None = None) -> torch.Tensor:
+        """U (Vᵀ h) (+ bias), only the outputs in `part` (a vocab shard for a logit vector)."""
         # One cast to the engine's device/dtype, on first use (vLLM may build the module on
         # the meta device and move it; the hidden states tell us where we really run).
         cast = self._ltv_cast
-        if cast is None or cast[0].device != h.device or cast[0].dtype != h.dtype:
-            tv = self._ltv
-            assert tv is not None
-            bias = tv.bias.to(h.device, h.dtype) if tv.bias is not None else None
-            cast = (tv.V.to(h.device, h.dtype), tv.U.to(h.device, h.dtype), bias)
-            self._ltv_cast = cast
-        return cast
-
-    def _ltv_delta(self, h: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
-        """U (Vᵀ h) (+ bias), only the outputs in `part` (a vocab shard for a logit vector)."""
-        V, U, bias = self._ltv_factors(h)
-        out = (h @ V) @ U[part].T  # (n, d_out): rank-r, never a dense d×d
-        return out + bias[part] if bias is not None else out
+        if cast is None or cast.U.device != h.device or cast.U.dtype != h.dtype:
+            assert self._ltv is not None
+            cast = self._ltv_cast = self._ltv.to(h.device, h.dtype)
+        return cast.delta(h, part)  # (n, d_out): rank-r, never a dense d×d
 
     def _ltv_hidden(self, h: torch.Tensor) -> torch.Tensor:
         if self._ltv is None or self._ltv.kind != "hidden" or h.shape[0] == 0:
@@ -103,10 +95,9 @@ class LTVMixin:
             head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
             self.lm_head = head  # type: ignore[attr-defined]
         w = head.weight.data
-        U = tv.U.to(w.device, torch.float32)
-        V = tv.V.to(w.device, torch.float32)
+        f32 = tv.to(w.device, torch.float32)
         w32 = w.float()
-        w.copy_((w32 + (w32 @ U) @ V.T).to(w.dtype))
+        w.copy_((w32 + (w32 @ f32.U) @ f32.V.T).to(w.dtype))
         self._ltv = None  # nothing left to do at run time
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

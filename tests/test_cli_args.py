@@ -1,0 +1,115 @@
+"""Every CLI command refuses a bad argument with one line, exit 1, in under a second, and
+before any model is loaded (loading is made to fail loudly here)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import make_llama, write_toy_task
+from ltv_vllm.cli import main
+from ltv_vllm.vector import TaskVector, model_identity
+
+
+@pytest.fixture()
+def env(tmp_path, tokenizer, monkeypatch):
+    """A tiny model directory, a vector for it, one for another model, and a trap on loading."""
+    model = make_llama(len(tokenizer), seed=4)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    good = TaskVector("hidden", torch.ones(64, 2), torch.ones(64, 2), None,
+                      model_identity(model, "m"), (1, 2), {"task": {"name": "alpha"}})
+    other = TaskVector("hidden", torch.ones(64, 2), torch.ones(64, 2), None,
+                       model_identity(make_llama(len(tokenizer), seed=5), "other"), (1, 2), {})
+    good.save(tmp_path / "good.pt")
+    other.save(tmp_path / "other.pt")
+    (tmp_path / "a_file").write_text("x")
+    write_toy_task(tmp_path, ["good", "bad", "film"])
+    (tmp_path / "collide.json").write_text(json.dumps({
+        "name": "collide", "in_prefix": "Review", "label_prefix": "Sentiment",
+        "labels": ["positive", "positive!"], "data": "packaged:sst2"}))
+
+    def trap(*_a, **_k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", trap)
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+M = ["--model", "m"]
+
+CASES = [
+    # extract: numbers, k against the task's classes, N against its data, outputs, task specs
+    (["extract", *M, "--task", "trec", "--lam", "-1"], "--lam must be a positive number"),
+    (["extract", *M, "--task", "trec", "--lam", "0"], "--lam must be a positive number"),
+    (["extract", *M, "--task", "trec", "--lam", "nan"], "--lam must be a positive number"),
+    (["extract", *M, "--task", "trec", "--k", "0"], "--k must be at least 1"),
+    (["extract", *M, "--task", "toy.json", "--k", "1"], "smaller than the number of classes (2)"),
+    (["extract", *M, "--task", "trec", "--n", "0"], "--n must be at least 1"),
+    (["extract", *M, "--task", "toy.json", "--n", "100000"], "100000 queries requested"),
+    (["extract", *M, "--task", "trec", "--n-test", "0"], "--n-test must be at least 1"),
+    (["extract", *M, "--task", "trec", "--rank", "0"], "--rank must be at least 1"),
+    (["extract", *M, "--task", "trec", "--batch-size", "0"], "--batch-size must be at least 1"),
+    (["extract", *M, "--task", "trec", "-o", "v.txt"], "must end in .pt or .safetensors"),
+    (["extract", *M, "--task", "trec", "-o", "a_file/v.pt"], "is not a directory"),
+    (["extract", *M, "--task", "nope"], "unknown task 'nope'"),
+    (["extract", *M, "--task", "missing.json"], "cannot read task spec"),
+    (["extract", *M, "--task", "collide.json"], "share their first token"),
+    (["extract", *M, "--task", "trec", "--source-model", "m", "--chunk-size", "0"],
+     "--chunk-size must be at least 1"),
+    (["extract", "--model", "./no/such/dir", "--task", "trec"], "no such directory"),
+    # evaluate
+    (["evaluate", *M, "--tasks", "trec", "--runs", "0"], "--runs must be at least 1"),
+    (["evaluate", *M, "--tasks", "trec", "--methods", "icl,magic"], "unknown magic"),
+    (["evaluate", *M, "--tasks", "trec", "--methods", "ltv-transfer"], "needs --source-model"),
+    (["evaluate", *M, "--tasks", "trec,nope"], "unknown task 'nope'"),
+    (["evaluate", *M, "--tasks", "trec,trec"], "given twice"),
+    (["evaluate", *M, "--tasks", "trec", "--out", "a_file"], "'a_file' is a file"),
+    (["evaluate", *M, "--tasks", "toy.json", "--k", "1"], "smaller than the number of classes"),
+    # serving: vector against model, modes of use
+    (["serve", *M, "--task-vector", "other.pt", "--dry-run"], "was extracted from other"),
+    (["serve", *M, "--task-vector", "a=good.pt", "--task-vector", "b=good.pt", "--lora-rank",
+      "0", "--dry-run"], "--lora-rank must be at least 1"),
+    (["serve", *M, "--task-vector", "good.pt", "--port", "0", "--dry-run"], "--port must be"),
+    (["serve", *M, "--task-vector", "a=good.pt", "--task-vector", "b=good.pt", "--fold",
+      "--dry-run"], "--fold applies to one fused vector"),
+    (["export-lora", "good.pt", "-o", "lora", "--model", "m", "--rank", "0"],
+     "--rank must be at least 1"),
+    (["export-lora", "other.pt", "-o", "lora", "--model", "m"], "was extracted from other"),
+    (["export-lora", "good.pt", "-o", "a_file", "--model", "m"], "is a file"),
+    (["inspect", "nothing.pt"], "task-vector file not found"),
+    # benchmarks
+    (["bench", "serving", *M, "--modes", "zero-shot,warp"], "unknown mode(s) warp"),
+    (["bench", "serving", *M, "--concurrency", "0"], "--concurrency must be at least 1"),
+    (["bench", "serving", *M, "--tasks", "nope"], "unknown task 'nope'"),
+    (["bench", "serving", *M, "--out", "a_file"], "is a file"),
+    (["bench", "icl-cost", *M, "--ks", "0,-1"], "--ks must be at least 0"),
+    (["bench", "rank", *M, "--ranks", "0,4"], "--rank must be at least 1"),
+    (["bench", "rank", *M, "--lam", "-2"], "--lam must be a positive number"),
+    (["bench", "extraction", *M, "--ks", "0"], "--k must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("args,message", CASES, ids=[" ".join(c[0][:2] + c[0][-2:]) for c in CASES])
+def test_bad_argument_refused_before_work(env, args, message):
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(main, args)
+    elapsed = time.perf_counter() - t0
+    assert message in r.output, r.output
+    assert "Traceback" not in r.output
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("Error: ")]
+    assert len(errors) == 1 and message in errors[0], r.output
+    if r.exit_code == 2:  # click's own usage error (a path type): its usage lines, then ours
+        assert r.output.startswith("Usage: "), r.output
+    else:
+        assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+    assert elapsed < 1.0, f"{elapsed:.2f} s"
+    assert not (env / "cache" / "models").exists()  # nothing fetched or converted either
