@@ -97,7 +97,8 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
         proc.wait(60)
         log.close()
 
-    srv_probs = torch.tensor([[r.probs[lab] for lab in task.labels] for r in res], dtype=torch.float64)
+    srv_probs = torch.tensor([[r.probs[lab] for lab in task.labels] for r in res],
+                             dtype=torch.float64)
     srv_pred = srv_probs.argmax(-1)
     agree = (srv_pred == ref_pred).double().mean().item()
     disagree = [
@@ -121,11 +122,15 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
     }
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
     summary = (f"{task.name} on {model_spec} ({dtype}), {len(texts)} test texts: server vs "
-               f"transformers agreement {100 * agree:.1f}%, accuracy {100 * doc['accuracy_server']:.1f}% "
-               f"vs {100 * doc['accuracy_transformers']:.1f}%, max |Δp| {doc['max_abs_prob_gap']:.4f}, "
+               f"transformers agreement {100 * agree:.1f}%, "
+               f"accuracy {100 * doc['accuracy_server']:.1f}% "
+               f"vs {100 * doc['accuracy_transformers']:.1f}%, "
+               f"max |Δp| {doc['max_abs_prob_gap']:.4f}, "
                f"mean |Δp| {doc['mean_abs_prob_gap']:.4f}; startup {startup:.0f} s, "
                f"classify {classify_s:.0f} s")
-    (out_dir / "results.md").write_text(f"# serve + classify vs evaluate\n\n```\n{doc['command']}\n```\n\n{summary}\n")
+    (out_dir / "results.md").write_text(
+        f"# serve + classify vs evaluate\n\n```\n{doc['command']}\n```\n\n{summary}\n"
+    )
     click.echo(summary)
 
 

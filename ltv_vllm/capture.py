@@ -12,8 +12,9 @@ and its KV cache is reused by every query (`Capturer.icl`). By default several q
 packed into one row after the cached prefix, `[q1 | q2 | ...]`, with a block mask (each
 token sees the prefix and its own query) and positions continuing from the prefix; with
 `pack=False` (or an attention kernel that takes no custom mask) each query is a row,
-left-padded after the prefix, `[prefix | pads | query]`. A prompt whose tokenisation does not start with the prefix's tokens (a
-merge across the boundary) is run in full instead, so the result is always h(Z ‖ x).
+left-padded after the prefix, `[prefix | pads | query]`. A prompt whose tokenisation does
+not start with the prefix's tokens (a merge across the boundary) is run in full instead, so
+the result is always h(Z ‖ x).
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ def lm_head(model: PreTrainedModel) -> nn.Linear:
     return head
 
 
-def label_head(model: PreTrainedModel, label_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def label_head(
+    model: PreTrainedModel, label_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the LM head for the label tokens, float32 on CPU: W_C (K, d), b_C (K,)."""
     head = lm_head(model)
     idx = torch.tensor(list(label_ids), dtype=torch.long, device=head.weight.device)
@@ -170,7 +173,8 @@ class Capturer:
         rows: list[torch.Tensor] = []
         # Sort by length so a batch pads little; restore the order at the end.
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-        bar = tqdm(total=len(seqs), desc=desc, unit="prompt", disable=not self.progress, leave=False)
+        bar = tqdm(total=len(seqs), desc=desc, unit="prompt", disable=not self.progress,
+                   leave=False)
         for idx in _batches(len(order), self.batch_size):
             batch = [seqs[order[i]] for i in idx]
             ids, mask = _left_pad(batch, self.pad_id)
@@ -236,7 +240,8 @@ class Capturer:
 
     def _run_packed(self, seqs: list[list[int]], desc: str, prefix: _Prefix) -> torch.Tensor:
         rows: list[torch.Tensor] = []
-        bar = tqdm(total=len(seqs), desc=desc, unit="prompt", disable=not self.progress, leave=False)
+        bar = tqdm(total=len(seqs), desc=desc, unit="prompt", disable=not self.progress,
+                   leave=False)
         for idx in _batches(len(seqs), self.batch_size):
             rows.append(self._forward_packed([seqs[i] for i in idx], prefix))
             bar.update(len(idx))

@@ -151,7 +151,8 @@ def data_show(task: str, n_show: int, k: int, seed: int) -> None:
     click.echo(f"task {t.name}: {len(ds.train)} train / {len(ds.test)} test — {ds.split_note}")
     for split, exs in (("train", ds.train), ("test", ds.test)):
         c = Counter(e.label for e in exs)
-        click.echo(f"  {split:<5} " + ", ".join(f"{t.labels[i]}={c.get(i, 0)}" for i in range(len(t.labels))))
+        click.echo(f"  {split:<5} "
+                   + ", ".join(f"{t.labels[i]}={c.get(i, 0)}" for i in range(len(t.labels))))
     ep = sample_episode(ds, k=k, n=min(8, len(ds.train) - k), n_test=n_show, seed=seed)
     click.echo(f"\n--- ICL prompt (k={len(ep.demos)}, seed {seed}), first query ---")
     click.echo(t.icl_prompt(ep.demo_prefix(), ep.test[0].text)
@@ -217,15 +218,16 @@ def _source(spec: str | None, dtype: str, device_map: str | None, quantization: 
                    "With --source-model: the (small) target the vector is applied to.")
 @click.option("--task", required=True, help="Built-in task name or a .json/.yaml task spec.")
 @click.option("--k", type=int, default=None,
-              help="Demonstrations (k//K per class) [default: 30; 10 (at least K) with --source-model, "
-                   "the paper's transfer setting].")
+              help="Demonstrations (k//K per class) [default: 30; 10 (at least K) with "
+                   "--source-model, the paper's transfer setting].")
 @click.option("--n", default=256, show_default=True, help="Unlabeled train queries N.")
 @click.option("--lam", default=5.0, show_default=True, help="Ridge penalty λ (> 0).")
 @click.option("--seed", default=0, show_default=True, help="Demo/query sampling seed.")
 @click.option("--n-test", default=500, show_default=True, help="Held-out queries scored.")
 @click.option("--batch-size", default=16, show_default=True)
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
-@click.option("--device", default="cpu", show_default=True, help="Device of --model (cpu, cuda, ...).")
+@click.option("--device", default="cpu", show_default=True,
+              help="Device of --model (cpu, cuda, ...).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Task-vector file (.pt or .safetensors) [default: TASK.pt, TASK.transfer.pt].")
 @click.option("--rank", type=int, default=None,
@@ -281,11 +283,13 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     dt = tv.meta["dtype"]
     hw = f"{dt} on {why(dt, device)}"
     if source is None:
-        click.echo(f"extraction {tm['extraction_seconds']:.1f} s (capture {tm['capture_seconds']:.1f} s,"
+        click.echo(f"extraction {tm['extraction_seconds']:.1f} s "
+                   f"(capture {tm['capture_seconds']:.1f} s,"
                    f" fit {tm['fit_seconds']:.2f} s; {hw}); rank {tv.rank}")
     else:
-        click.echo(f"extraction {tm['extraction_seconds']:.1f} s (source {tm['source_capture_seconds']:.1f}"
-                   f" s, target {tm['target_capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s; "
+        click.echo(f"extraction {tm['extraction_seconds']:.1f} s "
+                   f"(source {tm['source_capture_seconds']:.1f} s, "
+                   f"target {tm['target_capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s; "
                    f"{hw}); rank {tv.rank}; source captures in {source.cap.dir} "
                    f"({source.cap.reused} chunks reused, {source.cap.computed} computed)")
     click.echo(f"wrote {output} ({tv.kind} vector)")
@@ -396,7 +400,7 @@ def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | No
         results = run_classify(url, t, list(texts), model=served_model)
     except ClientError as e:
         raise click.ClickException(str(e)) from None
-    for text, r in zip(texts, results):
+    for text, r in zip(texts, results, strict=True):
         probs = " ".join(f"{k}={v:.3f}" for k, v in r.probs.items())
         click.echo(f"{r.label}\t{probs}\t{text}")
 
@@ -407,7 +411,8 @@ def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | No
               help="Packaged alias, local HF directory or hub id [default: smollm2-135m]. "
                    "With --source-model: the (small) target.")
 @click.option("--tasks", "task_list", default="sst2", show_default=True,
-              help="Comma-separated task names/spec files, or 'packaged' for all seven packaged tasks.")
+              help="Comma-separated task names/spec files, or 'packaged' for all seven "
+                   "packaged tasks.")
 @click.option("--methods", default=None,
               help="Comma-separated, from zero-shot, icl, ltv, mean (and ltv-transfer with "
                    "--source-model) [default: zero-shot,icl,ltv,mean; "
@@ -500,7 +505,8 @@ def _task_specs(task_list: str) -> tuple[str, ...]:
     from .tasks import get_tasks
 
     tasks = get_tasks(task_list)
-    return tuple(t.name for t in tasks) if task_list.strip() == "packaged" else tuple(_csv(task_list))
+    return (tuple(t.name for t in tasks) if task_list.strip() == "packaged"
+            else tuple(_csv(task_list)))
 
 
 def _serving_bench(out_dir: Path, work_dir: Path | None, dtype: str, max_model_len: int,
@@ -527,10 +533,12 @@ def bench() -> None:
 @click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
 @click.option("--tasks", "task_list", default="sst2,subj,trec,agnews", show_default=True)
 @click.option("--n-per-task", default=125, show_default=True, help="Test queries per task.")
-@click.option("--modes", default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-folded,ltv-lora",
+@click.option("--modes",
+              default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-folded,ltv-lora",
               show_default=True,
               help="Offline modes ('' for none); also ltv-lora-rR: LoRA adapters cut to rank R.")
-@click.option("--online-modes", default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-lora",
+@click.option("--online-modes",
+              default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-lora",
               show_default=True, help="Modes served through the OpenAI server ('' for none).")
 @click.option("--concurrency", default="1,8,32", show_default=True)
 @click.option("--online-requests", default=100, show_default=True,
@@ -572,7 +580,8 @@ def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, modes: s
 @click.option("--ks", default="0,10,30,50", show_default=True, help="Demonstrations per prompt.")
 @click.option("--n-per-task", default=64, show_default=True)
 @click.option("--vector-k", default=30, show_default=True,
-              help="Demonstrations behind the LTV vectors (their serving cost does not depend on it).")
+              help="Demonstrations behind the LTV vectors (their serving cost does not "
+                   "depend on it).")
 @click.option("--n", default=256, show_default=True)
 @click.option("--lam", default=5.0, show_default=True)
 @click.option("--seed", default=0, show_default=True)
@@ -580,10 +589,10 @@ def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, modes: s
               default=Path("benchmarks/results/icl_cost"), show_default=True)
 @_engine_options
 @friendly
-def bench_icl_cost_cmd(model_spec: str, task_list: str, ks: str, n_per_task: int, vector_k: int, n: int,
-                       lam: float, seed: int, out_dir: Path, dtype: str, max_model_len: int,
-                       kv_cache_gib: int, max_num_seqs: int | None, repeats: int, warmup: int,
-                       work_dir: Path | None, resume: bool) -> None:
+def bench_icl_cost_cmd(model_spec: str, task_list: str, ks: str, n_per_task: int, vector_k: int,
+                       n: int, lam: float, seed: int, out_dir: Path, dtype: str,
+                       max_model_len: int, kv_cache_gib: int, max_num_seqs: int | None,
+                       repeats: int, warmup: int, work_dir: Path | None, resume: bool) -> None:
     """ICL serving cost as k grows (prefix cache on/off); LTV's does not depend on k."""
     from .bench.report import icl_cost_markdown
     from .bench.serving import bench_icl_cost
@@ -644,7 +653,8 @@ def bench_extraction_cmd(model_spec: str, task_list: str, ks: str, ns: str, seed
 @click.option("--tasks", "task_list", default="sst2,subj,trec,agnews", show_default=True)
 @click.option("--ranks", default="1,4,8,16,32,64,128", show_default=True,
               help="Ranks to cut each fit to (the full rank is always added).")
-@click.option("--runs", default=1, show_default=True, help="Episodes per task (seeds seed, seed+1, ...).")
+@click.option("--runs", default=1, show_default=True,
+              help="Episodes per task (seeds seed, seed+1, ...).")
 @click.option("--k", default=30, show_default=True)
 @click.option("--n", default=256, show_default=True)
 @click.option("--lam", default=5.0, show_default=True)
@@ -669,7 +679,8 @@ def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int, k: in
     check_writable(out_dir, option="--out", directory=True)
     doc = bench_rank(model_spec, _csv(task_list), ranks=_ints(ranks), runs=runs, k=k, n=n,
                      lam=lam, n_test=n_test, seed=seed, batch_size=batch_size, dtype=dtype,
-                     out_dir=out_dir, command=_command_line(), log=lambda m: click.echo(m, err=True))
+                     out_dir=out_dir, command=_command_line(),
+                     log=lambda m: click.echo(m, err=True))
     click.echo(rank_markdown(doc))
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def classify(
     base_url = base_url.rstrip("/")
     model = model or task.name
     ids = label_ids_from_server(base_url, model, task)
-    by_id = dict(zip(ids, task.labels))
+    by_id = dict(zip(ids, task.labels, strict=True))
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="ltv-vllm", max_retries=0)
 
     def one(text: str) -> Classification:

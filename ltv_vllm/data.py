@@ -125,7 +125,7 @@ class _NoGlobalsUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         raise DataError(f"refusing to load {module}.{name} from a data pickle")
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: Any) -> Any:  # noqa: ARG002 - pickle's override signature
         raise DataError("refusing a persistent id in a data pickle")
 
 

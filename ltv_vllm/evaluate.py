@@ -88,7 +88,9 @@ def resolve_methods(methods: Sequence[str] | None, *, transfer: bool) -> list[st
     return ms
 
 
-def plan_episodes(tasks: Sequence[Task], cfg: EvalConfig, *, transfer: bool) -> dict[str, list[Any]]:
+def plan_episodes(
+    tasks: Sequence[Task], cfg: EvalConfig, *, transfer: bool
+) -> dict[str, list[Any]]:
     """Every run's episode per task: data loaded and k / N checked before any model loads."""
     return {t.name: [plan_episode(t, cfg.episode_options(cfg.seed + r), transfer=transfer)
                      for r in range(cfg.runs)] for t in tasks}
@@ -256,7 +258,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
     if transfer and "ltv" in methods:  # the paper's "(+4.76)": against the target's own LTV
         deltas = [100 * (summ["per_task"][t][TRANSFER_METHOD]["accuracy"]
                          - summ["per_task"][t]["ltv"]["accuracy"]) for t in tasks]
-        avg = 100 * (summ["average"][TRANSFER_METHOD]["accuracy"] - summ["average"]["ltv"]["accuracy"])
+        avg = 100 * (summ["average"][TRANSFER_METHOD]["accuracy"]
+                     - summ["average"]["ltv"]["accuracy"])
         lines.append("| Δ transferred − target LTV | " + " | ".join(f"{d:+.1f}" for d in deltas)
                      + f" | {avg:+.1f} |")
     ref = ("; for transferred LTV, against the source's ICL, which it is fitted to" if transfer
@@ -276,7 +279,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
         ext = [summ["per_task"][t].get(m, {}).get("extraction_seconds") for t in tasks]
         if any(e is not None for e in ext):
             lines += ["", f"**{_row_label(m, cfg).strip('*')} extraction time per run (s)**: "
-                      + ", ".join(f"{t} {e:.1f}" for t, e in zip(tasks, ext) if e is not None)]
+                      + ", ".join(f"{t} {e:.1f}"
+                                  for t, e in zip(tasks, ext, strict=True) if e is not None)]
     return "\n".join(lines) + "\n"
 
 
@@ -308,14 +312,15 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     cols = min(4, len(tasks))
     rows = math.ceil(len(tasks) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.2 * rows), squeeze=False)
-    for ax, t in zip(axes.flat, tasks):
+    for ax, t in zip(axes.flat, tasks, strict=False):
         for m in methods:
             rs = [r for r in records if r["task"] == t and r["method"] == m]
             ax.scatter([r["d_ntp"] for r in rs], [100 * r["accuracy"] for r in rs],
                        label=method_label(m), color=colors.get(m), alpha=0.8, s=22)
         icl = [100 * r["accuracy"] for r in records if r["task"] == t and r["method"] == "icl"]
         if icl:
-            ax.axhline(statistics.fmean(icl), color=colors["icl"], ls="--", lw=1, label="ICL (mean)")
+            ax.axhline(statistics.fmean(icl), color=colors["icl"], ls="--", lw=1,
+                       label="ICL (mean)")
         ax.set_title(t)
         ax.set_xlabel("d_NTP")
         ax.set_ylabel("accuracy (%)")

@@ -146,7 +146,8 @@ def _quantization_config(quantization: str) -> Any:
     from .models import ModelError
 
     if quantization not in QUANTIZATIONS:
-        raise ModelError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        raise ModelError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                         f"got {quantization!r}")
     if importlib.util.find_spec("bitsandbytes") is None or not torch.cuda.is_available():
         raise ModelError(f"{quantization} loading needs a CUDA GPU and `pip install bitsandbytes`")
     if quantization == "8bit":
@@ -179,10 +180,13 @@ class Captures:
 
 def capture_test_zero_shot(cap: Any, task: Task, episode: Episode) -> torch.Tensor:
     """h_zs on the test subset: it does not depend on the demos, so runs share it. (n_test, d)"""
-    return cap.hidden([task.query(e.text) for e in episode.test], desc=f"{task.name} zero-shot test")
+    return cap.hidden([task.query(e.text) for e in episode.test],
+                      desc=f"{task.name} zero-shot test")
 
 
-def capture_episode(cap: Any, episode: Episode, *, h_zs_test: torch.Tensor | None = None) -> Captures:
+def capture_episode(
+    cap: Any, episode: Episode, *, h_zs_test: torch.Tensor | None = None
+) -> Captures:
     """Every pass an episode needs; `cap` is a Capturer or a StoredCapturer."""
     task = episode.task
     prefix = episode.demo_prefix()
@@ -359,8 +363,8 @@ def local_model_dir(spec: str) -> str:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
-                                                       "*.tiktoken"])
+        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt",
+                                                       "*.model", "*.tiktoken"])
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated repo
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"{spec}: not a packaged alias, local directory or reachable hub model "
@@ -445,8 +449,8 @@ def check_pair(target: LoadedModel, source: SourceModel, episode: Episode) -> li
     ids_t = label_token_ids(task, target.tokenizer)
     ids_s = label_token_ids(task, source.tokenizer)
     if ids_t != ids_s:
-        raise TransferError(f"label words of {task.name!r} map to {ids_t} in the target's tokenizer "
-                            f"but {ids_s} in the source's")
+        raise TransferError(f"label words of {task.name!r} map to {ids_t} in the target's "
+                            f"tokenizer but {ids_s} in the source's")
     return ids_t
 
 

@@ -86,7 +86,8 @@ def resolve_dtype(requested: str, *, device: str = "cpu", checkpoint: str | None
             raise UserError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {requested!r}")
         return requested
     if str(device).startswith("cuda"):
-        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+        return ("bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+                else "float16")
     if checkpoint is not None and checkpoint not in _HALF:
         return "float32"
     return "bfloat16" if cpu_native_bf16() else "float32"
@@ -103,7 +104,7 @@ def resolve_for_model(requested: str, model_dir: str | Path, device: str | None 
                          checkpoint=checkpoint_dtype(model_dir))
 
 
-def why(dtype: str, device: str = "cpu") -> str:
+def why(dtype: str, device: str = "cpu") -> str:  # noqa: ARG001 - public signature
     """One phrase saying why `auto` gave `dtype` here (for printouts)."""
     if str(device).startswith("cuda"):
         return f"{gpu_name() or 'GPU'}"

@@ -52,10 +52,12 @@ def classification_params(label_ids: Sequence[int]) -> Any:
                           allowed_token_ids=list(label_ids))
 
 
-def parse_classification(output: Any, label_ids: Sequence[int], labels: Sequence[str]) -> Classification:
+def parse_classification(
+    output: Any, label_ids: Sequence[int], labels: Sequence[str]
+) -> Classification:
     """Label and restricted probabilities from a `RequestOutput` of `classification_params`."""
     top = output.outputs[0].logprobs[0]  # token id → Logprob, restricted to the labels
-    lp = {lab: top[i].logprob for i, lab in zip(label_ids, labels) if i in top}
+    lp = {lab: top[i].logprob for i, lab in zip(label_ids, labels, strict=False) if i in top}
     z = sum(math.exp(v) for v in lp.values())
     probs = {lab: math.exp(lp[lab]) / z if lab in lp else 0.0 for lab in labels}
     return Classification(label=max(probs, key=probs.__getitem__), probs=probs)

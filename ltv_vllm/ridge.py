@@ -85,7 +85,9 @@ def ridge_fit(
     dtype: torch.dtype = torch.float64,
 ) -> Factors:
     """Ridge from h (N, d_in) to y (N, d_out) as factors W = U Vᵀ, with W h ≈ y row-wise."""
-    assert h.ndim == 2 and y.ndim == 2, f"expected 2-D h and y, got {tuple(h.shape)}, {tuple(y.shape)}"
+    assert h.ndim == 2 and y.ndim == 2, (
+        f"expected 2-D h and y, got {tuple(h.shape)}, {tuple(y.shape)}"
+    )
     assert h.shape[0] == y.shape[0], f"h has {h.shape[0]} rows but y has {y.shape[0]}"
     if lam <= 0:
         raise ValueError(f"lam must be > 0 (the ridge penalty), got {lam}")

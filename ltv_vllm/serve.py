@@ -239,9 +239,10 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
                              lora_rank_cap=opts.lora_rank)
     extra = list(opts.vllm_args)
     if engine_device() == "cpu" and not user_chose_compilation(extra):
-        # vLLM's compile warm-up costs the CPU backend ~75 s per start (and per fused/folded
-        # variant: their compile caches differ), for no measurable serving gain at these sizes
-        # (README, "Start-up"); eager starts in ~25 s. Any compilation flag of the user's wins.
+        # vLLM's compile warm-up costs the CPU backend over a minute per start (and per
+        # fused/folded variant: their compile caches differ); eager starts in well under
+        # 40 s (README, "Serve start-up"), and every serving benchmark here ran eager.
+        # Any compilation flag of the user's wins.
         extra.insert(0, "--enforce-eager")
     env = {}
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:

@@ -35,7 +35,9 @@ class Task:
 
     def __post_init__(self) -> None:
         if len(self.labels) < 2:
-            raise TaskError(f"task {self.name!r}: needs at least two labels, got {list(self.labels)}")
+            raise TaskError(
+                f"task {self.name!r}: needs at least two labels, got {list(self.labels)}"
+            )
         if len(set(self.labels)) != len(self.labels):
             raise TaskError(f"task {self.name!r}: duplicate label words {list(self.labels)}")
 
@@ -98,7 +100,8 @@ BUILTIN_TASKS: dict[str, Task] = {
         _t("sst2", "Review", "Sentiment", ["negative", "positive"],
            "packaged:sst2", id="glue", config="sst2", text="sentence", train="train",
            test="validation"),
-        _t("sst5", "Sentence", "Sentiment", ["terrible", "negative", "neutral", "positive", "great"],
+        _t("sst5", "Sentence", "Sentiment",
+           ["terrible", "negative", "neutral", "positive", "great"],
            "packaged:sst5", id="SetFit/sst5", text="text", train="train", test="test"),
         _t("subj", "Sentence", "Label", ["objective", "subjective"],
            "packaged:subjective", id="SetFit/subj", text="text", train="train", test="test"),
@@ -182,7 +185,7 @@ def label_token_ids(task: Task, tokenizer: Any) -> list[int]:
             raise TaskError(f"task {task.name!r}: label {lab!r} tokenizes to nothing")
         ids.append(int(toks[0]))
     seen: dict[int, str] = {}
-    for lab, tid in zip(task.labels, ids):
+    for lab, tid in zip(task.labels, ids, strict=True):
         if tid in seen:
             raise TaskError(
                 f"task {task.name!r}: labels {seen[tid]!r} and {lab!r} share their first token "

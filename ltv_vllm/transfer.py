@@ -32,7 +32,11 @@ class TransferError(UserError):
 
 
 def check_same_tokenizer(
-    target: Any, source: Any, prompts: Sequence[str], *, names: tuple[str, str] = ("target", "source")
+    target: Any,
+    source: Any,
+    prompts: Sequence[str],
+    *,
+    names: tuple[str, str] = ("target", "source"),
 ) -> None:
     """Refuse a pair whose tokenizers would put different ids on the same text.
 
@@ -55,7 +59,8 @@ def check_same_tokenizer(
     for p in prompts:
         a, b = target(p)["input_ids"], source(p)["input_ids"]
         if a != b:
-            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                      min(len(a), len(b)))
             raise TransferError(
                 f"{t_name} and {s_name} tokenize {p[:40]!r}... differently (from token {at}: "
                 f"{a[at:at + 3]} vs {b[at:at + 3]}): logit-space transfer needs the same ids"

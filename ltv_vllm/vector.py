@@ -85,7 +85,8 @@ def fingerprint_lm_head(weight: torch.Tensor) -> str:
 def model_identity(model: Any, name: str | None = None) -> ModelIdentity:
     """Identity of a transformers causal LM (the model a vector is fitted on or applied to)."""
     head = model.get_output_embeddings()
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = (model.config.get_text_config() if hasattr(model.config, "get_text_config")
+           else model.config)
     return ModelIdentity(
         name=name or str(getattr(cfg, "_name_or_path", "") or type(model).__name__),
         hidden_size=int(cfg.hidden_size),
@@ -96,7 +97,8 @@ def model_identity(model: Any, name: str | None = None) -> ModelIdentity:
 
 
 def _num_layers(cfg: Any) -> int | None:
-    n = cfg.get("num_hidden_layers") if isinstance(cfg, dict) else getattr(cfg, "num_hidden_layers", None)
+    n = (cfg.get("num_hidden_layers") if isinstance(cfg, dict)
+         else getattr(cfg, "num_hidden_layers", None))
     return int(n) if n is not None else None
 
 

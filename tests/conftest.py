@@ -48,7 +48,9 @@ def make_tokenizer(bos: bool = False):
     )
 
 
-def make_llama(vocab_size: int, *, hidden: int = 64, layers: int = 2, seed: int = 0, tie: bool = False):
+def make_llama(
+    vocab_size: int, *, hidden: int = 64, layers: int = 2, seed: int = 0, tie: bool = False
+):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -94,7 +96,8 @@ def write_toy_task(directory, words, *, n: int = 240):
     with open(directory / "toy.jsonl", "w") as f:
         for i in range(n):
             text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 9)))
-            f.write(json.dumps({"text": f"{text} {i}", "label": ["negative", "positive"][i % 2]}) + "\n")
+            f.write(json.dumps({"text": f"{text} {i}",
+                                "label": ["negative", "positive"][i % 2]}) + "\n")
     (directory / "toy.json").write_text(json.dumps({
         "name": "toy", "in_prefix": "Review", "label_prefix": "Sentiment",
         "labels": ["negative", "positive"], "data": "toy.jsonl"}))

@@ -66,7 +66,8 @@ def test_generation_shifts_every_step(tiny_model, tokenizer):
     # shifting only the first token (the reference code's defect) gives another output
     first_only = [*tokenizer(PROMPT)["input_ids"]]
     for step in range(6):
-        h = cap._forward_last(torch.tensor([first_only]), torch.ones(1, len(first_only), dtype=torch.long))
+        h = cap._forward_last(torch.tensor([first_only]),
+                              torch.ones(1, len(first_only), dtype=torch.long))
         h = tv.shift_hidden(h) if step == 0 else h
         first_only.append(int(tiny_model.lm_head(h).argmax()))
     assert tokenizer.decode(first_only[len(tokenizer(text)["input_ids"]):]) != got

@@ -60,14 +60,16 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return r
 
 
-def reference_probs(model_dir: Path, wl, prompts: list[str], vectors: dict | None) -> list[torch.Tensor]:
+def reference_probs(
+    model_dir: Path, wl, prompts: list[str], vectors: dict | None
+) -> list[torch.Tensor]:
     """transformers (+ the reference hook): label-restricted probabilities per query."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     preds = []
-    for q, prompt in zip(wl.queries, prompts):
+    for q, prompt in zip(wl.queries, prompts, strict=True):
         ids = torch.tensor([tok(prompt)["input_ids"]])
         with torch.no_grad():
             if vectors:
@@ -106,7 +108,8 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
         assert f"| {m} |" in md
     assert doc["offline"]["ltv-fused"]["engines"] == 2  # one fused engine per task
     # ICL prompts are longer; with the prefix cache on, their demos are found in the cache
-    assert doc["offline"]["icl-no-cache"]["prompt_tokens_mean"] > 3 * doc["offline"]["zero-shot"]["prompt_tokens_mean"]
+    assert (doc["offline"]["icl-no-cache"]["prompt_tokens_mean"]
+            > 3 * doc["offline"]["zero-shot"]["prompt_tokens_mean"])
     assert doc["offline"]["icl-prefix-cache"]["prefix_cache_hit_rate"] > 0.3
     assert doc["offline"]["icl-no-cache"]["prefix_cache_hit_rate"] == 0
     assert {t["target"] for t in doc["targets"]} >= {
@@ -147,7 +150,8 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
         cut[t] = TaskVector("hidden", (P2[:, :4] * sv[:4]).float(), Qt[:4].T.float(), None,
                             tv.model, tv.label_token_ids, tv.meta)
     ltv4 = reference_probs(model_dir, wl, [q.zs for q in wl.queries], cut)
-    assert max(float((a - b).abs().max()) for a, b in zip(ltv, ltv4)) > 1e-3  # a real cut
+    assert max(float((a - b).abs().max())
+               for a, b in zip(ltv, ltv4, strict=True)) > 1e-3  # a real cut
     for mode, ref in (("zero-shot", zs), ("icl-prefix-cache", icl), ("icl-no-cache", icl),
                       ("ltv-fused", ltv), ("ltv-folded", ltv), ("ltv-lora", ltv),
                       ("ltv-lora-r4", ltv4)):
@@ -157,14 +161,15 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
                                   atol=1e-4), (mode, i)
         assert got["predictions"] == [int(p.argmax()) for p in ref], mode
     # the vectors move the distributions, so the comparison above tells the methods apart
-    assert max(float((a - b).abs().max()) for a, b in zip(ltv, zs)) > 1e-2
+    assert max(float((a - b).abs().max()) for a, b in zip(ltv, zs, strict=True)) > 1e-2
 
 
 def test_bench_icl_cost_end_to_end(model_dir, tmp_path):
     out = tmp_path / "icl"
     r = run_cli("bench", "icl-cost", "--model", str(model_dir), "--tasks", TASKS, "--ks", "0,4,8",
-                "--n-per-task", "4", "--vector-k", "4", "--n", "8", "--repeats", "1", "--warmup", "2",
-                "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-gib", "1",
+                "--n-per-task", "4", "--vector-k", "4", "--n", "8", "--repeats", "1",
+                "--warmup", "2", "--dtype", "float32", "--max-model-len", "2048",
+                "--kv-cache-gib", "1",
                 "--out", str(out), cwd=tmp_path)
     doc = json.loads((out / "results.json").read_text())
     ic = doc["icl_cost"]
@@ -183,7 +188,8 @@ def test_bench_extraction_end_to_end(model_dir, tmp_path):
     run_cli("bench", "extraction", "--model", str(model_dir), "--tasks", "sst2", "--ks", "2,4",
             "--ns", "4,8", "--dtype", "float32", "--out", str(out), cwd=tmp_path)
     doc = json.loads((out / "results.json").read_text())
-    assert [(r["k"], r["n"]) for r in doc["rows"]] == grid([2, 4], [4, 8]) == [(2, 8), (4, 8), (4, 4)]
+    assert ([(r["k"], r["n"]) for r in doc["rows"]] == grid([2, 4], [4, 8])
+            == [(2, 8), (4, 8), (4, 4)])
     for r in doc["rows"]:
         assert r["naive_capture_seconds"] > 0 and r["speedup"] > 0
         # the shared demo cache gives the naive path's hidden states (float32)

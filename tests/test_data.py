@@ -165,7 +165,7 @@ def test_clean_drops_empties_duplicates_and_conflicts() -> None:
 
 
 def test_missing_staicc_tells_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda _name: None)
     data._read_packaged.cache_clear()
     data._load_cached.cache_clear()
     try:
@@ -457,22 +457,23 @@ def fresh_cache() -> Any:
     data._load_cached.cache_clear()
 
 
-def test_hub_without_datasets_package(monkeypatch: pytest.MonkeyPatch, fresh_cache: Any) -> None:
+@pytest.mark.usefixtures("fresh_cache")
+def test_hub_without_datasets_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(DataError, match="needs the `datasets` package and a reachable hub"):
         load_dataset(BUILTIN_TASKS["dbpedia"])
 
 
-def test_hub_offline(monkeypatch: pytest.MonkeyPatch, fresh_cache: Any) -> None:
+@pytest.mark.usefixtures("fresh_cache")
+def test_hub_offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "datasets", _fake_datasets({}, []))
     message = r"reachable hub .*ConnectionError: Couldn't reach the hub$"
     with pytest.raises(DataError, match=message):
         load_dataset(BUILTIN_TASKS["dbpedia"])
 
 
-def test_hub_splits_fields_and_label_filter(
-    monkeypatch: pytest.MonkeyPatch, fresh_cache: Any
-) -> None:
+@pytest.mark.usefixtures("fresh_cache")
+def test_hub_splits_fields_and_label_filter(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []
     train = [{"sentence": f"s{i} ", "label": i % 2, "idx": i} for i in range(20)]
     val = [{"sentence": f"v{i}", "label": i % 2} for i in range(6)] + [
@@ -488,7 +489,8 @@ def test_hub_splits_fields_and_label_filter(
     assert "dropped 1 rows with labels outside" in ds.split_note
 
 
-def test_hub_halves_and_missing_field(monkeypatch: pytest.MonkeyPatch, fresh_cache: Any) -> None:
+@pytest.mark.usefixtures("fresh_cache")
+def test_hub_halves_and_missing_field(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []
     rows = [{"text": f"t{i}", "label": [0, 1, 2, 3][i % 4]} for i in range(40)]
     monkeypatch.setitem(sys.modules, "datasets", _fake_datasets({"train": rows}, calls))

@@ -20,7 +20,8 @@ from ltv_vllm.extract import ExtractOptions, extract, load_model
 from ltv_vllm.tasks import get_task, label_token_ids
 from ltv_vllm.vector import load_task_vector
 
-WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "witty", "seductive", "movie", "team", "wins", "final"]
+WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "witty",
+         "seductive", "movie", "team", "wins", "final"]
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,10 @@ def task_file(tmp_path_factory):
 
 def hand_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     total = 0.0
-    for a, b in zip(p_logits.tolist(), q_logits.tolist()):
+    for a, b in zip(p_logits.tolist(), q_logits.tolist(), strict=False):
         za, zb = sum(math.exp(x) for x in a), sum(math.exp(x) for x in b)
-        total += sum(math.exp(x) / za * (x - math.log(za) - (y - math.log(zb))) for x, y in zip(a, b))
+        total += sum(math.exp(x) / za * (x - math.log(za) - (y - math.log(zb)))
+                     for x, y in zip(a, b, strict=False))
     return total / len(p_logits)
 
 
@@ -69,7 +71,8 @@ def test_extract_metrics_match_independent_computation(model_dir, task_file, ran
         full, _ = extract(lm, task, ExtractOptions(k=6, n=24, lam=5.0, seed=3, n_test=20,
                                                    batch_size=5, progress=False))
         assert tv.rank == 3 < full.rank
-        cut = truncate(Factors(full.U, full.V, "", full.gram), 3, head_gram=head_gram(full_head(lm.model)[0]))
+        cut = truncate(Factors(full.U, full.V, "", full.gram), 3,
+                       head_gram=head_gram(full_head(lm.model)[0]))
         torch.testing.assert_close(tv.U @ tv.V.T, cut.dense(), atol=1e-5, rtol=1e-4)
     ids = label_token_ids(task, lm.tokenizer)
     labels = torch.tensor([e.label for e in ep.test])

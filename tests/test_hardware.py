@@ -40,7 +40,7 @@ def test_auto_on_cpu(cpu, native, checkpoint, expected):
 def test_auto_on_cuda(monkeypatch, cpu, bf16, expected):
     cpu(False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *_a, **_k: bf16)
     for checkpoint in ("bfloat16", "float32", None):
         assert resolve_dtype("auto", device="cuda", checkpoint=checkpoint) == expected
         assert resolve_dtype("auto", device="cuda:1", checkpoint=checkpoint) == expected

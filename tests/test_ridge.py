@@ -106,7 +106,8 @@ def test_truncate_weighted_is_reduced_rank_regression(with_head):
     fit = ridge_fit(h, torch.randn(40, 24, generator=g), 1.0)
     M = torch.randn(30, 24, generator=g).double() if with_head else torch.eye(24).double()
     H = h.double().T
-    torch.testing.assert_close(fit.gram.double(), (fit.V.double().T @ H) @ (H.T @ fit.V.double()) / 40,
+    torch.testing.assert_close(fit.gram.double(),
+                               (fit.V.double().T @ H) @ (H.T @ fit.V.double()) / 40,
                                atol=1e-3, rtol=1e-4)
     W = fit.dense().double()
     R = torch.linalg.qr(M)[1]

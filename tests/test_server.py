@@ -52,7 +52,8 @@ def assets(tmp_path_factory, tokenizer):
         U = (0.5 * torch.randn(128, 8, generator=g) if kind == "hidden"
              else 2.0 * torch.randn(len(tokenizer), 8, generator=g))
         tv = TaskVector(kind, U, torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None, ident,
-                        tuple(label_token_ids(SST2, tokenizer)), {"task": {**SST2.to_dict(), "name": name}})
+                        tuple(label_token_ids(SST2, tokenizer)),
+                        {"task": {**SST2.to_dict(), "name": name}})
         vecs[name] = (tv, tv.save(vd / f"{name}.pt"))
     return d, model, vecs
 
@@ -137,9 +138,10 @@ def test_multi_task_server(assets, tokenizer, tmp_path):
         # label-restricted classification through the server = transformers' restricted softmax
         res = classify(url, SST2, ["the plot is dull"], model="alpha")
         ids = label_token_ids(SST2, tokenizer)
-        ref = reference_logprobs(model, tokenizer, SST2.query("the plot is dull"), [], vecs["alpha"][0])[-1, ids]
+        ref = reference_logprobs(model, tokenizer, SST2.query("the plot is dull"), [],
+                                 vecs["alpha"][0])[-1, ids]
         ref = torch.softmax(ref, -1)
-        for lab, p in zip(SST2.labels, ref.tolist()):
+        for lab, p in zip(SST2.labels, ref.tolist(), strict=True):
             assert abs(res[0].probs[lab] - p) < 1e-4
     finally:
         stop(proc, log)

@@ -95,7 +95,8 @@ def test_fit_transfer_equals_direct_solve_on_shared_vocab(v_source, v_target):
 
 def test_full_logits_in_vocab_blocks():
     g = torch.Generator().manual_seed(0)
-    h, W, b = torch.randn(5, 16, generator=g), torch.randn(23, 16, generator=g), torch.randn(23, generator=g)
+    h, W, b = (torch.randn(5, 16, generator=g), torch.randn(23, 16, generator=g),
+               torch.randn(23, generator=g))
     torch.testing.assert_close(full_logits(h, W.bfloat16(), b, rows=7),
                                h @ W.bfloat16().float().T + b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(full_logits(h, W, None, rows=100), h @ W.T)
@@ -155,7 +156,8 @@ def test_transfer_vector_matches_independent_computation(pair, tmp_path):
     tests = [task.query(e.text) for e in ep.test]
     h_t, z_t = _last_state_and_logits(tgt, tok, tests)
     with task_vector_applied(tgt, tv), torch.no_grad():
-        hooked = torch.stack([tgt(torch.tensor([tok(p)["input_ids"]])).logits[0, -1] for p in tests])
+        hooked = torch.stack([tgt(torch.tensor([tok(p)["input_ids"]])).logits[0, -1]
+                              for p in tests])
     torch.testing.assert_close(hooked.double(), (z_t.double() + h_t.double() @ W_direct.T),
                                rtol=1e-3, atol=1e-3 * hooked.abs().max().item())
     ids = list(tv.label_token_ids)
@@ -168,7 +170,8 @@ def test_transfer_vector_matches_independent_computation(pair, tmp_path):
 def test_same_model_transfer_reproduces_ltv(pair):
     """Source = target: the transferred vector scores exactly like the model's own LTV."""
     lm = load_model(str(pair / "target"), dtype="float32")
-    source = open_source(SourceOptions(str(pair / "target"), dtype="float32", work_dir=None, progress=False))
+    source = open_source(SourceOptions(str(pair / "target"), dtype="float32", work_dir=None,
+                                       progress=False))
     task = get_task(str(pair / "toy.json"))
     ep = sample_episode(load_dataset(task), k=10, n=24, n_test=20, seed=1)
     ids = label_token_ids(task, lm.tokenizer)
@@ -219,8 +222,8 @@ def test_finished_source_pass_is_not_loaded_again(pair, tmp_path):
     task = get_task(str(pair / "toy.json"))
     vectors = []
     for _ in range(2):
-        source = open_source(SourceOptions(str(pair / "source"), dtype="float32", work_dir=str(tmp_path),
-                             chunk_size=16, progress=False))
+        source = open_source(SourceOptions(str(pair / "source"), dtype="float32",
+                                           work_dir=str(tmp_path), chunk_size=16, progress=False))
         tv, _ = extract_transfer(lm, source, task, ExtractOptions(n=24, n_test=20, progress=False))
         vectors.append((tv, source.cap.loaded, source.cap.computed))
     (first, loaded1, computed1), (second, loaded2, computed2) = vectors
@@ -281,8 +284,8 @@ def test_evaluate_transfer_table(pair, tmp_path):
     assert "Transferred LTV (source → target)" in md and "Δ transferred − target LTV" in md
     # run 0 is the episode `extract --seed 0` fits: same vector, same score
     lm = load_model(str(pair / "target"), dtype="float32")
-    source = open_source(SourceOptions(str(pair / "source"), dtype="float32", work_dir=str(tmp_path / "w"),
-                         progress=False))
+    source = open_source(SourceOptions(str(pair / "source"), dtype="float32",
+                                       work_dir=str(tmp_path / "w"), progress=False))
     _, res = extract_transfer(lm, source, get_task(str(pair / "toy.json")),
                               ExtractOptions(n=24, n_test=20, progress=False))
     rec = next(x for x in doc["records"] if x["run"] == 0 and x["method"] == "ltv-transfer")
@@ -295,8 +298,8 @@ def test_source_loading_options(pair, tmp_path):
     """device_map (accelerate) gives the same captures; bitsandbytes without CUDA is refused
     up front, before the target's passes."""
     prompts = [f"Review: {w} movie\nSentiment:" for w in WORDS[:5]]
-    plain = open_source(SourceOptions(str(pair / "source"), dtype="float32", work_dir=str(tmp_path / "a"),
-                        progress=False))
+    plain = open_source(SourceOptions(str(pair / "source"), dtype="float32",
+                                      work_dir=str(tmp_path / "a"), progress=False))
     mapped = open_source(SourceOptions(str(pair / "source"), dtype="float32", device_map="cpu",
                          work_dir=str(tmp_path / "b"), progress=False))
     torch.testing.assert_close(mapped.cap.hidden(prompts), plain.cap.hidden(prompts),

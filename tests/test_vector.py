@@ -80,7 +80,8 @@ def test_mismatches_are_refused(tiny_model, tokenizer):
         bad.check_tokenizer(other_tok)
 
 
-def test_bad_shapes_refused(tiny_model, tokenizer):
+@pytest.mark.usefixtures("tokenizer")
+def test_bad_shapes_refused(tiny_model):
     ident = model_identity(tiny_model)
     with pytest.raises(VectorError, match="factors"):
         TaskVector("hidden", torch.zeros(64, 2), torch.zeros(64, 3), None, ident, (1, 2))
@@ -140,11 +141,12 @@ def test_newer_format_and_failed_write_leave_nothing(tmp_path, tiny_model, token
     import json
 
     torch.save({"tensors": tv._tensors(),
-                "ltv_vllm": json.dumps({**tv._header(), "format_version": 99})}, tmp_path / "new.pt")
+                "ltv_vllm": json.dumps({**tv._header(), "format_version": 99})},
+               tmp_path / "new.pt")
     with pytest.raises(VectorError, match="newer ltv-vllm"):
         load_task_vector(tmp_path / "new.pt")
 
-    def boom(*a, **k):
+    def boom(*_a, **_k):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", boom)
@@ -168,14 +170,16 @@ def test_truncated_copy_with_the_same_head_is_refused(tmp_path, tokenizer):
     tokenizer.save_pretrained(tmp_path / "full")
     tv = make_vector(model, tokenizer)
     assert tv.model.num_layers == 3
-    short = derive_model(str(tmp_path / "full"), keep_layers=2, out=tmp_path / "short", progress=False)
+    short = derive_model(str(tmp_path / "full"), keep_layers=2, out=tmp_path / "short",
+                         progress=False)
     ident = identity_from_dir(short)
     assert ident.lm_head_fingerprint == tv.model.lm_head_fingerprint
     with pytest.raises(VectorError, match=r"\(3 layers\), not from .* \(2 layers\)"):
         tv.check_model(ident)
     tv.check_model(identity_from_dir(tmp_path / "full"))
     # files written before the layer count was recorded still load and check
-    old = ModelIdentity.from_dict({k: v for k, v in tv.model.to_dict().items() if k != "num_layers"})
+    old = ModelIdentity.from_dict({k: v for k, v in tv.model.to_dict().items()
+                                   if k != "num_layers"})
     assert old.num_layers is None
     TaskVector(tv.kind, tv.U, tv.V, None, old, tv.label_token_ids, tv.meta).check_model(ident)
 

@@ -57,7 +57,8 @@ def served(tmp_path_factory, tokenizer):
     g = torch.Generator().manual_seed(5)
     tv = TaskVector("hidden", 0.5 * torch.randn(128, 8, generator=g),
                     torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None,
-                    model_identity(model, "tiny"), (1, 2), {"task": BUILTIN_TASKS["sst2"].to_dict()})
+                    model_identity(model, "tiny"), (1, 2),
+                    {"task": BUILTIN_TASKS["sst2"].to_dict()})
     path = tv.save(tmp_path_factory.mktemp("vectors") / "tv.safetensors")
     return d, model, tv, path
 
@@ -86,7 +87,7 @@ def make_llama_from(config):
 
 def assert_decode_matches(out: list[dict], model, tokenizer, tv) -> None:
     """Every decode step: greedy token = reference argmax, every logprob within 1e-4."""
-    for prompt, res in zip(PROMPTS, out):
+    for prompt, res in zip(PROMPTS, out, strict=False):
         n_prompt = len(tokenizer(prompt)["input_ids"])
         ref = reference_logprobs(model, tokenizer, prompt, res["token_ids"], tv)
         for step, lp in enumerate(res["logprobs"]):
@@ -113,7 +114,7 @@ def test_vllm_fused_matches_transformers(served, logit_vector, tokenizer, mode):
     fused = kind != "plain"
     ref_tv = tv if fused else None
     assert_decode_matches(out, model, tokenizer, ref_tv)
-    for prompt, r in zip(PROMPTS, out):
+    for prompt, r in zip(PROMPTS, out, strict=False):
         # prompt-logprob rows go through compute_logits too
         ref = reference_logprobs(model, tokenizer, prompt, r["token_ids"], ref_tv)
         for i, lp in enumerate(r["prompt_logprobs"][1:], start=1):
@@ -130,7 +131,8 @@ def test_vllm_fused_matches_transformers(served, logit_vector, tokenizer, mode):
         assert [r["start"] for r in ranks] == [sum(x["n"] for x in ranks[:i])
                                                for i in range(len(ranks))]
         assert sum(r["n"] for r in ranks) == model.lm_head.weight.shape[0]
-        assert ranks[-1]["pad"] > 0 and ranks[-1]["local_width"] == ranks[-1]["n"] + ranks[-1]["pad"]
+        assert (ranks[-1]["pad"] > 0
+                and ranks[-1]["local_width"] == ranks[-1]["n"] + ranks[-1]["pad"])
         for r in ranks:
             assert r["max_err"] < 1e-4 and r["top_ok"], r
 
@@ -177,8 +179,8 @@ def test_offline_classify_matches_restricted_softmax(served, tokenizer):
     w, b = label_head(model, label_token_ids(task, tokenizer))
     h = Capturer(model, tokenizer, progress=False).hidden([task.query(t) for t in texts])
     ref = torch.softmax((tv.shift_hidden(h) @ w.T + b).double(), -1)
-    for row, r in zip(ref.tolist(), got):
-        for lab, pr in zip(task.labels, row):
+    for row, r in zip(ref.tolist(), got, strict=False):
+        for lab, pr in zip(task.labels, row, strict=True):
             assert abs(r["probs"][lab] - pr) < 1e-4
         assert r["label"] == task.labels[max(range(2), key=row.__getitem__)]
 

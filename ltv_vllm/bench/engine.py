@@ -65,7 +65,9 @@ def _inputs(group: list[dict[str, Any]], gen_tokens: int | None) -> tuple[list, 
 
     prompts = [r["prompt"] for r in group]
     if gen_tokens:  # free generation: the shift's cost at every decoding step
-        params = [SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)] * len(group)
+        params = [
+            SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
+        ] * len(group)
     else:
         params = [classification_params(r["label_ids"]) for r in group]
     loras = [LoRARequest(*r["lora"]) if r["lora"] else None for r in group]
@@ -111,7 +113,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 dt, outs = timed(g, None)
                 total += dt
                 if rep == 0:
-                    for r, o in zip(g, outs):
+                    for r, o in zip(g, outs, strict=False):
                         c = parse_classification(o, r["label_ids"], r["labels"])
                         preds.append({"qid": r["qid"], "task": r["task"], "gold": r["gold"],
                                       "pred": r["labels"].index(c.label),
@@ -122,7 +124,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         hits = _metric_sum(llm, "vllm:prefix_cache_hits") - h0
         kv_cls = kv.peak
         gen_s, gen_out = [], 0
-        for rep in range(repeats if gen_tokens else 0):
+        for _rep in range(repeats if gen_tokens else 0):
             total, toks = 0.0, 0
             for g in groups:
                 dt, outs = timed(g, gen_tokens)

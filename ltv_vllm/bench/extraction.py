@@ -82,7 +82,8 @@ def bench_extraction(model_spec: str, task_names: list[str], *, ks: Sequence[int
             rows.append(time_paths(cap, task, k, n, seed, naive=naive))
             r = rows[-1]
             log(f"{task} k={k} N={n}: ours {r['ours_capture_seconds']:.1f} s"
-                + (f", naive {r['naive_capture_seconds']:.1f} s ({r['speedup']:.1f}×)" if naive else ""))
+                + (f", naive {r['naive_capture_seconds']:.1f} s ({r['speedup']:.1f}×)"
+                   if naive else ""))
     doc = {"command": command, "model": model_spec, "dtype": str(lm.model.dtype),
            "batch_size": batch_size, "threads": torch.get_num_threads(), "machine": machine(),
            "started": started,
@@ -108,8 +109,8 @@ def extraction_markdown(doc: dict[str, Any]) -> str:
         naive = (f"{r['naive_capture_seconds'] + fit:.1f} | {r['speedup']:.1f}× | "
                  f"{r['max_abs_diff_h_icl']:.2e}" if r["naive_capture_seconds"] is not None
                  else "— | — | —")
-        lines.append(f"| {r['task']} | {r['k']} | {r['k_used']} | {r['prefix_tokens']} | {r['n']} | "
-                     f"{r['ours_capture_seconds'] + fit:.1f} | {naive} |")
+        lines.append(f"| {r['task']} | {r['k']} | {r['k_used']} | {r['prefix_tokens']} "
+                     f"| {r['n']} | {r['ours_capture_seconds'] + fit:.1f} | {naive} |")
     return "\n".join(lines) + "\n"
 
 

@@ -141,7 +141,8 @@ class _Sampling:
 async def _drive(url: str, requests: list[dict[str, Any]], concurrency: int
                  ) -> tuple[float, list[dict[str, Any]]]:
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    limits = httpx.Limits(max_connections=concurrency + 4,
+                          max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as client:
 
         async def one(r: dict[str, Any]) -> dict[str, Any]:

@@ -117,7 +117,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float
         for t in tasks:
             sel = [r[key] for r in rows if r["task"] == t and r["rank_label"] == lab]
             per[t] = {m: statistics.fmean(x[m] for x in sel) for m in ("accuracy", "d_ntp")}
-        per["avg"] = {m: statistics.fmean(v[m] for v in per.values()) for m in ("accuracy", "d_ntp")}
+        per["avg"] = {m: statistics.fmean(v[m] for v in per.values())
+                      for m in ("accuracy", "d_ntp")}
         out[name] = per
     return out
 
@@ -164,10 +165,12 @@ def rank_plot(doc: dict[str, Any], out_dir: Path) -> Path:
     rows = doc["rows"]
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, label in ((axes[0], "d_ntp", "d_NTP vs ICL"), (axes[1], "accuracy", "accuracy")):
+    for ax, metric, label in ((axes[0], "d_ntp", "d_NTP vs ICL"),
+                              (axes[1], "accuracy", "accuracy")):
         for t in tasks:
             color = None
-            for key, style, what in (("ltv", "o-", "ltv-vllm cut"), ("ltv_plain", "x--", "plain SVD")):
+            for key, style, what in (("ltv", "o-", "ltv-vllm cut"),
+                                     ("ltv_plain", "x--", "plain SVD")):
                 pts: dict[int, list[float]] = {}
                 for r in rows:
                     if r["task"] == t:

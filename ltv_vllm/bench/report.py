@@ -84,7 +84,8 @@ def markdown(doc: dict[str, Any]) -> str:
         (f"Engine settings (every mode): dtype {s['dtype']}, max_model_len {s['max_model_len']}, "
         f"KV cache {s['kv_cache_gib']} GiB, enforce_eager {s['enforce_eager']}, prefix caching "
         "on except `icl-no-cache`."),
-        (f"Queries: {wl['queries']} test queries ({', '.join(f'{t} {n}' for t, n in wl['queries_per_task'].items())}), "
+        (f"Queries: {wl['queries']} test queries ("
+        f"{', '.join(f'{t} {n}' for t, n in wl['queries_per_task'].items())}), "
         f"interleaved; ICL prompts carry k={wl['k']} demonstrations (k//K per class)."),
         "",
     ]
@@ -94,7 +95,8 @@ def markdown(doc: dict[str, Any]) -> str:
         zs_gen = zero_shot_reference(off, "output_tokens_per_s")
         kv_tok = doc["kv_bytes_per_token"]
         lines += [
-            f"## Offline (`LLM.generate` over all queries; fastest of {doc['repeats']} timed passes)",
+            (f"## Offline (`LLM.generate` over all queries; fastest of {doc['repeats']} "
+             "timed passes)"),
             "",
             ("Classification: one label-restricted token per query. Generation: "
             f"{doc['gen_tokens']} free tokens per query (ignore_eos), where the shift runs at "
@@ -111,7 +113,8 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(
                 f"| {mode} | {r['requests_per_s']:.1f} | {r['requests_per_s_median']:.1f} "
                 f"| {_ratio(r['requests_per_s'], zs)} | {_fmt(r['output_tokens_per_s'])} "
-                f"| {_fmt(r['output_tokens_per_s_median'])} | {_ratio(r['output_tokens_per_s'], zs_gen)} "
+                f"| {_fmt(r['output_tokens_per_s_median'])} "
+                f"| {_ratio(r['output_tokens_per_s'], zs_gen)} "
                 f"| {100 * r['accuracy']:.1f}% | {r['prompt_tokens_mean']:.0f} "
                 f"| {r['prompt_tokens_mean'] * kv_tok / MIB:.1f} | {100 * r['peak_kv_usage']:.1f}% "
                 f"| {r['peak_rss_bytes'] / GIB:.2f} | {100 * r['prefix_cache_hit_rate']:.0f}% |")
@@ -129,8 +132,8 @@ def markdown(doc: dict[str, Any]) -> str:
         rows = targets(doc)
         if "zero-shot" in off and "zero-shot (again)" in off:
             a, b = off["zero-shot"]["requests_per_s"], off["zero-shot (again)"]["requests_per_s"]
-            lines += ["", (f"Noise floor: the two identical zero-shot runs (first and last) differ by "
-                      f"{100 * abs(a - b) / min(a, b):.1f}% in req/s.")]
+            lines += ["", ("Noise floor: the two identical zero-shot runs (first and last) "
+                           f"differ by {100 * abs(a - b) / min(a, b):.1f}% in req/s.")]
         if rows:
             lines += ["", "### Targets (offline classification throughput)", "",
                       "| Target | measured | met |", "|---|---|---|"]
@@ -138,7 +141,8 @@ def markdown(doc: dict[str, Any]) -> str:
                       for t in rows]
     on = doc.get("online")
     if on:
-        lines += ["", "## Online (vLLM's OpenAI server; requests with a fixed number in flight)", "",
+        lines += ["",
+                  "## Online (vLLM's OpenAI server; requests with a fixed number in flight)", "",
                   (f"{doc['online_requests']} requests per level, prefix cache reset before each "
                   "level; latency = send → full response (one output token, so also time to "
                   "first token); output tok/s = req/s."), "",
@@ -146,7 +150,8 @@ def markdown(doc: dict[str, Any]) -> str:
                   "| peak RSS (GiB) |"), "|---|---|---|---|---|---|---|---|---|"]
         levels = [c for c in next(iter(on.values())) if c != "startup_seconds"]
         for c in levels:
-            refs = [on[m][c]["requests_per_s"] for m in ("zero-shot", "zero-shot (again)") if m in on]
+            refs = [on[m][c]["requests_per_s"] for m in ("zero-shot", "zero-shot (again)")
+                    if m in on]
             ref = max(refs) if refs else None
             for mode, r in on.items():
                 x = r[c]
@@ -226,7 +231,8 @@ def icl_cost_markdown(doc: dict[str, Any]) -> str:
     r = doc["icl_cost"]
     fused = r["ltv-fused"]["requests_per_s"]
     lines = [f"# ICL serving cost as k grows: {doc['model']}", "", "```", doc["command"], "```", "",
-             (f"Offline, {r['ltv-fused']['requests']} queries ({', '.join(doc['workload']['tasks'])}); "
+             (f"Offline, {r['ltv-fused']['requests']} queries "
+             f"({', '.join(doc['workload']['tasks'])}); "
              "fastest of the timed passes. k = 0 is the zero-shot prompt. LTV fused serves the "
              f"zero-shot prompt whatever k its vector came from: {fused:.1f} req/s."), "",
              ("| k | prompt tok/req | ICL + prefix cache req/s | ICL no cache req/s | LTV fused ÷ "
@@ -258,7 +264,8 @@ def icl_cost_plot(doc: dict[str, Any], out_dir: Path) -> Path:
     a.legend()
     b.plot(ks, [r["icl-prefix-cache"][f"k={k}"]["prompt_tokens_mean"] for k in ks], "o-",
            label="ICL prompt")
-    b.axhline(r["ltv-fused"]["prompt_tokens_mean"], color="g", ls="--", label="LTV (zero-shot prompt)")
+    b.axhline(r["ltv-fused"]["prompt_tokens_mean"], color="g", ls="--",
+              label="LTV (zero-shot prompt)")
     b.set_xlabel("k")
     b.set_ylabel("prompt tokens per request (= KV-cache tokens)")
     b.legend()

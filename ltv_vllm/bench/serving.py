@@ -73,7 +73,7 @@ def run_engine_job(engine: Engine, passes: list[dict[str, Any]], *, repeats: int
 
 
 def _sum_runs(runs: list[list[float]]) -> list[float]:
-    return [sum(xs) for xs in zip(*runs)] if runs else []
+    return [sum(xs) for xs in zip(*runs, strict=False)] if runs else []
 
 
 def combine_offline(results: list[dict[str, Any]], pass_name: str = "main") -> dict[str, Any]:
@@ -96,7 +96,9 @@ def combine_offline(results: list[dict[str, Any]], pass_name: str = "main") -> d
         "predictions": [x["pred"] for x in sorted(preds, key=lambda x: x["qid"])],
         "probs": [x["probs"] for x in sorted(preds, key=lambda x: x["qid"])],
         "prompt_tokens_mean": sum(p["prompt_tokens_mean"] * p["requests"] for p in ps) / max(1, n),
-        "prefix_cache_hit_rate": sum(p["prefix_cache_hit_rate"] * p["requests"] for p in ps) / max(1, n),
+        "prefix_cache_hit_rate": (
+            sum(p["prefix_cache_hit_rate"] * p["requests"] for p in ps) / max(1, n)
+        ),
         "peak_kv_usage": max(p["peak_kv_usage"] for p in ps),
         "kv_capacity_tokens": min(r["kv_blocks"] * r["block_size"] for r in results),
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in results),
