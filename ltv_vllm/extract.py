@@ -16,10 +16,11 @@ from . import __version__
 from .capture import Capturer, full_head, label_head
 from .data import Episode
 from .errors import ArgumentError
+from .loading import QUANTIZATIONS, LoadedModel, load_model, local_model_dir, quantization_config
 from .metrics import accuracy, d_ntp
 from .ridge import Factors, head_gram, mean_shift, ridge_fit, truncate
 from .tasks import Task, label_token_ids
-from .vector import ModelIdentity, TaskVector, model_identity
+from .vector import ModelIdentity, Provenance, TaskVector
 
 METHODS = ("zero-shot", "icl", "ltv", "mean")
 TRANSFER_METHOD = "ltv-transfer"
@@ -75,85 +76,6 @@ def plan_episode(task: Task, opts: ExtractOptions, *, transfer: bool = False) ->
 
     return sample_episode(load_dataset(task), k=opts.k_for(task, transfer=transfer), n=opts.n,
                           n_test=opts.n_test, seed=opts.seed)
-
-
-@dataclass
-class LoadedModel:
-    """A transformers causal LM ready for capture, with what a TaskVector records about it."""
-
-    model: Any
-    tokenizer: Any
-    spec: str
-    identity: ModelIdentity
-
-
-def load_model(
-    spec: str | None,
-    *,
-    dtype: str = "auto",
-    device: str = "cpu",
-    device_map: str | None = None,
-    quantization: str | None = None,
-) -> LoadedModel:
-    """Resolve a model spec (alias | local dir | hub id) and load it with transformers.
-
-    `device_map="auto"` spreads the layers over every visible GPU (then CPU) with accelerate;
-    `quantization` "8bit" / "4bit" loads the linear layers with bitsandbytes (LM head kept
-    as it is, so logits stay in the checkpoint's precision).
-    """
-    from transformers import AutoModelForCausalLM
-
-    from .hardware import checkpoint_dtype, resolve_dtype
-    from .models import DEFAULT_MODEL, resolve_model
-
-    spec = spec or DEFAULT_MODEL
-    path = resolve_model(spec)
-    # a device map places weights where they fit: GPUs first when there are any
-    spread = (device_map or quantization) and torch.cuda.is_available()
-    where = "cuda" if spread else device
-    resolved = resolve_dtype(dtype, device=where, checkpoint=checkpoint_dtype(path))
-    kwargs: dict[str, Any] = {"dtype": getattr(torch, resolved)}
-    if device_map:
-        kwargs["device_map"] = device_map
-    if quantization:
-        kwargs["quantization_config"] = _quantization_config(quantization)
-        kwargs.setdefault("device_map", "auto")  # bitsandbytes places weights on the GPU itself
-    tok = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if "device_map" not in kwargs:
-        model = model.to(device)
-    model.eval()
-    return LoadedModel(model=model, tokenizer=tok, spec=spec, identity=model_identity(model, spec))
-
-
-def load_tokenizer(spec: str | None) -> Any:
-    """The tokenizer of a model spec, without its weights: enough to check label tokens."""
-    from transformers import AutoTokenizer
-
-    from .models import resolve_model
-
-    return AutoTokenizer.from_pretrained(resolve_model(spec))
-
-
-QUANTIZATIONS = ("8bit", "4bit")
-
-
-def _quantization_config(quantization: str) -> Any:
-    import importlib.util
-
-    from transformers import BitsAndBytesConfig
-
-    from .models import ModelError
-
-    if quantization not in QUANTIZATIONS:
-        raise ModelError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
-                         f"got {quantization!r}")
-    if importlib.util.find_spec("bitsandbytes") is None or not torch.cuda.is_available():
-        raise ModelError(f"{quantization} loading needs a CUDA GPU and `pip install bitsandbytes`")
-    if quantization == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                              bnb_4bit_compute_dtype=torch.bfloat16)
 
 
 @dataclass
@@ -289,36 +211,37 @@ def extract(
         bias=None,
         model=lm.identity,
         label_token_ids=tuple(label_ids),
-        meta=_meta(lm, episode, res, opts, method="ltv"),
+        provenance=_provenance(lm, episode, res, opts, method="ltv"),
         gram=res.factors.gram,
     )
     return tv, res
 
 
-def _meta(lm: LoadedModel, episode: Episode, res: Any, opts: ExtractOptions, *, method: str,
-          **extra: Any) -> dict[str, Any]:
+def _provenance(lm: LoadedModel, episode: Episode, res: Any, opts: ExtractOptions, *,
+                method: str, source: SourceModel | None = None) -> Provenance:
     """What a task-vector file records about its extraction (res: Episode/TransferResult)."""
     from .hardware import hardware
 
-    return {
-        "method": method,
-        **extra,
-        "task": episode.task.to_dict(),
-        "k": opts.k_for(episode.task, transfer=method == TRANSFER_METHOD),
-        "k_used": len(episode.demos),
-        "n": opts.n,
-        "lam": opts.lam,
-        "seed": opts.seed,
-        "n_test": len(episode.test),
-        "episode": episode.fingerprint(),
-        "ridge_form": res.factors.form,
-        "metrics_rank": int(res.factors.U.shape[1]),  # the rank the metrics were measured at
-        "dtype": str(lm.model.dtype).removeprefix("torch."),
-        "hardware": hardware(),
-        "package_version": __version__,
-        "metrics": res.metrics,
-        "timings": res.timings,
-    }
+    return Provenance(
+        method=method,
+        task=episode.task.to_dict(),
+        k=opts.k_for(episode.task, transfer=source is not None),
+        k_used=len(episode.demos),
+        n=opts.n,
+        lam=opts.lam,
+        seed=opts.seed,
+        n_test=len(episode.test),
+        episode=episode.fingerprint(),
+        ridge_form=res.factors.form,
+        metrics_rank=int(res.factors.U.shape[1]),  # the rank the metrics were measured at
+        dtype=str(lm.model.dtype).removeprefix("torch."),
+        hardware=hardware(),
+        package_version=__version__,
+        metrics=res.metrics,
+        timings=res.timings,
+        source_model=source.identity.to_dict() if source else None,
+        source_load={k: v for k, v in source.load.items() if v is not None} if source else None,
+    )
 
 
 # -- cross-model transfer -----------------------------------------------------------------
@@ -345,30 +268,10 @@ class SourceModel:
         if self.cap.loaded:
             return full_head(self.cap.capturer.model)
         if self._head is None:
-            from .vector import read_lm_head, read_lm_head_bias
+            from .checkpoint import read_lm_head, read_lm_head_bias
 
             self._head = (read_lm_head(self.path), read_lm_head_bias(self.path))
         return self._head
-
-
-def local_model_dir(spec: str) -> str:
-    """A model spec as a local directory: hub ids go through the local hub cache/download."""
-    from pathlib import Path
-
-    from .models import ModelError, resolve_model
-
-    path = resolve_model(spec)
-    if Path(path).is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt",
-                                                       "*.model", "*.tiktoken"])
-    except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated repo
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"{spec}: not a packaged alias, local directory or reachable hub model "
-                         f"({first})") from None
 
 
 @dataclass(frozen=True)
@@ -407,13 +310,13 @@ def open_source(opts: SourceOptions) -> SourceModel:
 
     from transformers import AutoTokenizer
 
+    from .checkpoint import identity_from_dir
     from .hardware import resolve_for_model
     from .models import cache_dir
     from .store import StoredCapturer
-    from .vector import identity_from_dir
 
     if opts.quantization:
-        _quantization_config(opts.quantization)  # refuse a missing GPU/bitsandbytes first
+        quantization_config(opts.quantization)  # refuse a missing GPU/bitsandbytes first
     path = local_model_dir(opts.spec)
     ident = identity_from_dir(path, name=opts.spec)
     spread = (opts.device_map or opts.quantization) and torch.cuda.is_available()
@@ -540,9 +443,8 @@ def extract_transfer(
         bias=None,
         model=target.identity,
         label_token_ids=tuple(label_ids),
-        meta=_meta(target, episode, res, opts, method=TRANSFER_METHOD,
-                   source_model=source.identity.to_dict(),
-                   source_load={k_: v for k_, v in source.load.items() if v is not None}),
+        provenance=_provenance(target, episode, res, opts, method=TRANSFER_METHOD,
+                               source=source),
         gram=res.factors.gram,
     )
     return tv, res

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .vector import TaskVector, VectorError, identity_from_dir, load_task_vector
+from .checkpoint import identity_from_dir
+from .vector import TaskVector, VectorError, load_task_vector
 
 
 def base_architecture(model_dir: str | Path) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -102,6 +102,55 @@ def _num_layers(cfg: Any) -> int | None:
     return int(n) if n is not None else None
 
 
+_INT_FIELDS = ("k", "k_used", "n", "seed", "n_test", "metrics_rank")
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """How a task vector was made: the file's `meta`, typed and frozen (as `ModelIdentity`).
+
+    Every field is optional (files from older versions, hand-made vectors); keys this version
+    does not know are kept in `extra` and written back, so a round trip loses nothing.
+    """
+
+    method: str | None = None                  # "ltv", "ltv-transfer", ...
+    task: dict[str, Any] | None = None         # the Task spec (`Task.to_dict`)
+    k: int | None = None                       # demonstrations asked for
+    k_used: int | None = None                  # demonstrations used (k//K per class)
+    n: int | None = None                       # unlabeled train queries N
+    lam: float | None = None                   # ridge penalty λ
+    seed: int | None = None
+    n_test: int | None = None
+    episode: str | None = None                 # fingerprint of demos, queries and test subset
+    ridge_form: str | None = None              # "primal" | "dual"
+    metrics_rank: int | None = None            # the rank the metrics were measured at
+    dtype: str | None = None                   # precision of the extraction passes
+    hardware: dict[str, Any] | None = None     # `hardware.hardware()` of the extracting machine
+    package_version: str | None = None
+    metrics: dict[str, dict[str, float]] | None = None  # method → accuracy, d_ntp at extraction
+    timings: dict[str, float] | None = None
+    source_model: dict[str, Any] | None = None  # transfer: the source's ModelIdentity
+    source_load: dict[str, Any] | None = None   # transfer: how the source was loaded
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Provenance:
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kw: dict[str, Any] = {k: d.pop(k) for k in list(d) if k in known}
+        for k in _INT_FIELDS:
+            if kw.get(k) is not None:
+                kw[k] = int(kw[k])
+        if kw.get("lam") is not None:
+            kw["lam"] = float(kw["lam"])
+        return cls(**kw, extra=d)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name != "extra" and getattr(self, f.name) is not None}
+        return {**out, **self.extra}
+
+
 @dataclass(frozen=True)
 class TaskVector:
     kind: Kind
@@ -110,10 +159,13 @@ class TaskVector:
     bias: torch.Tensor | None  # (d_out,) or None
     model: ModelIdentity
     label_token_ids: tuple[int, ...]
-    meta: dict[str, Any] = field(default_factory=dict)  # task, k, n, lam, seed, metrics, ...
+    # how it was made; a plain dict (a file's `meta`) is accepted and typed on construction
+    provenance: Provenance = field(default_factory=Provenance)
     gram: torch.Tensor | None = None  # (r, r) training states in V's coordinates (rank cuts)
 
     def __post_init__(self) -> None:
+        if isinstance(self.provenance, dict):
+            object.__setattr__(self, "provenance", Provenance.from_dict(self.provenance))
         if self.kind not in ("hidden", "logit"):
             raise VectorError(f"kind must be 'hidden' or 'logit', got {self.kind!r}")
         if self.U.ndim != 2 or self.V.ndim != 2 or self.U.shape[1] != self.V.shape[1]:
@@ -138,15 +190,20 @@ class TaskVector:
         return int(self.U.shape[1])
 
     @property
+    def meta(self) -> dict[str, Any]:
+        """The provenance as the JSON dict a file stores (read-only view)."""
+        return self.provenance.to_dict()
+
+    @property
     def task_name(self) -> str:
-        return str(self.meta.get("task", {}).get("name", "?"))
+        return str((self.provenance.task or {}).get("name", "?"))
 
     def truncated(self, rank: int, lm_head: torch.Tensor | None = None) -> TaskVector:
         """This vector cut to rank `rank` (unchanged if rank ≥ its own), losing as little as
         possible of its effect on the training states (`gram`) as seen through `lm_head`
         (vocab, d) for a hidden-space vector: see `ridge.truncate`.
 
-        The metrics in `meta` stay those measured at extraction, at `meta["metrics_rank"]`.
+        The metrics in `provenance` stay those measured at extraction, at its `metrics_rank`.
         """
         from dataclasses import replace
 
@@ -155,7 +212,7 @@ class TaskVector:
         if rank >= self.rank:
             return self
         hg = head_gram(lm_head) if self.kind == "hidden" and lm_head is not None else None
-        f = truncate(Factors(self.U, self.V, form=str(self.meta.get("ridge_form", "?")),
+        f = truncate(Factors(self.U, self.V, form=str(self.provenance.ridge_form or "?"),
                              gram=self.gram), rank, head_gram=hg)
         return replace(self, U=f.U, V=f.V, gram=f.gram)
 
@@ -220,7 +277,7 @@ class TaskVector:
         """The label words must still map to the token ids recorded at extraction."""
         from .tasks import Task, label_token_ids
 
-        task = Task.from_dict(self.meta["task"])
+        task = Task.from_dict(self.provenance.task or {})
         ids = tuple(label_token_ids(task, tokenizer))
         if ids != self.label_token_ids:
             raise VectorError(
@@ -236,7 +293,7 @@ class TaskVector:
             "kind": self.kind,
             "model": self.model.to_dict(),
             "label_token_ids": list(self.label_token_ids),
-            "meta": self.meta,
+            "meta": self.provenance.to_dict(),
         }
 
     def _tensors(self) -> dict[str, torch.Tensor]:
@@ -289,7 +346,7 @@ def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:
             bias=tensors["bias"].float() if "bias" in tensors else None,
             model=ident,
             label_token_ids=tuple(int(i) for i in header["label_token_ids"]),
-            meta=dict(header.get("meta") or {}),
+            provenance=Provenance.from_dict(header.get("meta")),
             gram=tensors["gram"].float() if "gram" in tensors else None,
         )
     except (KeyError, TypeError, ValueError) as e:
@@ -350,59 +407,3 @@ def _torch_load(path: Path) -> Any:
         raise VectorError(f"{path}: {CORRUPT}") from None
     except Exception:  # noqa: BLE001 - bad zip, truncated data, wrong magic number, EOF
         raise VectorError(f"{path}: {CORRUPT}") from None
-
-
-def read_lm_head(path: str | Path) -> torch.Tensor:
-    """The LM-head weight (vocab, d) of an HF model directory, read from its safetensors
-    shards without building the model (the input embedding when the head is tied to it)."""
-
-    path = Path(path)
-    cfg = _read_config(path)
-    text_cfg = cfg.get("text_config", cfg)
-    tied = bool(text_cfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
-    wanted = ["lm_head.weight"] if not tied else []
-    wanted += ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight"]
-    weight = _read_first(path, wanted)
-    if weight is None:
-        raise VectorError(f"{path}: no LM-head weight found in its safetensors files")
-    return weight
-
-
-def read_lm_head_bias(path: str | Path) -> torch.Tensor | None:
-    """The LM head's bias (vocab,) of an HF model directory, or None (most models have none)."""
-    return _read_first(Path(path), ["lm_head.bias"])
-
-
-def _read_first(path: Path, wanted: list[str]) -> torch.Tensor | None:
-    """The first of `wanted` found in the directory's safetensors shards, in `wanted` order."""
-    from safetensors import safe_open
-
-    for shard in sorted(path.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            keys = set(f.keys())
-            for key in wanted:
-                if key in keys:
-                    return f.get_tensor(key)
-    return None
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise VectorError(f"{path}: no readable config.json ({e})") from None
-
-
-def identity_from_dir(path: str | Path, name: str | None = None) -> ModelIdentity:
-    """ModelIdentity of an HF model directory: what a server checks before its engine starts."""
-    path = Path(path)
-    cfg = _read_config(path)
-    weight = read_lm_head(path)
-    text_cfg = cfg.get("text_config", cfg)
-    return ModelIdentity(
-        name=name or str(path),
-        hidden_size=int(text_cfg["hidden_size"]),
-        vocab_size=int(weight.shape[0]),
-        lm_head_fingerprint=fingerprint_lm_head(weight),
-        num_layers=_num_layers(text_cfg),
-    )

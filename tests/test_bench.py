@@ -200,7 +200,8 @@ def test_bench_extraction_end_to_end(model_dir, tmp_path):
 
 def test_bench_rank_end_to_end(model_dir, tmp_path):
     """Every rank row is what `extract --rank` measures on the same episode."""
-    from ltv_vllm.extract import ExtractOptions, extract, load_model
+    from ltv_vllm.extract import ExtractOptions, extract
+    from ltv_vllm.loading import load_model
 
     out = tmp_path / "rank"
     r = run_cli("bench", "rank", "--model", str(model_dir), "--tasks", "sst2", "--ranks", "1,2,64",

@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from conftest import make_llama, write_toy_task
 from ltv_vllm.cli import main
 from ltv_vllm.data import load_dataset, sample_episode
-from ltv_vllm.extract import ExtractOptions, extract, load_model
+from ltv_vllm.extract import ExtractOptions, extract
+from ltv_vllm.loading import load_model
 from ltv_vllm.tasks import get_task, label_token_ids
 from ltv_vllm.vector import load_task_vector
 
@@ -105,8 +106,14 @@ def test_cli_extract_inspect_evaluate(tmp_path, model_dir, task_file):
     assert "ltv" in r.output and out.exists()
     tv = load_task_vector(out)
     assert tv.meta["task"]["name"] == "toy" and tv.meta["seed"] == 0
+    pv = tv.provenance  # typed: what ran, in which precision, on which hardware
+    assert (pv.k_used, pv.n, pv.seed, pv.method) == (4, 16, 0, "ltv")
+    assert pv.dtype == "float32"  # a float32 checkpoint stays float32 under --dtype auto
+    assert pv.hardware["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert "float32 on CPU" in r.output  # the timing line names the dtype and the hardware
     r = runner.invoke(main, ["inspect", str(out)])
     assert r.exit_code == 0 and "hidden task vector" in r.output
+    assert "extracted on: " in r.output and pv.hardware["cpu_capability"] in r.output
 
     ev = tmp_path / "ev"
     r = runner.invoke(main, ["evaluate", "--model", str(model_dir), "--tasks", str(task_file),

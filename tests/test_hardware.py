@@ -94,7 +94,7 @@ def test_real_check_on_this_machine():
 def test_load_model_uses_the_rule(tmp_path, tokenizer, cpu):
     """A bf16 checkpoint loads in float32 on a CPU without native bf16, in bf16 with it."""
     from conftest import make_llama
-    from ltv_vllm.extract import load_model
+    from ltv_vllm.loading import load_model
 
     model = make_llama(len(tokenizer)).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "m")

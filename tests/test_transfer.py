@@ -22,10 +22,10 @@ from ltv_vllm.extract import (
     ExtractOptions,
     SourceOptions,
     extract_transfer,
-    load_model,
     open_source,
     run_transfer_episode,
 )
+from ltv_vllm.loading import load_model
 from ltv_vllm.ridge import ridge_fit
 from ltv_vllm.store import StoredCapturer
 from ltv_vllm.tasks import get_task, label_token_ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 
@@ -32,7 +33,7 @@ def make_vector(model, tokenizer, *, rank: int = 3, bias: bool = False) -> TaskV
         bias=torch.randn(d, generator=g) if bias else None,
         model=model_identity(model, "tiny"),
         label_token_ids=tuple(label_token_ids(TASK, tokenizer)),
-        meta={"task": TASK.to_dict(), "k": 30, "n": 256, "lam": 5.0, "seed": 1,
+        provenance={"task": TASK.to_dict(), "k": 30, "n": 256, "lam": 5.0, "seed": 1,
               "metrics": {"ltv": {"accuracy": 0.5, "d_ntp": 0.1}}},
         gram=torch.randn(rank, rank, generator=g),
     )
@@ -162,8 +163,8 @@ def test_identity_dict_round_trip(tiny_model):
 
 def test_truncated_copy_with_the_same_head_is_refused(tmp_path, tokenizer):
     """`models derive` keeps the LM head, so only the layer count tells the copy apart."""
-    from ltv_vllm.models import derive_model
-    from ltv_vllm.vector import identity_from_dir
+    from ltv_vllm.checkpoint import identity_from_dir
+    from ltv_vllm.derive import derive_model
 
     model = make_llama(len(tokenizer), layers=3, seed=3)
     model.save_pretrained(tmp_path / "full")
@@ -225,3 +226,22 @@ def test_refused_and_truncated_files_say_so_in_one_line(tmp_path, tiny_model):
         r = CliRunner().invoke(main, ["inspect", str(path)])
         assert r.exit_code == 1 and text in r.output, r.output
         assert len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_provenance_is_typed_and_keeps_unknown_keys(tmp_path, tiny_model):
+    """Files from older (or newer) versions: known keys typed, unknown ones kept verbatim."""
+    from ltv_vllm.vector import Provenance, load_task_vector
+
+    old_meta = {"task": TASK.to_dict(), "k": 30, "n": 256, "lam": 5, "seed": 1,
+                "ridge_form": "dual", "some_future_key": {"x": [1, 2]}}
+    tv = TaskVector("hidden", torch.ones(64, 2), torch.ones(64, 2), None,
+                    model_identity(tiny_model, "tiny"), (1, 2), old_meta)
+    pv = tv.provenance
+    assert isinstance(pv, Provenance) and pv.k == 30 and pv.lam == 5.0 and pv.dtype is None
+    assert isinstance(pv.lam, float) and pv.extra == {"some_future_key": {"x": [1, 2]}}
+    assert tv.task_name == TASK.name
+    for suffix in (".pt", ".safetensors"):
+        back = load_task_vector(tv.save(tmp_path / f"v{suffix}"))
+        assert back.provenance == pv and back.meta == {**old_meta, "lam": 5.0}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pv.k = 3  # type: ignore[misc]

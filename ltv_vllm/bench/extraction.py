@@ -69,7 +69,7 @@ def bench_extraction(model_spec: str, task_names: list[str], *, ks: Sequence[int
                      ) -> dict[str, Any]:
     import torch
 
-    from ..extract import load_model
+    from ..loading import load_model
     from . import report
     from .workload import machine
 

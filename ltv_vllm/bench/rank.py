@@ -34,9 +34,9 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
         capture_episode,
         capture_test_zero_shot,
         episode_labels,
-        load_model,
         score_episode,
     )
+    from ..loading import load_model
     from ..ridge import Factors, head_gram, truncate
     from ..tasks import get_task, label_token_ids
     from ..vllm_ext.lora import VLLM_LORA_RANKS, lora_rank

@@ -134,7 +134,8 @@ def build_workload(
         if path.exists():
             tv = checked_vector(model_dir, path)
         else:
-            from ..extract import ExtractOptions, extract, load_model
+            from ..extract import ExtractOptions, extract
+            from ..loading import load_model
 
             lm = lm or load_model(str(model_dir), dtype=extract_dtype)
             tv, _ = extract(lm, task, ExtractOptions(k=k, n=n, lam=lam, seed=seed,
@@ -142,8 +143,8 @@ def build_workload(
             tv.save(path)
         wl.vectors[name] = path
         wl.transformers_metrics[name] = {
-            "k": tv.meta.get("k"), "seed": tv.meta.get("seed"), "n_test": tv.meta.get("n_test"),
-            **{m: v.get("accuracy") for m, v in tv.meta.get("metrics", {}).items()},
+            "k": tv.provenance.k, "seed": tv.provenance.seed, "n_test": tv.provenance.n_test,
+            **{m: v.get("accuracy") for m, v in (tv.provenance.metrics or {}).items()},
         }
     del lm
     return wl

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import identity_from_dir, read_lm_head
 from ..fileio import atomic_write
-from ..vector import TaskVector, VectorError, identity_from_dir, read_lm_head
+from ..vector import TaskVector, VectorError
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -74,7 +75,7 @@ def export_lora(tv: TaskVector, model_dir: str | Path, out_dir: str | Path,
         "modules_to_save": None,
     }
     # Provenance beside the adapter, not in it: PEFT warns about unknown config keys.
-    provenance = {"task": tv.meta.get("task"), "kind": tv.kind, "rank": tv.rank,
+    provenance = {"task": tv.provenance.task, "kind": tv.kind, "rank": tv.rank,
                   "full_rank": full_rank, "model": tv.model.to_dict()}
     tensors = {
         "base_model.model.lm_head.lora_A.weight": A,
