@@ -16,7 +16,13 @@ from . import __version__
 from .capture import Capturer, full_head, label_head
 from .data import Episode
 from .errors import ArgumentError
-from .loading import QUANTIZATIONS, LoadedModel, load_model, local_model_dir, quantization_config
+from .loading import (
+    QUANTIZATIONS,
+    LoadedModel,
+    check_quantization,
+    load_model,
+    local_model_dir,
+)
 from .metrics import accuracy, d_ntp
 from .ridge import Factors, head_gram, mean_shift, ridge_fit, truncate
 from .tasks import Task, label_token_ids
@@ -296,6 +302,8 @@ class SourceOptions:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ArgumentError(f"--source-quantization must be one of none, "
                                 f"{', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization:
+            check_quantization(self.quantization)  # no GPU / bitsandbytes: refused up front
         if self.dtype not in DTYPE_CHOICES:
             raise ArgumentError(f"--source-dtype must be one of {', '.join(DTYPE_CHOICES)}, "
                                 f"got {self.dtype!r}")
@@ -315,8 +323,6 @@ def open_source(opts: SourceOptions) -> SourceModel:
     from .models import cache_dir
     from .store import StoredCapturer
 
-    if opts.quantization:
-        quantization_config(opts.quantization)  # refuse a missing GPU/bitsandbytes first
     path = local_model_dir(opts.spec)
     ident = identity_from_dir(path, name=opts.spec)
     spread = (opts.device_map or opts.quantization) and torch.cuda.is_available()

@@ -75,10 +75,9 @@ def load_tokenizer(spec: str | None) -> Any:
 QUANTIZATIONS = ("8bit", "4bit")
 
 
-def quantization_config(quantization: str) -> Any:
+def check_quantization(quantization: str) -> None:
+    """Refuse a quantisation this machine cannot run (cheap: no transformers import)."""
     import importlib.util
-
-    from transformers import BitsAndBytesConfig
 
     from .models import ModelError
 
@@ -87,6 +86,12 @@ def quantization_config(quantization: str) -> Any:
                          f"got {quantization!r}")
     if importlib.util.find_spec("bitsandbytes") is None or not torch.cuda.is_available():
         raise ModelError(f"{quantization} loading needs a CUDA GPU and `pip install bitsandbytes`")
+
+
+def quantization_config(quantization: str) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    check_quantization(quantization)
     if quantization == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",

@@ -265,7 +265,8 @@ def test_different_vocabularies_refused():
 def test_ltv_transfer_needs_a_source(pair):
     r = CliRunner().invoke(main, ["evaluate", "--model", str(pair / "target"), "--tasks",
                                   str(pair / "toy.json"), "--methods", "ltv,ltv-transfer"])
-    assert r.exit_code == 2 and "needs --source-model" in r.output
+    assert r.exit_code == 1 and "needs --source-model" in r.output
+    assert len(r.output.strip().splitlines()) == 1
 
 
 def test_evaluate_transfer_table(pair, tmp_path):
