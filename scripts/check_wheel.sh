@@ -9,23 +9,29 @@ PY=${PY:-.venv/bin/python}
 PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" . 2>/dev/null \
-  || "$PY" -m pip wheel -q --no-deps -w "$WORK/dist" .
+# Build from a copy of the files git would ship (tracked or not ignored): a `build/` left in the
+# source tree by an earlier build would otherwise slip stale modules into the wheel.
+mkdir "$WORK/src"
+git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} sh -c \
+  'test -e "{}" && mkdir -p "$0/$(dirname "{}")" && cp -p "{}" "$0/{}"' "$WORK/src"
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" "$WORK/src" 2>/dev/null \
+  || "$PY" -m pip wheel -q --no-deps -w "$WORK/dist" "$WORK/src"
 WHEEL=$(ls "$WORK"/dist/ltv_vllm-*.whl)
 "$PY" -m pip install -q --no-deps --target "$WORK/site" "$WHEEL"
 cd "$WORK"
 export PYTHONPATH="$WORK/site"
-"$PY" - "$WORK/site" <<'PY'
-import importlib, pkgutil, sys
-site = sys.argv[1]
+"$PY" - "$WORK/site" "$WORK/src" <<'PY'
+import importlib, pathlib, pkgutil, sys
+site, src = sys.argv[1], pathlib.Path(sys.argv[2])
 import ltv_vllm
 assert ltv_vllm.__file__.startswith(site), f"imported {ltv_vllm.__file__}, not the wheel's copy"
 names = ["ltv_vllm"] + [m.name for m in pkgutil.walk_packages(ltv_vllm.__path__, "ltv_vllm.")]
 for name in names:
     mod = importlib.import_module(name)
     assert mod.__file__.startswith(site), f"{name} came from {mod.__file__}"
-expected = {"ltv_vllm.bench.engine", "ltv_vllm.bench.serving", "ltv_vllm.vllm_ext.models",
-            "ltv_vllm.cli", "ltv_vllm.hardware"}
+# every module of the source tree must have come with the wheel
+expected = {".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+            for p in (src / "ltv_vllm").rglob("*.py")}
 missing = expected - set(names)
 assert not missing, f"the wheel lacks {sorted(missing)}"
 print(f"wheel: imported {len(names)} modules from {site}")
