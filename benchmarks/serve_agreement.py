@@ -28,6 +28,7 @@ from ltv_vllm.capture import Capturer, label_head
 from ltv_vllm.client import classify
 from ltv_vllm.data import load_dataset, sample_test
 from ltv_vllm.extract import ExtractOptions, extract
+from ltv_vllm.hardware import hardware, machine_line
 from ltv_vllm.loading import load_model
 from ltv_vllm.tasks import get_task
 from ltv_vllm.vector import load_task_vector
@@ -45,7 +46,7 @@ def _port() -> int:
 @click.option("--vector", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Existing vector [default: extract one with seed 0].")
 @click.option("--n-test", default=500, show_default=True)
-@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--dtype", default="auto", show_default=True)
 @click.option("--out", default="benchmarks/results/serve_agreement", show_default=True)
 def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtype: str,
          out: str) -> None:
@@ -53,6 +54,7 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
     out_dir.mkdir(parents=True, exist_ok=True)
     task = get_task(task_name)
     lm = load_model(model_spec, dtype=dtype)
+    dtype = str(lm.model.dtype).removeprefix("torch.")  # resolved: the server gets the same
     if vector is None:
         tv, _ = extract(lm, task, ExtractOptions(n_test=n_test))
         vector = tv.save(out_dir / f"{task.name}.safetensors")
@@ -67,7 +69,7 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
     if tv.kind == "hidden":
         z = tv.shift_hidden(h) @ w.T + b
     else:  # a cross-model transfer vector: z_zs + W̃ h on the label rows
-        z = h @ w.T + b + tv.delta(h)[:, list(tv.label_token_ids)]
+        z = h @ w.T + b + tv.delta(h, rows=torch.tensor(tv.label_token_ids))
     ref_probs = torch.softmax(z.double(), -1)  # (n, K)
     ref_pred = ref_probs.argmax(-1)
     del lm, cap
@@ -108,7 +110,9 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
     ]
     doc = {
         "command": "python " + " ".join(sys.argv),
-        "model": model_spec, "task": task.name, "dtype": dtype, "n": len(texts),
+        "model": model_spec, "task": task.name, "n": len(texts),
+        "dtype": dtype,
+        "machine": hardware(),
         "agreement": agree,
         "accuracy_transformers": (ref_pred == labels).double().mean().item(),
         "accuracy_server": (srv_pred == labels).double().mean().item(),
@@ -122,7 +126,8 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
         "disagreements": disagree,
     }
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
-    summary = (f"{task.name} on {model_spec} ({dtype}), {len(texts)} test texts: server vs "
+    summary = (f"{task.name} on {model_spec} ({doc['dtype']}; {machine_line(doc['machine'])}), "
+               f"{len(texts)} test texts: server vs "
                f"transformers agreement {100 * agree:.1f}%, "
                f"accuracy {100 * doc['accuracy_server']:.1f}% "
                f"vs {100 * doc['accuracy_transformers']:.1f}%, "
