@@ -148,12 +148,13 @@ def data_show(task: str, n_show: int, k: int, seed: int) -> None:
 
     t = get_task(task)
     ds = load_dataset(t)
+    # sampled first: a bad --k / --n is refused before anything is printed
+    ep = sample_episode(ds, k=k, n=max(1, min(8, len(ds.train) - k)), n_test=n_show, seed=seed)
     click.echo(f"task {t.name}: {len(ds.train)} train / {len(ds.test)} test — {ds.split_note}")
     for split, exs in (("train", ds.train), ("test", ds.test)):
         c = Counter(e.label for e in exs)
         click.echo(f"  {split:<5} "
                    + ", ".join(f"{t.labels[i]}={c.get(i, 0)}" for i in range(len(t.labels))))
-    ep = sample_episode(ds, k=k, n=min(8, len(ds.train) - k), n_test=n_show, seed=seed)
     click.echo(f"\n--- ICL prompt (k={len(ep.demos)}, seed {seed}), first query ---")
     click.echo(t.icl_prompt(ep.demo_prefix(), ep.test[0].text)
                + f"   ← gold: {t.labels[ep.test[0].label]}")

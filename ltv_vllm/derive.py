@@ -218,6 +218,9 @@ def derive_model(
     """
     if name is not None and out is not None:
         raise ModelError("give a name (a cache entry) or an output directory, not both")
+    if isinstance(keep_layers, bool) or not isinstance(keep_layers, int) or keep_layers < 1:
+        # before resolve_model, which may fetch and convert a packaged base
+        raise ModelError(f"keep_layers must be at least 1, got {keep_layers!r}")
     base_path = Path(resolve_model(base))
     if not base_path.is_dir():
         raise ModelError(

@@ -86,6 +86,9 @@ CASES = [
     (["export-lora", "other.pt", "-o", "lora", "--model", "m"], "was extracted from other"),
     (["export-lora", "good.pt", "-o", "a_file", "--model", "m"], "is a file"),
     (["inspect", "nothing.pt"], "task-vector file not found"),
+    # models: a packaged base would be fetched and converted by resolving it; refused first
+    (["models", "derive", "smollm2-135m", "--keep-layers", "0"], "keep_layers must be at least 1"),
+    (["data", "show", "trec", "--k", "3"], "smaller than the number of classes (6)"),
     # benchmarks
     (["bench", "serving", *M, "--modes", "zero-shot,warp"], "unknown mode(s) warp"),
     (["bench", "serving", *M, "--concurrency", "0"], "--concurrency must be at least 1"),

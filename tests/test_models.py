@@ -676,7 +676,10 @@ def test_derive_copies_every_dtype_and_only_the_decoder_stack(tmp_path: Path) ->
 
 def test_derive_rejects_bad_requests(tmp_path: Path, cache: Path, tokenizer) -> None:
     base = save_base(tmp_path / "tiny", tokenizer, tie=False)
-    for keep in (0, -1, 3, 7):
+    for keep in (0, -1):  # refused before the base is even resolved
+        with pytest.raises(ModelError, match="keep_layers must be at least 1"):
+            derive_model(str(base), keep_layers=keep)
+    for keep in (3, 7):
         with pytest.raises(ModelError, match="between 1 and 2 .* has 3 layers"):
             derive_model(str(base), keep_layers=keep, progress=False)
     with pytest.raises(ModelError, match="local model directory"):
