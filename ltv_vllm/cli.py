@@ -254,7 +254,7 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
         plan_episode,
     )
     from .extract import extract as run_extract
-    from .hardware import why
+    from .hardware import device_line
     from .loading import load_model, load_tokenizer
     from .tasks import get_task, label_token_ids
 
@@ -282,7 +282,7 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     _print_metrics(res.metrics)
     tm = res.timings
     dt = pv.dtype or "?"
-    hw = f"{dt} on {why(dt, device)}"
+    hw = f"{dt} on {device_line(device)}"
     if source is None:
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s "
                    f"(capture {tm['capture_seconds']:.1f} s,"

@@ -104,8 +104,8 @@ def resolve_for_model(requested: str, model_dir: str | Path, device: str | None 
                          checkpoint=checkpoint_dtype(model_dir))
 
 
-def why(dtype: str, device: str = "cpu") -> str:  # noqa: ARG001 - public signature
-    """One phrase saying why `auto` gave `dtype` here (for printouts)."""
+def device_line(device: str = "cpu") -> str:
+    """`CPU AVX2, no native bf16` (or the GPU's name): what decided `auto`, for printouts."""
     if str(device).startswith("cuda"):
         return f"{gpu_name() or 'GPU'}"
     bf16 = "native bf16" if cpu_native_bf16() else "no native bf16"

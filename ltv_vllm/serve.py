@@ -149,15 +149,13 @@ class LoraPlan:
 def plan_lora(model_dir: str | Path, vectors: dict[str, Path], *, lora_dir: Path,
               rank_cap: int | None = None) -> LoraPlan:
     """Check every vector against the model and lay out its adapter; writes nothing."""
-    from .vllm_ext.lora import lora_rank
+    from .vllm_ext.lora import lora_rank, refuse_bias
 
     model_dir = Path(model_dir)
     wrapper_architecture(model_dir)  # refuse an unsupported architecture first
     checked = {name: checked_vector(model_dir, p) for name, p in vectors.items()}
     for tv in checked.values():
-        if tv.bias is not None:
-            raise VectorError(f"task vector {tv.task_name!r} has a constant bias, which is not a "
-                              "LoRA; serve it alone (fused)")
+        refuse_bias(tv)
     max_rank = max((lora_rank(min(tv.rank, rank_cap or tv.rank)) for tv in checked.values()),
                    default=1)
     adapters = {name: lora_dir / (name if rank_cap is None else f"{name}-r{rank_cap}")

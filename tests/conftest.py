@@ -104,6 +104,21 @@ def write_toy_task(directory, words, *, n: int = 240):
     return directory / "toy.json"
 
 
+def write_model_and_vectors(directory, tokenizer):
+    """A tiny model directory `m`, a vector fitted to it (`good.pt`, task "alpha") and one
+    fitted to another model (`other.pt`); returns their paths."""
+    from ltv_vllm.vector import TaskVector, model_identity
+
+    model = make_llama(len(tokenizer), seed=4)
+    model.save_pretrained(directory / "m")
+    tokenizer.save_pretrained(directory / "m")
+    good = TaskVector("hidden", torch.ones(64, 2), torch.ones(64, 2), None,
+                      model_identity(model, "m"), (1, 2), {"task": {"name": "alpha"}})
+    other = TaskVector("hidden", torch.ones(64, 2), torch.ones(64, 2), None,
+                       model_identity(make_llama(len(tokenizer), seed=5), "other"), (1, 2), {})
+    return good.save(directory / "good.pt"), other.save(directory / "other.pt")
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

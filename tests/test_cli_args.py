@@ -7,26 +7,16 @@ import json
 import time
 
 import pytest
-import torch
 from click.testing import CliRunner
 
-from conftest import make_llama, write_toy_task
+from conftest import write_model_and_vectors, write_toy_task
 from ltv_vllm.cli import main
-from ltv_vllm.vector import TaskVector, model_identity
 
 
 @pytest.fixture()
 def env(tmp_path, tokenizer, monkeypatch):
     """A tiny model directory, a vector for it, one for another model, and a trap on loading."""
-    model = make_llama(len(tokenizer), seed=4)
-    model.save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    good = TaskVector("hidden", torch.ones(64, 2), torch.ones(64, 2), None,
-                      model_identity(model, "m"), (1, 2), {"task": {"name": "alpha"}})
-    other = TaskVector("hidden", torch.ones(64, 2), torch.ones(64, 2), None,
-                       model_identity(make_llama(len(tokenizer), seed=5), "other"), (1, 2), {})
-    good.save(tmp_path / "good.pt")
-    other.save(tmp_path / "other.pt")
+    write_model_and_vectors(tmp_path, tokenizer)
     (tmp_path / "a_file").write_text("x")
     write_toy_task(tmp_path, ["good", "bad", "film"])
     (tmp_path / "collide.json").write_text(json.dumps({

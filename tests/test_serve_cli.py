@@ -9,22 +9,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import make_llama
+from conftest import write_model_and_vectors
 from ltv_vllm.cli import main
 from ltv_vllm.serve import parse_vector_specs, plan_lora
-from ltv_vllm.vector import TaskVector, VectorError, model_identity
+from ltv_vllm.vector import VectorError
 
 
 @pytest.fixture()
 def setup(tmp_path, tokenizer):
-    model = make_llama(len(tokenizer), seed=4)
-    model.save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    good = TaskVector("hidden", torch.ones(64, 2), torch.ones(64, 2), None,
-                      model_identity(model, "m"), (1, 2), {"task": {"name": "alpha"}})
-    bad = TaskVector("hidden", torch.ones(64, 2), torch.ones(64, 2), None,
-                     model_identity(make_llama(len(tokenizer), seed=5), "other"), (1, 2), {})
-    return tmp_path, good.save(tmp_path / "good.pt"), bad.save(tmp_path / "bad.pt")
+    good, other = write_model_and_vectors(tmp_path, tokenizer)
+    return tmp_path, good, other
 
 
 def test_dry_run_commands(setup, monkeypatch):

@@ -28,10 +28,16 @@ def lora_rank(r: int) -> int:
     raise VectorError(f"rank {r} exceeds vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
 
 
+def refuse_bias(tv: TaskVector) -> None:
+    """A constant bias (the mean-shift baseline) is not a low-rank map: no LoRA carries it."""
+    if tv.bias is not None:
+        raise VectorError(f"task vector {tv.task_name!r} has a constant bias, which is not a "
+                          "LoRA; serve it alone (fused)")
+
+
 def lora_factors(tv: TaskVector, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(lora_A (R, d), lora_B (vocab, R)) with R the allowed rank ≥ tv.rank; float32."""
-    if tv.bias is not None:
-        raise VectorError("a vector with a constant bias is not a LoRA; serve it fused instead")
+    refuse_bias(tv)
     w = lm_head.float()
     B = w @ tv.U if tv.kind == "hidden" else tv.U  # (vocab, r)
     A = tv.V.T  # (r, d)
