@@ -7,16 +7,21 @@ import json
 import time
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from conftest import write_model_and_vectors, write_toy_task
 from ltv_vllm.cli import main
+from ltv_vllm.vector import TaskVector, load_task_vector
 
 
 @pytest.fixture()
 def env(tmp_path, tokenizer, monkeypatch):
     """A tiny model directory, a vector for it, one for another model, and a trap on loading."""
-    write_model_and_vectors(tmp_path, tokenizer)
+    good, _ = write_model_and_vectors(tmp_path, tokenizer)
+    tv = load_task_vector(good)  # the same vector with a constant bias: not a LoRA
+    TaskVector(tv.kind, tv.U, tv.V, torch.ones(64), tv.model, tv.label_token_ids,
+               tv.provenance).save(tmp_path / "biased.pt")
     (tmp_path / "a_file").write_text("x")
     write_toy_task(tmp_path, ["good", "bad", "film"])
     (tmp_path / "collide.json").write_text(json.dumps({
@@ -71,6 +76,9 @@ CASES = [
     (["serve", *M, "--task-vector", "good.pt", "--port", "0", "--dry-run"], "--port must be"),
     (["serve", *M, "--task-vector", "a=good.pt", "--task-vector", "b=good.pt", "--fold",
       "--dry-run"], "--fold applies to one fused vector"),
+    (["serve", *M, "--task-vector", "a=biased.pt", "--task-vector", "b=good.pt", "--dry-run"],
+     "has a constant bias"),
+    (["export-lora", "biased.pt", "-o", "lora", "--model", "m"], "has a constant bias"),
     (["export-lora", "good.pt", "-o", "lora", "--model", "m", "--rank", "0"],
      "--rank must be at least 1"),
     (["export-lora", "other.pt", "-o", "lora", "--model", "m"], "was extracted from other"),
