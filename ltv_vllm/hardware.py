@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .errors import UserError
+
 DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_CHOICES = ("auto", *DTYPES)
 _HALF = ("bfloat16", "float16")
@@ -81,8 +83,6 @@ def resolve_dtype(requested: str, *, device: str = "cpu", checkpoint: str | None
     """
     if requested != "auto":
         if requested not in DTYPES:
-            from .errors import UserError
-
             raise UserError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {requested!r}")
         return requested
     if str(device).startswith("cuda"):

@@ -223,14 +223,11 @@ class TaskVector:
         model. `gram` stays as it is (float32, CPU: it only serves rank cuts)."""
         from dataclasses import replace
 
-        def cast(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=device, dtype=dtype)
+        # Tensor.to returns the tensor itself when nothing changes: no copy then
+        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t.to(device=device, dtype=dtype) if t is not None else None
 
-        if all(t is None or (t.dtype == (dtype or t.dtype) and (device is None or
-               t.device == torch.device(device))) for t in (self.U, self.V, self.bias)):
-            return self
-        return replace(self, U=cast(self.U), V=cast(self.V),
-                       bias=cast(self.bias) if self.bias is not None else None)
+        return replace(self, U=cast(self.U), V=cast(self.V), bias=cast(self.bias))
 
     def delta(self, h: torch.Tensor, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
         """U (Vᵀ h) + bias for rows h (B, d_in) → (B, d_out), only the outputs `rows` if given.
