@@ -97,6 +97,9 @@ class Episode:
     queries: tuple[Example, ...]  # n train queries, disjoint from demos
     test: tuple[Example, ...]  # balanced test subset, a function of test_seed only
     test_seed: int = 0
+    # labelled validation examples (disjoint from demos, queries and test) for the baselines
+    # that pick a layer on labels (TV, FV, SV: 32 in the paper); not part of the fingerprint
+    val: tuple[Example, ...] = ()
 
     def __hash__(self) -> int:
         # Task holds a dict (`hub`), so the generated hash would fail; the examples identify us.
@@ -567,8 +570,11 @@ def sample_episode(
     n_test: int = 500,
     seed: int = 0,
     test_seed: int = 0,
+    n_val: int = 0,
 ) -> Episode:
-    """k//K demos per class (shuffled), n other train queries, a balanced test subset."""
+    """k//K demos per class (shuffled), n other train queries, a balanced test subset, and
+    up to n_val labelled validation examples (balanced, from the train examples left over;
+    drawn from their own stream, so demos and queries do not depend on n_val)."""
     task = dataset.task
     K = task.num_classes
     if k < K:
@@ -597,7 +603,23 @@ def sample_episode(
         queries=tuple(dataset.train[i] for i in query_idx),
         test=sample_test(dataset, n_test, test_seed),
         test_seed=test_seed,
+        val=_sample_val(dataset, used | set(query_idx), n_val, seed),
     )
+
+
+def _sample_val(dataset: Dataset, used: set[int], n_val: int, seed: int) -> tuple[Example, ...]:
+    """n_val // K per class from the unused train examples (fewer where a class runs out)."""
+    if n_val < 1:
+        return ()
+    rng = _Rng(f"ltv_vllm.val:{seed}")
+    K = dataset.task.num_classes
+    per_class = max(1, n_val // K)
+    idx: list[int] = []
+    for pool in _indices_by_class(dataset.train, K):
+        free = [j for j in pool if j not in used]
+        idx += rng.take(free, min(per_class, len(free)))
+    rng.shuffle(idx)
+    return tuple(dataset.train[i] for i in idx[:n_val])
 
 
 __all__ = [

@@ -64,6 +64,7 @@ class ExtractOptions:
     batch_size: int = 16
     rank: int | None = None  # cut the fit to this rank (ridge.truncate)
     progress: bool = True
+    n_val: int = 32  # labelled validation examples for the baselines' layer choice (paper: 32)
 
     def __post_init__(self) -> None:
         check_counts(k=self.k, n=self.n, lam=self.lam, n_test=self.n_test,
@@ -81,7 +82,7 @@ def plan_episode(task: Task, opts: ExtractOptions, *, transfer: bool = False) ->
     from .data import load_dataset, sample_episode
 
     return sample_episode(load_dataset(task), k=opts.k_for(task, transfer=transfer), n=opts.n,
-                          n_test=opts.n_test, seed=opts.seed)
+                          n_test=opts.n_test, seed=opts.seed, n_val=opts.n_val)
 
 
 @dataclass

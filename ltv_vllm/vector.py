@@ -247,28 +247,7 @@ class TaskVector:
     # -- validation ---------------------------------------------------------------------
     def check_model(self, ident: ModelIdentity) -> None:
         """Refuse a model this vector was not fitted on, with a one-line reason."""
-        mine = self.model
-        if ident.hidden_size != mine.hidden_size:
-            raise VectorError(
-                f"task vector {self.task_name!r} is for hidden size {mine.hidden_size} "
-                f"({mine.name}), but the model has hidden size {ident.hidden_size} ({ident.name})"
-            )
-        if ident.vocab_size != mine.vocab_size:
-            raise VectorError(
-                f"task vector {self.task_name!r} is for vocabulary size {mine.vocab_size} "
-                f"({mine.name}), but the model has {ident.vocab_size} ({ident.name})"
-            )
-        if ident.lm_head_fingerprint != mine.lm_head_fingerprint:
-            raise VectorError(
-                f"task vector {self.task_name!r} was extracted from {mine.name} (LM head "
-                f"{mine.lm_head_fingerprint}), not from {ident.name} (LM head "
-                f"{ident.lm_head_fingerprint})"
-            )
-        if None not in (ident.num_layers, mine.num_layers) and ident.num_layers != mine.num_layers:
-            raise VectorError(
-                f"task vector {self.task_name!r} was extracted from {mine.name} "
-                f"({mine.num_layers} layers), not from {ident.name} ({ident.num_layers} layers)"
-            )
+        check_identity(self.model, ident, f"task vector {self.task_name!r}")
 
     def check_tokenizer(self, tokenizer: Any) -> None:
         """The label words must still map to the token ids recorded at extraction."""
@@ -318,6 +297,45 @@ class TaskVector:
         )
 
 
+def check_identity(mine: ModelIdentity, ident: ModelIdentity, what: str) -> None:
+    """Refuse model `ident` for an artifact (`what`) made on model `mine`, in one line."""
+    if ident.hidden_size != mine.hidden_size:
+        raise VectorError(
+            f"{what} is for hidden size {mine.hidden_size} "
+            f"({mine.name}), but the model has hidden size {ident.hidden_size} ({ident.name})"
+        )
+    if ident.vocab_size != mine.vocab_size:
+        raise VectorError(
+            f"{what} is for vocabulary size {mine.vocab_size} "
+            f"({mine.name}), but the model has {ident.vocab_size} ({ident.name})"
+        )
+    if ident.lm_head_fingerprint != mine.lm_head_fingerprint:
+        raise VectorError(
+            f"{what} was extracted from {mine.name} (LM head "
+            f"{mine.lm_head_fingerprint}), not from {ident.name} (LM head "
+            f"{ident.lm_head_fingerprint})"
+        )
+    if None not in (ident.num_layers, mine.num_layers) and ident.num_layers != mine.num_layers:
+        raise VectorError(
+            f"{what} was extracted from {mine.name} "
+            f"({mine.num_layers} layers), not from {ident.name} ({ident.num_layers} layers)"
+        )
+
+
+def read_safetensors(path: Path, key: str = "ltv_vllm") -> tuple[Any, dict[str, torch.Tensor]]:
+    """The JSON header stored under metadata `key` (or None) and the tensors of a
+    .safetensors file; any damage is one VectorError line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header_json = (f.metadata() or {}).get(key)
+        return header_json, load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        raise VectorError(f"{path}: {CORRUPT}") from None
+
+
 def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:
     if header_json is None:
         raise VectorError(f"{path}: not an ltv-vllm task-vector file (no ltv_vllm header)")
@@ -325,6 +343,9 @@ def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:
         header = json.loads(header_json)
     except (TypeError, json.JSONDecodeError):
         raise VectorError(f"{path}: task-vector header is not valid JSON") from None
+    if isinstance(header, dict) and header.get("format") == "ltv-vllm-method-artifact":
+        raise VectorError(f"{path}: a {header.get('method')!r} artifact (a baseline method), "
+                          "not a task vector: only ltv and mean vectors are served")
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise VectorError(f"{path}: not an ltv-vllm task-vector file")
     if header.get("format_version", 0) > FORMAT_VERSION:
@@ -358,16 +379,7 @@ def load_task_vector(path: str | Path) -> TaskVector:
     if not path.is_file():
         raise VectorError(f"task-vector file not found: {path}")
     if path.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file, safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                header_json = (f.metadata() or {}).get("ltv_vllm")
-            tensors = load_file(str(path))
-        except (SafetensorError, OSError, ValueError, RuntimeError):
-            raise VectorError(f"{path}: {CORRUPT}") from None
-        return _parse(header_json, tensors, path)
+        return _parse(*read_safetensors(path), path)
     if path.suffix == ".pt":
         obj = _torch_load(path)
         if not isinstance(obj, dict) or not isinstance(obj.get("tensors"), dict):

@@ -1,0 +1,44 @@
+"""LTV (the paper's method) and the constant-mapping baseline, behind the methods interface.
+
+Both are hidden-space maps of h_zs fitted on the same N train pairs, saved as task-vector
+files (`ltv_vllm.vector`) and applied by the same LM-head hook vLLM mirrors:
+  ltv:  h + W* h,  W* = ridge from h_zs to h_icl − h_zs (closed form, λ absolute);
+  mean: h + c*,    c* = mean_j (h_icl − h_zs)(x_j) (paper appendix "Constant Mapping").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..apply import task_vector_applied
+from ..ridge import mean_shift, ridge_fit
+from ..vector import TaskVector
+from .base import Context, Method
+
+
+class LTV(Method):
+    name, label = "ltv", "LTV"
+    hidden_space = uses_states = True
+
+    def extract(self, ctx: Context) -> TaskVector:
+        h_zs, h_icl = ctx.states()
+        f = ridge_fit(h_zs, h_icl - h_zs, ctx.opts.lam)
+        return TaskVector("hidden", f.U, f.V, None, ctx.identity, tuple(ctx.label_ids),
+                          ctx.provenance(self.name, ridge_form=f.form), gram=f.gram)
+
+    def applied(self, model, art: TaskVector):
+        return task_vector_applied(model, art)
+
+    def shift(self, art: TaskVector, h: torch.Tensor) -> torch.Tensor:
+        return art.shift_hidden(h)
+
+
+class Mean(LTV):
+    name, label = "mean", "Mean shift"
+
+    def extract(self, ctx: Context) -> TaskVector:
+        h_zs, h_icl = ctx.states()
+        d = h_zs.shape[1]
+        empty = torch.zeros(d, 0)  # rank 0: the map is its bias alone
+        return TaskVector("hidden", empty, empty.clone(), mean_shift(h_icl - h_zs), ctx.identity,
+                          tuple(ctx.label_ids), ctx.provenance(self.name))

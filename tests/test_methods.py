@@ -1,0 +1,268 @@
+"""The task-vector methods (ltv_vllm.methods) on a tiny random Llama, each against an
+independent computation: hand-made patched forwards, transformers' own modules, a direct
+dense solve, the naive full-prompt sweep."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_llama, write_toy_task
+from ltv_vllm.capture import Capturer
+from ltv_vllm.data import load_dataset, sample_episode
+from ltv_vllm.methods import METHODS, Artifact, Context, MethodOptions, load_artifact
+from ltv_vllm.methods.base import at_last, decoder_layers, last_token_states, prefix_of
+from ltv_vllm.methods.fv import indirect_effects, mean_head_activations, shuffled_prompts
+from ltv_vllm.methods.mlp import fit_mlp, mlp_delta
+from ltv_vllm.methods.sv import separator_positions
+from ltv_vllm.ridge import ridge_fit
+from ltv_vllm.tasks import get_task, label_token_ids
+from ltv_vllm.vector import VectorError, model_identity
+
+WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "movie"]
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return make_llama(len(tokenizer), seed=7, layers=3)
+
+
+@pytest.fixture(scope="module")
+def ctx(model, tokenizer, tmp_path_factory):
+    task = get_task(str(write_toy_task(tmp_path_factory.mktemp("toy"), WORDS)))
+    ep = sample_episode(load_dataset(task), k=6, n=24, n_test=12, seed=2, n_val=8)
+    cap = Capturer(model, tokenizer, progress=False, batch_size=5)
+    return Context(cap, ep, label_token_ids(task, tokenizer),
+                   MethodOptions(progress=False, fv_prompts=4, fv_trials=3, batch_size=5))
+
+
+@pytest.fixture(scope="module")
+def artifacts(ctx):
+    return {name: m.extract(ctx) for name, m in METHODS.items()}
+
+
+def query_ids(ctx, i=0):
+    return torch.tensor([ctx.cap.encode(ctx.episode.task.query(ctx.episode.test[i].text))])
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits[0, -1]
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_hook_changes_logits_and_removes_itself(model, ctx, artifacts, name):
+    ids = query_ids(ctx)
+    before = logits(model, ids)
+    with METHODS[name].applied(model, artifacts[name]):
+        during = logits(model, ids)
+    assert (during - before).abs().max() > 1e-3  # the method acts
+    assert torch.equal(logits(model, ids), before)  # and leaves nothing behind
+    with pytest.raises(RuntimeError), METHODS[name].applied(model, artifacts[name]):
+        raise RuntimeError("inside")
+    assert torch.equal(logits(model, ids), before)  # removed on an error too
+
+
+@pytest.mark.parametrize("name", ["ltv", "mean", "mlp"])
+def test_hidden_space_shift_equals_hooked_forward(model, ctx, artifacts, name):
+    """`shift` (scoring on captured states) is what the LM-head hook does in a forward."""
+    ids = query_ids(ctx)
+    h = ctx.cap.hidden([ctx.episode.task.query(ctx.episode.test[0].text)])
+    with METHODS[name].applied(model, artifacts[name]):
+        hooked = logits(model, ids)
+    torch.testing.assert_close(hooked, model.lm_head(METHODS[name].shift(artifacts[name], h))[0],
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_ltv_is_the_direct_ridge_solve(ctx, artifacts):
+    h_zs, h_icl = ctx.states()
+    H, Y = h_zs.double().T, (h_icl - h_zs).double().T
+    W = Y @ H.T @ torch.linalg.inv(H @ H.T + 5.0 * torch.eye(H.shape[0], dtype=H.dtype))
+    tv = artifacts["ltv"]
+    torch.testing.assert_close((tv.U @ tv.V.T).double(), W, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(artifacts["mean"].bias, (h_icl - h_zs).mean(0))
+
+
+def test_tv_replacement_at_last_layer_is_the_final_norm_of_theta(model, ctx, artifacts):
+    """Replacing the last layer's output leaves only the final norm and the LM head."""
+    theta = artifacts["tv"].tensors["theta"]
+    last = len(decoder_layers(model)) - 1
+    art = Artifact("tv", {"theta": theta}, {"layer": last}, model_identity(model), (1, 2))
+    with METHODS["tv"].applied(model, art):
+        got = logits(model, query_ids(ctx))
+    expected = model.lm_head(model.model.norm(theta[last]))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_tv_replacement_equals_a_hand_written_hook(model, ctx, artifacts):
+    theta = artifacts["tv"].tensors["theta"]
+
+    def write(_m, _a, out):  # the state written in by hand, independently of the method's hook
+        out = out.clone()
+        out[:, -1] = theta[1]
+        return out
+
+    art = Artifact("tv", {"theta": theta}, {"layer": 1}, model_identity(model), (1, 2))
+    ids = query_ids(ctx, 3)
+    handle = model.model.layers[1].register_forward_hook(write)
+    try:
+        expected = logits(model, ids)
+    finally:
+        handle.remove()
+    with METHODS["tv"].applied(model, art):
+        torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_last_token_sweep_equals_full_forwards(model, ctx, artifacts):
+    """One row per candidate layer against the cached earlier tokens == a full forward each."""
+    theta = artifacts["tv"].tensors["theta"]
+    ids = query_ids(ctx, 1)[0].tolist()
+    layers = torch.arange(len(decoder_layers(model)))
+    pre = prefix_of(ctx.cap, ids[:-1])  # the earlier tokens, unedited
+    with at_last(model, theta, layers):
+        fast = last_token_states(ctx.cap, ids, len(layers), pre)
+    for ell in layers.tolist():
+        with at_last(model, theta, ell):
+            full = ctx.cap.hidden([ctx.cap.tokenizer.decode(ids)])
+        torch.testing.assert_close(fast[ell], full[0], atol=1e-5, rtol=1e-5)
+
+
+def test_fast_indirect_effect_equals_naive_patched_forwards(ctx):
+    mean_act = mean_head_activations(ctx)
+    trials = shuffled_prompts(ctx)[:2]
+    fast = indirect_effects(ctx, mean_act, trials, fast=True)
+    naive = indirect_effects(ctx, mean_act, trials, fast=False)
+    assert fast.shape == (3, 4) and fast.abs().max() > 1e-6
+    torch.testing.assert_close(fast, naive, atol=1e-5, rtol=1e-4)
+
+
+def test_shuffled_prompts_keep_the_demos_and_permute_their_labels(ctx):
+    ep = ctx.episode
+    task = ep.task
+    shuffled = 0
+    for prompt, label in shuffled_prompts(ctx):
+        lines = prompt.split("\n")
+        texts = [ln.removeprefix(task.in_prefix + ": ") for ln in lines[0:-2:2]]
+        words = [ln.removeprefix(task.label_prefix + ": ") for ln in lines[1:-2:2]]
+        assert texts == [e.text for e in ep.demos] and lines[-1] == task.label_prefix + ":"
+        assert sorted(words) == sorted(task.labels[e.label] for e in ep.demos)
+        shuffled += words != [task.labels[e.label] for e in ep.demos]
+        query = lines[-2].removeprefix(task.in_prefix + ": ")
+        assert [e.label for e in ep.queries if e.text == query] == [label]
+    assert shuffled >= 1
+
+
+def test_function_vector_is_the_sum_of_head_projections(model, ctx, artifacts):
+    art = artifacts["fv"]
+    mean_act = mean_head_activations(ctx)
+    hd = mean_act.shape[2]
+    expected = torch.zeros(model.config.hidden_size)
+    for ell, j in art.params["heads"]:
+        x = torch.zeros(mean_act.shape[1] * hd)
+        x[j * hd:(j + 1) * hd] = mean_act[ell, j]
+        expected += model.model.layers[ell].self_attn.o_proj(x).detach()  # head alone
+    torch.testing.assert_close(art.tensors["fv"], expected, atol=1e-5, rtol=1e-4)
+    top = art.tensors["indirect_effect"].flatten().topk(len(art.params["heads"])).indices
+    assert sorted(top.tolist()) == sorted(ell * 4 + j for ell, j in art.params["heads"])
+
+
+def test_sv_separators_are_the_label_prefix_colons(ctx):
+    ep = ctx.episode
+    ids, pos = separator_positions(ctx.cap, ep.task, ep.demos, ep.queries[0].text)
+    assert len(pos) == len(ep.demos) + 1 and pos[-1] == len(ids) - 1
+    for p in pos:
+        upto = ctx.cap.tokenizer.decode(ids[: p + 1])
+        assert upto.endswith(ep.task.label_prefix + ":")
+
+
+@pytest.mark.parametrize("mode", ["replace", "add"])
+def test_sv_equals_a_hand_made_forward(model, ctx, artifacts, mode):
+    sv = artifacts["sv"].tensors["sv"]
+    depth = 2
+
+    def pre(ell):
+        def hook(_m, args):
+            x = args[0].clone()
+            x[:, -1] = x[:, -1] + sv[ell] if mode == "add" else sv[ell]
+            return (x,)
+        return hook
+
+    ids = query_ids(ctx, 2)
+    handles = [model.model.layers[ell].self_attn.o_proj.register_forward_pre_hook(pre(ell))
+               for ell in range(depth)]
+    try:
+        expected = logits(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    art = Artifact("sv", {"sv": sv}, {"depth": depth, "mode": mode}, model_identity(model), (1,))
+    with METHODS["sv"].applied(model, art):
+        torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_i2cl_with_lambda_zero_beta_one_is_zero_shot_exactly(model, ctx, artifacts):
+    a = artifacts["i2cl"]
+    off = Artifact("i2cl", a.tensors, {"lam": 0.0, "beta": 1.0}, a.model, a.label_token_ids)
+    ids = query_ids(ctx)
+    zero_shot = logits(model, ids)
+    with METHODS["i2cl"].applied(model, off):
+        assert torch.equal(logits(model, ids), zero_shot)
+
+
+def test_i2cl_context_vectors_are_module_outputs_of_demos_alone(model, ctx, artifacts):
+    """Layer 0's attention and MLP outputs at each demo's last token, from its own modules."""
+    ep = ctx.episode
+    layer = model.model.layers[0]
+    attn, ffn = [], []
+    for e in ep.demos:
+        ids = torch.tensor([ctx.cap.encode(ep.task.demo(e.text, e.label))])
+        with torch.no_grad():
+            x = model.model.embed_tokens(ids)
+            cos_sin = model.model.rotary_emb(x, torch.arange(ids.shape[1])[None])
+            a, _ = layer.self_attn(layer.input_layernorm(x), position_embeddings=cos_sin,
+                                   attention_mask=None)  # causal by default
+            m = layer.mlp(layer.post_attention_layernorm(x + a))
+        attn.append(a[0, -1])
+        ffn.append(m[0, -1])
+    got = artifacts["i2cl"].tensors
+    torch.testing.assert_close(got["c_attn"][0], torch.stack(attn).mean(0), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got["c_mlp"][0], torch.stack(ffn).mean(0), atol=1e-5, rtol=1e-4)
+
+
+def test_mlp_fits_a_planted_nonlinear_target_better_than_ridge():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(256, 16, generator=g)
+    y = torch.relu(h @ torch.randn(16, 16, generator=g)) @ torch.randn(16, 16, generator=g) / 4
+    ws = fit_mlp(h, y, epochs=200, lr=3e-3, batch=16)
+    f = ridge_fit(h, y, 1e-3)
+    mse_mlp = float(((mlp_delta(ws, h) - y) ** 2).mean())
+    mse_lin = float(((f.apply(h) - y) ** 2).mean())
+    assert mse_mlp < 0.5 * mse_lin, (mse_mlp, mse_lin)
+    deep = fit_mlp(h, y, depth=4, epochs=200, lr=3e-3, batch=16)
+    assert len(deep) == 4 and float(((mlp_delta(deep, h) - y) ** 2).mean()) < mse_lin
+
+
+@pytest.mark.parametrize("name", ["tv", "fv", "sv", "i2cl", "mlp"])
+def test_artifact_round_trip_and_checks(model, ctx, artifacts, name, tmp_path, tokenizer):
+    art = artifacts[name]
+    path = art.save(tmp_path / f"{name}.safetensors")
+    back = load_artifact(path)
+    assert back.method == name and back.params == art.params
+    assert back.label_token_ids == art.label_token_ids and back.model == art.model
+    for k, v in art.tensors.items():
+        assert torch.equal(back.tensors[k], v)
+    ids = query_ids(ctx)
+    with METHODS[name].applied(model, art):
+        a = logits(model, ids)
+    with METHODS[name].applied(model, back):
+        assert torch.equal(logits(model, ids), a)
+    other = make_llama(len(tokenizer), seed=8, layers=3)
+    with pytest.raises(VectorError, match="was extracted from"), METHODS[name].applied(other, back):
+        pass
+    (tmp_path / "bad.safetensors").write_bytes(path.read_bytes()[:100])
+    with pytest.raises(VectorError, match="truncated or corrupt"):
+        load_artifact(tmp_path / "bad.safetensors")
+    from ltv_vllm.vector import load_task_vector
+
+    with pytest.raises(VectorError, match="not a task vector"):
+        load_task_vector(path)  # serve refuses a baseline's artifact in one line
