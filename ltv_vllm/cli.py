@@ -419,7 +419,8 @@ def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | No
               help="Comma-separated task names/spec files, or 'packaged' for all seven "
                    "packaged tasks.")
 @click.option("--methods", default=None,
-              help="Comma-separated, from zero-shot, icl, ltv, mean (and ltv-transfer with "
+              help="Comma-separated, from zero-shot, icl, ltv, mean, tv, fv, sv, i2cl, mlp (the "
+                   "paper's baselines; not with --source-model) and ltv-transfer (with "
                    "--source-model) [default: zero-shot,icl,ltv,mean; "
                    "zero-shot,icl,ltv,ltv-transfer with --source-model].")
 @click.option("--runs", default=5, show_default=True, help="Episodes (demo seeds) per task.")
@@ -435,13 +436,27 @@ def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | No
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("ltv-eval"), show_default=True)
 @click.option("--quiet", is_flag=True)
+@click.option("--n-val", default=32, show_default=True,
+              help="Labelled validation examples per run (TV, FV, SV choose their layer on them).")
+@click.option("--cost-samples", default=16, show_default=True,
+              help="Test prompts timed per method in each task's first run (the cost table); "
+                   "0 skips it.")
+@click.option("--fv-trials", default=25, show_default=True,
+              help="FV: shuffled-label prompts its heads' indirect effect is averaged over.")
+@click.option("--fv-prompts", default=20, show_default=True,
+              help="FV: clean ICL prompts its mean head activations come from.")
+@click.option("--tv-dummies", default=2, show_default=True,
+              help="TV: dummy queries its state is averaged over.")
+@click.option("--mlp-depth", default=2, show_default=True,
+              help="MLP mapping: 2 (the paper's W₂ ReLU(W₁ h)), or 4/8/16 with residual blocks.")
 @_source_options
 @friendly
 def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: int, k: int | None,
              n: int, lam: float, n_test: int, seed: int, batch_size: int, dtype: str, device: str,
-             out_dir: Path, quiet: bool, source_spec: str | None, source_dtype: str,
-             source_device_map: str | None, source_quantization: str, work_dir: Path | None,
-             chunk_size: int) -> None:
+             out_dir: Path, quiet: bool, n_val: int, cost_samples: int, fv_trials: int,
+             fv_prompts: int, tv_dummies: int, mlp_depth: int, source_spec: str | None,
+             source_dtype: str, source_device_map: str | None, source_quantization: str,
+             work_dir: Path | None, chunk_size: int) -> None:
     """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots.
 
     With --source-model LARGE it is the paper's transfer table: each method on the target
@@ -453,7 +468,12 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     from .loading import load_model, load_tokenizer
     from .tasks import get_tasks, label_token_ids
 
-    cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size)
+    from .methods import MethodOptions
+
+    cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size,
+                     n_val=n_val, cost_samples=cost_samples,
+                     options=MethodOptions(fv_trials=fv_trials, fv_prompts=fv_prompts,
+                                           tv_dummies=tv_dummies, mlp_depth=mlp_depth))
     source_opts = _source(source_spec, source_dtype, source_device_map, source_quantization,
                           work_dir, chunk_size, batch_size, quiet)
     ms = resolve_methods(_csv(methods) if methods else None, transfer=source_opts is not None)

@@ -13,7 +13,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +26,25 @@ from .extract import (
     ExtractOptions,
     LoadedModel,
     SourceModel,
+    capture_episode,
     capture_test_zero_shot,
     check_counts,
     check_pair,
+    episode_labels,
     plan_episode,
-    run_episode,
     run_transfer_episode,
 )
 from .fileio import atomic_write, save_figure
 from .hardware import hardware, machine_line
+from .methods import METHODS as TASK_VECTOR_METHODS
+from .methods import Context, MethodOptions, inference_cost, score_methods
+from .metrics import pearson, spearman
 from .tasks import Task, label_token_ids
 
-METHOD_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", "ltv": "LTV", "mean": "Mean shift",
-                 TRANSFER_METHOD: "Transferred LTV"}
+METHOD_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", TRANSFER_METHOD: "Transferred LTV",
+                 **{name: m.label for name, m in TASK_VECTOR_METHODS.items()}}
+# every method of a plain evaluation: the two references, then the task-vector methods
+ALL_METHODS = ("zero-shot", "icl", *TASK_VECTOR_METHODS)
 SOURCE = "source-"  # prefix of the source model's own methods in a transfer evaluation
 
 
@@ -57,14 +63,30 @@ class EvalConfig:
     runs: int = 5
     seed: int = 0
     batch_size: int = 16
+    n_val: int = 32  # labelled validation examples for TV / FV / SV's layer choice
+    cost_samples: int = 16  # test prompts timed per method in each task's first run; 0: none
+    options: MethodOptions = field(default_factory=MethodOptions)  # the methods' own knobs
 
     def __post_init__(self) -> None:
         check_counts(k=self.k, n=self.n, lam=self.lam, n_test=self.n_test,
                      batch_size=self.batch_size, runs=self.runs)
+        if self.n_val < 0 or self.cost_samples < 0:
+            raise ArgumentError("--n-val and --cost-samples must be ≥ 0")
 
     def episode_options(self, seed: int) -> ExtractOptions:
         return ExtractOptions(k=self.k, n=self.n, lam=self.lam, seed=seed, n_test=self.n_test,
-                              batch_size=self.batch_size)
+                              batch_size=self.batch_size, n_val=self.n_val)
+
+    def method_options(self, seed: int, progress: bool) -> MethodOptions:
+        from dataclasses import replace
+
+        return replace(self.options, lam=self.lam, seed=seed, batch_size=self.batch_size,
+                       progress=progress)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "options"}
+        return {**d, "options": {k: v for k, v in asdict(self.options).items()
+                                 if k not in ("lam", "seed", "batch_size", "progress")}}
 
 
 def default_methods(transfer: bool) -> list[str]:
@@ -75,10 +97,12 @@ def resolve_methods(methods: Sequence[str] | None, *, transfer: bool) -> list[st
     """The methods an evaluation runs, in order: unknown ones refused; ICL always (d_NTP is
     measured against it), and ltv-transfer always in a transfer evaluation."""
     ms = list(methods) if methods else default_methods(transfer)
-    known = (*METHODS, TRANSFER_METHOD) if transfer else METHODS
+    known = (*METHODS, TRANSFER_METHOD) if transfer else ALL_METHODS
     unknown = [m for m in ms if m not in known]
     if unknown:
         hint = " (ltv-transfer needs --source-model)" if TRANSFER_METHOD in unknown else ""
+        if transfer and set(unknown) & set(TASK_VECTOR_METHODS):
+            hint = " (the baselines are evaluated without --source-model)"
         raise ArgumentError(f"--methods: unknown {', '.join(unknown)}; choose from "
                             f"{', '.join(known)}{hint}")
     if "icl" not in ms:
@@ -115,7 +139,7 @@ def evaluate(
     from tqdm.auto import tqdm
 
     methods = resolve_methods(methods, transfer=source is not None)
-    own = tuple(m for m in methods if m in METHODS)
+    own = tuple(m for m in methods if m != TRANSFER_METHOD)
     keys = list(own)
     if source is not None:
         keys += [SOURCE + m for m in own] + [TRANSFER_METHOD]
@@ -128,6 +152,7 @@ def evaluate(
         pair_ids = {t.name: check_pair(lm, source, plan[t.name][0]) for t in tasks}
     cap = Capturer(lm.model, lm.tokenizer, batch_size=cfg.batch_size, progress=progress)
     records: list[dict[str, Any]] = []
+    costs: dict[str, dict[str, dict[str, float]]] = {}  # task → method → batch1 / batched
     started = time.perf_counter()
     bar = tqdm(total=len(tasks) * cfg.runs, desc="episodes", unit="run", disable=not progress)
     for task in tasks:
@@ -139,10 +164,15 @@ def evaluate(
             if source is None:
                 if h_zs_test is None:  # the test subset is the same for every run
                     h_zs_test = capture_test_zero_shot(cap, task, episode)
-                res = run_episode(cap, episode, cfg.lam, label_ids, h_zs_test=h_zs_test,
-                                  methods=own)
-                metrics = res.metrics
-                ext = dict.fromkeys(("ltv", "mean"), res.timings["extraction_seconds"])
+                c = capture_episode(cap, episode, h_zs_test=h_zs_test)
+                ctx = Context(cap, episode, label_ids, cfg.method_options(seed, progress),
+                              identity=lm.identity, h_zs=c.h_zs, h_icl=c.h_icl,
+                              capture_seconds=c.capture_seconds)
+                sc = score_methods(ctx, own, c.h_zs_test, c.h_icl_test, episode_labels(episode))
+                metrics, ext, params = sc.metrics, sc.extraction_seconds, sc.params
+                if run == 0 and cfg.cost_samples:
+                    costs[task.name] = inference_cost(ctx, sc, own, cfg.cost_samples,
+                                                      cfg.batch_size)
             else:
                 tr, ct, cs = run_transfer_episode(
                     cap, source, episode, cfg.lam, pair_ids[task.name],
@@ -153,6 +183,7 @@ def evaluate(
                 s_ext = tr.source.timings["extraction_seconds"]
                 ext = {"ltv": t_ext, "mean": t_ext, SOURCE + "ltv": s_ext, SOURCE + "mean": s_ext,
                        TRANSFER_METHOD: tr.timings["extraction_seconds"]}
+                params = {}
             for m in keys:
                 records.append(
                     {
@@ -165,6 +196,7 @@ def evaluate(
                         "extraction_seconds": ext.get(m),
                         "k_used": len(episode.demos),
                         "n_test": len(episode.test),
+                        **({"params": params[m]} if m in params else {}),
                     }
                 )
             bar.set_postfix_str(
@@ -184,14 +216,30 @@ def evaluate(
             "tasks": [t.name for t in tasks],
             "methods": keys,
             **source_cfg,
-            **cfg.__dict__,
+            **cfg.to_dict(),
             "k_per_task": {t.name: k_for(t) for t in tasks},
         },
         "machine": {**hardware(), "ltv_vllm": __version__},
         "wall_seconds": time.perf_counter() - started,
         "records": records,
         "summary": summarise(records, [t.name for t in tasks], keys),
+        "correlation": correlations(records, [t.name for t in tasks]),
+        **({"inference_cost": costs} if costs else {}),
     }
+
+
+def correlations(records: list[dict[str, Any]], tasks: list[str]) -> dict[str, Any]:
+    """Pearson and Spearman between d_NTP and accuracy over (method, task, run) points, every
+    method but ICL (its d_NTP is 0 by definition): pooled and per task (the paper's panels)."""
+
+    def corr(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        x, y = [r["d_ntp"] for r in rs], [r["accuracy"] for r in rs]
+        return {"pearson": pearson(x, y), "spearman": spearman(x, y), "points": len(rs)}
+
+    pts = [r for r in records if not r["method"].endswith("icl")
+           and not r["method"].startswith(SOURCE)]
+    return {"pooled": corr(pts),
+            "per_task": {t: corr([r for r in pts if r["task"] == t]) for t in tasks}}
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
@@ -275,13 +323,51 @@ def markdown_table(doc: dict[str, Any]) -> str:
             f"| {_row_label(m, cfg)} | " + " | ".join(cells)
             + f" | {summ['average'][m]['d_ntp']:.3f} |"
         )
-    for m in ("ltv", SOURCE + "ltv", TRANSFER_METHOD):
-        ext = [summ["per_task"][t].get(m, {}).get("extraction_seconds") for t in tasks]
-        if any(e is not None for e in ext):
-            lines += ["", f"**{_row_label(m, cfg).strip('*')} extraction time per run (s)**: "
-                      + ", ".join(f"{t} {e:.1f}"
-                                  for t, e in zip(tasks, ext, strict=True) if e is not None)]
+    corr = doc.get("correlation")
+    if corr and not transfer and corr["pooled"]["pearson"] is not None:
+        p = corr["pooled"]
+        per = ", ".join(f"{t} {_r(c['pearson'])} / {_r(c['spearman'])}"
+                        for t, c in corr["per_task"].items())
+        lines += ["", f"**d_NTP vs accuracy** over {p['points']} (method, task, run) points, "
+                  f"every method but ICL: Pearson r = {_r(p['pearson'])}, Spearman ρ = "
+                  f"{_r(p['spearman'])} (negative: lower d_NTP, higher accuracy). "
+                  f"Per task (r / ρ): {per}."]
+    if "inference_cost" in doc:
+        lines += ["", *cost_table(doc)]
+    else:
+        for m in ("ltv", SOURCE + "ltv", TRANSFER_METHOD):
+            ext = [summ["per_task"][t].get(m, {}).get("extraction_seconds") for t in tasks]
+            if any(e is not None for e in ext):
+                lines += ["", f"**{_row_label(m, cfg).strip('*')} extraction time per run (s)**: "
+                          + ", ".join(f"{t} {e:.1f}"
+                                      for t, e in zip(tasks, ext, strict=True) if e is not None)]
     return "\n".join(lines) + "\n"
+
+
+def _r(x: float | None) -> str:
+    return "–" if x is None else f"{x:+.2f}"
+
+
+def cost_table(doc: dict[str, Any]) -> list[str]:
+    """Extraction seconds per run and inference seconds per sample (paper Table 5), averaged
+    over tasks; inference measured side by side in each task's first run."""
+    cfg, summ, cost = doc["config"], doc["summary"], doc["inference_cost"]
+    tasks = list(cost)
+    n = cfg.get("cost_samples")
+    lines = [f"**Cost** (extraction: s per run, mean over tasks and runs; inference: s per test "
+             f"sample of a forward with the method applied, {n} samples per task, batch 1 and "
+             f"batch {cfg['batch_size']}; ICL runs its whole prompt)", "",
+             "| Method | Extraction (s) | Inference, batch 1 (s) | Inference, batched (s) |",
+             "|---|---|---|---|"]
+    for m in cfg["methods"]:
+        ext = [summ["per_task"][t][m]["extraction_seconds"] for t in cfg["tasks"]]
+        ext = [e for e in ext if e is not None]
+        b1 = [cost[t][m]["batch1"] for t in tasks if m in cost[t]]
+        bb = [cost[t][m]["batched"] for t in tasks if m in cost[t]]
+        cell = (lambda xs, f: f.format(statistics.fmean(xs)) if xs else "–")
+        lines.append(f"| {method_label(m)} | {cell(ext, '{:.1f}')} | {cell(b1, '{:.4f}')} | "
+                     f"{cell(bb, '{:.4f}')} |")
+    return lines
 
 
 def _row_label(m: str, cfg: dict[str, Any]) -> str:
@@ -303,6 +389,8 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     tasks = cfg["tasks"]
     methods = [m for m in cfg["methods"] if not m.endswith("icl")]
     colors = {"zero-shot": "tab:gray", "ltv": "tab:blue", "mean": "tab:orange", "icl": "tab:green",
+              "tv": "tab:purple", "fv": "tab:brown", "sv": "tab:pink", "i2cl": "tab:olive",
+              "mlp": "tab:cyan",
               SOURCE + "zero-shot": "silver", SOURCE + "ltv": "lightskyblue",
               SOURCE + "mean": "navajowhite", SOURCE + "icl": "yellowgreen",
               TRANSFER_METHOD: "tab:red"}
@@ -321,7 +409,9 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         if icl:
             ax.axhline(statistics.fmean(icl), color=colors["icl"], ls="--", lw=1,
                        label="ICL (mean)")
-        ax.set_title(t)
+        c = (doc.get("correlation") or {}).get("per_task", {}).get(t)
+        ax.set_title(t if not c or c["pearson"] is None
+                     else f"{t} (r = {c['pearson']:.2f}, ρ = {c['spearman']:.2f})", fontsize=9)
         ax.set_xlabel("d_NTP")
         ax.set_ylabel("accuracy (%)")
         ax.grid(alpha=0.3)
@@ -330,7 +420,10 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     axes.flat[0].legend(fontsize=7)
     k = cfg["k"] if cfg["k"] is not None else "/".join(
         str(v) for v in sorted(set((cfg.get("k_per_task") or {}).values())))
-    fig.suptitle(f"{cfg['model']}: d_NTP vs accuracy (k={k}, N={cfg['n']})")
+    pooled = (doc.get("correlation") or {}).get("pooled") or {}
+    r = (f"; all points r = {pooled['pearson']:.2f}, ρ = {pooled['spearman']:.2f}"
+         if pooled.get("pearson") is not None else "")
+    fig.suptitle(f"{cfg['model']}: d_NTP vs accuracy (k={k}, N={cfg['n']}{r})")
     fig.tight_layout()
     p = out_dir / "dntp_vs_accuracy.png"
     save_figure(fig, p)

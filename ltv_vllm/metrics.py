@@ -37,3 +37,34 @@ def kl_per_query(ref_logits: torch.Tensor, other_logits: torch.Tensor) -> torch.
 def d_ntp(icl_logits: torch.Tensor, tv_logits: torch.Tensor) -> float:
     """d_NTP = mean over queries of KL(P_icl ‖ P_tv), both restricted to the label tokens."""
     return float(kl_per_query(icl_logits, tv_logits).mean())
+
+
+def pearson(x: list[float], y: list[float]) -> float | None:
+    """Pearson's r; None when fewer than 3 points or either side is constant."""
+    if len(x) < 3:
+        return None
+    a, b = torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)
+    a, b = a - a.mean(), b - b.mean()
+    den = float(a.norm() * b.norm())
+    return float(a @ b) / den if den > 0 else None
+
+
+def _ranks(x: list[float]) -> list[float]:
+    """Ranks from 1, ties sharing their average rank (as scipy.stats.rankdata; scipy is not a
+    dependency for these few lines)."""
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    ranks = [0.0] * len(x)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for t in range(i, j + 1):
+            ranks[order[t]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(x: list[float], y: list[float]) -> float | None:
+    """Spearman's ρ: Pearson's r of the ranks (ties averaged)."""
+    return pearson(_ranks(x), _ranks(y)) if len(x) >= 3 else None

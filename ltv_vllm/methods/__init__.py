@@ -1,5 +1,5 @@
 """Task-vector methods behind one interface (`base.Method`): the paper's LTV and the
-baselines it is compared with. A new method is one module here and one line in `METHODS`.
+baselines it is compared with. A new method is one module here and one line in `registry.METHODS`.
 
   ltv   LTV: ridge map h_zs → h_icl − h_zs, before the LM head           (ltv.py)
   mean  constant mapping c* = mean(h_icl − h_zs)                          (ltv.py)
@@ -12,24 +12,10 @@ baselines it is compared with. A new method is one module here and one line in `
 
 from __future__ import annotations
 
-from ..errors import ArgumentError
 from .artifact import Artifact, load_artifact
 from .base import Context, Method, MethodError, MethodOptions
-from .fv import FV
-from .i2cl import I2CL
-from .ltv import LTV, Mean
-from .mlp import MLP
-from .sv import SV
-from .tv import TV
-
-METHODS: dict[str, Method] = {m.name: m for m in (LTV(), Mean(), TV(), FV(), SV(), I2CL(), MLP())}
-
-
-def get_method(name: str) -> Method:
-    if name not in METHODS:
-        raise ArgumentError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    return METHODS[name]
-
+from .registry import METHODS, get_method
+from .score import MethodScores, inference_cost, score_methods
 
 __all__ = ["METHODS", "Artifact", "Context", "Method", "MethodError", "MethodOptions",
-           "get_method", "load_artifact"]
+           "MethodScores", "get_method", "inference_cost", "load_artifact", "score_methods"]

@@ -1,0 +1,20 @@
+"""The registry: method name → its one instance."""
+
+from __future__ import annotations
+
+from ..errors import ArgumentError
+from .base import Method
+from .fv import FV
+from .i2cl import I2CL
+from .ltv import LTV, Mean
+from .mlp import MLP
+from .sv import SV
+from .tv import TV
+
+METHODS: dict[str, Method] = {m.name: m for m in (LTV(), Mean(), TV(), FV(), SV(), I2CL(), MLP())}
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise ArgumentError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    return METHODS[name]
