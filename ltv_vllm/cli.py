@@ -235,17 +235,22 @@ def _source(spec: str | None, dtype: str, device_map: str | None, quantization: 
               help="Cut the fit to rank R, keeping what matters on its training states "
                    "(scored and saved as such) [default: the full rank, ≤ N].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--method", default="ltv", show_default=True,
+              type=click.Choice(["ltv", "mean", "tv", "fv", "sv", "i2cl", "mlp"]),
+              help="ltv (served by `serve`), or the constant mean shift or a baseline of the "
+                   "paper's comparison, saved as an artifact for the transformers hook.")
 @_source_options
 @friendly
 def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float, seed: int,
             n_test: int, batch_size: int, dtype: str, device: str, output: Path | None,
-            rank: int | None, quiet: bool, source_spec: str | None, source_dtype: str,
-            source_device_map: str | None, source_quantization: str, work_dir: Path | None,
-            chunk_size: int) -> None:
+            rank: int | None, quiet: bool, method: str, source_spec: str | None,
+            source_dtype: str, source_device_map: str | None, source_quantization: str,
+            work_dir: Path | None, chunk_size: int) -> None:
     """Extract a task vector and report zero-shot / ICL / LTV accuracy and d_NTP.
 
     With --source-model LARGE: a logit-space vector for --model, fitted to LARGE's ICL
-    (cross-model transfer; the two must share a tokenizer).
+    (cross-model transfer; the two must share a tokenizer). With --method: another
+    method's artifact (tv, fv, sv, i2cl, mlp: .safetensors; mean: a task-vector file).
     """
     from .extract import (
         ExtractOptions,
@@ -263,6 +268,12 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
                           rank=rank, progress=not quiet)
     source_opts = _source(source_spec, source_dtype, source_device_map, source_quantization,
                           work_dir, chunk_size, batch_size, quiet)
+    if method != "ltv":
+        from .errors import ArgumentError
+
+        if source_opts or rank is not None:
+            raise ArgumentError(f"--method {method}: --source-model and --rank are LTV's only")
+        return _extract_method(model_spec, task, method, output, dtype, device, opts)
     t = get_task(task)
     default = f"{t.name}.transfer.pt" if source_opts else f"{t.name}.pt"
     output = check_writable(output or default, option="--output", suffixes=(".pt", ".safetensors"))
@@ -294,6 +305,45 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
                    f"{hw}); rank {tv.rank}; source captures in {source.cap.dir} "
                    f"({source.cap.reused} chunks reused, {source.cap.computed} computed)")
     click.echo(f"wrote {output} ({tv.kind} vector)")
+
+
+def _extract_method(model_spec: str | None, task: str, method: str, output: Path | None,
+                    dtype: str, device: str, opts: Any) -> None:
+    """`extract --method M` for a method other than LTV: its artifact plus test metrics."""
+    from dataclasses import replace
+
+    from .capture import Capturer
+    from .extract import capture_episode, episode_labels, plan_episode
+    from .loading import load_model, load_tokenizer
+    from .methods import Context, MethodOptions, score_methods
+    from .tasks import get_task, label_token_ids
+
+    t = get_task(task)
+    suffixes = (".pt", ".safetensors") if method == "mean" else (".safetensors",)
+    output = check_writable(output or f"{t.name}.{method}{suffixes[-1]}", option="--output",
+                            suffixes=suffixes)
+    label_token_ids(t, load_tokenizer(model_spec))
+    episode = plan_episode(t, opts)
+    lm = load_model(model_spec, dtype=dtype, device=device)
+    cap = Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size, progress=opts.progress)
+    c = capture_episode(cap, episode)
+    ctx = Context(cap, episode, label_token_ids(t, lm.tokenizer),
+                  MethodOptions(lam=opts.lam, seed=opts.seed, batch_size=opts.batch_size,
+                                progress=opts.progress),
+                  identity=lm.identity, h_zs=c.h_zs, h_icl=c.h_icl,
+                  capture_seconds=c.capture_seconds)
+    sc = score_methods(ctx, [method], c.h_zs_test, c.h_icl_test, episode_labels(episode))
+    art = sc.artifacts[method]
+    secs = sc.extraction_seconds[method]
+    art = replace(art, provenance=replace(art.provenance, metrics=sc.metrics,
+                                          timings={"extraction_seconds": secs}))
+    art.save(output)
+    click.echo(f"\n{t.name} on {lm.spec}: k={len(episode.demos)} demos, {method}, "
+               f"{len(episode.test)} test queries")
+    _print_metrics(sc.metrics)
+    chosen = {k_: v for k_, v in sc.params.get(method, {}).items() if k_ != "val_accuracy"}
+    click.echo(f"extraction {secs:.1f} s" + (f"; {chosen}" if chosen else ""))
+    click.echo(f"wrote {output} ({method})")
 
 
 @main.command()
@@ -466,9 +516,8 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     from .evaluate import evaluate as run_evaluate
     from .extract import open_source
     from .loading import load_model, load_tokenizer
-    from .tasks import get_tasks, label_token_ids
-
     from .methods import MethodOptions
+    from .tasks import get_tasks, label_token_ids
 
     cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size,
                      n_val=n_val, cost_samples=cost_samples,

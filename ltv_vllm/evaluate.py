@@ -348,6 +348,10 @@ def _r(x: float | None) -> str:
     return "–" if x is None else f"{x:+.2f}"
 
 
+def _cell(xs: list[float], fmt: str) -> str:
+    return fmt.format(statistics.fmean(xs)) if xs else "–"
+
+
 def cost_table(doc: dict[str, Any]) -> list[str]:
     """Extraction seconds per run and inference seconds per sample (paper Table 5), averaged
     over tasks; inference measured side by side in each task's first run."""
@@ -364,9 +368,8 @@ def cost_table(doc: dict[str, Any]) -> list[str]:
         ext = [e for e in ext if e is not None]
         b1 = [cost[t][m]["batch1"] for t in tasks if m in cost[t]]
         bb = [cost[t][m]["batched"] for t in tasks if m in cost[t]]
-        cell = (lambda xs, f: f.format(statistics.fmean(xs)) if xs else "–")
-        lines.append(f"| {method_label(m)} | {cell(ext, '{:.1f}')} | {cell(b1, '{:.4f}')} | "
-                     f"{cell(bb, '{:.4f}')} |")
+        lines.append(f"| {method_label(m)} | {_cell(ext, '{:.1f}')} | {_cell(b1, '{:.4f}')} | "
+                     f"{_cell(bb, '{:.4f}')} |")
     return lines
 
 

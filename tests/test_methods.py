@@ -266,3 +266,80 @@ def test_artifact_round_trip_and_checks(model, ctx, artifacts, name, tmp_path, t
 
     with pytest.raises(VectorError, match="not a task vector"):
         load_task_vector(path)  # serve refuses a baseline's artifact in one line
+
+
+def test_cli_evaluate_every_method_end_to_end(tmp_path, tokenizer):
+    """`evaluate` with the full method list on a tiny model: every method scored, the
+    correlation and cost tables written, and LTV / zero-shot / ICL equal to what `extract`'s
+    own path (ltv_vllm.extract.score_episode) measures on the same episode."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+    from ltv_vllm.extract import ExtractOptions, extract
+    from ltv_vllm.loading import load_model
+
+    make_llama(len(tokenizer), seed=9, layers=3).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    spec = write_toy_task(tmp_path, WORDS)
+    methods = "zero-shot,icl,ltv,mean,tv,fv,sv,i2cl,mlp"
+    r = CliRunner().invoke(main, [
+        "evaluate", "--model", str(tmp_path / "m"), "--tasks", str(spec), "--methods", methods,
+        "--runs", "2", "--k", "6", "--n", "24", "--n-test", "12", "--n-val", "8",
+        "--fv-trials", "2", "--fv-prompts", "3", "--cost-samples", "3", "--dtype", "float32",
+        "--out", str(tmp_path / "ev"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert doc["config"]["methods"] == methods.split(",")
+    assert {(x["method"], x["run"]) for x in doc["records"]} == {
+        (m, run) for m in methods.split(",") for run in (0, 1)}
+    assert all(0 <= x["accuracy"] <= 1 and x["d_ntp"] >= 0 for x in doc["records"])
+    layers = {x["method"]: x["params"] for x in doc["records"] if "params" in x and x["run"] == 0}
+    assert 0 <= layers["tv"]["layer"] < 3 and 1 <= layers["sv"]["depth"] <= 3
+    assert len(layers["fv"]["heads"]) == 10
+    assert doc["correlation"]["pooled"]["points"] == 2 * 8
+    assert set(doc["inference_cost"]["toy"]) == set(methods.split(","))
+    md = (tmp_path / "ev" / "results.md").read_text()
+    assert "| Function Vector |" in md and "**Cost**" in md and "d_NTP vs accuracy" in md
+
+    lm = load_model(str(tmp_path / "m"), dtype="float32")
+    for run in (0, 1):
+        _, res = extract(lm, get_task(str(spec)), ExtractOptions(
+            k=6, n=24, n_test=12, seed=run, progress=False))
+        got = {x["method"]: x for x in doc["records"] if x["run"] == run}
+        for m in ("zero-shot", "icl", "ltv", "mean"):
+            assert got[m]["accuracy"] == pytest.approx(res.metrics[m]["accuracy"])
+            assert got[m]["d_ntp"] == pytest.approx(res.metrics[m]["d_ntp"], rel=1e-4, abs=1e-6)
+
+
+def test_evaluate_refuses_baselines_with_a_source_model_and_unknown_methods():
+    from ltv_vllm.errors import ArgumentError
+    from ltv_vllm.evaluate import resolve_methods
+
+    with pytest.raises(ArgumentError, match="without --source-model"):
+        resolve_methods(["ltv", "tv"], transfer=True)
+    with pytest.raises(ArgumentError, match="unknown nope"):
+        resolve_methods(["nope"], transfer=False)
+    assert resolve_methods(["fv"], transfer=False) == ["icl", "fv"]
+
+
+def test_cli_extract_method_writes_a_checked_artifact(tmp_path, tokenizer):
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    make_llama(len(tokenizer), seed=9, layers=3).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    spec = write_toy_task(tmp_path, WORDS)
+    args = ["extract", "--model", str(tmp_path / "m"), "--task", str(spec), "--k", "6",
+            "--n", "24", "--n-test", "12", "--dtype", "float32", "--quiet"]
+    r = CliRunner().invoke(main, [*args, "--method", "sv", "-o", str(tmp_path / "sv.safetensors")])
+    assert r.exit_code == 0, r.output
+    art = load_artifact(tmp_path / "sv.safetensors")
+    assert art.method == "sv" and 1 <= art.params["depth"] <= 3
+    assert set(art.provenance.metrics) == {"zero-shot", "icl", "sv"}
+    r = CliRunner().invoke(main, [*args, "--method", "tv", "-o", str(tmp_path / "tv.pt")])
+    assert r.exit_code == 1 and "--output" in r.output and not (tmp_path / "tv.pt").exists()
+    r = CliRunner().invoke(main, [*args, "--method", "fv", "--rank", "2"])
+    assert r.exit_code == 1 and "LTV's only" in r.output

@@ -100,7 +100,8 @@ def indirect_effects(ctx: Context, mean_act: torch.Tensor, trials: list[tuple[st
             p0 = full_log_probs(cap, last_token_states(cap, ids, 1, pre))[0, target].exp()
         else:
             full = torch.tensor([ids])
-            p0 = full_log_probs(cap, cap._forward_last(full, torch.ones_like(full)))[0, target].exp()
+            h0 = cap._forward_last(full, torch.ones_like(full))
+            p0 = full_log_probs(cap, h0)[0, target].exp()
         chunks = torch.arange(len(layer)).split(ctx.opts.batch_size if fast else 1)
         for rows in chunks:
             with patched_heads(cap.model, mean_act, layer[rows], head[rows]):
