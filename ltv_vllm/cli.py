@@ -534,8 +534,11 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     episodes = plan_episodes(tasks_, cfg, transfer=source_opts is not None)  # reads the data
     source = open_source(source_opts) if source_opts else None
     lm = load_model(model_spec, dtype=dtype, device=device)
-    doc = run_evaluate(lm, tasks_, ms, cfg, source=source, progress=not quiet, episodes=episodes)
+    partial = out_dir / "partial.json"  # rewritten after every episode; rerun to resume
+    doc = run_evaluate(lm, tasks_, ms, cfg, source=source, progress=not quiet, episodes=episodes,
+                       checkpoint=partial)
     paths = write_report(doc, out_dir, _command_line())
+    partial.unlink(missing_ok=True)
     click.echo(markdown_table({**doc}))
     click.echo("wrote " + ", ".join(str(p) for p in paths))
 

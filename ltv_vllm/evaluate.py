@@ -129,12 +129,17 @@ def evaluate(
     source: SourceModel | None = None,
     progress: bool = True,
     episodes: dict[str, list[Any]] | None = None,
+    checkpoint: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run every task × run and return the result document (also what `write_report` saves).
 
     With a `source`, `methods` (other than "ltv-transfer") run on both models — the source's
     as "source-<method>" — and "ltv-transfer" is the source → target logit-space vector
     scored on the target: the paper's transfer table.
+
+    `checkpoint`: a JSON file rewritten (atomically) after every episode; an evaluation with
+    the same configuration started again skips the episodes it holds (a long comparison
+    survives an interruption), one of another configuration is refused.
     """
     from tqdm.auto import tqdm
 
@@ -150,15 +155,34 @@ def evaluate(
 
     if source is not None:  # every pair check before the first heavy pass
         pair_ids = {t.name: check_pair(lm, source, plan[t.name][0]) for t in tasks}
+    source_cfg = {}
+    if source is not None:
+        source_cfg = {"source_model": source.spec, "source_identity": source.identity.to_dict(),
+                      "source_load": {k: v for k, v in source.load.items() if v is not None}}
+    config = {
+        "model": lm.spec,
+        "model_identity": lm.identity.to_dict(),
+        "dtype": str(lm.model.dtype).removeprefix("torch."),
+        "tasks": [t.name for t in tasks],
+        "methods": keys,
+        **source_cfg,
+        **cfg.to_dict(),
+        "k_per_task": {t.name: k_for(t) for t in tasks},
+    }
+    state = _resume(checkpoint, config)
+    records: list[dict[str, Any]] = state["records"]
+    costs: dict[str, dict[str, dict[str, float]]] = state["costs"]  # task → method → s/sample
+    done = {(t, r) for t, r in state["done"]}
     cap = Capturer(lm.model, lm.tokenizer, batch_size=cfg.batch_size, progress=progress)
-    records: list[dict[str, Any]] = []
-    costs: dict[str, dict[str, dict[str, float]]] = {}  # task → method → batch1 / batched
-    started = time.perf_counter()
-    bar = tqdm(total=len(tasks) * cfg.runs, desc="episodes", unit="run", disable=not progress)
+    started = time.perf_counter() - state["wall_seconds"]
+    bar = tqdm(total=len(tasks) * cfg.runs, initial=len(done), desc="episodes", unit="run",
+               disable=not progress)
     for task in tasks:
         label_ids = label_token_ids(task, lm.tokenizer)
         h_zs_test = h_zs_test_source = None
         for run in range(cfg.runs):
+            if (task.name, run) in done:
+                continue
             seed = cfg.seed + run
             episode = plan[task.name][run]
             if source is None:
@@ -203,22 +227,13 @@ def evaluate(
                 f"{task.name}: " + " ".join(f"{m}={metrics[m]['accuracy']:.3f}" for m in keys)
             )
             bar.update(1)
+            done.add((task.name, run))
+            if checkpoint is not None:
+                _save_checkpoint(checkpoint, config, records, costs, sorted(done),
+                                 time.perf_counter() - started)
     bar.close()
-    source_cfg = {}
-    if source is not None:
-        source_cfg = {"source_model": source.spec, "source_identity": source.identity.to_dict(),
-                      "source_load": {k: v for k, v in source.load.items() if v is not None}}
     return {
-        "config": {
-            "model": lm.spec,
-            "model_identity": lm.identity.to_dict(),
-            "dtype": str(lm.model.dtype).removeprefix("torch."),
-            "tasks": [t.name for t in tasks],
-            "methods": keys,
-            **source_cfg,
-            **cfg.to_dict(),
-            "k_per_task": {t.name: k_for(t) for t in tasks},
-        },
+        "config": config,
         "machine": {**hardware(), "ltv_vllm": __version__},
         "wall_seconds": time.perf_counter() - started,
         "records": records,
@@ -226,6 +241,33 @@ def evaluate(
         "correlation": correlations(records, [t.name for t in tasks]),
         **({"inference_cost": costs} if costs else {}),
     }
+
+
+def _key(config: dict[str, Any]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _resume(checkpoint: str | Path | None, config: dict[str, Any]) -> dict[str, Any]:
+    fresh = {"records": [], "costs": {}, "done": [], "wall_seconds": 0.0}
+    if checkpoint is None or not Path(checkpoint).is_file():
+        return fresh
+    try:
+        state = json.loads(Path(checkpoint).read_text())
+    except (OSError, json.JSONDecodeError):
+        raise ArgumentError(f"{checkpoint}: unreadable partial evaluation; remove it") from None
+    if state.get("key") != _key(config):
+        raise ArgumentError(f"{checkpoint} holds a partial evaluation of another configuration;"
+                            " remove it or choose another --out")
+    return {k: state[k] for k in fresh}
+
+
+def _save_checkpoint(path: str | Path, config: dict[str, Any], records: list[dict[str, Any]],
+                     costs: dict[str, Any], done: list[tuple[str, int]], wall: float) -> None:
+    doc = {"key": _key(config), "config": config, "records": records, "costs": costs,
+           "done": [list(d) for d in done], "wall_seconds": wall}
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(doc)))
 
 
 def correlations(records: list[dict[str, Any]], tasks: list[str]) -> dict[str, Any]:

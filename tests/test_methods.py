@@ -343,3 +343,41 @@ def test_cli_extract_method_writes_a_checked_artifact(tmp_path, tokenizer):
     assert r.exit_code == 1 and "--output" in r.output and not (tmp_path / "tv.pt").exists()
     r = CliRunner().invoke(main, [*args, "--method", "fv", "--rank", "2"])
     assert r.exit_code == 1 and "LTV's only" in r.output
+
+
+def test_evaluate_resumes_from_its_checkpoint(tmp_path, tokenizer, monkeypatch):
+    """An interrupted evaluation rerun skips the episodes its checkpoint holds and ends with
+    the same document; a checkpoint of another configuration is refused."""
+    import json
+
+    import ltv_vllm.evaluate as ev
+    from ltv_vllm.errors import ArgumentError
+    from ltv_vllm.loading import load_model
+
+    make_llama(len(tokenizer), seed=9, layers=2).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    task = get_task(str(write_toy_task(tmp_path, WORDS)))
+    lm = load_model(str(tmp_path / "m"), dtype="float32")
+    cfg = ev.EvalConfig(k=6, n=24, n_test=12, runs=2, n_val=4, cost_samples=0)
+    ms = ["zero-shot", "icl", "ltv", "i2cl"]
+    ck = tmp_path / "partial.json"
+    full = ev.evaluate(lm, [task], ms, cfg, progress=False, checkpoint=ck)
+    state = json.loads(ck.read_text())
+    assert state["done"] == [["toy", 0], ["toy", 1]]
+    state["done"] = [["toy", 0]]  # as if stopped after the first run
+    state["records"] = [r for r in state["records"] if r["run"] == 0]
+    ck.write_text(json.dumps(state))
+    calls = []
+    real = ev.score_methods
+    monkeypatch.setattr(ev, "score_methods", lambda ctx, *a: calls.append(ctx.episode.seed)
+                        or real(ctx, *a))
+    again = ev.evaluate(lm, [task], ms, cfg, progress=False, checkpoint=ck)
+    assert calls == [1]  # only the missing run
+    def scores(doc):  # everything but the timings, which differ between passes
+        return [{k: v for k, v in r.items() if k != "extraction_seconds"} for r in doc["records"]]
+
+    assert scores(again) == scores(full)
+    assert again["summary"]["average"] == full["summary"]["average"]
+    with pytest.raises(ArgumentError, match="another configuration"):
+        ev.evaluate(lm, [task], ms, ev.EvalConfig(k=6, n=24, n_test=12, runs=3, n_val=4,
+                                                  cost_samples=0), progress=False, checkpoint=ck)
