@@ -134,6 +134,9 @@ def test_fast_indirect_effect_equals_naive_patched_forwards(ctx):
     naive = indirect_effects(ctx, mean_act, trials, fast=False)
     assert fast.shape == (3, 4) and fast.abs().max() > 1e-6
     torch.testing.assert_close(fast, naive, atol=1e-5, rtol=1e-4)
+    part = indirect_effects(ctx, mean_act, trials, fast=False, layers=[0, 2])  # the benchmark's
+    torch.testing.assert_close(part[[0, 2]], naive[[0, 2]])
+    assert torch.equal(part[1], torch.zeros(4))
 
 
 def test_shuffled_prompts_keep_the_demos_and_permute_their_labels(ctx):

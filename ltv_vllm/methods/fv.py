@@ -84,12 +84,16 @@ def shuffled_prompts(ctx: Context) -> list[tuple[str, int]]:
 
 
 def indirect_effects(ctx: Context, mean_act: torch.Tensor, trials: list[tuple[str, int]], *,
-                     fast: bool = True) -> torch.Tensor:
-    """Average indirect effect of patching each head's mean activation: (L, H)."""
+                     fast: bool = True, layers: list[int] | None = None) -> torch.Tensor:
+    """Average indirect effect of patching each head's mean activation: (L, H); only the
+    heads of `layers` when given (the rest stay 0: a partial sweep, for benchmarks)."""
     cap = ctx.cap
     n_layers, n_heads = mean_act.shape[:2]
     layer = torch.arange(n_layers).repeat_interleave(n_heads)  # every (ℓ, j), ℓ-major
     head = torch.arange(n_heads).repeat(n_layers)
+    keep = torch.ones(len(layer), dtype=torch.bool)
+    if layers is not None:
+        keep = torch.isin(layer, torch.tensor(layers))
     cie = torch.zeros(n_layers * n_heads, dtype=torch.float64)
     for prompt, label in tqdm(trials, desc="fv: indirect effects", unit="trial",
                               disable=not ctx.opts.progress, leave=False):
@@ -102,7 +106,7 @@ def indirect_effects(ctx: Context, mean_act: torch.Tensor, trials: list[tuple[st
             full = torch.tensor([ids])
             h0 = cap._forward_last(full, torch.ones_like(full))
             p0 = full_log_probs(cap, h0)[0, target].exp()
-        chunks = torch.arange(len(layer)).split(ctx.opts.batch_size if fast else 1)
+        chunks = keep.nonzero().flatten().split(ctx.opts.batch_size if fast else 1)
         for rows in chunks:
             with patched_heads(cap.model, mean_act, layer[rows], head[rows]):
                 if fast:
