@@ -76,7 +76,7 @@ def _batches(n: int, size: int) -> Iterator[range]:
         yield range(start, min(n, start + size))
 
 
-def _left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -88,7 +88,7 @@ def _left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 
 
 @dataclass
-class _Prefix:
+class Prefix:
     ids: list[int]
     cache: DynamicCache
 
@@ -118,7 +118,7 @@ class Capturer:
             pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         self.pad_id = int(pad)
         self.pack = pack
-        self._prefix: _Prefix | None = None  # last demo prefix: callers pass one in chunks
+        self._prefix: Prefix | None = None  # last demo prefix: callers pass one in chunks
 
     # -- tokenisation -------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -133,11 +133,11 @@ class Capturer:
 
     # -- forward passes -----------------------------------------------------------------
     @torch.no_grad()
-    def _forward_last(
+    def forward_last(
         self,
         ids: torch.Tensor,
         mask: torch.Tensor,
-        prefix: _Prefix | None = None,
+        prefix: Prefix | None = None,
     ) -> torch.Tensor:
         """Post-norm hidden state at column -1 of a left-padded batch, (B, d) float32."""
         bsz = ids.shape[0]
@@ -168,7 +168,7 @@ class Capturer:
         return out.last_hidden_state[:, -1].float().cpu()
 
     def _run(
-        self, seqs: list[list[int]], desc: str, prefix: _Prefix | None = None
+        self, seqs: list[list[int]], desc: str, prefix: Prefix | None = None
     ) -> torch.Tensor:
         rows: list[torch.Tensor] = []
         # Sort by length so a batch pads little; restore the order at the end.
@@ -177,8 +177,8 @@ class Capturer:
                    leave=False)
         for idx in _batches(len(order), self.batch_size):
             batch = [seqs[order[i]] for i in idx]
-            ids, mask = _left_pad(batch, self.pad_id)
-            rows.append(self._forward_last(ids, mask, prefix))
+            ids, mask = left_pad(batch, self.pad_id)
+            rows.append(self.forward_last(ids, mask, prefix))
             bar.update(len(batch))
         bar.close()
         h = torch.cat(rows) if rows else torch.empty(0, self.model.config.hidden_size)
@@ -191,7 +191,7 @@ class Capturer:
         return self._run([self.encode(p) for p in prompts], desc)
 
     @torch.no_grad()
-    def encode_prefix(self, prefix: str) -> _Prefix:
+    def encode_prefix(self, prefix: str) -> Prefix:
         ids = self.encode(prefix)
         # Chunked callers (ltv_vllm.store) pass the same demos many times; the passes never
         # write into the cache, so the last prefix's KV can be reused as it is.
@@ -202,7 +202,7 @@ class Capturer:
             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=self.device),
             use_cache=True,
         )
-        self._prefix = _Prefix(ids=ids, cache=out.past_key_values)
+        self._prefix = Prefix(ids=ids, cache=out.past_key_values)
         return self._prefix
 
     def icl(self, prefix: str, prompts: Sequence[str], desc: str = "icl") -> torch.Tensor:
@@ -238,7 +238,7 @@ class Capturer:
         impl = getattr(self.model.config, "_attn_implementation", None) or "eager"
         return self.pack and impl in ("sdpa", "eager")
 
-    def _run_packed(self, seqs: list[list[int]], desc: str, prefix: _Prefix) -> torch.Tensor:
+    def _run_packed(self, seqs: list[list[int]], desc: str, prefix: Prefix) -> torch.Tensor:
         rows: list[torch.Tensor] = []
         bar = tqdm(total=len(seqs), desc=desc, unit="prompt", disable=not self.progress,
                    leave=False)
@@ -249,7 +249,7 @@ class Capturer:
         return torch.cat(rows)  # (n, d)
 
     @torch.no_grad()
-    def _forward_packed(self, seqs: list[list[int]], prefix: _Prefix) -> torch.Tensor:
+    def _forward_packed(self, seqs: list[list[int]], prefix: Prefix) -> torch.Tensor:
         """Several queries after one shared prefix, packed into a single row. (B, d)
 
         `[prefix | q1 | q2 | ...]` with a block mask: every query token sees the whole prefix
@@ -287,5 +287,5 @@ class Capturer:
         rows = []
         for p in tqdm(prompts, desc=desc, unit="prompt", disable=not self.progress, leave=False):
             ids = torch.tensor([self.encode(p)])
-            rows.append(self._forward_last(ids, torch.ones_like(ids)))
+            rows.append(self.forward_last(ids, torch.ones_like(ids)))
         return torch.cat(rows)

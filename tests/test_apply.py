@@ -56,7 +56,7 @@ def test_generation_shifts_every_step(tiny_model, tokenizer):
     text = PROMPT
     ids = tokenizer(PROMPT)["input_ids"]
     for _ in range(6):
-        h = cap._forward_last(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+        h = cap.forward_last(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
         ids = ids + [int(tiny_model.lm_head(tv.shift_hidden(h)).argmax())]
     manual = tokenizer.decode(ids[len(tokenizer(text)["input_ids"]):], skip_special_tokens=True)
     got = generate_with_task_vector(tiny_model, tokenizer, PROMPT, tv, max_new_tokens=6)
@@ -66,7 +66,7 @@ def test_generation_shifts_every_step(tiny_model, tokenizer):
     # shifting only the first token (the reference code's defect) gives another output
     first_only = [*tokenizer(PROMPT)["input_ids"]]
     for step in range(6):
-        h = cap._forward_last(torch.tensor([first_only]),
+        h = cap.forward_last(torch.tensor([first_only]),
                               torch.ones(1, len(first_only), dtype=torch.long))
         h = tv.shift_hidden(h) if step == 0 else h
         first_only.append(int(tiny_model.lm_head(h).argmax()))

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..capture import Capturer, _Prefix, base_model, label_head, lm_head
+from ..capture import Capturer, Prefix, base_model, label_head, lm_head
 from ..data import Episode, Example
 from ..errors import ArgumentError, UserError
 from ..vector import ModelIdentity, Provenance, model_identity
@@ -251,18 +251,18 @@ def set_last(x: torch.Tensor, rows: torch.Tensor | None, value: torch.Tensor,
 # -- passes -----------------------------------------------------------------------------------
 
 
-def prefix_of(cap: Capturer, ids: list[int]) -> _Prefix:
+def prefix_of(cap: Capturer, ids: list[int]) -> Prefix:
     """The KV cache of `ids` (batch 1), never written by later passes."""
     with torch.no_grad():
         out = cap.base(input_ids=torch.tensor([ids], device=cap.device),
                        attention_mask=torch.ones(1, len(ids), dtype=torch.long,
                                                  device=cap.device),
                        use_cache=True)
-    return _Prefix(ids=list(ids), cache=out.past_key_values)
+    return Prefix(ids=list(ids), cache=out.past_key_values)
 
 
 def last_token_states(cap: Capturer, ids: list[int], rows: int,
-                      prefix: _Prefix | None = None) -> torch.Tensor:
+                      prefix: Prefix | None = None) -> torch.Tensor:
     """h at the last token of `ids`, run `rows` times as a batch against one KV cache of the
     earlier tokens (pass it as `prefix` to reuse it): under a hook whose edit differs per row,
     each row is one candidate. (rows, d) float32"""
@@ -270,7 +270,7 @@ def last_token_states(cap: Capturer, ids: list[int], rows: int,
         raise MethodError("a prompt of one token has no earlier positions to cache")
     pre = prefix or prefix_of(cap, ids[:-1])
     last = torch.full((rows, 1), ids[-1], dtype=torch.long)
-    return cap._forward_last(last, torch.ones_like(last), pre)
+    return cap.forward_last(last, torch.ones_like(last), pre)
 
 
 def restricted(cap: Capturer, h: torch.Tensor, label_ids: Sequence[int]) -> torch.Tensor:
@@ -330,7 +330,7 @@ def examples_prompts(task: Any, examples: Sequence[Example]) -> list[str]:
     return [task.query(e.text) for e in examples]
 
 
-def extend_prefix(cap: Capturer, pre: _Prefix, ids: list[int]) -> _Prefix:
+def extend_prefix(cap: Capturer, pre: Prefix, ids: list[int]) -> Prefix:
     """The KV cache of pre.ids + ids, computed from `pre`'s (which is left as it was)."""
     from transformers import DynamicCache
 
@@ -343,10 +343,10 @@ def extend_prefix(cap: Capturer, pre: _Prefix, ids: list[int]) -> _Prefix:
                                                  device=cap.device),
                        position_ids=torch.arange(n, n + len(ids), device=cap.device)[None],
                        past_key_values=cache, use_cache=True)
-    return _Prefix(ids=pre.ids + list(ids), cache=out.past_key_values)
+    return Prefix(ids=pre.ids + list(ids), cache=out.past_key_values)
 
 
-def after_prefix(cap: Capturer, pre: _Prefix, prefix: str, prompt: str) -> tuple[list[int], int]:
+def after_prefix(cap: Capturer, pre: Prefix, prefix: str, prompt: str) -> tuple[list[int], int]:
     """Token ids of prefix + prompt, and how many of them `pre` covers: len(pre.ids), or 0
     when the prompt's tokenisation merges across the boundary (then run it in full)."""
     full = cap.encode(prefix + prompt)
@@ -354,11 +354,11 @@ def after_prefix(cap: Capturer, pre: _Prefix, prefix: str, prompt: str) -> tuple
     return full, (n if full[:n] == pre.ids and len(full) > n else 0)
 
 
-def run_after(cap: Capturer, pre: _Prefix, prefix: str, prompt: str) -> torch.Tensor:
+def run_after(cap: Capturer, pre: Prefix, prefix: str, prompt: str) -> torch.Tensor:
     """h at the last token of prefix + prompt, batch 1, reusing the prefix's cache. (1, d)"""
     full, n = after_prefix(cap, pre, prefix, prompt)
     ids = torch.tensor([full[n:]])
-    return cap._forward_last(ids, torch.ones_like(ids), pre if n else None)
+    return cap.forward_last(ids, torch.ones_like(ids), pre if n else None)
 
 
 @contextmanager

@@ -104,7 +104,7 @@ def indirect_effects(ctx: Context, mean_act: torch.Tensor, trials: list[tuple[st
             p0 = full_log_probs(cap, last_token_states(cap, ids, 1, pre))[0, target].exp()
         else:
             full = torch.tensor([ids])
-            h0 = cap._forward_last(full, torch.ones_like(full))
+            h0 = cap.forward_last(full, torch.ones_like(full))
             p0 = full_log_probs(cap, h0)[0, target].exp()
         chunks = keep.nonzero().flatten().split(ctx.opts.batch_size if fast else 1)
         for rows in chunks:
@@ -112,7 +112,7 @@ def indirect_effects(ctx: Context, mean_act: torch.Tensor, trials: list[tuple[st
                 if fast:
                     h = last_token_states(cap, ids, len(rows), pre)
                 else:
-                    h = cap._forward_last(full, torch.ones_like(full))
+                    h = cap.forward_last(full, torch.ones_like(full))
             cie[rows] += full_log_probs(cap, h)[:, target].exp() - p0
     return (cie / max(1, len(trials))).view(n_layers, n_heads).float()
 

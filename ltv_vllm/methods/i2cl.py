@@ -31,7 +31,7 @@ class I2CL(Method):
         with records(outputs=mods) as (outs, _):
             for e in ep.demos:
                 t = torch.tensor([ctx.cap.encode(ep.task.demo(e.text, e.label))])
-                ctx.cap._forward_last(t, torch.ones_like(t))
+                ctx.cap.forward_last(t, torch.ones_like(t))
         c = torch.stack([torch.cat(o).mean(0) for o in outs])  # (2L, d)
         n = len(layers)
         return Artifact(self.name, {"c_attn": c[:n], "c_mlp": c[n:]},

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..capture import _left_pad, label_head
+from ..capture import label_head, left_pad
 from ..metrics import accuracy, d_ntp
 from .base import Context
 from .registry import get_method
@@ -80,7 +80,7 @@ def inference_cost(ctx: Context, scores: MethodScores, names: Sequence[str], n: 
     def run(seqs: list[list[int]], size: int) -> float:
         t0 = time.perf_counter()
         for i in range(0, len(seqs), size):
-            ids, mask = _left_pad(seqs[i:i + size], cap.pad_id)
+            ids, mask = left_pad(seqs[i:i + size], cap.pad_id)
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
             model(input_ids=ids.to(cap.device), attention_mask=mask.to(cap.device),
                   position_ids=pos.to(cap.device), logits_to_keep=1)

@@ -87,7 +87,7 @@ class SV(Method):
         with records(inputs=[attention(layer).o_proj for layer in layers],
                      positions=lambda x: x[0, at.to(x.device)]) as (_, ins):
             t = torch.tensor([ids])
-            ctx.cap._forward_last(t, torch.ones_like(t))
+            ctx.cap.forward_last(t, torch.ones_like(t))
         sv = torch.stack([i[0].mean(0) for i in ins])  # (L, heads · head_dim)
         if o.layer is not None:
             if not 1 <= o.layer <= len(layers):
