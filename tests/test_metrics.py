@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from ltv_vllm.metrics import accuracy, d_ntp, kl_per_query, restricted_log_probs
@@ -36,3 +37,17 @@ def test_restricted_label_accuracy():
     label_ids = [0, 2]
     labels = torch.tensor([0, 1, 1])
     assert accuracy(full[:, label_ids], labels) == 2 / 3
+
+
+def test_pearson_and_spearman_against_numpy():
+    import numpy as np
+
+    from ltv_vllm.metrics import pearson, spearman
+
+    x = [0.3, 0.1, 0.1, 0.7, 0.2, 0.9]
+    y = [0.6, 0.8, 0.7, 0.5, 0.8, 0.1]
+    assert pearson(x, y) == pytest.approx(np.corrcoef(x, y)[0, 1])
+    # ranks with ties averaged, by hand: x → 4, 1.5, 1.5, 5, 3, 6; y → 3, 5.5, 4, 2, 5.5, 1
+    rx, ry = [4, 1.5, 1.5, 5, 3, 6], [3, 5.5, 4, 2, 5.5, 1]
+    assert spearman(x, y) == pytest.approx(np.corrcoef(rx, ry)[0, 1])
+    assert pearson([1, 2], [3, 4]) is None and pearson([1, 1, 1], [1, 2, 3]) is None
