@@ -115,17 +115,22 @@ def models_derive(
 # -- tasks and data -------------------------------------------------------------------------
 @main.group()
 def tasks() -> None:
-    """Built-in classification tasks."""
+    """Built-in tasks: the paper's classification tasks and synthetic regression."""
 
 
 @tasks.command("list")
 def tasks_list() -> None:
-    """The paper's eight tasks: templates, label words, data source."""
-    from .tasks import list_tasks
+    """The paper's eight classification tasks (templates, label words, data source) and its
+    two regression families."""
+    from .tasks import REGRESSION_TASKS, list_tasks
 
     for t in list_tasks():
         click.echo(f"{t.name:<14} {t.in_prefix!r}/{t.label_prefix!r} → {', '.join(t.labels)}"
                    f"  [{t.source}]")
+    for r in REGRESSION_TASKS.values():
+        click.echo(f"{r.name:<14} {r.in_prefix!r}/{r.label_prefix!r} → a number "
+                   f"({r.decimals} decimals; {r.family}, m={r.m}"
+                   + (f", r={r.r}" if r.family == "relu" else "") + ")  [synthetic]")
 
 
 @main.group()

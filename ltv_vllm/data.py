@@ -48,6 +48,7 @@ import importlib.metadata
 import importlib.util
 import io
 import json
+import math
 import os
 import pickle
 import random
@@ -55,9 +56,12 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from ltv_vllm.tasks import Task
+if TYPE_CHECKING:
+    import torch
+
+from ltv_vllm.tasks import RegressionTask, Task
 
 from .errors import UserError
 
@@ -69,7 +73,7 @@ class DataError(UserError):
 @dataclass(frozen=True, slots=True)
 class Example:
     text: str
-    label: int  # index into task.labels
+    label: int  # index into task.labels; a regression task's target y (a float)
 
 
 @dataclass(frozen=True)
@@ -523,6 +527,11 @@ class _Rng:
             j = self.below(i + 1)
             items[i], items[j] = items[j], items[i]
 
+    def normal(self) -> float:
+        """One N(0, 1) draw by Box-Muller (random.gauss's stream is not promised stable)."""
+        u1 = 1.0 - self._r.random()  # (0, 1]: log is finite
+        return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * self._r.random())
+
     def take(self, items: list[Any], k: int) -> list[Any]:
         """k distinct items, uniformly, in draw order (partial Fisher-Yates on a copy)."""
         pool = list(items)
@@ -622,6 +631,75 @@ def _sample_val(dataset: Dataset, used: set[int], n_val: int, seed: int) -> tupl
     return tuple(dataset.train[i] for i in idx[:n_val])
 
 
+# ---------------------------------------------------------------------------------------------
+# Regression episodes (synthetic: one function per seed)
+
+
+def regression_instance(task: RegressionTask, seed: int) -> dict[str, torch.Tensor]:
+    """The function of run `seed`: {"w": (m,)} for linear, {"V": (r, m), "alpha": (r,)} for
+    relu (V ~ N(0, I), α ~ N(0, I/r)), float64."""
+    import torch
+
+    rng = _Rng(f"ltv_vllm.regression:{task.family}:{task.m}:{task.r}:{seed}")
+
+    def draws(*shape: int) -> torch.Tensor:
+        return torch.tensor([rng.normal() for _ in range(math.prod(shape))],
+                            dtype=torch.float64).view(*shape)
+
+    if task.family == "linear":
+        return {"w": draws(task.m)}
+    return {"V": draws(task.r, task.m), "alpha": draws(task.r) / math.sqrt(task.r)}
+
+
+def regression_target(task: RegressionTask, params: dict[str, torch.Tensor],
+                      x: torch.Tensor) -> torch.Tensor:
+    """f(x) for rows x (n, m), noise-free. (n,) float64"""
+    import torch
+
+    # Elementwise products summed per row, not matmuls: a row's value must not depend on how
+    # many rows come with it (BLAS blocks by batch size), or more queries would move the test.
+    x = x.double()
+    if task.family == "linear":
+        return (x * params["w"]).sum(-1)
+    hidden = torch.relu((x[:, None, :] * params["V"][None]).sum(-1))  # (n, r)
+    return (hidden * params["alpha"]).sum(-1)
+
+
+def _regression_part(task: RegressionTask, params: dict[str, torch.Tensor], seed: int,
+                     part: str, count: int) -> tuple[Example, ...]:
+    """`count` examples of one part (its own stream, so sizes never shift another part's
+    draws): x ~ N(0, I_m) rounded to the printed decimals, y = f(x) + noise·N(0, 1)."""
+    import torch
+
+    if count < 1:
+        return ()
+    rng = _Rng(f"ltv_vllm.regression.{part}:{task.family}:{task.m}:{seed}")
+    x = torch.tensor([[round(rng.normal(), task.decimals) for _ in range(task.m)]
+                      for _ in range(count)], dtype=torch.float64)
+    y = regression_target(task, params, x)
+    if task.noise:
+        y = y + task.noise * torch.tensor([rng.normal() for _ in range(count)],
+                                          dtype=torch.float64)
+    return tuple(Example(task.x_text(row.tolist()), float(v)) for row, v in zip(x, y, strict=True))
+
+
+def sample_regression_episode(task: RegressionTask, *, k: int = 30, n: int = 256,
+                              n_test: int = 100, seed: int = 0, n_val: int = 0) -> Episode:
+    """One instance (function) per seed; k demos, n unlabeled queries, n_test test queries
+    and n_val labelled validation points, all of that instance. Example.label is the target
+    y (a float); demos print it rounded, test scores against the exact value."""
+    if k < 1:
+        raise DataError(f"k (demos) must be at least 1, got {k}")
+    if n < 1:
+        raise DataError(f"n (queries) must be at least 1, got {n}")
+    if n_test < 1:
+        raise DataError(f"n_test must be at least 1, got {n_test}")
+    params = regression_instance(task, seed)
+    part = functools.partial(_regression_part, task, params, seed)
+    return Episode(task=task, seed=seed, demos=part("demos", k), queries=part("queries", n),
+                   test=part("test", n_test), test_seed=seed, val=part("val", n_val))
+
+
 __all__ = [
     "DataError",
     "Dataset",
@@ -630,6 +708,9 @@ __all__ = [
     "hash_split",
     "is_test_text",
     "load_dataset",
+    "regression_instance",
+    "regression_target",
+    "sample_regression_episode",
     "packaged_names",
     "safe_load_pickle",
     "sample_episode",

@@ -1,10 +1,14 @@
-"""Label-restricted distributions, accuracy and d_NTP (paper eqs. 2, 3 and "Proposed Metric").
+"""Label-restricted distributions, accuracy and d_NTP (paper eqs. 2, 3 and "Proposed Metric");
+for regression, numbers parsed from generated text, MSE and parse rate.
 
 All functions take restricted logits z (n, K): the LM-head logits of the K label tokens.
 Softmax over them is the paper's P(c | p; C) = P(c | p) / Σ_c' P(c' | p).
 """
 
 from __future__ import annotations
+
+import math
+import re
 
 import torch
 
@@ -68,3 +72,45 @@ def _ranks(x: list[float]) -> list[float]:
 def spearman(x: list[float], y: list[float]) -> float | None:
     """Spearman's ρ: Pearson's r of the ranks (ties averaged)."""
     return pearson(_ranks(x), _ranks(y)) if len(x) >= 3 else None
+
+
+# -- regression: numbers parsed from generated text ----------------------------------------
+
+# A decimal number with an optional sign and exponent: "-1.5", "+.25", "3.", "2e-3".
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def parse_number(text: str, next_input: str | None = "x:") -> float | None:
+    """The answer a generation gives: the first number on its first non-empty line.
+
+    Only that line is read, and a line that starts the next demo (`next_input`, the task's
+    "x:") has no answer, so a model that skips the answer is unparsed rather than answered
+    with an x. Leading text on the line is skipped ("about -1.5" → -1.5); "1.2.3" reads as
+    1.2. None when the line has no number or the number is not finite ("1e999").
+    """
+    line = next((s.strip() for s in text.split("\n") if s.strip()), "")
+    if next_input and line.startswith(next_input):
+        return None
+    m = _NUMBER.search(line)
+    if m is None:
+        return None
+    v = float(m.group())
+    return v if math.isfinite(v) else None
+
+
+def regression_scores(answers: list[float | None], targets: list[float]) -> dict[str, float]:
+    """MSE over the parsed answers, the parse rate, and `mse_zero_fill`: MSE over all queries
+    with an unparsed answer counted as 0 (the prior mean of y), so a method cannot improve
+    its MSE by failing to answer the hard queries."""
+    assert len(answers) == len(targets), "one answer per target"
+    if not targets:
+        raise ValueError("no queries to score")
+    parsed = [(a, t) for a, t in zip(answers, targets, strict=True) if a is not None]
+    filled = [((a if a is not None else 0.0) - t) ** 2 for a, t in zip(answers, targets,
+                                                                       strict=True)]
+    return {
+        "mse": sum((a - t) ** 2 for a, t in parsed) / len(parsed) if parsed else math.nan,
+        "parse_rate": len(parsed) / len(targets),
+        "mse_zero_fill": sum(filled) / len(filled),
+        "n": len(targets),
+    }

@@ -11,7 +11,9 @@ templates and label words are those of the paper (after I2CL), fixed in DESIGN.m
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ class Task:
     # a path to a local .jsonl/.csv file. Hub details (text field, splits) live in `hub`.
     source: str
     hub: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+    kind = "classification"
 
     def __post_init__(self) -> None:
         if len(self.labels) < 2:
@@ -73,6 +76,105 @@ class Task:
             source=str(d["source"]),
             hub=dict(d.get("hub") or {}),
         )
+
+
+REGRESSION_FAMILIES = ("linear", "relu")
+
+
+@dataclass(frozen=True)
+class RegressionTask:
+    """A synthetic regression family (the paper's appendix "Regression Experiments").
+
+    Each run draws one *instance* (one function f) from its seed: linear f(x) = wᵀx with
+    w ~ N(0, I_m); relu f(x) = αᵀReLU(Vx) with V ~ N(0, I) (r × m), α ~ N(0, I/r); inputs
+    x ~ N(0, I_m); y = f(x) + noise · N(0, 1). Prompts (DESIGN.md):
+
+        query = "x: [x1, ..., xm]\ny:"            (no trailing space)
+        demo  = query + " " + y + "\n\n"           (a blank line between demos)
+
+    with every number printed to `decimals` places. The answer is generated, not a label
+    token: there are no `labels`.
+    """
+
+    name: str
+    family: str
+    m: int = 6
+    r: int = 100
+    noise: float = 0.0
+    decimals: int = 4
+    in_prefix: str = "x"
+    label_prefix: str = "y"
+    source: str = "synthetic"
+    kind = "regression"
+
+    def __post_init__(self) -> None:
+        if self.family not in REGRESSION_FAMILIES:
+            raise TaskError(f"task {self.name!r}: unknown regression family {self.family!r}; "
+                            f"choose one of {', '.join(REGRESSION_FAMILIES)}")
+        if self.m < 1 or self.r < 1:
+            raise TaskError(f"task {self.name!r}: m and r must be at least 1, got m={self.m}, "
+                            f"r={self.r}")
+        if not 0 <= self.decimals <= 10:
+            raise TaskError(f"task {self.name!r}: decimals must be 0..10, got {self.decimals}")
+        if not (self.noise >= 0 and math.isfinite(self.noise)):
+            raise TaskError(f"task {self.name!r}: noise must be a finite number >= 0, "
+                            f"got {self.noise}")
+
+    def number(self, v: float) -> str:
+        return f"{v:.{self.decimals}f}"
+
+    def x_text(self, x: Sequence[float]) -> str:
+        return "[" + ", ".join(self.number(v) for v in x) + "]"
+
+    def query(self, text: str) -> str:
+        return f"{self.in_prefix}: {text}\n{self.label_prefix}:"
+
+    def demo(self, text: str, y: float) -> str:
+        return f"{self.query(text)} {self.number(y)}\n\n"
+
+    def icl_prompt(self, demo_prefix: str, text: str) -> str:
+        return demo_prefix + self.query(text)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RegressionTask:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known - {"kind", "data"}
+        if unknown:
+            raise TaskError(f"regression task spec has unknown keys {sorted(unknown)}; "
+                            f"known: {sorted(known)}")
+        if "family" not in d:
+            raise TaskError("regression task spec needs a `family` (linear or relu)")
+        try:
+            return cls(name=str(d.get("name") or d["family"]), family=str(d["family"]),
+                       m=int(d.get("m", 6)), r=int(d.get("r", 100)),
+                       noise=float(d.get("noise", 0.0)), decimals=int(d.get("decimals", 4)),
+                       in_prefix=str(d.get("in_prefix", "x")),
+                       label_prefix=str(d.get("label_prefix", "y")))
+        except (TypeError, ValueError) as e:
+            raise TaskError(f"regression task spec: {e}") from None
+
+
+AnyTask = Task | RegressionTask
+
+
+def is_regression(task: object) -> bool:
+    return isinstance(task, RegressionTask)
+
+
+def task_from_dict(d: dict[str, Any]) -> AnyTask:
+    """A task spec as saved in a file's metadata (either kind)."""
+    if d.get("kind") == "regression":
+        return RegressionTask.from_dict(d)
+    return Task.from_dict(d)
+
+
+REGRESSION_TASKS: dict[str, RegressionTask] = {
+    "linear": RegressionTask("linear", "linear"),
+    "relu": RegressionTask("relu", "relu"),
+}
 
 
 def _t(name: str, inp: str, lab: str, labels: list[str], source: str, **hub: Any) -> Task:
@@ -117,10 +219,11 @@ def list_tasks() -> list[Task]:
     return list(BUILTIN_TASKS.values())
 
 
-def load_task_file(path: str | Path) -> Task:
+def load_task_file(path: str | Path) -> AnyTask:
     """A user task from a JSON or YAML spec: name, in_prefix, label_prefix, labels, data.
 
     `data` (or `source`) is a local .jsonl/.csv path, resolved relative to the spec file.
+    A spec with a `family` (linear | relu) is a regression task: m, r, noise, decimals.
     """
     path = Path(path)
     try:
@@ -140,6 +243,8 @@ def load_task_file(path: str | Path) -> Task:
         raise TaskError(f"task spec {path} must be a mapping")
     d = dict(d)
     d.setdefault("name", path.stem)
+    if "family" in d or d.get("kind") == "regression":
+        return RegressionTask.from_dict(d)  # synthetic: no data file
     src = d.pop("data", None) or d.get("source")
     if not src:
         raise TaskError(f"task spec {path} needs a `data` file")
@@ -150,26 +255,37 @@ def load_task_file(path: str | Path) -> Task:
     return Task.from_dict(d)
 
 
-def get_task(spec: str | Task) -> Task:
-    """A built-in task name or the path of a JSON/YAML task spec."""
-    if isinstance(spec, Task):
+def get_task(spec: str | AnyTask, *, regression: bool = False) -> AnyTask:
+    """A built-in task name or a JSON/YAML task spec. Regression tasks only where the caller
+    handles them (`regression=True`); elsewhere naming one is a one-line error."""
+    task = _lookup(spec)
+    if isinstance(task, RegressionTask) and not regression:
+        raise TaskError(f"{task.name!r} is a regression task (a generated number, no label "
+                        f"words); this command takes classification tasks only")
+    return task
+
+
+def _lookup(spec: str | AnyTask) -> AnyTask:
+    if isinstance(spec, (Task, RegressionTask)):
         return spec
     if spec in BUILTIN_TASKS:
         return BUILTIN_TASKS[spec]
+    if spec in REGRESSION_TASKS:
+        return REGRESSION_TASKS[spec]
     if Path(spec).suffix in (".json", ".yaml", ".yml"):
         return load_task_file(spec)
-    known = ", ".join(sorted(BUILTIN_TASKS))
+    known = ", ".join(sorted(BUILTIN_TASKS) + sorted(REGRESSION_TASKS))
     raise TaskError(f"unknown task {spec!r}; built-in tasks: {known}; or pass a .json/.yaml spec")
 
 
-def get_tasks(spec: str) -> list[Task]:
+def get_tasks(spec: str, *, regression: bool = False) -> list[AnyTask]:
     """Comma-separated task names / spec files, or "packaged" for every packaged task."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if names == ["packaged"]:
         return [t for t in BUILTIN_TASKS.values() if t.source.startswith("packaged:")]
     if not names:
         raise TaskError("no task given")
-    tasks = [get_task(n) for n in names]
+    tasks = [get_task(n, regression=regression) for n in names]
     dup = sorted({t.name for t in tasks if sum(u.name == t.name for u in tasks) > 1})
     if dup:
         raise TaskError(f"task(s) given twice: {', '.join(dup)}")

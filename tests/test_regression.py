@@ -1,0 +1,175 @@
+"""Regression tasks: task specs, seeded instances, prompt format, number parsing, MSE."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from ltv_vllm.data import (
+    DataError,
+    regression_instance,
+    regression_target,
+    sample_regression_episode,
+)
+from ltv_vllm.metrics import parse_number, regression_scores
+from ltv_vllm.tasks import RegressionTask, TaskError, get_task, get_tasks, task_from_dict
+
+
+def _x(text: str) -> list[float]:
+    return json.loads(text)
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    (" 1.2345\n\nx: [0.1]", 1.2345),     # the answer, then the next demo
+    (" -0.5", -0.5),                     # sign
+    (" +.25 units", 0.25),               # explicit plus, no leading digit, trailing words
+    (" 3.", 3.0),                        # a trailing point
+    (" 2e-3", 0.002),                    # exponent
+    (" about -1.5 or so", -1.5),         # leading words on the answer line
+    (" 1.2.3", 1.2),                     # a second point ends the number
+    ("\n  -0.75\n", -0.75),              # the answer on the next line
+    (" 12", 12.0),                       # an integer
+])
+def test_parse_number_reads_the_first_number_of_the_answer_line(text, want):
+    assert parse_number(text) == pytest.approx(want, abs=0, rel=0)
+
+
+@pytest.mark.parametrize("text", [
+    "", "   ", " abc", " -", " .", "\n\n",
+    "\nx: [1.0, 2.0]",                   # skipped the answer, started the next demo
+    " 1e999",                            # not finite
+    " nan", " inf",
+])
+def test_parse_number_garbage_is_none(text):
+    assert parse_number(text) is None
+
+
+def test_parse_number_only_reads_the_first_line():
+    assert parse_number(" ?\n4.0") is None
+    assert parse_number(" ?\n4.0", next_input=None) is None  # the first non-empty line is " ?"
+
+
+def test_regression_scores_against_hand_values():
+    answers = [1.0, None, 3.5, -2.0]
+    targets = [0.0, 2.0, 3.0, -1.0]
+    got = regression_scores(answers, targets)
+    assert got["mse"] == pytest.approx((1.0 + 0.25 + 1.0) / 3)
+    assert got["parse_rate"] == pytest.approx(0.75)
+    assert got["mse_zero_fill"] == pytest.approx((1.0 + 4.0 + 0.25 + 1.0) / 4)
+    assert got["n"] == 4
+    none = regression_scores([None, None], [1.0, 2.0])
+    assert math.isnan(none["mse"]) and none["parse_rate"] == 0.0
+    assert none["mse_zero_fill"] == pytest.approx(2.5)
+
+
+# -- tasks -----------------------------------------------------------------------------------
+
+
+def test_builtin_regression_tasks_and_prompt_format():
+    lin, relu = get_tasks("linear,relu", regression=True)
+    assert (lin.family, relu.family) == ("linear", "relu")
+    assert (lin.m, relu.r, lin.decimals) == (6, 100, 4)
+    assert lin.query("[1.0000]") == "x: [1.0000]\ny:"
+    assert lin.demo("[1.0000]", -2.5) == "x: [1.0000]\ny: -2.5000\n\n"
+    assert lin.x_text([0.5, -1.25]) == "[0.5000, -1.2500]"
+    assert task_from_dict(relu.to_dict()) == relu
+
+
+def test_regression_task_spec_files(tmp_path):
+    p = tmp_path / "cubicish.yaml"
+    p.write_text("family: relu\nm: 3\nr: 8\nnoise: 0.1\ndecimals: 2\n")
+    t = get_task(str(p), regression=True)
+    assert isinstance(t, RegressionTask)
+    assert (t.name, t.m, t.r, t.noise, t.decimals) == ("cubicish", 3, 8, 0.1, 2)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"family": "quadratic"}))
+    with pytest.raises(TaskError, match="unknown regression family 'quadratic'"):
+        get_task(str(bad), regression=True)
+    bad.write_text(json.dumps({"family": "linear", "degree": 2}))
+    with pytest.raises(TaskError, match=r"unknown keys \['degree'\]"):
+        get_task(str(bad), regression=True)
+    with pytest.raises(TaskError, match="decimals"):
+        RegressionTask("x", "linear", decimals=-1)
+    with pytest.raises(TaskError, match="noise"):
+        RegressionTask("x", "linear", noise=float("nan"))
+
+
+# -- instances and episodes ------------------------------------------------------------------
+
+
+def test_instances_are_reproducible_from_their_seed():
+    t = get_task("relu", regression=True)
+    a = sample_regression_episode(t, k=5, n=7, n_test=3, seed=4, n_val=2)
+    b = sample_regression_episode(t, k=5, n=7, n_test=3, seed=4, n_val=2)
+    assert a == b and a.demo_prefix() == b.demo_prefix()
+    c = sample_regression_episode(t, k=5, n=7, n_test=3, seed=5)
+    assert c.demos != a.demos and c.test != a.test
+    # each part has its own stream: more queries do not move the demos or the test set
+    d = sample_regression_episode(t, k=5, n=50, n_test=3, seed=4)
+    assert d.demos == a.demos and d.test == a.test and d.queries[:7] == a.queries
+    assert (len(a.demos), len(a.queries), len(a.test), len(a.val)) == (5, 7, 3, 2)
+
+
+def test_targets_are_the_instance_function_of_the_printed_x():
+    for name in ("linear", "relu"):
+        t = get_task(name, regression=True)
+        ep = sample_regression_episode(t, k=4, n=1, n_test=6, seed=2)
+        p = regression_instance(t, 2)
+        for e in ep.demos + ep.test:
+            x = _x(e.text)
+            assert len(x) == t.m and all(round(v, 4) == v for v in x)
+            if name == "linear":
+                want = sum(wj * xj for wj, xj in zip(p["w"].tolist(), x, strict=True))
+            else:  # by hand: α · ReLU(V x), one unit at a time
+                want = 0.0
+                for vi, ai in zip(p["V"].tolist(), p["alpha"].tolist(), strict=True):
+                    want += ai * max(0.0, sum(v * xj for v, xj in zip(vi, x, strict=True)))
+            assert e.label == pytest.approx(want, rel=1e-12, abs=1e-12)
+        # demos print y to 4 decimals, with a blank line between demos
+        first = ep.demos[0]
+        assert ep.demo_prefix().startswith(f"x: {first.text}\ny: {first.label:.4f}\n\nx: ")
+
+
+def test_instance_parameters_follow_the_papers_priors():
+    t = get_task("relu", regression=True)
+    ps = [regression_instance(t, s) for s in range(20)]
+    v = torch.cat([p["V"].flatten() for p in ps])
+    alpha = torch.cat([p["alpha"] for p in ps])
+    assert v.mean().abs() < 0.05 and (v.std() - 1).abs() < 0.05          # V ~ N(0, I)
+    assert (alpha.std() * math.sqrt(t.r) - 1).abs() < 0.1                # α ~ N(0, I/r)
+    w = torch.cat([regression_instance(get_task("linear", regression=True), s)["w"] for s in range(400)])
+    assert (w.std() - 1).abs() < 0.05 and w.mean().abs() < 0.1           # w ~ N(0, I)
+    x = torch.tensor([[1.0, -1.0, 0.5, 0.0, 2.0, -0.5]])
+    assert regression_target(t, ps[0], x).item() == pytest.approx(
+        float(ps[0]["alpha"] @ torch.relu(ps[0]["V"] @ x[0].double())))
+
+
+def test_noise_is_added_and_seeded():
+    t = RegressionTask("noisy", "linear", noise=0.5)
+    a = sample_regression_episode(t, k=2, n=1, n_test=200, seed=0)
+    clean = sample_regression_episode(RegressionTask("noisy", "linear"), k=2, n=1, n_test=200,
+                                      seed=0)
+    assert [e.text for e in a.test] == [e.text for e in clean.test]
+    diff = torch.tensor([u.label - v.label for u, v in zip(a.test, clean.test, strict=True)])
+    assert 0.4 < float(diff.std()) < 0.6
+    assert a == sample_regression_episode(t, k=2, n=1, n_test=200, seed=0)
+
+
+def test_bad_counts_are_refused():
+    t = get_task("linear", regression=True)
+    for kw in ({"k": 0}, {"n": 0}, {"n_test": 0}):
+        with pytest.raises(DataError):
+            sample_regression_episode(t, **kw)
+
+
+def test_classification_only_commands_refuse_regression_tasks_in_one_line():
+    with pytest.raises(TaskError, match="'relu' is a regression task"):
+        get_task("relu")
+    with pytest.raises(TaskError, match="'linear' is a regression task"):
+        get_tasks("sst2,linear")
