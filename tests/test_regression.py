@@ -173,3 +173,92 @@ def test_classification_only_commands_refuse_regression_tasks_in_one_line():
         get_task("relu")
     with pytest.raises(TaskError, match="'linear' is a regression task"):
         get_tasks("sst2,linear")
+
+
+# -- greedy generation with the shift (transformers reference) --------------------------------
+
+
+def _hand_greedy(model, tokenizer, prompt: str, w: torch.Tensor | None, n_new: int,
+                 first_only: bool = False) -> list[int]:
+    """No cache, no batching, no hooks: run the whole sequence each step, take h at the last
+    position, add W h by hand (at every step, or the first only), project, argmax."""
+    ids = tokenizer(prompt)["input_ids"]
+    out = []
+    with torch.no_grad():
+        for t in range(n_new):
+            h = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+            if w is not None and (t == 0 or not first_only):
+                h = h + w @ h
+            nxt = int(model.lm_head(h).argmax())
+            out.append(nxt)
+            ids = ids + [nxt]
+            if nxt == tokenizer.eos_token_id:
+                break
+    return out
+
+
+def _tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+PROMPTS = ["x: [0.5000, -1.2500]\ny:", "x: [2.0000]\ny:", "Review: dull\nSentiment:",
+           "x: [-0.1234, 3.0000, 1.0000]\ny:", "News: the team"]
+
+
+@pytest.fixture(scope="module")
+def planted_w(tiny_model):
+    g = torch.Generator().manual_seed(3)
+    d = tiny_model.config.hidden_size
+    return torch.randn(d, d, generator=g) / d ** 0.5
+
+
+@pytest.mark.parametrize("steps", ["every", "first"])
+def test_greedy_shift_equals_a_hand_written_loop(tiny_model, tokenizer, planted_w, steps):
+    from ltv_vllm.capture import Capturer
+    from ltv_vllm.generate import greedy
+
+    cap = Capturer(tiny_model, tokenizer, progress=False, batch_size=2)  # batches pad
+    got = greedy(cap, PROMPTS, max_new_tokens=6, shift=lambda h: h @ planted_w.T, steps=steps)
+    plain = greedy(cap, PROMPTS, max_new_tokens=6)
+    for p, text, base in zip(PROMPTS, got, plain, strict=True):
+        want = _hand_greedy(tiny_model, tokenizer, p, planted_w, 6, first_only=steps == "first")
+        assert tokenizer.decode(want, skip_special_tokens=True) == text
+        assert tokenizer.decode(_hand_greedy(tiny_model, tokenizer, p, None, 6),
+                                skip_special_tokens=True) == base
+    assert got != plain  # the planted map changes the answers
+    # the hook is gone: plain logits are as before
+    ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
+    with torch.no_grad():
+        again = tiny_model(ids).logits
+        assert torch.equal(again, tiny_model(ids).logits)
+    assert not tiny_model.lm_head._forward_pre_hooks
+
+
+def test_greedy_with_a_shared_prefix_equals_full_prompts(tiny_model, tokenizer, planted_w):
+    from ltv_vllm.capture import Capturer
+    from ltv_vllm.generate import greedy
+
+    prefix = "x: [1.0000]\ny: 2.0000\n\nx: [-3.0000]\ny: -6.0000\n\n"
+    cap = Capturer(tiny_model, tokenizer, progress=False, batch_size=3)
+    shift = lambda h: h @ planted_w.T  # noqa: E731
+    cached = greedy(cap, PROMPTS, prefix=prefix, max_new_tokens=5, shift=shift)
+    full = [greedy(cap, [prefix + p], max_new_tokens=5, shift=shift)[0] for p in PROMPTS]
+    assert cached == full
+    for p, text in zip(PROMPTS, cached, strict=True):
+        hand = _hand_greedy(tiny_model, tokenizer, prefix + p, planted_w, 5)
+        assert text == tokenizer.decode(hand, skip_special_tokens=True)
+
+
+def test_greedy_refuses_bad_requests(tiny_model, tokenizer):
+    from ltv_vllm.capture import Capturer
+    from ltv_vllm.generate import GenerateError, greedy
+
+    prompt = "x: [1.0000, 2.0000]\ny:"
+    cap = Capturer(tiny_model, tokenizer, progress=False, max_length=len(_tokens(tokenizer,
+                                                                                prompt)) + 4)
+    with pytest.raises(GenerateError, match="max_new_tokens"):
+        greedy(cap, ["x:"], max_new_tokens=0)
+    with pytest.raises(GenerateError, match="plus 8 new ones exceeds the model context"):
+        greedy(cap, [prompt], max_new_tokens=8)
+    with pytest.raises(GenerateError, match="steps"):
+        greedy(cap, ["x:"], shift=lambda h: h, steps="last")
