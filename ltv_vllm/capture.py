@@ -243,13 +243,13 @@ class Capturer:
         bar = tqdm(total=len(seqs), desc=desc, unit="prompt", disable=not self.progress,
                    leave=False)
         for idx in _batches(len(seqs), self.batch_size):
-            rows.append(self._forward_packed([seqs[i] for i in idx], prefix))
+            rows.append(self.forward_packed([seqs[i] for i in idx], prefix))
             bar.update(len(idx))
         bar.close()
         return torch.cat(rows)  # (n, d)
 
     @torch.no_grad()
-    def _forward_packed(self, seqs: list[list[int]], prefix: Prefix) -> torch.Tensor:
+    def forward_packed(self, seqs: list[list[int]], prefix: Prefix) -> torch.Tensor:
         """Several queries after one shared prefix, packed into a single row. (B, d)
 
         `[prefix | q1 | q2 | ...]` with a block mask: every query token sees the whole prefix

@@ -113,8 +113,12 @@ def test_tv_replacement_equals_a_hand_written_hook(model, ctx, artifacts):
         torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_last_token_sweep_equals_full_forwards(model, ctx, artifacts):
-    """One row per candidate layer against the cached earlier tokens == a full forward each."""
+@pytest.mark.parametrize("pack", [True, False])
+def test_last_token_sweep_equals_full_forwards(model, ctx, artifacts, pack, monkeypatch):
+    """One row per candidate layer against the cached earlier tokens == a full forward each,
+    with the rows packed along one sequence (the default) and as a padded batch."""
+    monkeypatch.setattr(ctx.cap, "pack", pack)
+    assert ctx.cap.packed == pack
     theta = artifacts["tv"].tensors["theta"]
     ids = query_ids(ctx, 1)[0].tolist()
     layers = torch.arange(len(decoder_layers(model)))
@@ -127,7 +131,9 @@ def test_last_token_sweep_equals_full_forwards(model, ctx, artifacts):
         torch.testing.assert_close(fast[ell], full[0], atol=1e-5, rtol=1e-5)
 
 
-def test_fast_indirect_effect_equals_naive_patched_forwards(ctx):
+@pytest.mark.parametrize("pack", [True, False])
+def test_fast_indirect_effect_equals_naive_patched_forwards(ctx, pack, monkeypatch):
+    monkeypatch.setattr(ctx.cap, "pack", pack)
     mean_act = mean_head_activations(ctx)
     trials = shuffled_prompts(ctx)[:2]
     fast = indirect_effects(ctx, mean_act, trials, fast=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,6 +186,20 @@ def head_dim(model: nn.Module) -> tuple[int, int]:
 
 Edit = Callable[[torch.Tensor], torch.Tensor]  # (B, T, D) → (B, T, D), never in place
 
+# While `last_token_states` runs its candidates packed along one sequence after the cached
+# prefix, the tensors an edit gets are (1, R, D), candidate r at position r; edits are written
+# for the batch layout (row r, last position), so they are shown the transpose (R, 1, D).
+_ROWS_ON_SEQUENCE: ContextVar[bool] = ContextVar("rows_on_sequence", default=False)
+
+
+def _in_layout(fn: Edit) -> Edit:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if _ROWS_ON_SEQUENCE.get():
+            return fn(x.transpose(0, 1)).transpose(0, 1)
+        return fn(x)
+
+    return run
+
 
 def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
@@ -204,10 +219,11 @@ def edits(
     with ExitStack() as stack:
         for mod, fn in outputs:
             h = mod.register_forward_hook(
-                lambda _m, _a, out, fn=fn: _with_first(out, fn(_first(out))))
+                lambda _m, _a, out, fn=_in_layout(fn): _with_first(out, fn(_first(out))))
             stack.callback(h.remove)
         for mod, fn in inputs:
-            h = mod.register_forward_pre_hook(lambda _m, args, fn=fn: (fn(args[0]), *args[1:]))
+            h = mod.register_forward_pre_hook(
+                lambda _m, args, fn=_in_layout(fn): (fn(args[0]), *args[1:]))
             stack.callback(h.remove)
         yield
 
@@ -263,12 +279,24 @@ def prefix_of(cap: Capturer, ids: list[int]) -> Prefix:
 
 def last_token_states(cap: Capturer, ids: list[int], rows: int,
                       prefix: Prefix | None = None) -> torch.Tensor:
-    """h at the last token of `ids`, run `rows` times as a batch against one KV cache of the
-    earlier tokens (pass it as `prefix` to reuse it): under a hook whose edit differs per row,
-    each row is one candidate. (rows, d) float32"""
+    """h at the last token of `ids`, run `rows` times against one KV cache of the earlier
+    tokens (pass it as `prefix` to reuse it): under a hook whose edit differs per row, each
+    row is one candidate. (rows, d) float32
+
+    The copies are packed into one sequence after the prefix (each sees the prefix and itself:
+    `Capturer.forward_packed`), so the prefix's keys and values are not copied once per row,
+    which on CPU cost more than the rows' own compute (FV's head sweep over a k=30 prompt);
+    `edits` show hooks the batch layout either way. Kernels without a custom mask run the
+    rows as a batch."""
     if len(ids) < 2:
         raise MethodError("a prompt of one token has no earlier positions to cache")
     pre = prefix or prefix_of(cap, ids[:-1])
+    if cap.packed:
+        token = _ROWS_ON_SEQUENCE.set(True)
+        try:
+            return cap.forward_packed([[ids[-1]]] * rows, pre)
+        finally:
+            _ROWS_ON_SEQUENCE.reset(token)
     last = torch.full((rows, 1), ids[-1], dtype=torch.long)
     return cap.forward_last(last, torch.ones_like(last), pre)
 
