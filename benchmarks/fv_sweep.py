@@ -81,7 +81,8 @@ def main() -> None:
           f"{len(some)} layers, scaled ×{n_layers / len(some):.0f}) |\n\n"
           f"Speed-up {res['speedup']:.0f}× over naive ({t_rows / t_fast:.1f}× over batch rows); "
           f"largest difference of the indirect effects on the heads both measured: {diff:.1e} "
-          f"(packed vs batch rows, every head: {diff_rows:.1e}).\n\nMachine: {machine_line(res['machine'])}.\n")
+          f"(packed vs batch rows, every head: {diff_rows:.1e}).\n\n"
+          f"Machine: {machine_line(res['machine'])}.\n")
     (a.out / "results.md").write_text(md)
     print(md)
 

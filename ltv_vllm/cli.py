@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from . import __version__
+from .errors import ArgumentError
 from .fileio import check_writable
 
 
@@ -274,8 +275,6 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     source_opts = _source(source_spec, source_dtype, source_device_map, source_quantization,
                           work_dir, chunk_size, batch_size, quiet)
     if method != "ltv":
-        from .errors import ArgumentError
-
         if source_opts or rank is not None:
             raise ArgumentError(f"--method {method}: --source-model and --rank are LTV's only")
         return _extract_method(model_spec, task, method, output, dtype, device, opts)
@@ -504,18 +503,24 @@ def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | No
               help="TV: dummy queries its state is averaged over.")
 @click.option("--mlp-depth", default=2, show_default=True,
               help="MLP mapping: 2 (the paper's W₂ ReLU(W₁ h)), or 4/8/16 with residual blocks.")
+@click.option("--max-new-tokens", default=12, show_default=True,
+              help="Regression tasks: tokens generated per answer.")
 @_source_options
 @friendly
 def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: int, k: int | None,
              n: int, lam: float, n_test: int, seed: int, batch_size: int, dtype: str, device: str,
              out_dir: Path, quiet: bool, n_val: int, cost_samples: int, fv_trials: int,
-             fv_prompts: int, tv_dummies: int, mlp_depth: int, source_spec: str | None,
-             source_dtype: str, source_device_map: str | None, source_quantization: str,
-             work_dir: Path | None, chunk_size: int) -> None:
+             fv_prompts: int, tv_dummies: int, mlp_depth: int, max_new_tokens: int,
+             source_spec: str | None, source_dtype: str, source_device_map: str | None,
+             source_quantization: str, work_dir: Path | None, chunk_size: int) -> None:
     """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots.
 
     With --source-model LARGE it is the paper's transfer table: each method on the target
     (--model) and on LARGE, and LARGE's ICL transferred to the target in logit space.
+
+    Regression tasks (--tasks linear,relu): one instance per run, answers generated greedily
+    (methods zero-shot, icl, ltv, ltv-first, mean, mlp, i2cl); MSE, parse rate and the
+    first-token KL to ICL.
     """
     from .evaluate import EvalConfig, markdown_table, plan_episodes, resolve_methods, write_report
     from .evaluate import evaluate as run_evaluate
@@ -530,8 +535,19 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
                                            tv_dummies=tv_dummies, mlp_depth=mlp_depth))
     source_opts = _source(source_spec, source_dtype, source_device_map, source_quantization,
                           work_dir, chunk_size, batch_size, quiet)
+    tasks_ = get_tasks(task_list, regression=True)
+    kinds = {t.kind for t in tasks_}
+    if len(kinds) > 1:
+        raise ArgumentError("--tasks mixes classification and regression tasks; evaluate them "
+                            "separately (their metrics differ)")
+    if kinds == {"regression"}:
+        if source_opts is not None:
+            raise ArgumentError("--source-model: cross-model transfer is for classification "
+                                "tasks (a logit-space map over label tokens)")
+        _evaluate_regression(model_spec, tasks_, methods, cfg, dtype, device, out_dir,
+                             max_new_tokens, quiet)
+        return
     ms = resolve_methods(_csv(methods) if methods else None, transfer=source_opts is not None)
-    tasks_ = get_tasks(task_list)
     check_writable(out_dir, option="--out", directory=True)
     tok = load_tokenizer(model_spec)
     for t in tasks_:
@@ -545,6 +561,31 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     paths = write_report(doc, out_dir, _command_line())
     partial.unlink(missing_ok=True)
     click.echo(markdown_table({**doc}))
+    click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
+def _evaluate_regression(model_spec: str | None, tasks_: list[Any], methods: str | None,
+                         cfg: Any, dtype: str, device: str, out_dir: Path, max_new_tokens: int,
+                         quiet: bool) -> None:
+    from .loading import load_model
+    from .regress import (
+        evaluate_regression,
+        regression_table,
+        resolve_regression_methods,
+        write_regression_report,
+    )
+
+    ms = resolve_regression_methods(_csv(methods) if methods else None)
+    if max_new_tokens < 1:
+        raise ArgumentError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    check_writable(out_dir, option="--out", directory=True)
+    lm = load_model(model_spec, dtype=dtype, device=device)
+    partial = out_dir / "partial.json"
+    doc = evaluate_regression(lm, tasks_, ms, cfg, max_new_tokens=max_new_tokens,
+                              progress=not quiet, checkpoint=partial)
+    paths = write_regression_report(doc, out_dir, _command_line())
+    partial.unlink(missing_ok=True)
+    click.echo(regression_table(doc))
     click.echo("wrote " + ", ".join(str(p) for p in paths))
 
 

@@ -1,8 +1,9 @@
 """Greedy generation in transformers: the reference for regression answers.
 
 `greedy(cap, prompts)` decodes every prompt greedily in left-padded batches through
-transformers' own `generate`. A hidden-space shift (LTV, mean shift, the MLP map) is added to
-the LM head's input h:
+transformers' own `generate`, under whatever hooks the caller holds (a method's `applied`:
+LTV, mean shift and the MLP map act on every step that way). `mapping` (h → the state the
+LM head sees, e.g. a hidden-space method's `shift`) is applied by `greedy` itself:
 
   steps="every": at every generated token (the paper's regression setting, and what serving
                  does);
@@ -35,9 +36,10 @@ class GenerateError(UserError):
 
 
 @contextmanager
-def shifted_head(model, shift: Callable[[torch.Tensor], torch.Tensor],
-                 steps: str = "every") -> Iterator[Callable[[], None]]:
-    """h → h + shift(h) at the LM head's input. Yields `restart()`: call it before each
+def mapped_head(model, mapping: Callable[[torch.Tensor], torch.Tensor],
+                steps: str = "every") -> Iterator[Callable[[], None]]:
+    """h → mapping(h) at the LM head's input (computed in float32 on h's device). Yields
+    `restart()`: call it before each
     `generate`, so that with steps="first" the next LM-head call (the prefill's) is shifted
     and the later ones (one per generated token) are not."""
     if steps not in STEPS:
@@ -50,7 +52,7 @@ def shifted_head(model, shift: Callable[[torch.Tensor], torch.Tensor],
         if steps == "first" and calls[0] > 1:
             return None
         h = args[0]
-        return (h + shift(h.float()).to(h.dtype), *args[1:])
+        return (mapping(h.float()).to(h.dtype), *args[1:])
 
     def restart() -> None:
         calls[0] = 0
@@ -79,7 +81,7 @@ def greedy(
     *,
     prefix: str | None = None,
     max_new_tokens: int = 12,
-    shift: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    mapping: Callable[[torch.Tensor], torch.Tensor] | None = None,
     steps: str = "every",
     desc: str = "generate",
 ) -> list[str]:
@@ -110,7 +112,7 @@ def greedy(
     groups = [[i for i in order if cached[i] == c] for c in (False, True)]
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not cap.progress,
                leave=False)
-    with (shifted_head(model, shift, steps) if shift is not None else _noop()) as restart:
+    with (mapped_head(model, mapping, steps) if mapping is not None else _noop()) as restart:
         for use_cache, group in zip((False, True), groups, strict=True):
             for idx in _batches(len(group), cap.batch_size):
                 rows = [group[i] for i in idx]

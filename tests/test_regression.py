@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import pytest
 import torch
 
+from conftest import make_llama
 from ltv_vllm.data import (
     DataError,
     regression_instance,
@@ -143,7 +145,8 @@ def test_instance_parameters_follow_the_papers_priors():
     alpha = torch.cat([p["alpha"] for p in ps])
     assert v.mean().abs() < 0.05 and (v.std() - 1).abs() < 0.05          # V ~ N(0, I)
     assert (alpha.std() * math.sqrt(t.r) - 1).abs() < 0.1                # α ~ N(0, I/r)
-    w = torch.cat([regression_instance(get_task("linear", regression=True), s)["w"] for s in range(400)])
+    lin = get_task("linear", regression=True)
+    w = torch.cat([regression_instance(lin, s)["w"] for s in range(400)])
     assert (w.std() - 1).abs() < 0.05 and w.mean().abs() < 0.1           # w ~ N(0, I)
     x = torch.tensor([[1.0, -1.0, 0.5, 0.0, 2.0, -0.5]])
     assert regression_target(t, ps[0], x).item() == pytest.approx(
@@ -218,7 +221,8 @@ def test_greedy_shift_equals_a_hand_written_loop(tiny_model, tokenizer, planted_
     from ltv_vllm.generate import greedy
 
     cap = Capturer(tiny_model, tokenizer, progress=False, batch_size=2)  # batches pad
-    got = greedy(cap, PROMPTS, max_new_tokens=6, shift=lambda h: h @ planted_w.T, steps=steps)
+    got = greedy(cap, PROMPTS, max_new_tokens=6, mapping=lambda h: h + h @ planted_w.T,
+                 steps=steps)
     plain = greedy(cap, PROMPTS, max_new_tokens=6)
     for p, text, base in zip(PROMPTS, got, plain, strict=True):
         want = _hand_greedy(tiny_model, tokenizer, p, planted_w, 6, first_only=steps == "first")
@@ -240,9 +244,9 @@ def test_greedy_with_a_shared_prefix_equals_full_prompts(tiny_model, tokenizer, 
 
     prefix = "x: [1.0000]\ny: 2.0000\n\nx: [-3.0000]\ny: -6.0000\n\n"
     cap = Capturer(tiny_model, tokenizer, progress=False, batch_size=3)
-    shift = lambda h: h @ planted_w.T  # noqa: E731
-    cached = greedy(cap, PROMPTS, prefix=prefix, max_new_tokens=5, shift=shift)
-    full = [greedy(cap, [prefix + p], max_new_tokens=5, shift=shift)[0] for p in PROMPTS]
+    mapping = lambda h: h + h @ planted_w.T  # noqa: E731
+    cached = greedy(cap, PROMPTS, prefix=prefix, max_new_tokens=5, mapping=mapping)
+    full = [greedy(cap, [prefix + p], max_new_tokens=5, mapping=mapping)[0] for p in PROMPTS]
     assert cached == full
     for p, text in zip(PROMPTS, cached, strict=True):
         hand = _hand_greedy(tiny_model, tokenizer, prefix + p, planted_w, 5)
@@ -261,4 +265,103 @@ def test_greedy_refuses_bad_requests(tiny_model, tokenizer):
     with pytest.raises(GenerateError, match="plus 8 new ones exceeds the model context"):
         greedy(cap, [prompt], max_new_tokens=8)
     with pytest.raises(GenerateError, match="steps"):
-        greedy(cap, ["x:"], shift=lambda h: h, steps="last")
+        greedy(cap, ["x:"], mapping=lambda h: h, steps="last")
+
+
+# -- evaluate on regression tasks, end to end -------------------------------------------------
+
+
+def test_cli_evaluate_regression_end_to_end_against_hand_computation(tmp_path, tokenizer):
+    """`evaluate --tasks linear` on a tiny model; run 0's zero-shot, ICL, LTV (every step)
+    and LTV (first step) answers are recomputed by hand: plain forwards without cache, a
+    direct ridge solve for W, the hand greedy loop, our parser, MSE by hand."""
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    model = make_llama(len(tokenizer), seed=11, layers=2)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    methods = "zero-shot,icl,ltv,ltv-first,mean,mlp,i2cl"
+    r = CliRunner().invoke(main, [
+        "evaluate", "--model", str(tmp_path / "m"), "--tasks", "linear", "--methods", methods,
+        "--runs", "2", "--k", "3", "--n", "12", "--n-test", "5", "--max-new-tokens", "4",
+        "--dtype", "float32", "--out", str(tmp_path / "ev"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert not (tmp_path / "ev" / "partial.json").exists()
+    assert {(x["method"], x["run"]) for x in doc["records"]} == {
+        (m, run) for m in methods.split(",") for run in (0, 1)}
+    md = (tmp_path / "ev" / "results.md").read_text()
+    assert "**MSE over parsed answers**" in md and "| LTV, first step only |" in md
+
+    task = get_task("linear", regression=True)
+    ep = sample_regression_episode(task, k=3, n=12, n_test=5, seed=0)
+    prefix = ep.demo_prefix()
+
+    def h_last(prompt: str) -> torch.Tensor:
+        with torch.no_grad():
+            ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+            return model.model(input_ids=ids).last_hidden_state[0, -1]
+
+    h_zs = torch.stack([h_last(task.query(e.text)) for e in ep.queries]).double()
+    h_icl = torch.stack([h_last(prefix + task.query(e.text)) for e in ep.queries]).double()
+    y = h_icl - h_zs
+    d = h_zs.shape[1]
+    w = torch.linalg.solve(h_zs.T @ h_zs + 5.0 * torch.eye(d, dtype=torch.float64),
+                           h_zs.T @ y).T.float()  # ridge: W (d, d), h ↦ W h
+
+    def by_hand(prompts: list[str], w=None, first_only=False) -> dict[str, Any]:
+        texts = [tokenizer.decode(_hand_greedy(model, tokenizer, p, w, 4, first_only),
+                                  skip_special_tokens=True) for p in prompts]
+        answers = [parse_number(t) for t in texts]
+        targets = [e.label for e in ep.test]
+        ok = [(a - t) ** 2 for a, t in zip(answers, targets, strict=True) if a is not None]
+        filled = [((a or 0.0) - t) ** 2 for a, t in zip(answers, targets, strict=True)]
+        return {"parse_rate": len(ok) / len(targets), "mse_zero_fill": sum(filled) / len(filled),
+                "mse": sum(ok) / len(ok) if ok else math.nan, "texts": texts}
+
+    queries = [task.query(e.text) for e in ep.test]
+    got = {x["method"]: x for x in doc["records"] if x["run"] == 0}
+    want = {"zero-shot": by_hand(queries), "icl": by_hand([prefix + q for q in queries]),
+            "ltv": by_hand(queries, w), "ltv-first": by_hand(queries, w, first_only=True)}
+    assert want["ltv"]["texts"] != want["zero-shot"]["texts"]  # the map changes the answers
+    for m, hand in want.items():
+        assert got[m]["texts"] == hand["texts"], m  # the generated answers, token for token
+        assert got[m]["parse_rate"] == pytest.approx(hand["parse_rate"]), m
+        assert got[m]["mse_zero_fill"] == pytest.approx(hand["mse_zero_fill"], rel=1e-9), m
+        assert (math.isnan(got[m]["mse"]) and math.isnan(hand["mse"])) or \
+            got[m]["mse"] == pytest.approx(hand["mse"], rel=1e-9), m
+    # the KL analogue by hand: full-vocabulary softmax at the first generated token
+    with torch.no_grad():
+        lp_icl = torch.log_softmax(model.lm_head(torch.stack(
+            [h_last(prefix + q) for q in queries])).double(), -1)
+        lp_zs = torch.log_softmax(model.lm_head(torch.stack(
+            [h_last(q) for q in queries])).double(), -1)
+        h = torch.stack([h_last(q) for q in queries])
+        lp_ltv = torch.log_softmax(model.lm_head(h + h @ w.T).double(), -1)
+
+    def kl(lp):
+        return float((lp_icl.exp() * (lp_icl - lp)).sum(-1).mean())
+
+    assert got["zero-shot"]["kl_first"] == pytest.approx(kl(lp_zs), rel=1e-4)
+    assert got["ltv"]["kl_first"] == pytest.approx(kl(lp_ltv), rel=1e-3)
+    assert got["ltv-first"]["kl_first"] == got["ltv"]["kl_first"]
+    assert got["icl"]["kl_first"] == 0.0
+
+
+def test_cli_evaluate_regression_refusals(tmp_path):
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    def run(*args: str) -> str:
+        r = CliRunner().invoke(main, ["evaluate", "--out", str(tmp_path / "x"), *args])
+        assert r.exit_code != 0
+        return r.output
+
+    assert "mixes classification and regression" in run("--tasks", "sst2,linear")
+    assert "tv cannot run on regression tasks" in run("--tasks", "relu", "--methods", "ltv,tv")
+    assert "--max-new-tokens must be at least 1" in run("--tasks", "relu",
+                                                        "--max-new-tokens", "0")
+    assert not (tmp_path / "x").exists()

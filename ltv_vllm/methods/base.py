@@ -217,13 +217,14 @@ def edits(
     """Edit modules' outputs (first element of a tuple output) and first inputs for the
     duration of the block; every hook is removed on exit, whatever happens inside."""
     with ExitStack() as stack:
-        for mod, fn in outputs:
+        for mod, edit in outputs:
+            fn = _in_layout(edit)
             h = mod.register_forward_hook(
-                lambda _m, _a, out, fn=_in_layout(fn): _with_first(out, fn(_first(out))))
+                lambda _m, _a, out, fn=fn: _with_first(out, fn(_first(out))))
             stack.callback(h.remove)
-        for mod, fn in inputs:
-            h = mod.register_forward_pre_hook(
-                lambda _m, args, fn=_in_layout(fn): (fn(args[0]), *args[1:]))
+        for mod, edit in inputs:
+            fn = _in_layout(edit)
+            h = mod.register_forward_pre_hook(lambda _m, args, fn=fn: (fn(args[0]), *args[1:]))
             stack.callback(h.remove)
         yield
 

@@ -1,0 +1,298 @@
+"""Regression evaluation: methods × instances → generated answers → MSE, parse rate, KL.
+
+Each run is one task *instance* (a function drawn from the run's seed, `data.
+sample_regression_episode`): k demos, N unlabeled queries and the test queries all from it.
+Extraction is the classification one (h at the query's last token, zero-shot and after the
+demos; `methods`), and every answer is *generated* greedily in transformers (`generate`):
+
+  zero-shot   the query alone            icl         demos + query (shared prefix cache)
+  ltv, mean, mlp, i2cl                   the query alone, the method applied at every step
+  ltv-first   LTV's map at the first generated token only (the paper's reference code)
+
+Scores per method and instance: MSE over the parsed answers, the parse rate, and MSE with an
+unparsed answer counted as 0 (`metrics.regression_scores`); and, as the analogue of d_NTP
+(there is no label set to restrict to), `kl_first`: KL(P_icl ‖ P_method) over the whole
+vocabulary at the first generated token, averaged over the test queries.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__
+from .capture import Capturer
+from .data import sample_regression_episode
+from .errors import ArgumentError
+from .evaluate import EvalConfig, _resume, _save_checkpoint, method_label
+from .extract import DEFAULT_K, LoadedModel
+from .fileio import atomic_write, save_figure
+from .generate import greedy
+from .hardware import hardware, machine_line
+from .methods import Context, get_method
+from .methods.base import full_log_probs
+from .metrics import parse_number, pearson, regression_scores, spearman
+from .tasks import RegressionTask
+
+FIRST = "ltv-first"
+# what a regression evaluation can run: TV, FV and SV choose their layer on label accuracy,
+# which a generated number does not have
+REGRESSION_METHODS = ("zero-shot", "icl", "ltv", FIRST, "mean", "mlp", "i2cl")
+DEFAULT_REGRESSION_METHODS = ("zero-shot", "icl", "ltv", FIRST, "mean")
+LABELS = {FIRST: "LTV, first step only"}
+
+
+def resolve_regression_methods(methods: Sequence[str] | None) -> list[str]:
+    ms = list(methods) if methods else list(DEFAULT_REGRESSION_METHODS)
+    bad = [m for m in ms if m not in REGRESSION_METHODS]
+    if bad:
+        why = (" (TV, FV and SV choose their layer on label accuracy; regression has no labels)"
+               if set(bad) & {"tv", "fv", "sv"} else "")
+        raise ArgumentError(f"--methods: {', '.join(bad)} cannot run on regression tasks{why}; "
+                            f"choose from {', '.join(REGRESSION_METHODS)}")
+    if "icl" not in ms:
+        ms.insert(0, "icl")  # KL is measured against it
+    return ms
+
+
+def _kl(logp_ref: torch.Tensor, logp: torch.Tensor) -> float:
+    """Mean over rows of KL(P_ref ‖ P) from full-vocabulary log-probabilities."""
+    return float((logp_ref.exp() * (logp_ref - logp)).sum(-1).mean())
+
+
+def _on_device_of(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor],
+                                                                           torch.Tensor]:
+    # hidden-space maps hold float32 CPU tensors; the head's input may live elsewhere
+    return lambda h: fn(h.float().cpu()).to(h.device)
+
+
+def score_instance(ctx: Context, methods: Sequence[str], max_new_tokens: int
+                   ) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+    """Every method's scores on one instance's test queries, and extraction seconds."""
+    cap, ep = ctx.cap, ctx.episode
+    task = ep.task
+    queries = [task.query(e.text) for e in ep.test]
+    targets = [float(e.label) for e in ep.test]
+    prefix = ep.demo_prefix()
+    gen = {"max_new_tokens": max_new_tokens}
+    h_zs = cap.hidden(queries, desc=f"{task.name} zero-shot test")
+    logp = {"zero-shot": full_log_probs(cap, h_zs),
+            "icl": full_log_probs(cap, cap.icl(prefix, queries, desc=f"{task.name} icl test"))}
+    texts = {"zero-shot": greedy(cap, queries, desc=f"{task.name} zero-shot gen", **gen),
+             "icl": greedy(cap, queries, prefix=prefix, desc=f"{task.name} icl gen", **gen)}
+    ext: dict[str, float] = {}
+    need = [m for m in methods if m not in texts]
+    if FIRST in need and "ltv" not in need:
+        need.insert(need.index(FIRST), "ltv")  # extracted for the ablation, not reported
+    arts: dict[str, Any] = {}
+    for name in need:
+        if name == FIRST:
+            logp[FIRST] = logp["ltv"]  # the first token is shifted either way
+            texts[FIRST] = greedy(cap, queries, mapping=_on_device_of(
+                                      functools.partial(get_method("ltv").shift, arts["ltv"])),
+                                  steps="first", desc=f"{task.name} {FIRST} gen", **gen)
+            ext[FIRST] = ext["ltv"]
+            continue
+        m = get_method(name)
+        t0 = time.perf_counter()
+        arts[name] = art = m.extract(ctx)
+        ext[name] = time.perf_counter() - t0 + (ctx.capture_seconds if m.uses_states else 0.0)
+        if m.hidden_space:  # the state the head sees, in closed form (no hook: not twice)
+            logp[name] = full_log_probs(cap, m.shift(art, h_zs))
+        with m.applied(ctx.model, art):
+            if not m.hidden_space:
+                logp[name] = full_log_probs(cap, cap.hidden(queries,
+                                                            desc=f"{task.name} {name} test"))
+            texts[name] = greedy(cap, queries, desc=f"{task.name} {name} gen", **gen)
+    out: dict[str, dict[str, Any]] = {}
+    for name in methods:
+        answers = [parse_number(t, task.in_prefix + ":") for t in texts[name]]
+        s = regression_scores(answers, targets)
+        s["kl_first"] = 0.0 if name == "icl" else _kl(logp["icl"], logp[name])
+        s["texts"] = texts[name]  # every generated answer, parsed or not: nothing is hidden
+        out[name] = s
+    return out, ext
+
+
+def evaluate_regression(
+    lm: LoadedModel,
+    tasks: Sequence[RegressionTask],
+    methods: Sequence[str],
+    cfg: EvalConfig,
+    *,
+    max_new_tokens: int = 12,
+    progress: bool = True,
+    checkpoint: str | Path | None = None,
+) -> dict[str, Any]:
+    """Every task × instance; the result document `write_regression_report` saves."""
+    from tqdm.auto import tqdm
+
+    methods = resolve_regression_methods(methods)
+    if max_new_tokens < 1:
+        raise ArgumentError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    k = cfg.k or DEFAULT_K
+    config = {
+        "kind": "regression",
+        "model": lm.spec,
+        "model_identity": lm.identity.to_dict(),
+        "dtype": str(lm.model.dtype).removeprefix("torch."),
+        "tasks": [t.name for t in tasks],
+        "task_specs": {t.name: t.to_dict() for t in tasks},
+        "methods": methods,
+        "max_new_tokens": max_new_tokens,
+        **{key: v for key, v in cfg.to_dict().items() if key not in ("n_val", "cost_samples")},
+        "k": k,
+    }
+    state = _resume(checkpoint, config)
+    records: list[dict[str, Any]] = state["records"]
+    done = {(t, r) for t, r in state["done"]}
+    cap = Capturer(lm.model, lm.tokenizer, batch_size=cfg.batch_size, progress=progress)
+    started = time.perf_counter() - state["wall_seconds"]
+    bar = tqdm(total=len(tasks) * cfg.runs, initial=len(done), desc="instances", unit="run",
+               disable=not progress)
+    for task in tasks:
+        for run in range(cfg.runs):
+            if (task.name, run) in done:
+                continue
+            seed = cfg.seed + run
+            ep = sample_regression_episode(task, k=k, n=cfg.n, n_test=cfg.n_test, seed=seed)
+            ctx = Context(cap, ep, [], cfg.method_options(seed, progress), identity=lm.identity)
+            scores, ext = score_instance(ctx, methods, max_new_tokens)
+            for m in methods:
+                records.append({"task": task.name, "run": run, "seed": seed, "method": m,
+                                **scores[m], "extraction_seconds": ext.get(m),
+                                "k_used": len(ep.demos)})
+            bar.set_postfix_str(f"{task.name}: " + " ".join(
+                f"{m}={scores[m]['mse']:.2f}" for m in methods))
+            bar.update(1)
+            done.add((task.name, run))
+            if checkpoint is not None:
+                _save_checkpoint(checkpoint, config, records, {}, sorted(done),
+                                 time.perf_counter() - started)
+    bar.close()
+    names = [t.name for t in tasks]
+    return {
+        "config": config,
+        "machine": {**hardware(), "ltv_vllm": __version__},
+        "wall_seconds": time.perf_counter() - started,
+        "records": records,
+        "summary": summarise_regression(records, names, methods),
+        "correlation": _correlation(records),
+    }
+
+
+METRICS = ("mse", "parse_rate", "mse_zero_fill", "kl_first")
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    xs = [x for x in xs if x == x]  # an instance with no parsed answer has no MSE (NaN)
+    if not xs:
+        return float("nan"), 0.0
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def summarise_regression(records: list[dict[str, Any]], tasks: list[str],
+                         methods: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for t in tasks:
+        out[t] = {}
+        for m in methods:
+            rs = [r for r in records if r["task"] == t and r["method"] == m]
+            cell: dict[str, Any] = {"runs": len(rs)}
+            for key in METRICS:
+                cell[key], cell[key + "_std"] = _mean_std([r[key] for r in rs])
+            out[t][m] = cell
+    return out
+
+
+def _correlation(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """kl_first against MSE over (method, task, run) points, ICL left out (its KL is 0)."""
+    pts = [r for r in records if r["method"] != "icl" and r["mse"] == r["mse"]]
+    x, y = [r["kl_first"] for r in pts], [r["mse"] for r in pts]
+    return {"pearson": pearson(x, y), "spearman": spearman(x, y), "points": len(pts)}
+
+
+def _label(m: str) -> str:
+    return LABELS.get(m) or method_label(m)
+
+
+def regression_table(doc: dict[str, Any]) -> str:
+    cfg, summ = doc["config"], doc["summary"]
+    tasks, methods = cfg["tasks"], cfg["methods"]
+    head = "| Method | " + " | ".join(tasks) + " |"
+    sep = "|---|" + "---|" * len(tasks)
+    lines = [f"Model `{cfg['model']}` ({cfg['dtype']}), k={cfg['k']}, N={cfg['n']}, "
+             f"λ={cfg['lam']}, {cfg['n_test']} test queries per instance, {cfg['runs']} "
+             f"instances per task (mean ± std over instances), greedy, at most "
+             f"{cfg['max_new_tokens']} new tokens, the first number of the answer line parsed."]
+
+    def table(title: str, key: str, fmt: str, skip: tuple[str, ...] = ()) -> None:
+        lines.extend(["", title, "", head, sep])
+        for m in methods:
+            if m in skip:
+                continue
+            cells = []
+            for t in tasks:
+                c = summ[t][m]
+                cells.append(fmt.format(c[key]) + (" ± " + fmt.format(c[key + "_std"])
+                                                    if cfg["runs"] > 1 else ""))
+            lines.append(f"| {_label(m)} | " + " | ".join(cells) + " |")
+
+    table("**MSE over parsed answers** (lower is better)", "mse", "{:.2f}")
+    table("**Parse rate** (answers with a number)", "parse_rate", "{:.2f}")
+    table("**MSE with an unparsed answer counted as 0** (the prior mean of y)",
+          "mse_zero_fill", "{:.2f}")
+    table("**KL(P_icl ‖ P_method) at the first generated token, whole vocabulary** (the "
+          "regression analogue of d_NTP)", "kl_first", "{:.3f}", skip=("icl",))
+    c = doc.get("correlation") or {}
+    if c.get("pearson") is not None:
+        lines += ["", f"KL vs MSE over {c['points']} (method, task, instance) points, ICL left "
+                  f"out: Pearson r = {c['pearson']:+.2f}, Spearman ρ = {c['spearman']:+.2f}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_regression(doc: dict[str, Any], out_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg, summ = doc["config"], doc["summary"]
+    tasks, methods = cfg["tasks"], cfg["methods"]
+    fig, ax = plt.subplots(figsize=((0.3 * len(methods) + 0.6) * len(tasks) + 3, 3.6))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(tasks))]
+        ax.bar(xs, [summ[t][m]["mse"] for t in tasks], width,
+               yerr=[summ[t][m]["mse_std"] for t in tasks], capsize=2, label=_label(m))
+    ax.set_xticks(range(len(tasks)), tasks)
+    ax.set_ylabel("MSE (parsed answers)")
+    ax.set_title(f"{cfg['model']}: regression MSE ({cfg['runs']} instances per task)")
+    ax.legend(fontsize=8, ncols=min(4, len(methods)))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    p = out_dir / "mse_per_task.png"
+    save_figure(fig, p)
+    return p
+
+
+def write_regression_report(doc: dict[str, Any], out_dir: str | Path,
+                            command: str) -> list[Path]:
+    import json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {**doc, "command": command}
+    j, md = out / "results.json", out / "results.md"
+    atomic_write(j, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1)))
+    text = (f"# ltv-vllm evaluate (regression)\n\n```\n{command}\n```\n\n{regression_table(doc)}"
+            f"\nMachine: {machine_line(doc['machine'])}, torch {doc['machine']['torch']}, "
+            f"{doc['config']['dtype']}; wall time {doc['wall_seconds'] / 60:.1f} min.\n")
+    atomic_write(md, lambda tmp: Path(tmp).write_text(text))
+    return [j, md, plot_regression(doc, out)]
