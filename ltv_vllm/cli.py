@@ -274,11 +274,16 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
                           rank=rank, progress=not quiet)
     source_opts = _source(source_spec, source_dtype, source_device_map, source_quantization,
                           work_dir, chunk_size, batch_size, quiet)
+    t = get_task(task, regression=True)
+    if t.kind == "regression":
+        if source_opts or rank is not None or method not in ("ltv", "mean"):
+            raise ArgumentError(f"{t.name} is a regression task: extract --method ltv or mean, "
+                                "without --source-model or --rank")
+        return _extract_regression(model_spec, t, method, output, dtype, device, opts)
     if method != "ltv":
         if source_opts or rank is not None:
             raise ArgumentError(f"--method {method}: --source-model and --rank are LTV's only")
         return _extract_method(model_spec, task, method, output, dtype, device, opts)
-    t = get_task(task)
     default = f"{t.name}.transfer.pt" if source_opts else f"{t.name}.pt"
     output = check_writable(output or default, option="--output", suffixes=(".pt", ".safetensors"))
     label_token_ids(t, load_tokenizer(model_spec))  # labels sharing a first token: refused
@@ -309,6 +314,32 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
                    f"{hw}); rank {tv.rank}; source captures in {source.cap.dir} "
                    f"({source.cap.reused} chunks reused, {source.cap.computed} computed)")
     click.echo(f"wrote {output} ({tv.kind} vector)")
+
+
+def _extract_regression(model_spec: str | None, t: Any, method: str, output: Path | None,
+                        dtype: str, device: str, opts: Any) -> None:
+    """`extract --task linear`: the vector of one instance, scored by generated answers."""
+    from .extract import DEFAULT_K
+    from .loading import load_model
+    from .regress import extract_regression
+
+    suffix = "" if method == "ltv" else f".{method}"
+    output = check_writable(output or f"{t.name}{suffix}.pt", option="--output",
+                            suffixes=(".pt", ".safetensors"))
+    lm = load_model(model_spec, dtype=dtype, device=device)
+    k = opts.k or DEFAULT_K
+    tv, metrics = extract_regression(lm, t, k=k, n=opts.n, lam=opts.lam, seed=opts.seed,
+                                     n_test=opts.n_test, batch_size=opts.batch_size,
+                                     method=method, progress=opts.progress)
+    tv.save(output)
+    click.echo(f"\n{t.name} (instance {opts.seed}) on {lm.spec}: k={k} demos, N={opts.n}, "
+               f"λ={opts.lam}, {opts.n_test} test queries, greedy answers")
+    click.echo(f"{'method':<10} {'MSE':>9} {'parsed':>7} {'KL first':>9}")
+    for m, v in metrics.items():
+        click.echo(f"{m:<10} {v['mse']:>9.3f} {100 * v['parse_rate']:>6.0f}% "
+                   f"{v['kl_first']:>9.4f}")
+    click.echo(f"extraction {tv.provenance.timings['extraction_seconds']:.1f} s; "
+               f"wrote {output} ({tv.kind} vector)")
 
 
 def _extract_method(model_spec: str | None, task: str, method: str, output: Path | None,

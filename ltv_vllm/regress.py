@@ -187,6 +187,30 @@ def evaluate_regression(
     }
 
 
+def extract_regression(lm: LoadedModel, task: RegressionTask, *, k: int = DEFAULT_K,
+                       n: int = 256, lam: float = 5.0, seed: int = 0, n_test: int = 100,
+                       batch_size: int = 16, max_new_tokens: int = 12, method: str = "ltv",
+                       progress: bool = True) -> tuple[Any, dict[str, dict[str, float]]]:
+    """`extract --task linear`: the instance of `seed`, its LTV (or mean shift) as a task-vector
+    file, and zero-shot / ICL / the method scored on its test queries by generation."""
+    from dataclasses import replace
+
+    from .methods import MethodOptions
+
+    ep = sample_regression_episode(task, k=k, n=n, n_test=n_test, seed=seed)
+    cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=progress)
+    ctx = Context(cap, ep, [], MethodOptions(lam=lam, seed=seed, batch_size=batch_size,
+                                             progress=progress), identity=lm.identity)
+    t0 = time.perf_counter()
+    tv = get_method(method).extract(ctx)
+    secs = time.perf_counter() - t0
+    scores, _ = score_instance(ctx, ["zero-shot", "icl", method], max_new_tokens)
+    metrics = {m: {key: v for key, v in sc.items() if key != "texts"} for m, sc in scores.items()}
+    tv = replace(tv, provenance=replace(tv.provenance, k=k, metrics=metrics,
+                                        timings={"extraction_seconds": secs}))
+    return tv, metrics
+
+
 METRICS = ("mse", "parse_rate", "mse_zero_fill", "kl_first")
 
 

@@ -365,3 +365,42 @@ def test_cli_evaluate_regression_refusals(tmp_path):
     assert "--max-new-tokens must be at least 1" in run("--tasks", "relu",
                                                         "--max-new-tokens", "0")
     assert not (tmp_path / "x").exists()
+
+
+def test_cli_extract_regression_writes_the_instance_ltv(tmp_path, tokenizer):
+    """`extract --task relu`: the saved vector is the direct ridge solve on the instance's
+    queries, records the regression task, and is refused nowhere for lacking label tokens."""
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+    from ltv_vllm.vector import load_task_vector, model_identity
+
+    model = make_llama(len(tokenizer), seed=12, layers=2)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    out = tmp_path / "relu.pt"
+    r = CliRunner().invoke(main, [
+        "extract", "--model", str(tmp_path / "m"), "--task", "relu", "--k", "2", "--n", "10",
+        "--n-test", "3", "--seed", "4", "--dtype", "float32", "-o", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert "KL first" in r.output
+    tv = load_task_vector(out)
+    assert tv.provenance.task["kind"] == "regression" and tv.label_token_ids == ()
+    assert set(tv.provenance.metrics) == {"zero-shot", "icl", "ltv"}
+    tv.check_model(model_identity(model))
+    tv.check_tokenizer(tokenizer)
+    task = get_task("relu", regression=True)
+    ep = sample_regression_episode(task, k=2, n=10, n_test=3, seed=4)
+    with torch.no_grad():
+        def h(p):
+            return model.model(input_ids=torch.tensor([tokenizer(p)["input_ids"]])
+                               ).last_hidden_state[0, -1].double()
+        h_zs = torch.stack([h(task.query(e.text)) for e in ep.queries])
+        h_icl = torch.stack([h(ep.demo_prefix() + task.query(e.text)) for e in ep.queries])
+    d = h_zs.shape[1]
+    w = torch.linalg.solve(h_zs.T @ h_zs + 5.0 * torch.eye(d, dtype=torch.float64),
+                           h_zs.T @ (h_icl - h_zs)).T
+    torch.testing.assert_close((tv.U @ tv.V.T).double(), w, atol=1e-4, rtol=1e-3)
+    bad = CliRunner().invoke(main, ["extract", "--task", "relu", "--method", "tv",
+                                    "-o", str(tmp_path / "x.pt")])
+    assert bad.exit_code != 0 and "regression task" in bad.output
