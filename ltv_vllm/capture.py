@@ -191,8 +191,19 @@ class Capturer:
         return self._run([self.encode(p) for p in prompts], desc)
 
     @torch.no_grad()
-    def encode_prefix(self, prefix: str) -> Prefix:
+    def encode_prefix(self, prefix: str, then: str | None = None) -> Prefix:
+        """The KV cache of the demos. With `then` (a prompt that follows them), only of the
+        tokens that prefix + then shares with the prefix alone: a tokenizer may split the
+        boundary differently (GPT-2-style pre-tokenizers end a whitespace run before text one
+        character early, so "...\n\n" alone ends in "\n\n" but "...\n\nx:" in "\n", "\n",
+        "x"), which would otherwise send every prompt down the uncached path."""
         ids = self.encode(prefix)
+        if then is not None:
+            full = self.encode(prefix + then)
+            n = next((i for i, (a, b) in enumerate(zip(ids, full, strict=False)) if a != b),
+                     min(len(ids), len(full)))
+            if 0 < n < len(ids):
+                ids = ids[:n]
         # Chunked callers (ltv_vllm.store) pass the same demos many times; the passes never
         # write into the cache, so the last prefix's KV can be reused as it is.
         if self._prefix is not None and self._prefix.ids == ids:
@@ -207,7 +218,7 @@ class Capturer:
 
     def icl(self, prefix: str, prompts: Sequence[str], desc: str = "icl") -> torch.Tensor:
         """h(prefix + p) for each prompt, reusing one KV cache of the prefix. (n, d)"""
-        pre = self.encode_prefix(prefix)
+        pre = self.encode_prefix(prefix, then=prompts[0] if prompts else None)
         n_pre = len(pre.ids)
         suffixes: list[list[int]] = []
         fallback: list[int] = []

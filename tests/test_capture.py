@@ -75,6 +75,27 @@ def test_prefix_boundary_merge_falls_back_to_full_prompt(tiny_model, tokenizer):
     assert torch.allclose(got, ref, atol=1e-4)
 
 
+def test_prefix_ending_in_a_whitespace_run_is_cached_up_to_the_boundary(tiny_model):
+    """"...\n\n" alone ends in one token, but before "x:" the pre-tokenizer splits the run
+    ("\n", "\nx"...): the demos' cache stops where the two tokenisations part, so every query
+    still reuses it (instead of all running in full), and h equals the full forward."""
+    # a tokenizer that learnt "\n\n" as one token (SmolLM2's does: "ĊĊ")
+    tokenizer = make_tokenizer(corpus=["x: [1.0000, -2.5000]\ny: 0.1234\n\n" * 4] * 40)
+    assert len(tokenizer) <= tiny_model.config.vocab_size
+    cap = Capturer(tiny_model, tokenizer, batch_size=4, progress=False)
+    prefix = "x: [1.0000]\ny: 2.0000\n\nx: [-3.0000]\ny: -6.0000\n\n"
+    prompts = ["x: [0.5000]\ny:", "x: [-0.2500]\ny:"]
+    alone = tokenizer(prefix)["input_ids"]
+    full = tokenizer(prefix + prompts[0])["input_ids"]
+    assert full[: len(alone)] != alone  # the boundary merges: the old path ran every prompt full
+    pre = cap.encode_prefix(prefix, then=prompts[0])
+    assert 0 < len(pre.ids) < len(alone) and full[: len(pre.ids)] == pre.ids
+    assert all(tokenizer(prefix + p)["input_ids"][: len(pre.ids)] == pre.ids for p in prompts)
+    got = cap.icl(prefix, prompts)
+    torch.testing.assert_close(got, cap.naive([prefix + p for p in prompts]), atol=1e-4,
+                               rtol=1e-4)
+
+
 def test_prompt_longer_than_context_is_a_clear_error(tiny_model, tokenizer):
     cap = Capturer(tiny_model, tokenizer, progress=False, max_length=16)
     with pytest.raises(CaptureError, match="exceeds the model context of 16"):
