@@ -433,12 +433,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     cfg, records = doc["config"], doc["records"]
     tasks = cfg["tasks"]
     methods = [m for m in cfg["methods"] if not m.endswith("icl")]
-    colors = {"zero-shot": "tab:gray", "ltv": "tab:blue", "mean": "tab:orange", "icl": "tab:green",
-              "tv": "tab:purple", "fv": "tab:brown", "sv": "tab:pink", "i2cl": "tab:olive",
-              "mlp": "tab:cyan",
-              SOURCE + "zero-shot": "silver", SOURCE + "ltv": "lightskyblue",
-              SOURCE + "mean": "navajowhite", SOURCE + "icl": "yellowgreen",
-              TRANSFER_METHOD: "tab:red"}
+    colors = METHOD_COLORS
     paths = []
 
     # d_NTP against accuracy, one point per run and method, one panel per task (paper Fig. 3).
@@ -475,25 +470,46 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     paths.append(p)
 
     # Per-task accuracy bars with the std over runs.
-    all_methods = cfg["methods"]
-    fig, ax = plt.subplots(figsize=((0.25 * len(all_methods) + 0.6) * len(tasks) + 3, 3.6))
-    width = 0.8 / len(all_methods)
-    for i, m in enumerate(all_methods):
-        cells = [doc["summary"]["per_task"][t][m] for t in tasks]
-        xs = [j + (i - (len(all_methods) - 1) / 2) * width for j in range(len(tasks))]
-        ax.bar(xs, [100 * c["accuracy"] for c in cells], width,
-               yerr=[100 * c["accuracy_std"] for c in cells], capsize=2,
-               label=method_label(m), color=colors.get(m))
+    summ = doc["summary"]["per_task"]
+    paths.append(bars_per_task(
+        tasks, {m: [100 * summ[t][m]["accuracy"] for t in tasks] for m in cfg["methods"]},
+        {m: [100 * summ[t][m]["accuracy_std"] for t in tasks] for m in cfg["methods"]},
+        method_label, "accuracy (%)", f"{cfg['model']}: accuracy per task ({cfg['runs']} runs)",
+        out_dir / "accuracy_per_task.png"))
+    return paths
+
+
+METHOD_COLORS = {"zero-shot": "tab:gray", "ltv": "tab:blue", "mean": "tab:orange",
+                 "icl": "tab:green", "tv": "tab:purple", "fv": "tab:brown", "sv": "tab:pink",
+                 "i2cl": "tab:olive", "mlp": "tab:cyan", "ltv-first": "lightsteelblue",
+                 SOURCE + "zero-shot": "silver", SOURCE + "ltv": "lightskyblue",
+                 SOURCE + "mean": "navajowhite", SOURCE + "icl": "yellowgreen",
+                 TRANSFER_METHOD: "tab:red"}
+
+
+def bars_per_task(tasks: list[str], values: dict[str, list[float]], errors: dict[str, list[float]],
+                  label: Any, ylabel: str, title: str, path: Path) -> Path:
+    """One group of bars per task, one bar per method (with its error bar), saved to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(values)
+    fig, ax = plt.subplots(figsize=((0.25 * len(methods) + 0.6) * len(tasks) + 3, 3.6))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(tasks))]
+        ax.bar(xs, values[m], width, yerr=errors[m], capsize=2, label=label(m),
+               color=METHOD_COLORS.get(m))
     ax.set_xticks(range(len(tasks)), tasks)
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"{cfg['model']}: accuracy per task ({cfg['runs']} runs)")
-    ax.legend(fontsize=8, ncols=min(5, len(all_methods)))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8, ncols=min(5, len(methods)))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    p = out_dir / "accuracy_per_task.png"
-    save_figure(fig, p)
-    paths.append(p)
-    return paths
+    save_figure(fig, path)
+    return path
 
 
 def write_report(doc: dict[str, Any], out_dir: str | Path, command: str) -> list[Path]:

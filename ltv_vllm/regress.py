@@ -30,9 +30,9 @@ from . import __version__
 from .capture import Capturer
 from .data import sample_regression_episode
 from .errors import ArgumentError
-from .evaluate import EvalConfig, _resume, _save_checkpoint, method_label
+from .evaluate import EvalConfig, _resume, _save_checkpoint, bars_per_task, method_label
 from .extract import DEFAULT_K, LoadedModel
-from .fileio import atomic_write, save_figure
+from .fileio import atomic_write
 from .generate import greedy
 from .hardware import hardware, machine_line
 from .methods import Context, get_method
@@ -365,28 +365,13 @@ def regression_table(doc: dict[str, Any]) -> str:
 
 
 def plot_regression(doc: dict[str, Any], out_dir: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cfg, summ = doc["config"], doc["summary"]
     tasks, methods = cfg["tasks"], cfg["methods"]
-    fig, ax = plt.subplots(figsize=((0.3 * len(methods) + 0.6) * len(tasks) + 3, 3.6))
-    width = 0.8 / len(methods)
-    for i, m in enumerate(methods):
-        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(tasks))]
-        ax.bar(xs, [summ[t][m]["mse"] for t in tasks], width,
-               yerr=[summ[t][m]["mse_std"] for t in tasks], capsize=2, label=_label(m))
-    ax.set_xticks(range(len(tasks)), tasks)
-    ax.set_ylabel("MSE (parsed answers)")
-    ax.set_title(f"{cfg['model']}: regression MSE ({cfg['runs']} instances per task)")
-    ax.legend(fontsize=8, ncols=min(4, len(methods)))
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    p = out_dir / "mse_per_task.png"
-    save_figure(fig, p)
-    return p
+    return bars_per_task(
+        tasks, {m: [summ[t][m]["mse"] for t in tasks] for m in methods},
+        {m: [summ[t][m]["mse_std"] for t in tasks] for m in methods}, _label,
+        "MSE (parsed answers)", f"{cfg['model']}: regression MSE ({cfg['runs']} instances per "
+        "task)", out_dir / "mse_per_task.png")
 
 
 def write_regression_report(doc: dict[str, Any], out_dir: str | Path,
