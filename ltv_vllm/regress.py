@@ -18,7 +18,6 @@ vocabulary at the first generated token, averaged over the test queries.
 from __future__ import annotations
 
 import functools
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import __version__
+from . import __version__, evaluate
 from .capture import Capturer
 from .data import sample_regression_episode
 from .errors import ArgumentError
@@ -266,10 +265,8 @@ def extract_regression(lm: LoadedModel, task: RegressionTask, *, k: int = DEFAUL
     cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=progress)
     ctx = Context(cap, ep, [], MethodOptions(lam=lam, seed=seed, batch_size=batch_size,
                                              progress=progress), identity=lm.identity)
-    t0 = time.perf_counter()
-    tv = get_method(method).extract(ctx)
-    secs = time.perf_counter() - t0
-    scores, _, _ = score_instance(ctx, ["zero-shot", "icl", method], max_new_tokens)
+    scores, ext, arts = score_instance(ctx, ["zero-shot", "icl", method], max_new_tokens)
+    tv, secs = arts[method], ext[method]  # extracted once, by the scoring
     metrics = {m: {key: v for key, v in sc.items() if key != "texts"} for m, sc in scores.items()}
     tv = replace(tv, provenance=replace(tv.provenance, k=k, metrics=metrics,
                                         timings={"extraction_seconds": secs}))
@@ -281,9 +278,7 @@ METRICS = ("mse", "parse_rate", "mse_zero_fill", "kl_first")
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
     xs = [x for x in xs if x == x]  # an instance with no parsed answer has no MSE (NaN)
-    if not xs:
-        return float("nan"), 0.0
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+    return evaluate._mean_std(xs) if xs else (float("nan"), 0.0)
 
 
 def summarise_regression(records: list[dict[str, Any]], tasks: list[str],
