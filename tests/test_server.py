@@ -156,3 +156,49 @@ def test_fused_server(assets, tokenizer, tmp_path):
         check_mixed(url, {"alpha": tv, str(d): tv}, model, tokenizer)
     finally:
         stop(proc, log)
+
+
+def test_regression_vector_server(tokenizer, tmp_path):
+    """A regression LTV (`extract --task relu`) served by name beside the bare model: the
+    completion's greedy tokens, over several generated tokens, are transformers' with the
+    shift at every position (the reference hook), and their log-probs agree within 1e-4."""
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+    from ltv_vllm.data import sample_regression_episode
+    from ltv_vllm.tasks import get_task
+    from ltv_vllm.vector import load_task_vector
+
+    model = make_vllm_llama(tokenizer, seed=31, tie=False)  # untied: answers that vary
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    vec = tmp_path / "relu.pt"
+    r = CliRunner().invoke(main, [
+        "extract", "--model", str(tmp_path / "m"), "--task", "relu", "--k", "3", "--n", "12",
+        "--n-test", "3", "--seed", "2", "--dtype", "float32", "-o", str(vec), "--quiet"])
+    assert r.exit_code == 0, r.output
+    tv = load_task_vector(vec)
+    task = get_task("relu", regression=True)
+    prompts = [task.query(e.text) for e in sample_regression_episode(
+        task, k=3, n=12, n_test=3, seed=2).test]
+    proc, url, log = start_server(tmp_path / "m", [f"relu={vec}"], tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        got = {}
+        for name, shift in (("relu", tv), (str(tmp_path / "m"), None)):
+            for p in prompts:
+                c = client.completions.create(
+                    model=name, prompt=p, max_tokens=8, temperature=0.0, logprobs=1,
+                    extra_body={"return_tokens_as_token_ids": True}).choices[0]
+                toks = [int(t.split(":", 1)[1]) for t in c.logprobs.tokens]
+                ref = reference_logprobs(model, tokenizer, p, toks, shift)
+                n_prompt = len(tokenizer(p)["input_ids"])
+                assert len(toks) > 1  # several generated tokens, each one shifted
+                for step, tok in enumerate(toks):
+                    row = ref[n_prompt - 1 + step]
+                    assert int(row.argmax()) == tok, (name, p, step)
+                    assert abs(c.logprobs.token_logprobs[step] - float(row[tok])) < 1e-4
+                got[name, p] = toks
+        assert any(got["relu", p] != got[str(tmp_path / "m"), p] for p in prompts)
+    finally:
+        stop(proc, log)
