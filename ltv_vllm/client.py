@@ -1,4 +1,4 @@
-"""Classification through a running ltv-vllm (OpenAI-compatible) server.
+"""Classification (and first-step-only generation) through a running ltv-vllm server.
 
 The server runs with `--logprobs-mode processed_logprobs`, so a completion request with
 `allowed_token_ids` = the label tokens returns log-probabilities renormalised over the label
@@ -86,6 +86,55 @@ def classify(
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         return list(pool.map(one, texts))
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    token_ids: list[int]
+
+
+def first_step_only(base_url: str, prompt: str, *, vector: str, base: str,
+                    max_tokens: int = 16) -> Generation:
+    """Greedy generation with a task vector on the first generated token only, from a server
+    that serves the vector (`vector`) and the bare model (`base`) by name (multi-task mode).
+
+    The engine shifts every token a vector's request generates: `compute_logits` sees neither
+    the request nor its step. So the first token comes from the vector's request
+    (max_tokens = 1) and the rest from the bare model continuing the prompt's own token ids
+    plus that token (no re-tokenisation of the text)."""
+    import httpx
+    import openai
+
+    base_url = base_url.rstrip("/")
+    if max_tokens < 1:
+        raise ClientError(f"max_tokens must be at least 1, got {max_tokens}")
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="ltv-vllm", max_retries=0)
+    ids_only = {"return_tokens_as_token_ids": True}
+    try:
+        r = httpx.post(f"{base_url}/tokenize", json={"model": base, "prompt": prompt},
+                       timeout=30)
+        if r.status_code != 200:
+            raise ClientError(f"/tokenize failed ({r.status_code}): {r.text[:200]}")
+        first = client.completions.create(model=vector, prompt=prompt, max_tokens=1,
+                                          temperature=0.0, logprobs=0,
+                                          extra_body=ids_only).choices[0]
+        toks = [int(t.split(":", 1)[1]) for t in first.logprobs.tokens]  # type: ignore[union-attr]
+        if max_tokens > 1 and first.finish_reason == "length":
+            rest = client.completions.create(model=base, prompt=list(r.json()["tokens"]) + toks,
+                                             max_tokens=max_tokens - 1, temperature=0.0,
+                                             logprobs=0, extra_body=ids_only).choices[0]
+            toks += [int(t.split(":", 1)[1]) for t in rest.logprobs.tokens]  # type: ignore[union-attr]
+        # decoded whole: two texts joined could split a character's bytes between them
+        d = httpx.post(f"{base_url}/detokenize", json={"model": base, "tokens": toks}, timeout=30)
+        if d.status_code != 200:
+            raise ClientError(f"/detokenize failed ({d.status_code}): {d.text[:200]}")
+        text = d.json()["prompt"]
+    except openai.APIStatusError as e:
+        raise ClientError(f"server refused ({e.status_code}): {_message(e)}") from None
+    except (openai.APIConnectionError, httpx.HTTPError):
+        raise ClientError(f"cannot reach {base_url}") from None
+    return Generation(text=text, token_ids=toks)
 
 
 def _message(e: Any) -> str:

@@ -165,6 +165,7 @@ def test_regression_vector_server(tokenizer, tmp_path):
     from click.testing import CliRunner
 
     from ltv_vllm.cli import main
+    from ltv_vllm.client import ClientError, first_step_only
     from ltv_vllm.data import sample_regression_episode
     from ltv_vllm.tasks import get_task
     from ltv_vllm.vector import load_task_vector
@@ -200,5 +201,21 @@ def test_regression_vector_server(tokenizer, tmp_path):
                     assert abs(c.logprobs.token_logprobs[step] - float(row[tok])) < 1e-4
                 got[name, p] = toks
         assert any(got["relu", p] != got[str(tmp_path / "m"), p] for p in prompts)
+        # first step only (client side): the vector's first token, then the bare model
+        for p in prompts:
+            g = first_step_only(url, p, vector="relu", base=str(tmp_path / "m"), max_tokens=8)
+            n_prompt = len(tokenizer(p)["input_ids"])
+            shifted = reference_logprobs(model, tokenizer, p, g.token_ids, tv)
+            plain = reference_logprobs(model, tokenizer, p, g.token_ids, None)
+            assert len(g.token_ids) == len(got["relu", p])  # no EOS in this model's answers
+            assert g.token_ids[0] == got["relu", p][0] == int(shifted[n_prompt - 1].argmax())
+            for step, tok in enumerate(g.token_ids[1:], 1):
+                assert int(plain[n_prompt - 1 + step].argmax()) == tok, (p, step)
+            assert g.text == tokenizer.decode(g.token_ids)
+        with pytest.raises(ClientError, match="server refused \\(404\\)"):
+            first_step_only(url, prompts[0], vector="nope", base=str(tmp_path / "m"))
+        with pytest.raises(ClientError, match="at least 1"):
+            first_step_only(url, prompts[0], vector="relu", base=str(tmp_path / "m"),
+                            max_tokens=0)
     finally:
         stop(proc, log)
