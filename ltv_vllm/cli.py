@@ -34,7 +34,11 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _command_line() -> str:
     """The running command with every option spelled out (defaults too), for reproduction."""
     ctx = click.get_current_context()
-    parts = ["ltv-vllm", *ctx.command_path.split()[1:]]
+    names, c = [], ctx
+    while c.parent is not None:  # the root's name is "python -m ltv_vllm.cli" when run so
+        names.insert(0, c.info_name)
+        c = c.parent
+    parts = ["ltv-vllm", *names]
     for p in ctx.command.params:
         value = ctx.params.get(p.name)
         if not isinstance(p, click.Option) or value is None:

@@ -272,16 +272,23 @@ def _save_checkpoint(path: str | Path, config: dict[str, Any], records: list[dic
 
 def correlations(records: list[dict[str, Any]], tasks: list[str]) -> dict[str, Any]:
     """Pearson and Spearman between d_NTP and accuracy over (method, task, run) points, every
-    method but ICL (its d_NTP is 0 by definition): pooled and per task (the paper's panels)."""
+    method but ICL (its d_NTP is 0 by definition): pooled and per task (the paper's panels).
 
-    def corr(rs: list[dict[str, Any]]) -> dict[str, Any]:
-        x, y = [r["d_ntp"] for r in rs], [r["accuracy"] for r in rs]
-        return {"pearson": pearson(x, y), "spearman": spearman(x, y), "points": len(rs)}
+    `icl_gap`: d_NTP against |accuracy − ICL's accuracy| on the same task and run, pooled.
+    d_NTP measures closeness to ICL, so it predicts accuracy only where ICL is the accurate
+    one; against the gap it is meaningful whether ICL helps the model or not."""
+
+    def corr(rs: list[dict[str, Any]], y=lambda r: r["accuracy"]) -> dict[str, Any]:
+        xs, ys = [r["d_ntp"] for r in rs], [y(r) for r in rs]
+        return {"pearson": pearson(xs, ys), "spearman": spearman(xs, ys), "points": len(rs)}
 
     pts = [r for r in records if not r["method"].endswith("icl")
            and not r["method"].startswith(SOURCE)]
+    icl = {(r["task"], r["run"]): r["accuracy"] for r in records if r["method"] == "icl"}
+    with_icl = [r for r in pts if (r["task"], r["run"]) in icl]
     return {"pooled": corr(pts),
-            "per_task": {t: corr([r for r in pts if r["task"] == t]) for t in tasks}}
+            "per_task": {t: corr([r for r in pts if r["task"] == t]) for t in tasks},
+            "icl_gap": corr(with_icl, lambda r: abs(r["accuracy"] - icl[r["task"], r["run"]]))}
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
@@ -374,6 +381,12 @@ def markdown_table(doc: dict[str, Any]) -> str:
                   f"every method but ICL: Pearson r = {_r(p['pearson'])}, Spearman ρ = "
                   f"{_r(p['spearman'])} (negative: lower d_NTP, higher accuracy). "
                   f"Per task (r / ρ): {per}."]
+        gap = corr.get("icl_gap") or {}
+        if gap.get("pearson") is not None:
+            lines += ["", f"**d_NTP vs the gap to ICL's accuracy** |acc − acc_ICL| (same task "
+                      f"and run) over {gap['points']} points: Pearson r = {_r(gap['pearson'])}, "
+                      f"Spearman ρ = {_r(gap['spearman'])} (positive: closer to ICL's "
+                      "distribution, closer to its accuracy, whether ICL helps or not)."]
     if "inference_cost" in doc:
         lines += ["", *cost_table(doc)]
     else:

@@ -118,10 +118,11 @@ def test_cli_extract_inspect_evaluate(tmp_path, model_dir, task_file):
     ev = tmp_path / "ev"
     r = runner.invoke(main, ["evaluate", "--model", str(model_dir), "--tasks", str(task_file),
                              "--runs", "2", "--k", "4", "--n", "16", "--n-test", "12",
-                             "--quiet", "--out", str(ev)])
+                             "--quiet", "--out", str(ev)],
+                      prog_name="python -m ltv_vllm.cli")  # run as a module, written as the CLI
     assert r.exit_code == 0, r.output
     doc = json.loads((ev / "results.json").read_text())
-    assert doc["command"].startswith("ltv-vllm evaluate")
+    assert doc["command"].startswith(f"ltv-vllm evaluate --model {model_dir} --tasks")
     assert len(doc["records"]) == 2 * 4  # runs × methods
     s = doc["summary"]["per_task"]["toy"]
     assert s["icl"]["d_ntp"] == 0.0 and s["ltv"]["runs"] == 2

@@ -4,6 +4,7 @@ dense solve, the naive full-prompt sweep."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -308,9 +309,16 @@ def test_cli_evaluate_every_method_end_to_end(tmp_path, tokenizer):
     assert 0 <= layers["tv"]["layer"] < 3 and 1 <= layers["sv"]["depth"] <= 3
     assert len(layers["fv"]["heads"]) == 10
     assert doc["correlation"]["pooled"]["points"] == 2 * 8
+    icl = {x["run"]: x["accuracy"] for x in doc["records"] if x["method"] == "icl"}
+    pts = [(x["d_ntp"], abs(x["accuracy"] - icl[x["run"]])) for x in doc["records"]
+           if x["method"] != "icl"]
+    gap = doc["correlation"]["icl_gap"]
+    assert gap["points"] == 16
+    assert gap["pearson"] == pytest.approx(float(np.corrcoef(np.array(pts).T)[0, 1]), abs=1e-9)
     assert set(doc["inference_cost"]["toy"]) == set(methods.split(","))
     md = (tmp_path / "ev" / "results.md").read_text()
     assert "| Function Vector |" in md and "**Cost**" in md and "d_NTP vs accuracy" in md
+    assert "gap to ICL's accuracy" in md
 
     lm = load_model(str(tmp_path / "m"), dtype="float32")
     for run in (0, 1):
