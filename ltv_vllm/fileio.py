@@ -17,14 +17,19 @@ def atomic_write(path: str | Path, write: Callable[[str], object]) -> Path:
     try:
         write(tmp)
         # mkstemp makes 0600 files; give the result the mode a plain open() would.
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
+        os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def umask() -> int:
+    """The process's umask (reading it means setting it; put straight back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def save_figure(fig: object, path: str | Path, dpi: int = 120) -> Path:

@@ -49,11 +49,13 @@ def lora_factors(tv: TaskVector, lm_head: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def export_lora(tv: TaskVector, model_dir: str | Path, out_dir: str | Path,
-                rank: int | None = None) -> Path:
+                rank: int | None = None, base_model: str | None = None) -> Path:
     """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
 
     rank: cut the vector to rank `rank` first (`TaskVector.truncated`, weighted by this LM
     head): vLLM's CPU LoRA kernel gathers a vocab × rank matrix per sampled row.
+    base_model: the adapter's `base_model_name_or_path` (default: the vector's model name);
+    vLLM's filesystem LoRA resolver requires the engine's `--model` there.
     """
     from safetensors.torch import save_file
 
@@ -69,7 +71,7 @@ def export_lora(tv: TaskVector, model_dir: str | Path, out_dir: str | Path,
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": tv.model.name,
+        "base_model_name_or_path": base_model or tv.model.name,
         "r": r_lora,
         "lora_alpha": r_lora,  # scale alpha / r = 1: the adapter adds exactly W_lm U Vᵀ h
         "lora_dropout": 0.0,
