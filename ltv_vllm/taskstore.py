@@ -8,6 +8,7 @@
         entry.json                the task spec and how the entry was made (`Entry.record`)
     ROOT/.tmp-NAME-XXXX/          an entry being written; renamed to ROOT/NAME when complete
     ROOT/.del-NAME-XXXX/          an entry being removed; renamed away first, then deleted
+    ROOT/.up-XXXX/                an upload being parsed (the server's /v1/ltv/tasks)
 
 A directory rename is atomic, so a reader (the server, vLLM's filesystem LoRA resolver) sees
 a whole entry or none: a crash mid-write leaves only a `.tmp-` directory, which `sweep()`
@@ -83,8 +84,12 @@ def record_of(name: str, tv: TaskVector, *, source: str, lora_rank: int,
 class TaskStore:
     """A task-store directory (created if missing)."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, *, create: bool = True):
         self.root = Path(root).absolute()
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"task store {self.root}: not a directory")
+        if not create:  # read only, as a dry run plans: a missing store is an empty one
+            return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -96,13 +101,15 @@ class TaskStore:
         """Remove what interrupted writes and removals left; the names removed."""
         gone = []
         for p in self.root.iterdir():
-            if p.is_dir() and p.name.startswith((".tmp-", ".del-")):
+            if p.is_dir() and p.name.startswith((".tmp-", ".del-", ".up-")):
                 shutil.rmtree(p, ignore_errors=True)
                 gone.append(p.name)
         return gone
 
     def entries(self) -> list[Entry]:
         out = []
+        if not self.root.is_dir():
+            return out
         for p in sorted(self.root.iterdir()):
             if p.is_dir() and NAME.fullmatch(p.name) and (p / RECORD).is_file():
                 out.append(self._read(p))

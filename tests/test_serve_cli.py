@@ -86,3 +86,55 @@ def test_vector_specs():
         parse_vector_specs(["a=x.pt", "a=y.pt"])
     with pytest.raises(VectorError, match="either one vector"):
         parse_vector_specs(["x.pt", "a=y.pt"])
+
+
+def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
+    """`serve --task-store`: its entries become LoRA modules served from the store itself,
+    with slots and a rank reserved for tasks added at runtime and our endpoint plugin
+    allowlisted; a dry run writes nothing (not even the store); bad combinations are refused
+    in one line."""
+    from ltv_vllm.taskstore import TaskStore
+    from ltv_vllm.vector import load_task_vector
+
+    tmp, good, other = setup
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    store = tmp / "store"
+
+    def run(*args):
+        return CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), *args, "--dry-run"])
+
+    r = run("--task-store", str(store))
+    assert r.exit_code == 0, r.output
+    assert not store.exists()  # a missing store is an empty one, created only by a real start
+    assert "--enable-lora" in r.output and "--max-loras 9" in r.output  # 8 tasks + 1
+    assert "--max-lora-rank 64" in r.output  # full rank min(N = 256, d = 64)
+    assert "--lora-modules" not in r.output
+    assert f"LTV_VLLM_TASK_STORE={store}" in r.output
+    assert "VLLM_PLUGINS=ltv_vllm,ltv_tasks" in r.output
+    TaskStore(store).add("alpha", load_task_vector(good), tmp / "m")
+    r = run("--task-store", str(store), "--task-vector", f"beta={good}", "--max-tasks", "3")
+    assert r.exit_code == 0, r.output
+    assert f"alpha={store / 'alpha'}" in r.output  # served from the store, not re-exported
+    assert "beta=" in r.output and "--max-loras 4" in r.output
+    r = run("--task-store")  # no value: the model's store under the cache
+    assert r.exit_code == 0, r.output
+    assert f"LTV_VLLM_TASK_STORE={tmp / 'cache' / 'task-stores'}" in r.output
+    for args, words in [(("--task-store", str(store), "--task-vector", str(good)), "by name"),
+                        (("--task-store", str(store), "--task-vector", f"alpha={good}"),
+                         "both a --task-vector and an entry"),
+                        ((), "at least one --task-vector, or a --task-store"),
+                        (("--task-store", str(store), "--max-tasks", "0"), "--max-tasks")]:
+        r = run(*args)
+        assert r.exit_code != 0 and words in r.output, (args, r.output)
+        assert len(r.output.strip().splitlines()) == 1
+    # an entry that belongs to another model is named
+    import shutil
+
+    shutil.rmtree(store / "alpha")
+    from conftest import make_llama
+
+    make_llama(len(tokenizer), seed=5).save_pretrained(tmp / "o")  # `other`'s model
+    TaskStore(store).add("zeta", load_task_vector(other), tmp / "o")
+    r = run("--task-store", str(store))
+    assert r.exit_code == 1 and "task store entry zeta" in r.output, r.output

@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from conftest import make_vllm_llama, reference_logprobs
+from conftest import make_vllm_llama, reference_logprobs, write_model_and_vectors
 from ltv_vllm.client import classify
 from ltv_vllm.tasks import BUILTIN_TASKS, label_token_ids
 from ltv_vllm.vector import TaskVector, model_identity
@@ -58,13 +58,13 @@ def assets(tmp_path_factory, tokenizer):
     return d, model, vecs
 
 
-def start_server(model_dir: Path, vector_args: list[str], tmp: Path):
+def start_server(model_dir: Path, vector_args: list[str], tmp: Path, extra: tuple[str, ...] = ()):
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
            "LTV_VLLM_CACHE": str(tmp / "cache"), "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", str(model_dir),
            "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
-           *[a for v in vector_args for a in ("--task-vector", v)], "--enforce-eager"]
+           *[a for v in vector_args for a in ("--task-vector", v)], *extra, "--enforce-eager"]
     log = open(tmp / f"server-{port}.log", "w")  # noqa: SIM115 - closed in stop()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -217,5 +217,75 @@ def test_regression_vector_server(tokenizer, tmp_path):
         with pytest.raises(ClientError, match="at least 1"):
             first_step_only(url, prompts[0], vector="relu", base=str(tmp_path / "m"),
                             max_tokens=0)
+    finally:
+        stop(proc, log)
+
+
+def test_task_store_server(assets, tokenizer, tmp_path):
+    """`serve --task-store`: entries already there are served; a task-vector file POSTed to
+    /v1/ltv/tasks is checked, stored and served at once (answers = transformers + the
+    vector the store holds); bad uploads get 4xx and leave nothing; DELETE unserves and
+    removes; after a restart the store's tasks are served again."""
+    from ltv_vllm.taskstore import TaskStore
+
+    d, model, vecs = assets
+    store = TaskStore(tmp_path / "store")
+    store.add("alpha", vecs["alpha"][0], d)
+    args = ("--task-store", str(store.root), "--max-tasks", "2")
+    proc, url, log = start_server(d, [f"beta={vecs['beta'][1]}"], tmp_path, args)
+    tasks = f"{url}/v1/ltv/tasks"
+    try:
+        listed = httpx.get(tasks).json()["data"]
+        assert [(t["name"], t["served"]) for t in listed] == [("alpha", True)]
+        served = {"alpha": store.get("alpha").vector(), "beta": vecs["beta"][0]}
+        check_mixed(url, served, model, tokenizer)
+
+        def post(name, path=None, data=None, **kw):
+            files = {"vector": (Path(path).name, Path(path).read_bytes())} if path else None
+            return httpx.post(tasks, data={"name": name, **(data or {})}, files=files,
+                              timeout=60, **kw)
+
+        # a .pt upload of rank 8 on a 128-dim model: stored, served, equal to the reference
+        g = post("gamma", vecs["beta"][1])  # a .pt file (a zip; loaded with weights_only)
+        assert g.status_code == 201, g.text
+        assert g.json()["name"] == "gamma" and g.json()["served"]
+        held = store.get("gamma").vector()
+        assert torch.equal(held.U, vecs["beta"][0].U)
+        check_mixed(url, {"gamma": held, "alpha": served["alpha"]}, model, tokenizer)
+        # refusals: nothing is written, the server stays up
+        bad = tmp_path / "junk.safetensors"
+        bad.write_bytes(b"\x00garbage")
+        (tmp_path / "o").mkdir()
+        _, wrong_path = write_model_and_vectors(tmp_path / "o", tokenizer)  # another model
+        as_st = vecs["alpha"][0].save(tmp_path / "alpha.safetensors")
+        cases = [(post("gamma", vecs["alpha"][1]), 409, "exists"),
+                 (post("../x", vecs["alpha"][1]), 400, "task name"),
+                 (post("delta", bad), 422, "corrupt"),
+                 (post("delta", wrong_path), 422, "hidden size"),
+                 (post("delta", vecs["alpha"][1], {"extra": "1"}), 400, "unknown field"),
+                 (post("delta", vecs["alpha"][1]), 409, "holds 2 tasks"),
+                 (httpx.post(tasks, json={"name": "delta"}), 415, "multipart"),
+                 (httpx.delete(f"{tasks}/beta"), 409, "command line"),
+                 (httpx.delete(f"{tasks}/nope"), 404, "no task"),
+                 (httpx.get(f"{tasks}/nope"), 404, "no task")]
+        for r, code, words in cases:
+            assert r.status_code == code and words in r.json()["error"]["message"], r.text
+        assert store.names() == ["alpha", "gamma"]
+        assert sorted(p.name for p in store.root.iterdir()) == ["alpha", "gamma"]
+        # DELETE: unserved (404 for its requests), removed, and the slot is free again
+        assert httpx.delete(f"{tasks}/gamma").status_code == 200
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="gamma", prompt=PROMPTS[0], max_tokens=1)
+        assert store.names() == ["alpha"]
+        assert post("delta", as_st).status_code == 201  # a .safetensors upload
+    finally:
+        stop(proc, log)
+    # a restart serves what the store holds
+    proc, url, log = start_server(d, [], tmp_path, args)
+    try:
+        listed = httpx.get(f"{url}/v1/ltv/tasks").json()["data"]
+        assert [(t["name"], t["served"]) for t in listed] == [("alpha", True), ("delta", True)]
+        check_mixed(url, {"delta": store.get("delta").vector(), str(d): None}, model, tokenizer)
     finally:
         stop(proc, log)
