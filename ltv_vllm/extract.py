@@ -124,6 +124,9 @@ def capture_episode(
     h_zs = cap.hidden(queries, desc=f"{task.name} zero-shot train")  # (N, d)
     h_icl = cap.icl(prefix, queries, desc=f"{task.name} icl train")   # (N, d)
     t1 = time.perf_counter()
+    if not episode.test:  # a compiled task without labelled examples: nothing to score
+        empty = h_zs.new_zeros(0, h_zs.shape[1])
+        return Captures(h_zs, h_icl, empty, empty, t1 - t0, 0.0)
     if h_zs_test is None:
         h_zs_test = capture_test_zero_shot(cap, task, episode)
     test_queries = [task.query(e.text) for e in episode.test]
@@ -164,7 +167,7 @@ def score_episode(
     metrics = {
         m: {"accuracy": accuracy(z, labels), "d_ntp": d_ntp(logits["icl"], z)}
         for m, z in logits.items()
-    }
+    } if labels.numel() else {}
     timings = {
         "capture_seconds": c.capture_seconds,
         "fit_seconds": fit_seconds,

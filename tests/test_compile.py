@@ -1,0 +1,143 @@
+"""Compiling demonstrations into a task-store entry: checks first, then the same ridge fit as
+`extract`, checked against a direct solve on hand-computed states; the worker process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import make_llama
+from ltv_vllm.compile import CompileError, compile_task, parse_request
+from ltv_vllm.errors import UserError
+from ltv_vllm.taskstore import TaskStore
+
+TASK = {"in_prefix": "Review", "label_prefix": "Sentiment", "labels": ["negative", "positive"]}
+WORDS = ["the plot is dull", "a warm and funny film", "boring and slow", "great acting",
+         "i loved it", "a waste of time", "fresh and bright", "flat and tired", "so good",
+         "so bad", "the cast shines", "the script fails", "truly moving", "painfully dull"]
+
+
+def body(**over):
+    b = {"name": "senti", "task": TASK,
+         "demos": [{"text": WORDS[0], "label": "negative"},
+                   {"text": WORDS[1], "label": "positive"},
+                   {"text": WORDS[2], "label": "negative"},
+                   {"text": WORDS[3], "label": "positive"}],
+         "queries": WORDS[4:12], "test": [{"text": WORDS[12], "label": "positive"},
+                                          {"text": WORDS[13], "label": "negative"}]}
+    return {**b, **over}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    d = tmp_path_factory.mktemp("cm")
+    make_llama(len(tokenizer), seed=21).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def test_compile_equals_a_direct_ridge_solve(model_dir, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    req = parse_request(body(lam=3.0), tokenizer=tokenizer, max_model_len=512)
+    states = []
+    rec = compile_task(req, model_dir, tmp_path / "store", base_model=str(model_dir),
+                       status=lambda s, **_: states.append(s))
+    assert states == ["loading model", "extracting", "writing"]
+    assert rec["source"] == "compiled" and rec["k"] == 4 and rec["n"] == 8 and rec["lam"] == 3.0
+    assert set(rec["metrics"]) == {"zero-shot", "icl", "ltv", "mean"}
+    tv = TaskStore(tmp_path / "store").get("senti").vector()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).float().eval()
+    prefix = "".join(f"Review: {d['text']}\nSentiment: {d['label']}\n" for d in body()["demos"])
+
+    def h(p):
+        with torch.no_grad():
+            return model.model(input_ids=torch.tensor([tokenizer(p)["input_ids"]])
+                               ).last_hidden_state[0, -1].double()
+
+    h_zs = torch.stack([h(f"Review: {q}\nSentiment:") for q in WORDS[4:12]])
+    h_icl = torch.stack([h(prefix + f"Review: {q}\nSentiment:") for q in WORDS[4:12]])
+    d = h_zs.shape[1]
+    w = torch.linalg.solve(h_zs.T @ h_zs + 3.0 * torch.eye(d, dtype=torch.float64),
+                           h_zs.T @ (h_icl - h_zs)).T
+    torch.testing.assert_close((tv.U @ tv.V.T).double(), w, atol=1e-4, rtol=1e-3)
+    assert tv.provenance.task["labels"] == ["negative", "positive"]
+    # without labelled test examples: an entry all the same, with nothing measured
+    req = parse_request(body(name="quiet", test=[]), tokenizer=tokenizer, max_model_len=512)
+    rec = compile_task(req, model_dir, tmp_path / "store", base_model=str(model_dir))
+    assert rec["metrics"] in (None, {}) and rec["n_test"] == 0
+
+
+@pytest.mark.parametrize("over,words", [
+    ({"name": "../x"}, "task name"),
+    ({"colour": 1}, "unknown field 'colour'"),
+    ({"demos": [{"text": "a", "label": "negative"}]}, "no demonstration of 'positive'"),
+    ({"demos": [{"text": "a", "label": "meh"}]}, "label 'meh' is not one of"),
+    ({"demos": [{"text": "", "label": "negative"}]}, "demos[0].text: a non-empty string"),
+    ({"demos": "abc"}, "demos: a list"),
+    ({"queries": []}, "queries: a non-empty list"),
+    ({"queries": [3]}, "queries[0]: a non-empty string"),
+    ({"task": {**TASK, "labels": ["zq1", "zq2"]}}, "share their first token"),
+    ({"task": {**TASK, "labels": ["negative"]}}, "at least two labels"),
+    ({"task": {**TASK, "extra": 1}}, "exactly in_prefix, label_prefix and labels"),
+    ({"lam": -1}, "lam: a positive number"),
+    ({"lam": True}, "lam: a positive number"),
+    ({"test": [{"text": "x"}]}, "test[0]: an object with exactly"),
+    ({"queries": ["word " * 400]}, "served context is 512 tokens"),
+])
+def test_bad_requests_are_refused_in_one_line(tokenizer, over, words):
+    b = body(**over)
+    with pytest.raises(UserError) as e:
+        parse_request(b, tokenizer=tokenizer, max_model_len=512)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(CompileError, match="missing field 'queries'"):
+        parse_request({k: v for k, v in body().items() if k != "queries"}, tokenizer=tokenizer,
+                      max_model_len=512)
+
+
+def _job(tmp_path, model_dir, request, name="job"):
+    job = tmp_path / name
+    job.mkdir()
+    (job / "job.json").write_text(json.dumps({
+        "request": request, "model_dir": str(model_dir), "store": str(tmp_path / "store"),
+        "base_model": str(model_dir), "max_model_len": 512, "threads": 1}))
+    return job
+
+
+def test_worker_process_reports_done_or_failed_and_a_killed_one_leaves_no_entry(
+        model_dir, tmp_path):
+    job = _job(tmp_path, model_dir, body())
+    r = subprocess.run([sys.executable, "-m", "ltv_vllm.compile", str(job)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    st = json.loads((job / "status.json").read_text())
+    assert st["state"] == "done" and st["record"]["name"] == "senti"
+    assert TaskStore(tmp_path / "store").names() == ["senti"]
+    # the name is taken now: the worker fails with the store's message, nothing changes
+    again = _job(tmp_path, model_dir, body(), "again")
+    r = subprocess.run([sys.executable, "-m", "ltv_vllm.compile", str(again)],
+                       capture_output=True, text=True, timeout=300)
+    st = json.loads((again / "status.json").read_text())
+    assert r.returncode == 1 and st["state"] == "failed" and "already exists" in st["error"]
+    # killed while extracting: no entry (a .tmp- directory at most, which sweep removes)
+    # (2400 queries: seconds of extraction, so the kill lands inside it)
+    killed = _job(tmp_path, model_dir, body(name="other", queries=WORDS * 200), "killed")
+    p = subprocess.Popen([sys.executable, "-m", "ltv_vllm.compile", str(killed)])
+    for _ in range(600):
+        if (killed / "status.json").exists() and json.loads(
+                (killed / "status.json").read_text())["state"] == "extracting":
+            break
+        p.poll()
+        assert p.returncode is None
+        time.sleep(0.05)
+    p.kill()
+    assert p.wait() == -9  # killed, not finished
+    store = TaskStore(tmp_path / "store")
+    store.sweep()
+    assert store.names() == ["senti"]
+    assert sorted(x.name for x in store.root.iterdir()) == ["senti"]
