@@ -179,6 +179,7 @@ def _main(job_dir: str) -> int:
     how far it got (state, error)."""
     job = Path(job_dir)
     status_path = job / "status.json"
+    _die_with_parent()
 
     def status(state: str, **kw: Any) -> None:
         doc = {"state": state, "pid": os.getpid(), "time": time.time(), **kw}
@@ -205,6 +206,22 @@ def _main(job_dir: str) -> int:
         status("failed", error=f"{type(e).__name__}: {e}",
                traceback=traceback.format_exc()[-4000:])
         return 1
+
+
+def _die_with_parent() -> None:
+    """A worker whose server is gone stops (a restarted server drops the job; its entry
+    never appears half-written either way)."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 if __name__ == "__main__":

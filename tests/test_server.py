@@ -9,6 +9,7 @@ OpenAI-style errors and the server stays up.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -289,3 +290,103 @@ def test_task_store_server(assets, tokenizer, tmp_path):
         check_mixed(url, {"delta": store.get("delta").vector(), str(d): None}, model, tokenizer)
     finally:
         stop(proc, log)
+
+
+def _compile_body(name: str, flip: bool = False, queries: list[str] | None = None) -> dict:
+    words = ["the plot is dull", "a warm and funny film", "boring and slow", "great acting",
+             "i loved it", "a waste of time", "fresh and bright", "flat and tired", "so good",
+             "so bad", "the cast shines", "the script fails"]
+    labs = ["negative", "positive"][::-1] if flip else ["negative", "positive"]
+    return {"name": name,
+            "task": {"in_prefix": "Review", "label_prefix": "Sentiment", "labels": labs},
+            "demos": [{"text": w, "label": labs[i % 2]} for i, w in enumerate(words[:4])],
+            "queries": queries or words[4:]}
+
+
+def test_compile_over_http_while_serving(assets, tokenizer, tmp_path):
+    """POST demonstrations to a running server: two tasks compiled by the worker while a
+    client keeps requesting a third; their answers equal transformers + the vector the store
+    holds; the concurrent client saw no error and no wrong shift; a compiling task's name is
+    a 404; bad requests are 4xx; a killed worker is reported and leaves no entry."""
+    import threading
+
+    from ltv_vllm.taskstore import TaskStore
+
+    d, model, vecs = assets
+    store = TaskStore(tmp_path / "store")
+    proc, url, log = start_server(d, [f"beta={vecs['beta'][1]}"], tmp_path,
+                                  ("--task-store", str(store.root), "--max-tasks", "3"))
+    tasks = f"{url}/v1/ltv/tasks"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    seen, errors, stop_flag = [], [], threading.Event()
+
+    def traffic():
+        while not stop_flag.is_set():
+            try:
+                r = client.completions.create(
+                    model="beta", prompt=PROMPTS[len(seen) % 2], max_tokens=2, temperature=0.0,
+                    logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+                seen.append((PROMPTS[len(seen) % 2], r.choices[0].logprobs))
+            except Exception as e:  # noqa: BLE001 - every failure is a test failure
+                errors.append(repr(e))
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    try:
+        for name, flip in (("c1", False), ("c2", True)):
+            r = httpx.post(tasks, json=_compile_body(name, flip), timeout=30)
+            assert r.status_code == 202, r.text
+            assert r.json()["status"] in ("queued", "compiling")
+        with pytest.raises(openai.NotFoundError):  # not served until it is complete
+            client.completions.create(model="c2", prompt=PROMPTS[0], max_tokens=1)
+        cases = [(httpx.post(tasks, content=b"{oops", timeout=30,
+                             headers={"content-type": "application/json"}), 400, "malformed"),
+                 (httpx.post(tasks, json=_compile_body("c1"), timeout=30), 409, "exists"),
+                 (httpx.post(tasks, json={**_compile_body("c9"), "colour": 1}), 400, "unknown"),
+                 (httpx.post(tasks, json=_compile_body("c9", queries=["word " * 300])), 400,
+                  "served context is 256 tokens")]
+        for r, code, words in cases:
+            assert r.status_code == code and words in r.json()["error"]["message"], r.text
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            states = {x["name"]: x["status"] for x in httpx.get(tasks).json()["data"]}
+            if states == {"c1": "ready", "c2": "ready"}:
+                break
+            assert "failed" not in states.values(), httpx.get(tasks).json()
+            time.sleep(1)
+        assert store.names() == ["c1", "c2"]
+        held = {n: store.get(n).vector() for n in ("c1", "c2")}
+        assert store.get("c1").record["source"] == "compiled"
+        assert not torch.equal(held["c1"].U, held["c2"].U)
+        check_mixed(url, {**held, "beta": vecs["beta"][0]}, model, tokenizer)
+        # a worker killed mid-compile: reported as failed, nothing in the store
+        r = httpx.post(tasks, json=_compile_body("c3", queries=["so so film"] * 3000))
+        assert r.status_code == 202, r.text
+        job_status = None
+        while time.time() < deadline:
+            found = list((store.root / ".jobs").glob("c3-*/status.json"))
+            if found and json.loads(found[0].read_text())["state"] == "extracting":
+                job_status = json.loads(found[0].read_text())
+                break
+            time.sleep(0.2)
+        assert job_status is not None
+        os.kill(job_status["pid"], 9)
+        while httpx.get(f"{tasks}/c3").json()["status"] != "failed":
+            assert time.time() < deadline
+            time.sleep(0.5)
+        assert "worker died" in httpx.get(f"{tasks}/c3").json()["error"]
+        assert httpx.delete(f"{tasks}/c3").status_code == 200
+        assert store.names() == ["c1", "c2"] and httpx.get(f"{tasks}/c3").status_code == 404
+    finally:
+        stop_flag.set()
+        t.join()
+        stop(proc, log)
+    assert not errors, errors[:3]
+    assert len(seen) > 5
+    n_prompt = {p: len(tokenizer(p)["input_ids"]) for p in PROMPTS}
+    for prompt, lp in seen:  # every concurrent answer carried beta's shift, and only it
+        toks = [int(x.split(":", 1)[1]) for x in lp.tokens]
+        ref = reference_logprobs(model, tokenizer, prompt, toks, vecs["beta"][0])
+        for step, tok in enumerate(toks):
+            row = ref[n_prompt[prompt] - 1 + step]
+            assert abs(lp.token_logprobs[step] - float(row[tok])) < 1e-4

@@ -8,18 +8,29 @@ guards them like its own. A task enters vLLM through its runtime LoRA loading
 called in process: vLLM's public load/unload routes stay off, so a client cannot make the
 server load an arbitrary path.
 
-    GET    /v1/ltv/tasks          every task in the store (and whether it is served)
-    GET    /v1/ltv/tasks/{name}   one task
-    POST   /v1/ltv/tasks          multipart: `name` and a task-vector file `vector`
+    GET    /v1/ltv/tasks          every task in the store, and the compiles under way
+    GET    /v1/ltv/tasks/{name}   one task (status: queued, compiling, ready, failed)
+    POST   /v1/ltv/tasks          JSON: a compile request (`ltv_vllm.compile`): checked, then
+                                  202 and compiled by a worker process; served when ready
+                                  multipart: `name` and a task-vector file `vector`
                                   → checked against the model, stored, served: 201
-    DELETE /v1/ltv/tasks/{name}   unserved and removed: 200
+    DELETE /v1/ltv/tasks/{name}   unserved and removed (a compile: stopped): 200
+
+A compile runs in `python -m ltv_vllm.compile JOB_DIR` (transformers on the served model's
+directory, one thread, so the engine keeps the other cores), one at a time; the job's files
+live in ROOT/.jobs/ and the entry appears only when complete (`taskstore`). Until then the
+task's name is not served: a request for it gets vLLM's 404, never another task's shift.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +60,10 @@ class TaskEndpoints:
         self.max_tasks = 8
         self.max_rank = 256
         self.lock = asyncio.Lock()  # one store change at a time
+        self.jobs: dict[str, dict[str, Any]] = {}  # name → compile job (until it is served)
+        self.worker = asyncio.Semaphore(1)  # one compile at a time
+        self.tokenizer: Any = None
+        self.max_model_len = 0
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         from ..taskstore import TaskStore
@@ -61,6 +76,13 @@ class TaskEndpoints:
         self.models = state.openai_serving_models
         self.max_tasks = int(os.environ.get("LTV_VLLM_MAX_TASKS", "8"))
         self.max_rank = int(os.environ.get("LTV_VLLM_TASK_RANK", "256"))
+        self.max_model_len = int(self.models.model_config.max_model_len)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        # compiles do not outlive their server: what a previous one left is dropped
+        shutil.rmtree(self.store.root / ".jobs", ignore_errors=True)
+        (self.store.root / ".jobs").mkdir()
 
     def attach_router(self, app: Any) -> None:
         router = APIRouter()
@@ -70,7 +92,8 @@ class TaskEndpoints:
             if (off := self._off()) is not None:
                 return off
             entries = await asyncio.to_thread(self.store.entries)
-            return {"object": "list", "data": [self._view(e) for e in entries]}
+            return {"object": "list", "data": [self._view(e) for e in entries]
+                    + [self._job_view(n) for n in sorted(self.jobs)]}
 
         @router.get("/v1/ltv/tasks/{name}")
         async def get_task(name: str) -> Any:
@@ -88,6 +111,8 @@ class TaskEndpoints:
         async def add_task(request: Request) -> Any:
             if (off := self._off()) is not None:
                 return off
+            if request.headers.get("content-type", "").startswith("application/json"):
+                return await self._compile(request)
             return await self._upload(request)
 
         app.include_router(router)
@@ -103,9 +128,21 @@ class TaskEndpoints:
         return {**entry.record, "object": "ltv.task", "status": "ready",
                 "served": entry.name in self.models.lora_requests}
 
+    def _job_view(self, name: str) -> dict[str, Any]:
+        job = self.jobs[name]
+        st = _read_status(job["dir"])
+        state = job["state"]
+        phase = st.get("state") if state == "compiling" else None
+        return {"object": "ltv.task", "name": name, "status": state, "phase": phase,
+                "source": "compiled", "served": False, "error": job.get("error"),
+                "seconds": round(time.time() - job["t0"], 1),
+                "k": len(job["request"]["demos"]), "n": len(job["request"]["queries"])}
+
     async def _entry_or_error(self, name: str) -> Any:
         from ..taskstore import StoreError
 
+        if name in self.jobs:
+            return self._job_view(name)
         try:
             entry = await asyncio.to_thread(self.store.get, name)
         except StoreError as e:
@@ -118,6 +155,13 @@ class TaskEndpoints:
         from ..taskstore import StoreError
 
         async with self.lock:
+            if name in self.jobs:  # a compile: stopped, and its files removed
+                job = self.jobs.pop(name)
+                if (proc := job.get("proc")) is not None and proc.returncode is None:
+                    proc.kill()  # _run_job removes what it leaves
+                elif job["state"] == "failed":
+                    shutil.rmtree(job["dir"], ignore_errors=True)
+                return {"object": "ltv.task.deleted", "name": name, "deleted": True}
             try:
                 await asyncio.to_thread(self.store.get, name)
             except StoreError as e:
@@ -163,12 +207,8 @@ class TaskEndpoints:
         except UserError as e:
             return _error(422, str(e), "UnprocessableEntityError", "vector")
         async with self.lock:
-            if name in self.models.lora_requests or (self.store.root / name).exists():
-                return _error(409, f"task {name!r} exists; DELETE it first", "ConflictError",
-                              "name")
-            if len(self.store.names()) >= self.max_tasks:
-                return _error(409, f"the server holds {self.max_tasks} tasks (--max-tasks); "
-                                   "DELETE one first", "ConflictError")
+            if (taken := self._taken(name)) is not None:
+                return taken
             rank = self.max_rank if tv.rank > self.max_rank else None  # vLLM's rank is fixed
             try:
                 entry = await asyncio.to_thread(
@@ -181,6 +221,79 @@ class TaskEndpoints:
         from fastapi.responses import JSONResponse
 
         return JSONResponse(status_code=201, content=self._view(entry))
+
+    def _taken(self, name: str) -> Any:
+        """409 when the name is in use or the server is full (call under the lock)."""
+        if (name in self.models.lora_requests or name in self.jobs
+                or (self.store.root / name).exists()):
+            return _error(409, f"task {name!r} exists; DELETE it first", "ConflictError",
+                          "name")
+        if len(self.store.names()) + len(self.jobs) >= self.max_tasks:
+            return _error(409, f"the server holds {self.max_tasks} tasks (--max-tasks); "
+                               "DELETE one first", "ConflictError")
+        return None
+
+    async def _compile(self, request: Any) -> Any:
+        from ..compile import parse_request
+        from ..errors import UserError
+
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            return _error(400, f"malformed JSON: {e}", "BadRequestError")
+        try:
+            req = await asyncio.to_thread(parse_request, body, tokenizer=self.tokenizer,
+                                          max_model_len=self.max_model_len)
+        except UserError as e:
+            return _error(400, str(e), "BadRequestError")
+        async with self.lock:
+            if (taken := self._taken(req.name)) is not None:
+                return taken
+            job_dir = Path(tempfile.mkdtemp(prefix=f"{req.name}-", dir=self.store.root / ".jobs"))
+            job = {"dir": job_dir, "state": "queued", "t0": time.time(),
+                   "request": req.to_dict(), "id": job_dir.name}
+            (job_dir / "job.json").write_text(json.dumps({
+                "request": job["request"], "model_dir": str(self.model_dir),
+                "store": str(self.store.root), "base_model": str(self.model_dir),
+                "max_model_len": self.max_model_len, "max_rank": self.max_rank, "threads": 1}))
+            self.jobs[req.name] = job
+        job["task"] = asyncio.create_task(self._run_job(req.name, job))
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(status_code=202, content=self._job_view(req.name))
+
+    async def _run_job(self, name: str, job: dict[str, Any]) -> None:
+        """Run the worker, then serve what it stored; a failure stays listed with its error
+        until it is DELETEd."""
+        async with self.worker:
+            if self.jobs.get(name) is not job:
+                return  # deleted while queued
+            job["state"] = "compiling"
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                   "TOKENIZERS_PARALLELISM": "false"}
+            job["proc"] = proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "ltv_vllm.compile", str(job["dir"]), env=env,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            await proc.wait()
+        st = _read_status(job["dir"])
+        async with self.lock:
+            if self.jobs.get(name) is not job:  # deleted while compiling: remove any entry
+                if st.get("state") == "done":
+                    await asyncio.to_thread(self.store.remove, name)
+                shutil.rmtree(job["dir"], ignore_errors=True)
+                return
+            if st.get("state") != "done":
+                job["state"] = "failed"
+                job["error"] = (st.get("error")
+                                or f"the compile worker died (exit {proc.returncode})")
+                return
+            entry = await asyncio.to_thread(self.store.get, name)
+            if (failed := await self._serve(entry)) is not None:
+                job["state"] = "failed"
+                job["error"] = json.loads(failed.body)["error"]["message"]
+                return
+            del self.jobs[name]
+        shutil.rmtree(job["dir"], ignore_errors=True)
 
     def _parse_upload(self, data: bytes) -> Any:
         """The uploaded bytes as a task-vector file (never unpickled: safetensors, or
@@ -210,3 +323,10 @@ class TaskEndpoints:
         message = getattr(getattr(res, "error", None), "message", str(res))
         return _error(500, f"vLLM could not load task {entry.name!r}: {message}",
                       "InternalServerError")
+
+
+def _read_status(job_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(job_dir) / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
