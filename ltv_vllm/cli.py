@@ -507,6 +507,143 @@ def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | No
         click.echo(f"{r.label}\t{probs}\t{text}")
 
 
+# -- a server's task store ------------------------------------------------------------------
+URL = click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+                   help="A server started with `ltv-vllm serve --task-store`.")
+API_KEY = click.option("--api-key", envvar="LTV_VLLM_API_KEY", default=None,
+                       help="The server's --api-key [env LTV_VLLM_API_KEY].")
+
+
+def _jsonl(path: str, what: str) -> list[Any]:
+    import json
+
+    from .errors import UserError
+
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except ValueError as e:
+                raise UserError(f"{path}:{i}: not JSON ({e}); {what}") from None
+    return out
+
+
+def compile_request(name: str, task: str, demos: str, queries: str, test: str | None,
+                    lam: float) -> dict[str, Any]:
+    """The JSON body of a compile from files (checked again, fully, by the server)."""
+    import json
+    from pathlib import Path
+
+    from .errors import UserError
+    from .tasks import BUILTIN_TASKS
+
+    if task in BUILTIN_TASKS:
+        t = BUILTIN_TASKS[task]
+        spec = {"in_prefix": t.in_prefix, "label_prefix": t.label_prefix,
+                "labels": list(t.labels)}
+    else:
+        try:
+            spec = json.loads(Path(task).read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"--task: a built-in task name or a JSON file with in_prefix, "
+                            f"label_prefix and labels ({e})") from None
+    qs = [q["text"] if isinstance(q, dict) and "text" in q else q
+          for q in _jsonl(queries, 'one {"text": ...} or "string" per line')]
+    body = {"name": name, "task": spec,
+            "demos": _jsonl(demos, 'one {"text": ..., "label": ...} per line'),
+            "queries": qs, "lam": lam}
+    if test:
+        body["test"] = _jsonl(test, 'one {"text": ..., "label": ...} per line')
+    return body
+
+
+@main.command("compile")
+@click.option("--name", required=True, help="The new task's name (the OpenAI `model` field).")
+@click.option("--task", required=True,
+              help="A built-in task's template (e.g. sst2) or a JSON file: in_prefix, "
+                   "label_prefix, labels.")
+@click.option("--demos", required=True, type=click.Path(exists=True, dir_okay=False),
+              help='JSONL, one {"text", "label"} demonstration per line (k of them).')
+@click.option("--queries", required=True, type=click.Path(exists=True, dir_okay=False),
+              help='JSONL, one unlabeled input per line ({"text"} or a string; N of them).')
+@click.option("--test", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="JSONL of labelled examples: the server reports accuracy and d_NTP on them.")
+@click.option("--lam", default=5.0, show_default=True, help="Ridge penalty λ.")
+@click.option("--wait", is_flag=True, help="Wait until the task is served (progress shown).")
+@URL
+@API_KEY
+@friendly
+def compile_cmd(name: str, task: str, demos: str, queries: str, test: str | None, lam: float,
+                wait: bool, url: str, api_key: str | None) -> None:
+    """Compile demonstrations into a task on a running server (no restart)."""
+    import json
+
+    from tqdm.auto import tqdm
+
+    from .client import compile_remote
+
+    body = compile_request(name, task, demos, queries, test, lam)
+    with tqdm(total=None, bar_format="{desc} [{elapsed}]", disable=not wait) as bar:
+        def show(view: dict[str, Any]) -> None:
+            bar.set_description_str(f"{name}: {view.get('status')}"
+                                    + (f" ({view['phase']})" if view.get("phase") else ""))
+            bar.refresh()
+
+        view = compile_remote(url, body, wait=wait, api_key=api_key, on_status=show)
+    click.echo(json.dumps(view, indent=1))
+
+
+@tasks.group("remote")
+def tasks_remote() -> None:
+    """The task store of a running server (`serve --task-store`)."""
+
+
+@tasks_remote.command("list")
+@URL
+@API_KEY
+@friendly
+def remote_list(url: str, api_key: str | None) -> None:
+    """Every task in the server's store, and the compiles under way."""
+    from .client import list_remote_tasks
+
+    for t in list_remote_tasks(url, api_key=api_key):
+        acc = ((t.get("metrics") or {}).get("ltv") or {}).get("accuracy")
+        click.echo(f"{t['name']:<20} {t['status']:<10} {t.get('source', '')}"
+                   f"  k={t.get('k')} N={t.get('n')}"
+                   + (f"  accuracy={acc:.3f}" if acc is not None else "")
+                   + (f"  error: {t['error']}" if t.get("error") else ""))
+
+
+@tasks_remote.command("delete")
+@click.argument("name")
+@URL
+@API_KEY
+@friendly
+def remote_delete(name: str, url: str, api_key: str | None) -> None:
+    """Stop serving NAME and remove it from the server's store."""
+    from .client import delete_remote_task
+
+    delete_remote_task(url, name, api_key=api_key)
+    click.echo(f"deleted {name}")
+
+
+@tasks_remote.command("add")
+@click.argument("name")
+@click.argument("vector", type=click.Path(exists=True, dir_okay=False))
+@URL
+@API_KEY
+@friendly
+def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
+    """Upload a task-vector file as task NAME (checked by the server, then served)."""
+    from .client import upload_task
+
+    t = upload_task(url, name, vector, api_key=api_key)
+    click.echo(f"{t['name']} served (rank {t.get('rank')}, {t.get('source')})")
+
+
 # -- evaluate -----------------------------------------------------------------------------
 @main.command()
 @click.option("--model", "model_spec", default=None,

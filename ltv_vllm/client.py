@@ -1,4 +1,4 @@
-"""Classification (and first-step-only generation) through a running ltv-vllm server.
+"""Classification, first-step-only generation and the task store of a running server.
 
 The server runs with `--logprobs-mode processed_logprobs`, so a completion request with
 `allowed_token_ids` = the label tokens returns log-probabilities renormalised over the label
@@ -135,6 +135,68 @@ def first_step_only(base_url: str, prompt: str, *, vector: str, base: str,
     except (openai.APIConnectionError, httpx.HTTPError):
         raise ClientError(f"cannot reach {base_url}") from None
     return Generation(text=text, token_ids=toks)
+
+
+# -- the server's task store (/v1/ltv/tasks) -------------------------------------------------
+def _tasks_call(method: str, base_url: str, path: str = "", *, api_key: str | None = None,
+                **kw: Any) -> Any:
+    import httpx
+
+    url = f"{base_url.rstrip('/')}/v1/ltv/tasks{path}"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.request(method, url, headers=headers, timeout=120, **kw)
+    except httpx.HTTPError:
+        raise ClientError(f"cannot reach {base_url}") from None
+    if r.status_code >= 400:
+        try:
+            msg = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            msg = r.text[:200]
+        raise ClientError(f"server refused ({r.status_code}): {msg}")
+    return r.json()
+
+
+def list_remote_tasks(base_url: str, *, api_key: str | None = None) -> list[dict[str, Any]]:
+    return list(_tasks_call("GET", base_url, api_key=api_key)["data"])
+
+
+def remote_task(base_url: str, name: str, *, api_key: str | None = None) -> dict[str, Any]:
+    return dict(_tasks_call("GET", base_url, f"/{name}", api_key=api_key))
+
+
+def delete_remote_task(base_url: str, name: str, *, api_key: str | None = None) -> None:
+    _tasks_call("DELETE", base_url, f"/{name}", api_key=api_key)
+
+
+def upload_task(base_url: str, name: str, vector: str, *, api_key: str | None = None
+                ) -> dict[str, Any]:
+    """Send a task-vector file to the server's store; served when this returns."""
+    from pathlib import Path
+
+    data = Path(vector).read_bytes()
+    return dict(_tasks_call("POST", base_url, api_key=api_key, data={"name": name},
+                            files={"vector": (Path(vector).name, data)}))
+
+
+def compile_remote(base_url: str, request: dict[str, Any], *, wait: bool = False,
+                   api_key: str | None = None, poll: float = 1.0,
+                   on_status: Any = None) -> dict[str, Any]:
+    """POST a compile request (`ltv_vllm.compile`); with `wait`, poll until the task is
+    served (or the compile failed: ClientError), calling `on_status(view)` each time."""
+    import time
+
+    view = dict(_tasks_call("POST", base_url, api_key=api_key, json=request))
+    while wait and view.get("status") != "ready":
+        if on_status is not None:
+            on_status(view)
+        if view.get("status") == "failed":
+            raise ClientError(f"compiling {request.get('name')!r} failed: {view.get('error')}")
+        time.sleep(poll)
+        view = remote_task(base_url, str(request["name"]), api_key=api_key)
+    if on_status is not None:
+        on_status(view)
+    return view
 
 
 def _message(e: Any) -> str:

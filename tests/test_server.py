@@ -265,14 +265,17 @@ def test_task_store_server(assets, tokenizer, tmp_path):
                  (post("delta", wrong_path), 422, "hidden size"),
                  (post("delta", vecs["alpha"][1], {"extra": "1"}), 400, "unknown field"),
                  (post("delta", vecs["alpha"][1]), 409, "holds 2 tasks"),
-                 (httpx.post(tasks, json={"name": "delta"}), 415, "multipart"),
+                 (httpx.post(tasks, json={"name": "delta"}), 400, "missing field 'task'"),
+                 (httpx.post(tasks, content=b"x", headers={"content-type": "text/plain"}), 415,
+                  "multipart"),
                  (httpx.delete(f"{tasks}/beta"), 409, "command line"),
                  (httpx.delete(f"{tasks}/nope"), 404, "no task"),
                  (httpx.get(f"{tasks}/nope"), 404, "no task")]
         for r, code, words in cases:
             assert r.status_code == code and words in r.json()["error"]["message"], r.text
         assert store.names() == ["alpha", "gamma"]
-        assert sorted(p.name for p in store.root.iterdir()) == ["alpha", "gamma"]
+        assert sorted(p.name for p in store.root.iterdir()) == [".jobs", "alpha", "gamma"]
+        assert not any((store.root / ".jobs").iterdir())  # uploads leave no temp files
         # DELETE: unserved (404 for its requests), removed, and the slot is free again
         assert httpx.delete(f"{tasks}/gamma").status_code == 200
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
@@ -282,12 +285,42 @@ def test_task_store_server(assets, tokenizer, tmp_path):
         assert post("delta", as_st).status_code == 201  # a .safetensors upload
     finally:
         stop(proc, log)
-    # a restart serves what the store holds
-    proc, url, log = start_server(d, [], tmp_path, args)
+    # a restart serves what the store holds; --api-key guards the store's routes like vLLM's
+    proc, url, log = start_server(d, [], tmp_path, (*args, "--api-key", "x"))
     try:
-        listed = httpx.get(f"{url}/v1/ltv/tasks").json()["data"]
+        assert httpx.get(f"{url}/v1/ltv/tasks").status_code == 401
+        listed = httpx.get(f"{url}/v1/ltv/tasks", headers={"Authorization": "Bearer x"}
+                           ).json()["data"]
         assert [(t["name"], t["served"]) for t in listed] == [("alpha", True), ("delta", True)]
         check_mixed(url, {"delta": store.get("delta").vector(), str(d): None}, model, tokenizer)
+        # the command-line client: list, delete, upload, compile from files and wait
+        from click.testing import CliRunner
+
+        from ltv_vllm.cli import main
+
+        def cli(*a):
+            r = CliRunner().invoke(main, [*a, "--url", url, "--api-key", "x"])
+            return r.exit_code, r.output
+
+        code, out = cli("tasks", "remote", "list")
+        assert code == 0 and out.split("\n")[0].split()[:2] == ["alpha", "ready"], out
+        assert cli("tasks", "remote", "delete", "delta") == (0, "deleted delta\n")
+        code, out = cli("tasks", "remote", "delete", "delta")
+        assert code == 1 and "server refused (404)" in out and len(out.splitlines()) == 1
+        files = {}
+        body = _compile_body("c5")
+        for key in ("demos", "queries"):
+            files[key] = tmp_path / f"{key}.jsonl"
+            files[key].write_text("".join(json.dumps(x) + "\n" for x in body[key]))
+        code, out = cli("compile", "--name", "c5", "--task", "sst2", "--demos",
+                        str(files["demos"]), "--queries", str(files["queries"]), "--wait")
+        assert code == 0, out
+        assert json.loads(out[out.index("{"):])["status"] == "ready"
+        c5 = store.get("c5").vector()
+        assert c5.provenance.task["labels"] == ["negative", "positive"]  # sst2's template
+        check_mixed(url, {"c5": c5, "alpha": store.get("alpha").vector()}, model, tokenizer)
+        code, out = cli("tasks", "remote", "add", "c5", str(vecs["beta"][1]))
+        assert code == 1 and "(409)" in out, out
     finally:
         stop(proc, log)
 

@@ -180,8 +180,9 @@ class TaskEndpoints:
         from ..taskstore import check_name
 
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-            return _error(415, "POST /v1/ltv/tasks takes multipart/form-data with a `name` and "
-                               "a task-vector file `vector`", "BadRequestError")
+            return _error(415, "POST /v1/ltv/tasks takes a compile request (application/json) "
+                               "or multipart/form-data with a `name` and a task-vector file "
+                               "`vector`", "BadRequestError")
         if int(request.headers.get("content-length") or 0) > MAX_UPLOAD:
             return _error(413, f"upload over {MAX_UPLOAD >> 20} MiB", "BadRequestError",
                           "vector")
