@@ -329,11 +329,9 @@ def server_args(
         return args, None
     if fold:
         raise VectorError("--fold applies to one fused vector, not to multi-task (LoRA) serving")
-    if store is None:
-        plan = plan_lora(model_dir, vectors, lora_dir=lora_dir, rank_cap=lora_rank_cap)
-    else:
-        plan = plan_lora(model_dir, vectors, lora_dir=lora_dir, rank_cap=lora_rank_cap,
-                         store=store, capacity=max_tasks, min_rank=store_rank(model_dir))
+    room = {} if store is None else {"capacity": max_tasks, "min_rank": store_rank(model_dir)}
+    plan = plan_lora(model_dir, vectors, lora_dir=lora_dir, rank_cap=lora_rank_cap,
+                     store=store, **room)
     return [*args, "--served-model-name", served_name, *plan.server_args()], plan
 
 
@@ -377,11 +375,9 @@ def store_env(root: str, max_tasks: int, max_rank: int) -> dict[str, str]:
     vLLM's plugin allowlist (endpoint plugins load only when named there)."""
     import os
 
-    from .taskstore import TaskStore
-
     allow = [p for p in (os.environ.get("VLLM_PLUGINS") or "").split(",") if p]
     # naming any plugin turns VLLM_PLUGINS into an allowlist: keep our model plugin in it
     allow += [p for p in ("ltv_vllm", STORE_PLUGIN) if p not in allow]
-    return {"LTV_VLLM_TASK_STORE": str(TaskStore(root, create=False).root),
+    return {"LTV_VLLM_TASK_STORE": str(Path(root).absolute()),
             "LTV_VLLM_MAX_TASKS": str(max_tasks), "LTV_VLLM_TASK_RANK": str(max_rank),
             "VLLM_PLUGINS": ",".join(allow)}
