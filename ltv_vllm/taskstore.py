@@ -19,6 +19,7 @@ filesystem resolver compares against the engine's `--model`.
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
 import re
@@ -47,6 +48,27 @@ class EntryExists(StoreError):
 
 class NoSuchEntry(StoreError):
     """No complete entry of that name (HTTP 404)."""
+
+
+class StoreFull(StoreError):
+    """The store's disk (or the process's file-size limit) took no more (HTTP 507)."""
+
+
+# out of space, out of quota, or past RLIMIT_FSIZE: all "this write cannot fit"
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def full_disk(e: BaseException, what: str, root: Path) -> StoreFull | None:
+    """`e` as a one-line StoreFull when it says the disk is full; otherwise None."""
+    if isinstance(e, OSError):
+        code, why = e.errno, e.strerror
+    else:  # safetensors' writer (Rust) raises SafetensorError, with the errno only in text
+        m = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(e))
+        code, why = (int(m[2]), m[1]) if m else (None, None)
+    if code not in _FULL:
+        return None
+    return StoreFull(f"{what}: the task store's disk is full ({root}: {why}); free "
+                     "space or DELETE tasks, then retry")
 
 
 def check_name(name: str) -> str:
@@ -163,8 +185,10 @@ class TaskStore:
                 os.rename(tmp, self.root / name)
             except OSError:
                 raise EntryExists(f"task {name!r} already exists in {self.root}") from None
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if (full := full_disk(e, f"task {name!r} was not stored", self.root)) is not None:
+                raise full from e
             raise
         return self.get(name)
 

@@ -9,11 +9,14 @@ OpenAI-style errors and the server stays up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -66,12 +69,17 @@ def start_server(model_dir: Path, vector_args: list[str], tmp: Path, extra: tupl
     cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", str(model_dir),
            "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
            *[a for v in vector_args for a in ("--task-vector", v)], *extra, "--enforce-eager"]
-    log = open(tmp / f"server-{port}.log", "w")  # noqa: SIM115 - closed in stop()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    log = open(tmp / f"server-{port}.log", "wb")  # noqa: SIM115 - closed in stop()
+    # the log is copied through a pipe, so the server never writes a file of its own
+    # (file_size_limit below limits only the task store's writes)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    proc.copier = threading.Thread(target=_copy, args=(proc.stdout, log), daemon=True)
+    proc.copier.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 400
     while time.time() < deadline:
         if proc.poll() is not None:
+            proc.copier.join(10)
             raise RuntimeError((tmp / f"server-{port}.log").read_text()[-3000:])
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -80,7 +88,14 @@ def start_server(model_dir: Path, vector_args: list[str], tmp: Path, extra: tupl
             pass
         time.sleep(1)
     proc.kill()
+    proc.copier.join(10)
     raise RuntimeError("server did not start: " + (tmp / f"server-{port}.log").read_text()[-3000:])
+
+
+def _copy(src, dst) -> None:
+    for chunk in iter(lambda: src.read1(1 << 16), b""):
+        dst.write(chunk)
+        dst.flush()
 
 
 def stop(proc, log) -> None:
@@ -89,7 +104,21 @@ def stop(proc, log) -> None:
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
+    proc.copier.join(10)
     log.close()
+
+
+@contextlib.contextmanager
+def file_size_limit(pid: int, nbytes: int):
+    """A full disk, simulated: process `pid` (and the workers it starts meanwhile) cannot
+    write a file past `nbytes` (RLIMIT_FSIZE; Python ignores SIGXFSZ, so the write fails
+    with EFBIG)."""
+    old = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (nbytes, old[1]))
+    try:
+        yield
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, old)
 
 
 def check_mixed(url: str, served: dict, model, tokenizer) -> None:
@@ -225,8 +254,9 @@ def test_regression_vector_server(tokenizer, tmp_path):
 def test_task_store_server(assets, tokenizer, tmp_path):
     """`serve --task-store`: entries already there are served; a task-vector file POSTed to
     /v1/ltv/tasks is checked, stored and served at once (answers = transformers + the
-    vector the store holds); bad uploads get 4xx and leave nothing; DELETE unserves and
-    removes; after a restart the store's tasks are served again."""
+    vector the store holds); bad uploads get 4xx and leave nothing; a full disk is a 507
+    (upload) or a failed compile, leaving nothing; DELETE unserves and removes; after a
+    restart the store's tasks are served again."""
     from ltv_vllm.taskstore import TaskStore
 
     d, model, vecs = assets
@@ -282,6 +312,24 @@ def test_task_store_server(assets, tokenizer, tmp_path):
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="gamma", prompt=PROMPTS[0], max_tokens=1)
         assert store.names() == ["alpha"]
+        # a full disk: the store's writes fail past a size the upload's temp file and
+        # a compile's job file fit under, but no adapter does (lora_B alone is vocab x 8
+        # floats): 507, nothing left behind, the server stays up
+        limit = as_st.stat().st_size + 512
+        assert limit < len(tokenizer) * 8 * 4
+        with file_size_limit(proc.pid, limit):
+            r = post("delta", as_st)
+            assert r.status_code == 507 and "disk is full" in r.json()["error"]["message"], r.text
+            assert httpx.post(tasks, json=_compile_body("c6")).status_code == 202
+            deadline = time.time() + 300
+            while (got := httpx.get(f"{tasks}/c6").json())["status"] != "failed":
+                assert got["status"] != "ready" and time.time() < deadline, got
+                time.sleep(0.5)
+        assert "disk is full" in got["error"], got
+        assert httpx.delete(f"{tasks}/c6").status_code == 200
+        assert store.names() == ["alpha"]
+        assert sorted(p.name for p in store.root.iterdir()) == [".jobs", "alpha"]
+        assert not any((store.root / ".jobs").iterdir())
         assert post("delta", as_st).status_code == 201  # a .safetensors upload
     finally:
         stop(proc, log)
@@ -341,8 +389,6 @@ def test_compile_over_http_while_serving(assets, tokenizer, tmp_path):
     client keeps requesting a third; their answers equal transformers + the vector the store
     holds; the concurrent client saw no error and no wrong shift; a compiling task's name is
     a 404; bad requests are 4xx; a killed worker is reported and leaves no entry."""
-    import threading
-
     from ltv_vllm.taskstore import TaskStore
 
     d, model, vecs = assets

@@ -15,7 +15,14 @@ from safetensors.torch import load_file
 from conftest import write_model_and_vectors
 from ltv_vllm.checkpoint import read_lm_head
 from ltv_vllm.errors import UserError
-from ltv_vllm.taskstore import EntryExists, NoSuchEntry, StoreError, TaskStore, check_name
+from ltv_vllm.taskstore import (
+    EntryExists,
+    NoSuchEntry,
+    StoreError,
+    StoreFull,
+    TaskStore,
+    check_name,
+)
 from ltv_vllm.vector import load_task_vector
 
 
@@ -77,7 +84,8 @@ def test_a_crash_mid_write_leaves_no_entry(setup, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(type(good), "save", boom)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(StoreFull, match="'alpha' was not stored: the task store's disk is full "
+                                         r"\(.*: No space left on device\)"):
         store.add("alpha", good, tmp / "m")
     assert os.listdir(store.root) == []
     monkeypatch.undo()

@@ -47,6 +47,11 @@ def _error(status: int, message: str, err_type: str, param: str | None = None) -
         "message": message, "type": err_type, "param": param, "code": status}})
 
 
+def _full(e: Exception) -> Any:
+    # 507 Insufficient Storage: the request was fine, the server's disk was not
+    return _error(507, str(e), "InsufficientStorageError")
+
+
 class TaskEndpoints:
     """The endpoint plugin (vLLM instantiates it with no arguments)."""
 
@@ -177,7 +182,7 @@ class TaskEndpoints:
 
     async def _upload(self, request: Any) -> Any:
         from ..errors import UserError
-        from ..taskstore import check_name
+        from ..taskstore import StoreFull, check_name
 
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             return _error(415, "POST /v1/ltv/tasks takes a compile request (application/json) "
@@ -205,6 +210,8 @@ class TaskEndpoints:
         data = await upload.read()
         try:
             tv = await asyncio.to_thread(self._parse_upload, data)
+        except StoreFull as e:
+            return _full(e)
         except UserError as e:
             return _error(422, str(e), "UnprocessableEntityError", "vector")
         async with self.lock:
@@ -215,6 +222,8 @@ class TaskEndpoints:
                 entry = await asyncio.to_thread(
                     self.store.add, name, tv, self.model_dir, source="uploaded", rank=rank,
                     base_model=str(self.model_dir))
+            except StoreFull as e:
+                return _full(e)
             except UserError as e:
                 return _error(409 if "exists" in str(e) else 422, str(e), "BadRequestError")
             if (failed := await self._serve(entry)) is not None:
@@ -237,6 +246,7 @@ class TaskEndpoints:
     async def _compile(self, request: Any) -> Any:
         from ..compile import parse_request
         from ..errors import UserError
+        from ..taskstore import full_disk
 
         try:
             body = json.loads(await request.body())
@@ -250,13 +260,24 @@ class TaskEndpoints:
         async with self.lock:
             if (taken := self._taken(req.name)) is not None:
                 return taken
-            job_dir = Path(tempfile.mkdtemp(prefix=f"{req.name}-", dir=self.store.root / ".jobs"))
-            job = {"dir": job_dir, "state": "queued", "t0": time.time(),
-                   "request": req.to_dict(), "id": job_dir.name}
-            (job_dir / "job.json").write_text(json.dumps({
-                "request": job["request"], "model_dir": str(self.model_dir),
-                "store": str(self.store.root), "base_model": str(self.model_dir),
-                "max_model_len": self.max_model_len, "max_rank": self.max_rank, "threads": 1}))
+            job_dir = None
+            try:
+                job_dir = Path(tempfile.mkdtemp(prefix=f"{req.name}-",
+                                                dir=self.store.root / ".jobs"))
+                job = {"dir": job_dir, "state": "queued", "t0": time.time(),
+                       "request": req.to_dict(), "id": job_dir.name}
+                (job_dir / "job.json").write_text(json.dumps({
+                    "request": job["request"], "model_dir": str(self.model_dir),
+                    "store": str(self.store.root), "base_model": str(self.model_dir),
+                    "max_model_len": self.max_model_len, "max_rank": self.max_rank,
+                    "threads": 1}))
+            except OSError as e:
+                if job_dir is not None:
+                    shutil.rmtree(job_dir, ignore_errors=True)
+                if (full := full_disk(e, f"task {req.name!r} was not queued",
+                                      self.store.root)) is not None:
+                    return _full(full)
+                raise
             self.jobs[req.name] = job
         job["task"] = asyncio.create_task(self._run_job(req.name, job))
         from fastapi.responses import JSONResponse
@@ -300,13 +321,19 @@ class TaskEndpoints:
         """The uploaded bytes as a task-vector file (never unpickled: safetensors, or
         torch.load with weights_only), checked against the served model."""
         from ..checkpoint import identity_from_dir
+        from ..taskstore import full_disk
         from ..vector import load_task_vector
         from .lora import refuse_bias
 
         suffix = ".pt" if data[:2] == b"PK" else ".safetensors"  # a .pt file is a zip
         with tempfile.TemporaryDirectory(dir=self.store.root, prefix=".up-") as d:
             path = Path(d) / f"upload{suffix}"
-            path.write_bytes(data)
+            try:
+                path.write_bytes(data)
+            except OSError as e:
+                if (full := full_disk(e, "the upload was not read", self.store.root)) is None:
+                    raise
+                raise full from e
             tv = load_task_vector(path)
         tv.check_model(identity_from_dir(self.model_dir))
         refuse_bias(tv)
