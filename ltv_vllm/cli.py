@@ -170,6 +170,42 @@ def data_show(task: str, n_show: int, k: int, seed: int) -> None:
                + f"   ← gold: {t.labels[ep.test[0].label]}")
 
 
+@data.command("episode")
+@click.argument("task")
+@click.option("--k", default=30, show_default=True, help="Demonstrations (k//K per class).")
+@click.option("--n", default=256, show_default=True, help="Unlabeled queries N.")
+@click.option("--n-test", default=0, show_default=True,
+              help="Labelled test examples (test.jsonl; 0: none).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("-o", "--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory for demos.jsonl, queries.jsonl (and test.jsonl).")
+@friendly
+def data_episode(task: str, k: int, n: int, n_test: int, seed: int, out: Path) -> None:
+    """Write one episode as the files `ltv-vllm compile` sends: the same demos and queries
+    `extract --task TASK --k K --n N --seed S` fits on."""
+    import json
+
+    from .compile import CompileRequest
+    from .data import load_dataset, sample_episode
+    from .extract import check_counts
+    from .fileio import atomic_write
+    from .tasks import get_task
+
+    check_counts(k=k, n=n)
+    if n_test < 0:
+        raise ArgumentError(f"--n-test must be at least 0, got {n_test}")
+    ep = sample_episode(load_dataset(get_task(task)), k=k, n=n, n_test=max(1, n_test),
+                        seed=seed)
+    body = CompileRequest.from_episode(ep.task.name, ep, test=n_test > 0).to_dict()
+    rows = {"demos": body["demos"], "queries": [{"text": q} for q in body["queries"]]}
+    if n_test:
+        rows["test"] = body["test"]
+    for part, xs in rows.items():
+        atomic_write(out / f"{part}.jsonl", lambda tmp, xs=xs: Path(tmp).write_text(
+            "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in xs)))
+        click.echo(f"{out / (part + '.jsonl')}: {len(xs)} {part}")
+
+
 # -- extract ------------------------------------------------------------------------------
 def _print_metrics(metrics: dict[str, dict[str, float]]) -> None:
     width = max(10, *(len(m) for m in metrics))

@@ -57,6 +57,14 @@ class CompileRequest:
     test: tuple[Example, ...]
     lam: float
 
+    @classmethod
+    def from_episode(cls, name: str, ep: Episode, *, lam: float = 5.0,
+                     test: bool = True) -> CompileRequest:
+        """A sampled episode (`data.sample_episode`) as a compile request: its demos, its
+        queries' texts, and its test examples unless `test` is False."""
+        return cls(name, ep.task, ep.demos, tuple(e.text for e in ep.queries),
+                   ep.test if test else (), lam)
+
     def episode(self) -> Episode:
         return Episode(self.task, 0, self.demos, tuple(Example(q, -1) for q in self.queries),
                        self.test)

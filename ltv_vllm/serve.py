@@ -226,17 +226,21 @@ class ServerPlan:
     env: dict[str, str]       # what to add to the environment
     lora: LoraPlan | None     # adapters still to write (multi-task); nothing is written yet
 
-    def start(self) -> None:
-        """Write what the server needs, then replace this process with it."""
-        import os
-        import sys
-
+    def prepare(self) -> None:
+        """Write what the server needs (adapters; the task store, swept)."""
         if self.lora is not None:
             self.lora.write()
         if root := self.env.get("LTV_VLLM_TASK_STORE"):
             from .taskstore import TaskStore
 
             TaskStore(root).sweep()  # created if new; what interrupted writes left, removed
+
+    def start(self) -> None:
+        """Prepare, then replace this process with the server."""
+        import os
+        import sys
+
+        self.prepare()
         os.execve(sys.executable, self.argv, {**os.environ, **self.env})
 
 

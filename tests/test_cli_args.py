@@ -87,6 +87,8 @@ CASES = [
     # models: a packaged base would be fetched and converted by resolving it; refused first
     (["models", "derive", "smollm2-135m", "--keep-layers", "0"], "keep_layers must be at least 1"),
     (["data", "show", "trec", "--k", "3"], "smaller than the number of classes (6)"),
+    (["data", "episode", "linear", "-o", "ep"], "'linear' is a regression task"),
+    (["data", "episode", "sst2", "--n-test", "-1", "-o", "ep"], "--n-test must be at least 0"),
     # benchmarks
     (["bench", "serving", *M, "--modes", "zero-shot,warp"], "unknown mode(s) warp"),
     (["bench", "serving", *M, "--concurrency", "0"], "--concurrency must be at least 1"),

@@ -141,3 +141,27 @@ def test_worker_process_reports_done_or_failed_and_a_killed_one_leaves_no_entry(
     store.sweep()
     assert store.names() == ["senti"]
     assert sorted(x.name for x in store.root.iterdir()) == ["senti"]
+
+
+def test_data_episode_files_are_the_episode_extract_fits_on(tmp_path, tokenizer):
+    """`data episode` writes what `compile` sends; read back (as the CLI and the server do),
+    they are the demos and queries of `extract`'s episode for the same k, N and seed."""
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import compile_request, main
+    from ltv_vllm.extract import ExtractOptions, plan_episode
+    from ltv_vllm.tasks import get_task
+
+    r = CliRunner().invoke(main, ["data", "episode", "sst2", "--k", "4", "--n", "8",
+                                  "--n-test", "2", "--seed", "3", "-o", str(tmp_path / "ep")])
+    assert r.exit_code == 0, r.output
+    files = {p: str(tmp_path / "ep" / f"{p}.jsonl") for p in ("demos", "queries", "test")}
+    req = parse_request(compile_request("s", "sst2", files["demos"], files["queries"],
+                                        files["test"], 5.0),
+                        tokenizer=tokenizer, max_model_len=100_000)
+    ep = plan_episode(get_task("sst2"), ExtractOptions(k=4, n=8, n_test=2, seed=3))
+    assert req.demos == ep.demos and req.test == ep.test
+    assert req.queries == tuple(e.text for e in ep.queries)
+    assert req.episode().demo_prefix() == ep.demo_prefix()
+    r = CliRunner().invoke(main, ["data", "episode", "sst2", "-o", str(tmp_path / "none")])
+    assert r.exit_code == 0 and not (tmp_path / "none" / "test.jsonl").exists()
