@@ -41,6 +41,8 @@ class Factors:
     # (Vᵀ H)(Vᵀ H)ᵀ / N (r, r): the training states' second moment in V's coordinates, so a
     # later rank cut can weigh directions by how much the states use them (see `truncate`).
     gram: torch.Tensor | None = None
+    lam: float | None = None       # the λ fitted with (chosen by `loo` under lam="auto")
+    loo: LooCurve | None = None    # lam="auto": the leave-one-out curve it was chosen on
 
     def apply(self, h: torch.Tensor) -> torch.Tensor:
         """W h for a batch of rows: (B, d_in) → (B, d_out); h float32 like the factors."""
@@ -79,16 +81,26 @@ def choose_form(n: int, d_in: int) -> str:
 def ridge_fit(
     h: torch.Tensor,
     y: torch.Tensor,
-    lam: float,
+    lam: float | Literal["auto"],
     *,
     form: Form = "auto",
     dtype: torch.dtype = torch.float64,
 ) -> Factors:
-    """Ridge from h (N, d_in) to y (N, d_out) as factors W = U Vᵀ, with W h ≈ y row-wise."""
+    """Ridge from h (N, d_in) to y (N, d_out) as factors W = U Vᵀ, with W h ≈ y row-wise.
+
+    lam="auto": λ with the least closed-form leave-one-out error on `lam_grid` (no labels,
+    no refits; `loo_curve`)."""
     assert h.ndim == 2 and y.ndim == 2, (
         f"expected 2-D h and y, got {tuple(h.shape)}, {tuple(y.shape)}"
     )
     assert h.shape[0] == y.shape[0], f"h has {h.shape[0]} rows but y has {y.shape[0]}"
+    loo = None
+    if lam == "auto":
+        hd = h.to(torch.float64)
+        loo = loo_curve(hd @ hd.T, y)
+        lam = loo.best
+    if not isinstance(lam, int | float):
+        raise ValueError(f"lam must be a number or 'auto', got {lam!r}")
     if lam <= 0:
         raise ValueError(f"lam must be > 0 (the ridge penalty), got {lam}")
     n, d_in = h.shape
@@ -112,7 +124,7 @@ def ridge_fit(
     U, V = _balance(U, V)
     A = V.T @ H  # (r, N): the training states in V's coordinates
     return Factors(U=U.float().cpu().contiguous(), V=V.float().cpu().contiguous(), form=form,
-                   gram=(A @ A.T / n).float().cpu())
+                   gram=(A @ A.T / n).float().cpu(), lam=float(lam), loo=loo)
 
 
 def _balance(U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +174,7 @@ def truncate(f: Factors, rank: int, *, head_gram: torch.Tensor | None = None) ->
     Ub, Vb = _balance(Ur, Vr)
     C = torch.linalg.lstsq(V, Vb).solution  # Vb = V C, so (Vbᵀ H) = Cᵀ (Vᵀ H)
     return Factors(U=Ub.float().contiguous(), V=Vb.float().contiguous(), form=f.form,
-                   gram=(C.T @ G @ C).float())
+                   gram=(C.T @ G @ C).float(), lam=f.lam, loo=f.loo)
 
 
 def head_gram(w: torch.Tensor) -> torch.Tensor:
@@ -175,6 +187,53 @@ def _jitter(G: torch.Tensor) -> torch.Tensor:
     """G + εI with ε relative to G's scale, so a merely semi-definite Gram factorises."""
     eps = 1e-10 * float(G.diagonal().mean().clamp(min=1e-30))
     return G + eps * torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
+
+
+# λ candidates for `--lam auto`, as multiples of the Gram's mean diagonal (the states' mean
+# squared norm): hidden-state scales differ by orders of magnitude between models, so a fixed
+# absolute grid (like the paper's λ = 5 everywhere) would mean different things on each.
+LAM_GRID_EXPONENTS = tuple(e / 4 for e in range(-24, 5))  # 10^-6 … 10^1, quarter decades
+
+
+@dataclass(frozen=True)
+class LooCurve:
+    """Closed-form leave-one-out error of ridge at each λ, and the λ it picks."""
+
+    lams: tuple[float, ...]
+    errors: tuple[float, ...]  # mean over samples of ‖y_i − ŷ_{−i}(h_i)‖²
+
+    @property
+    def best(self) -> float:
+        return self.lams[min(range(len(self.lams)), key=self.errors.__getitem__)]
+
+    def to_dict(self) -> dict[str, list[float]]:
+        return {"lams": list(self.lams), "errors": list(self.errors)}
+
+
+def lam_grid(K: torch.Tensor) -> tuple[float, ...]:
+    scale = float(K.diagonal().double().mean().clamp(min=1e-30))
+    return tuple(scale * 10.0 ** e for e in LAM_GRID_EXPONENTS)
+
+
+def loo_curve(K: torch.Tensor, y: torch.Tensor, lams: tuple[float, ...] | None = None
+              ) -> LooCurve:
+    """Leave-one-out error of kernel ridge with Gram K (N, N) and targets y (N, d_out), for
+    every λ from one eigendecomposition: with K = Q diag(e) Qᵀ the fit is ŷ = S y with
+    S = Q diag(e / (e + λ)) Qᵀ, and ridge's leave-one-out residual is (y_i − ŷ_i) / (1 − S_ii)
+    (Allen 1974), so no refit is needed. Linear ridge is K = H Hᵀ (rows as samples)."""
+    K, Y = K.double(), y.double()
+    e, Q = torch.linalg.eigh(K)
+    e = e.clamp(min=0)
+    QtY = Q.T @ Y
+    Q2 = Q * Q
+    lams = lams if lams is not None else lam_grid(K)
+    errs = []
+    for lam in lams:
+        f = e / (e + lam)
+        resid = Y - Q @ (f[:, None] * QtY)
+        lev = Q2 @ f  # S_ii
+        errs.append(float(((resid / (1 - lev)[:, None]) ** 2).sum(1).mean()))
+    return LooCurve(tuple(float(x) for x in lams), tuple(errs))
 
 
 def mean_shift(y: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,36 @@ def test_ltv_is_the_direct_ridge_solve(ctx, artifacts):
     torch.testing.assert_close(artifacts["mean"].bias, (h_icl - h_zs).mean(0))
 
 
+def test_ltv_auto_takes_the_lam_whose_explicit_leave_one_out_error_is_least(ctx, artifacts):
+    """ltv-auto's λ is the grid point with the least error over N explicit refits (each a
+    direct solve without one train pair, predicting it); its map is the direct solve there."""
+    from ltv_vllm.ridge import lam_grid
+
+    h_zs, h_icl = ctx.states()
+    h, y = h_zs.double(), (h_icl - h_zs).double()
+    n, d = h.shape
+
+    def refits(lam):
+        err = 0.0
+        for i in range(n):
+            keep = [j for j in range(n) if j != i]
+            H, Y = h[keep].T, y[keep].T
+            W = Y @ H.T @ torch.linalg.inv(H @ H.T + lam * torch.eye(d, dtype=H.dtype))
+            err += float(((W @ h[i] - y[i]) ** 2).sum())
+        return err / n
+
+    errs = {lam: refits(lam) for lam in lam_grid(h @ h.T)}
+    best = min(errs, key=errs.__getitem__)
+    tv = artifacts["ltv-auto"]
+    assert tv.provenance.lam == pytest.approx(best, rel=1e-12)
+    assert METHODS["ltv-auto"].params(tv) == {"lam": tv.provenance.lam}
+    loo = tv.provenance.extra["lam_loo"]
+    assert loo["errors"] == pytest.approx([errs[lam] for lam in loo["lams"]], rel=1e-6)
+    H, Y = h.T, y.T
+    W = Y @ H.T @ torch.linalg.inv(H @ H.T + best * torch.eye(d, dtype=H.dtype))
+    torch.testing.assert_close((tv.U @ tv.V.T).double(), W, atol=1e-4, rtol=1e-3)
+
+
 def test_tv_replacement_at_last_layer_is_the_final_norm_of_theta(model, ctx, artifacts):
     """Replacing the last layer's output leaves only the final norm and the LM head."""
     theta = artifacts["tv"].tensors["theta"]

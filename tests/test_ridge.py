@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ltv_vllm.ridge import Factors, choose_form, mean_shift, ridge_fit, truncate
+from ltv_vllm.ridge import Factors, choose_form, lam_grid, loo_curve, mean_shift, ridge_fit, truncate
 
 
 def direct_solution(h: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Tensor:
@@ -132,3 +132,38 @@ def test_truncate_weighted_is_reduced_rank_regression(with_head):
     torch.testing.assert_close(truncate(t4, 2, head_gram=M.T @ M if with_head else None).dense(),
                                truncate(fit, 2, head_gram=M.T @ M if with_head else None).dense(),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_closed_form_leave_one_out_equals_n_explicit_refits():
+    """loo_curve's error at each λ = the mean squared error of N refits, each a direct dense
+    solve on the other N − 1 samples, predicting the one left out; also for a kernel Gram."""
+    g = torch.Generator().manual_seed(5)
+    n, d, d_out = 12, 5, 3
+    h = torch.randn(n, d, generator=g, dtype=torch.float64) * 3
+    y = h @ torch.randn(d, d_out, generator=g, dtype=torch.float64) + torch.randn(
+        n, d_out, generator=g, dtype=torch.float64)
+    lams = (0.01, 1.0, 5.0, 100.0)
+    curve = loo_curve(h @ h.T, y, lams)
+    for lam, err in zip(lams, curve.errors, strict=True):
+        sq = 0.0
+        for i in range(n):
+            keep = [j for j in range(n) if j != i]
+            H, Y = h[keep].T, y[keep].T  # columns as samples, as in the paper
+            W = Y @ H.T @ torch.linalg.inv(H @ H.T + lam * torch.eye(d, dtype=H.dtype))
+            sq += float(((W @ h[i] - y[i]) ** 2).sum())
+        assert err == pytest.approx(sq / n, rel=1e-9)
+    # a kernel (RBF) Gram: refits in the dual, k(x_i, X_rest) (K_rest + λI)⁻¹ Y_rest
+    K = torch.exp(-torch.cdist(h, h) ** 2 / 20)
+    curve = loo_curve(K, y, (0.5,))
+    sq = 0.0
+    for i in range(n):
+        keep = [j for j in range(n) if j != i]
+        alpha = torch.linalg.solve(K[keep][:, keep] + 0.5 * torch.eye(n - 1, dtype=K.dtype),
+                                   y[keep])
+        sq += float(((K[i, keep] @ alpha - y[i]) ** 2).sum())
+    assert curve.errors[0] == pytest.approx(sq / n, rel=1e-9)
+    assert curve.best == 0.5
+    # the default grid scales with the states: 29 quarter-decades around their squared norm
+    grid = lam_grid(h @ h.T)
+    assert len(grid) == 29 and grid[-1] / grid[0] == pytest.approx(1e7)
+    assert lam_grid(100 * h @ h.T)[3] == pytest.approx(100 * grid[3])

@@ -146,6 +146,11 @@ class Method:
         """Hidden-space methods: the final state the LM head sees, from h_zs. (n, d)"""
         raise NotImplementedError(f"{self.name} is not a hidden-space method")
 
+    def params(self, art: Any) -> dict[str, Any] | None:
+        """What the method chose for this episode (a layer, λ), for the evaluation records."""
+        params = getattr(art, "params", None)
+        return dict(params) if params is not None else None
+
 
 # -- the decoder's parts ----------------------------------------------------------------------
 

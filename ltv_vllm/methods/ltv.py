@@ -3,10 +3,13 @@
 Both are hidden-space maps of h_zs fitted on the same N train pairs, saved as task-vector
 files (`ltv_vllm.vector`) and applied by the same LM-head hook vLLM mirrors:
   ltv:  h + W* h,  W* = ridge from h_zs to h_icl − h_zs (closed form, λ absolute);
+  ltv-auto: the same with λ chosen by closed-form leave-one-out error (no labels);
   mean: h + c*,    c* = mean_j (h_icl − h_zs)(x_j) (paper appendix "Constant Mapping").
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -31,6 +34,25 @@ class LTV(Method):
 
     def shift(self, art: TaskVector, h: torch.Tensor) -> torch.Tensor:
         return art.shift_hidden(h)
+
+
+class LTVAuto(LTV):
+    """LTV with λ chosen per episode by ridge's closed-form leave-one-out error on a grid
+    scaled to the states (`ridge.loo_curve`): no labels, no refits."""
+
+    name, label = "ltv-auto", "LTV, λ by LOO"
+
+    def extract(self, ctx: Context) -> TaskVector:
+        h_zs, h_icl = ctx.states()
+        f = ridge_fit(h_zs, h_icl - h_zs, "auto")
+        assert f.loo is not None and f.lam is not None
+        prov = replace(ctx.provenance(self.name, ridge_form=f.form, lam_loo=f.loo.to_dict()),
+                       lam=f.lam)
+        return TaskVector("hidden", f.U, f.V, None, ctx.identity, tuple(ctx.label_ids), prov,
+                          gram=f.gram)
+
+    def params(self, art: TaskVector) -> dict[str, float]:
+        return {"lam": float(art.provenance.lam)}
 
 
 class Mean(LTV):

@@ -56,7 +56,7 @@ def score_methods(ctx: Context, names: Sequence[str], h_zs_test: torch.Tensor,
                 h = ctx.cap.hidden(prompts, desc=f"{task.name} {name} test")
         out.logits[name] = h @ w_c.T + b_c
         out.artifacts[name] = art
-        params = getattr(art, "params", None)
+        params = m.params(art)
         if params is not None:
             out.params[name] = dict(params)
     icl = out.logits["icl"]
