@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--compile-threads", type=int, default=1,
+                    help="`serve --compile-threads`: torch threads of the compile worker")
     ap.add_argument("--window", type=float, default=60.0, help="seconds per measured window")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/compile_serving"))
     a = ap.parse_args()
@@ -123,6 +125,7 @@ def main() -> None:
                                                             seed=a.seed, n_val=0))
                 for t in names}
     res: dict = {"model": a.model, "dtype": a.dtype, "k": a.k, "n": a.n, "seed": a.seed,
+                 "compile_threads": a.compile_threads,
                  "concurrency": a.concurrency, "window_seconds": a.window,
                  "machine": hardware(), "offline": {}, "compiles": {}, "windows": []}
 
@@ -140,7 +143,8 @@ def main() -> None:
     port = 8000 + (hash(str(work)) % 1000)
     plan = plan_server(ServeOptions(a.model, (f"traffic={work / (names[0] + '.pt')}",),
                                     host=HOST, port=port, dtype=a.dtype,
-                                    task_store=str(work / "store"), max_tasks=len(names) + 1))
+                                    task_store=str(work / "store"), max_tasks=len(names) + 1,
+                                    compile_threads=a.compile_threads))
     plan.prepare()
     url = f"http://{HOST}:{port}"
     test_texts = [e.text for e in episodes[names[0]].test]
@@ -204,13 +208,15 @@ def write(res: dict, a: argparse.Namespace) -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     cmd = "python benchmarks/compile_serving.py " + shlex.join(
         [f"--model={a.model}", f"--tasks={a.tasks}", f"--k={a.k}", f"--n={a.n}",
-         f"--concurrency={a.concurrency}", f"--window={a.window:g}", f"--out={a.out}"])
+         f"--concurrency={a.concurrency}", f"--compile-threads={a.compile_threads}",
+         f"--window={a.window:g}", f"--out={a.out}"])
     res["command"] = cmd
     (a.out / "results.json").write_text(json.dumps(res, indent=1))
     und = res["windows"][0]["throughput"]
     md = ["# Compiling tasks on a running server\n", f"```\n{cmd}\n```\n",
           f"{machine_line(res['machine'])}; {res['dtype']}; k = {res['k']}, N = {res['n']}, "
-          f"seed {res['seed']}; {res['concurrency']} closed-loop clients classify "
+          f"seed {res['seed']}; compile worker {res['compile_threads']} thread(s); "
+          f"{res['concurrency']} closed-loop clients classify "
           f"`traffic` throughout; server start-up {res['server_startup_seconds']:.0f} s.\n",
           "| task | offline extract (s) | POST → ready (s) | POST → first answer (s) | "
           "ratio to offline | accuracy (test) |", "|---|---|---|---|---|---|"]

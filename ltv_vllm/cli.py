@@ -51,6 +51,25 @@ def _command_line() -> str:
     return " ".join(parts)
 
 
+class _Lam(click.ParamType):
+    """--lam: a positive number, or `auto` (λ by closed-form leave-one-out error)."""
+
+    name = "λ|auto"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 - click's signature
+        if isinstance(value, int | float) or value == "auto":
+            return value
+        try:
+            return float(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number nor 'auto'", param, ctx)
+
+
+LAM = _Lam()
+LAM_HELP = ("Ridge penalty λ (> 0), or `auto`: the λ with the least closed-form "
+            "leave-one-out error on a grid scaled to the states (no labels).")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ltv-vllm")
 def main() -> None:
@@ -268,7 +287,7 @@ def _source(spec: str | None, dtype: str, device_map: str | None, quantization: 
               help="Demonstrations (k//K per class) [default: 30; 10 (at least K) with "
                    "--source-model, the paper's transfer setting].")
 @click.option("--n", default=256, show_default=True, help="Unlabeled train queries N.")
-@click.option("--lam", default=5.0, show_default=True, help="Ridge penalty λ (> 0).")
+@click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP)
 @click.option("--seed", default=0, show_default=True, help="Demo/query sampling seed.")
 @click.option("--n-test", default=500, show_default=True, help="Held-out queries scored.")
 @click.option("--batch-size", default=16, show_default=True)
@@ -282,12 +301,15 @@ def _source(spec: str | None, dtype: str, device_map: str | None, quantization: 
                    "(scored and saved as such) [default: the full rank, ≤ N].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--method", default="ltv", show_default=True,
-              type=click.Choice(["ltv", "mean", "tv", "fv", "sv", "i2cl", "mlp"]),
-              help="ltv (served by `serve`), or the constant mean shift or a baseline of the "
-                   "paper's comparison, saved as an artifact for the transformers hook.")
+              type=click.Choice(["ltv", "ltv-auto", "kernel", "mean", "tv", "fv", "sv",
+                                 "i2cl", "mlp"]),
+              help="ltv (served by `serve`); ltv-auto (λ by leave-one-out) and kernel (RBF "
+                   "kernel LTV) and mean: task-vector files too (kernel and mean: served "
+                   "fused only); or a baseline of the paper's comparison, saved as an "
+                   "artifact for the transformers hook.")
 @_source_options
 @friendly
-def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float, seed: int,
+def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float | str, seed: int,
             n_test: int, batch_size: int, dtype: str, device: str, output: Path | None,
             rank: int | None, quiet: bool, method: str, source_spec: str | None,
             source_dtype: str, source_device_map: str | None, source_quantization: str,
@@ -296,7 +318,8 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
 
     With --source-model LARGE: a logit-space vector for --model, fitted to LARGE's ICL
     (cross-model transfer; the two must share a tokenizer). With --method: another
-    method's artifact (tv, fv, sv, i2cl, mlp: .safetensors; mean: a task-vector file).
+    method's artifact (tv, fv, sv, i2cl, mlp: .safetensors; mean, ltv-auto, kernel: a
+    task-vector file).
     """
     from .extract import (
         ExtractOptions,
@@ -337,7 +360,8 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     tv.save(output)
     src = f" from {source.spec}" if source else ""
     pv = tv.provenance
-    click.echo(f"\n{t.name} on {lm.spec}{src}: k={pv.k_used} demos, N={n}, λ={lam}, "
+    shown_lam = f"{pv.lam:.4g} (auto)" if lam == "auto" else f"{lam}"
+    click.echo(f"\n{t.name} on {lm.spec}{src}: k={pv.k_used} demos, N={n}, λ={shown_lam}, "
                f"{pv.n_test} test queries")
     _print_metrics(res.metrics)
     tm = res.timings
@@ -394,7 +418,8 @@ def _extract_method(model_spec: str | None, task: str, method: str, output: Path
     from .tasks import get_task, label_token_ids
 
     t = get_task(task)
-    suffixes = (".pt", ".safetensors") if method == "mean" else (".safetensors",)
+    vector_file = method in ("mean", "ltv-auto", "kernel")  # a TaskVector, not an Artifact
+    suffixes = (".pt", ".safetensors") if vector_file else (".safetensors",)
     output = check_writable(output or f"{t.name}.{method}{suffixes[-1]}", option="--output",
                             suffixes=suffixes)
     label_token_ids(t, load_tokenizer(model_spec))
@@ -482,6 +507,9 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
                    "(/v1/ltv/tasks); without a value: the model's store under the cache.")
 @click.option("--max-tasks", default=8, show_default=True,
               help="With --task-store: how many tasks the server can hold at once.")
+@click.option("--compile-threads", default=1, show_default=True,
+              help="With --task-store: torch threads of a compile worker (the engine keeps "
+                   "the other cores; more compiles faster and slows traffic meanwhile).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True)
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
@@ -496,8 +524,9 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @friendly
 def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | None,
-          max_tasks: int, host: str, port: int, dtype: str, max_model_len: int | None,
-          fold: bool, lora_rank: int | None, dry_run: bool, vllm_args: tuple[str, ...]) -> None:
+          max_tasks: int, compile_threads: int, host: str, port: int, dtype: str,
+          max_model_len: int | None, fold: bool, lora_rank: int | None, dry_run: bool,
+          vllm_args: tuple[str, ...]) -> None:
     """Start vLLM's OpenAI-compatible server with task vectors (extra args go to vLLM).
 
     On the CPU backend the engine runs eager (--enforce-eager) unless you pass a compilation
@@ -510,7 +539,7 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | No
     plan = plan_server(ServeOptions(model_spec, vectors, host=host, port=port, dtype=dtype,
                                     max_model_len=max_model_len, fold=fold, lora_rank=lora_rank,
                                     vllm_args=vllm_args, task_store=task_store,
-                                    max_tasks=max_tasks))
+                                    max_tasks=max_tasks, compile_threads=compile_threads))
     click.echo(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in plan.env.items()),
                          *(shlex.quote(a) for a in plan.argv)]), err=True)
     if dry_run:
@@ -568,7 +597,7 @@ def _jsonl(path: str, what: str) -> list[Any]:
 
 
 def compile_request(name: str, task: str, demos: str, queries: str, test: str | None,
-                    lam: float) -> dict[str, Any]:
+                    lam: float | str) -> dict[str, Any]:
     """The JSON body of a compile from files (checked again, fully, by the server)."""
     import json
     from pathlib import Path
@@ -607,12 +636,12 @@ def compile_request(name: str, task: str, demos: str, queries: str, test: str | 
               help='JSONL, one unlabeled input per line ({"text"} or a string; N of them).')
 @click.option("--test", default=None, type=click.Path(exists=True, dir_okay=False),
               help="JSONL of labelled examples: the server reports accuracy and d_NTP on them.")
-@click.option("--lam", default=5.0, show_default=True, help="Ridge penalty λ.")
+@click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP)
 @click.option("--wait", is_flag=True, help="Wait until the task is served (progress shown).")
 @URL
 @API_KEY
 @friendly
-def compile_cmd(name: str, task: str, demos: str, queries: str, test: str | None, lam: float,
+def compile_cmd(name: str, task: str, demos: str, queries: str, test: str | None, lam: float | str,
                 wait: bool, url: str, api_key: str | None) -> None:
     """Compile demonstrations into a task on a running server (no restart)."""
     import json
@@ -697,7 +726,7 @@ def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
 @click.option("--k", type=int, default=None,
               help="Demonstrations [default: 30; max(10, K) per task with --source-model].")
 @click.option("--n", default=256, show_default=True)
-@click.option("--lam", default=5.0, show_default=True)
+@click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP)
 @click.option("--n-test", default=500, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Seed of the first run.")
 @click.option("--batch-size", default=16, show_default=True)
@@ -727,8 +756,8 @@ def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
 @_source_options
 @friendly
 def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: int, k: int | None,
-             n: int, lam: float, n_test: int, seed: int, batch_size: int, dtype: str, device: str,
-             out_dir: Path, quiet: bool, n_val: int, cost_samples: int, fv_trials: int,
+             n: int, lam: float | str, n_test: int, seed: int, batch_size: int, dtype: str,
+             device: str, out_dir: Path, quiet: bool, n_val: int, cost_samples: int, fv_trials: int,
              fv_prompts: int, tv_dummies: int, mlp_depth: int, max_new_tokens: int,
              with_vllm: bool, source_spec: str | None, source_dtype: str,
              source_device_map: str | None, source_quantization: str, work_dir: Path | None,

@@ -8,7 +8,7 @@ A compile request (the JSON body of `POST /v1/ltv/tasks`; `ltv-vllm compile` bui
      "demos": [{"text": "a gem", "label": "positive"}, ...],    k labelled demonstrations
      "queries": ["the plot drags", ...],                        N unlabeled inputs
      "test": [{"text": "...", "label": "negative"}, ...],       optional: accuracy, d_NTP
-     "lam": 5.0}                                                optional (default 5)
+     "lam": 5.0}                              optional (default 5, or "auto": leave-one-out)
 
 `parse_request` checks everything a worker would trip on (names, label words whose first
 tokens collide, a class without a demo, sizes, prompts longer than the served context)
@@ -55,7 +55,7 @@ class CompileRequest:
     demos: tuple[Example, ...]
     queries: tuple[str, ...]
     test: tuple[Example, ...]
-    lam: float
+    lam: float | str  # or "auto": by closed-form leave-one-out error
 
     @classmethod
     def from_episode(cls, name: str, ep: Episode, *, lam: float = 5.0,
@@ -136,10 +136,11 @@ def parse_request(body: Any, *, tokenizer: Any, max_model_len: int) -> CompileRe
     queries = tuple(_text(q, f"queries[{i}]") for i, q in enumerate(queries))
     test = _examples(body.get("test", []), "test", task.labels, MAX_TEST)
     lam = body.get("lam", 5.0)
-    if isinstance(lam, bool) or not isinstance(lam, int | float) or not (
-            math.isfinite(lam) and lam > 0):
-        raise CompileError(f"lam: a positive number, got {json.dumps(lam)}")
-    req = CompileRequest(name, task, demos, queries, test, float(lam))
+    if lam != "auto" and (isinstance(lam, bool) or not isinstance(lam, int | float) or not (
+            math.isfinite(lam) and lam > 0)):
+        raise CompileError(f"lam: a positive number or \"auto\", got {json.dumps(lam)}")
+    req = CompileRequest(name, task, demos, queries, test,
+                         lam if lam == "auto" else float(lam))
     prefix = req.episode().demo_prefix()
     n_prefix = len(tokenizer(prefix)["input_ids"])
     longest = max((*queries, *(e.text for e in test)), key=len)

@@ -58,7 +58,7 @@ def method_label(m: str) -> str:
 class EvalConfig:
     k: int | None = None  # None: DEFAULT_K, or max(TRANSFER_K, K) per task in a transfer evaluation
     n: int = 256
-    lam: float = 5.0
+    lam: float | str = 5.0  # or "auto" (leave-one-out)
     n_test: int = 500
     runs: int = 5
     seed: int = 0
@@ -372,6 +372,7 @@ def markdown_table(doc: dict[str, Any]) -> str:
             f"| {_row_label(m, cfg)} | " + " | ".join(cells)
             + f" | {summ['average'][m]['d_ntp']:.3f} |"
         )
+    lines += chosen_lines(doc)
     corr = doc.get("correlation")
     if corr and not transfer and corr["pooled"]["pearson"] is not None:
         p = corr["pooled"]
@@ -397,6 +398,28 @@ def markdown_table(doc: dict[str, Any]) -> str:
                           + ", ".join(f"{t} {e:.1f}"
                                       for t, e in zip(tasks, ext, strict=True) if e is not None)]
     return "\n".join(lines) + "\n"
+
+
+def chosen_lines(doc: dict[str, Any]) -> list[str]:
+    """What the self-tuning maps chose per task (median over runs): ltv-auto's λ, the
+    kernel's γ and λ, both by leave-one-out error."""
+    out = []
+    tasks = doc["config"]["tasks"]
+    for m in ("ltv-auto", "kernel"):
+        if m not in doc["config"]["methods"]:
+            continue
+        cells = []
+        for t in tasks:
+            ps = [r["params"] for r in doc["records"]
+                  if r["task"] == t and r["method"] == m and "params" in r]
+            if ps:
+                cells.append(f"{t} " + ", ".join(
+                    f"{k} {statistics.median(p[k] for p in ps):.3g}" for k in ("lam", "gamma")
+                    if k in ps[0]))
+        if cells:
+            out += ["", f"**{method_label(m)}: chosen by leave-one-out error** (median over "
+                    "runs): " + "; ".join(cells) + "."]
+    return out
 
 
 def _r(x: float | None) -> str:

@@ -34,7 +34,8 @@ DEFAULT_K = 30  # the paper's main setting
 TRANSFER_K = 10  # the paper's transfer setting: few demos, where a small model's ICL is weak
 
 
-def check_counts(*, k: int | None = None, n: int | None = None, lam: float | None = None,
+def check_counts(*, k: int | None = None, n: int | None = None,
+                 lam: float | str | None = None,
                  n_test: int | None = None, batch_size: int | None = None,
                  rank: int | None = None, runs: int | None = None) -> None:
     """Refuse impossible option values with the option's CLI name, before any heavy work.
@@ -48,7 +49,8 @@ def check_counts(*, k: int | None = None, n: int | None = None, lam: float | Non
                         ("--batch-size", batch_size), ("--rank", rank), ("--runs", runs)):
         if value is not None and (isinstance(value, bool) or int(value) < 1):
             raise ArgumentError(f"{name} must be at least 1, got {value}")
-    if lam is not None and not (math.isfinite(lam) and lam > 0):
+    if lam is not None and lam != "auto" and not (
+            isinstance(lam, int | float) and math.isfinite(lam) and lam > 0):
         raise ArgumentError(f"--lam must be a positive number (the ridge penalty λ), got {lam}")
 
 
@@ -58,7 +60,7 @@ class ExtractOptions:
 
     k: int | None = None  # None: DEFAULT_K, or max(TRANSFER_K, K) for a transfer vector
     n: int = 256
-    lam: float = 5.0
+    lam: float | str = 5.0  # or "auto": by closed-form leave-one-out error (`ridge.loo_curve`)
     seed: int = 0
     n_test: int = 500
     batch_size: int = 16
@@ -238,7 +240,7 @@ def _provenance(lm: LoadedModel, episode: Episode, res: Any, opts: ExtractOption
         k=opts.k_for(episode.task, transfer=source is not None),
         k_used=len(episode.demos),
         n=opts.n,
-        lam=opts.lam,
+        lam=res.factors.lam if res.factors.lam is not None else opts.lam,
         seed=opts.seed,
         n_test=len(episode.test),
         episode=episode.fingerprint(),
@@ -251,6 +253,7 @@ def _provenance(lm: LoadedModel, episode: Episode, res: Any, opts: ExtractOption
         timings=res.timings,
         source_model=source.identity.to_dict() if source else None,
         source_load={k: v for k, v in source.load.items() if v is not None} if source else None,
+        extra={"lam_loo": res.factors.loo.to_dict()} if res.factors.loo is not None else {},
     )
 
 

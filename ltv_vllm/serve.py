@@ -54,6 +54,8 @@ def _fused_overrides(
             "weight shard; keep task vectors elsewhere"
         )
     tv = checked_vector(model_dir, vector_path)
+    if fold:
+        tv.require_linear("folded into the LM head")
     if fold and (tv.kind != "hidden" or tv.bias is not None):
         # the wrapper refuses it too, but only inside the engine process, after start-up
         raise VectorError(f"{vector_path.name}: only a hidden-space vector without a bias can be "
@@ -159,7 +161,7 @@ def plan_lora(model_dir: str | Path, vectors: dict[str, Path], *, lora_dir: Path
     unless `rank_cap` asks for a cut; `capacity` / `min_rank`: room for tasks added while
     the server runs (vLLM fixes its LoRA slots and largest rank at start)."""
     from .taskstore import VECTOR
-    from .vllm_ext.lora import lora_rank, refuse_bias
+    from .vllm_ext.lora import lora_rank, refuse_non_lora
 
     model_dir = Path(model_dir)
     wrapper_architecture(model_dir)  # refuse an unsupported architecture first
@@ -167,7 +169,7 @@ def plan_lora(model_dir: str | Path, vectors: dict[str, Path], *, lora_dir: Path
     paths = {**vectors, **{name: d / VECTOR for name, d in store.items()}}
     checked = {name: checked_vector(model_dir, p) for name, p in paths.items()}
     for tv in checked.values():
-        refuse_bias(tv)
+        refuse_non_lora(tv)
     max_rank = max((lora_rank(min(tv.rank, rank_cap or tv.rank)) for tv in checked.values()),
                    default=1)
     adapters = {name: lora_dir / (name if rank_cap is None else f"{name}-r{rank_cap}")
@@ -204,6 +206,8 @@ class ServeOptions:
     vllm_args: tuple[str, ...] = ()
     task_store: str | None = None       # serve its entries; compile / upload more at runtime
     max_tasks: int = 8                  # tasks a task-store server can hold at once
+    compile_threads: int = 1            # a compile worker's torch threads (the engine keeps
+                                        # the other cores)
 
     def __post_init__(self) -> None:
         from .errors import ArgumentError
@@ -212,6 +216,9 @@ class ServeOptions:
             raise ArgumentError("give at least one --task-vector, or a --task-store")
         if self.max_tasks < 1:
             raise ArgumentError(f"--max-tasks must be at least 1, got {self.max_tasks}")
+        if self.compile_threads < 1:
+            raise ArgumentError(f"--compile-threads must be at least 1, got "
+                                f"{self.compile_threads}")
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ArgumentError(f"--lora-rank must be at least 1, got {self.lora_rank}")
         if not 0 < self.port < 65536:
@@ -279,7 +286,8 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB; read by the CPU backend only
     if store is not None and lora is not None:
-        env.update(store_env(opts.task_store, opts.max_tasks, lora.max_rank))
+        env.update(store_env(opts.task_store, opts.max_tasks, lora.max_rank,
+                             opts.compile_threads))
     return ServerPlan([sys.executable, "-m", SERVER_MODULE, *args, *extra], env, lora)
 
 
@@ -374,7 +382,8 @@ def store_entries(root: str, model_dir: Path, vectors: dict[str, Path]) -> dict[
     return {name: e.path for name, e in entries.items()}
 
 
-def store_env(root: str, max_tasks: int, max_rank: int) -> dict[str, str]:
+def store_env(root: str, max_tasks: int, max_rank: int, compile_threads: int = 1
+              ) -> dict[str, str]:
     """What the server process needs for its task-store routes: the store, its limits, and
     vLLM's plugin allowlist (endpoint plugins load only when named there)."""
     import os
@@ -384,4 +393,4 @@ def store_env(root: str, max_tasks: int, max_rank: int) -> dict[str, str]:
     allow += [p for p in ("ltv_vllm", STORE_PLUGIN) if p not in allow]
     return {"LTV_VLLM_TASK_STORE": str(Path(root).absolute()),
             "LTV_VLLM_MAX_TASKS": str(max_tasks), "LTV_VLLM_TASK_RANK": str(max_rank),
-            "VLLM_PLUGINS": ",".join(allow)}
+            "LTV_VLLM_COMPILE_THREADS": str(compile_threads), "VLLM_PLUGINS": ",".join(allow)}

@@ -163,11 +163,11 @@ class TaskStore:
         `base_model`: the model path the serving engine was started with (vLLM's filesystem
         resolver compares it with the adapter's base model); default `model_dir`."""
         from .checkpoint import identity_from_dir
-        from .vllm_ext.lora import export_lora, refuse_bias
+        from .vllm_ext.lora import export_lora, refuse_non_lora
 
         check_name(name)
         tv.check_model(identity_from_dir(model_dir))
-        refuse_bias(tv)
+        refuse_non_lora(tv)
         if (self.root / name).exists():
             raise EntryExists(f"task {name!r} already exists in {self.root}")
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self.root))

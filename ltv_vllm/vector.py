@@ -26,7 +26,7 @@ from .errors import UserError
 from .fileio import atomic_write
 
 FORMAT = "ltv-vllm-task-vector"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the optional nonlinear `map` (files without one are written as 1)
 Kind = Literal["hidden", "logit"]
 
 
@@ -162,6 +162,10 @@ class TaskVector:
     # how it was made; a plain dict (a file's `meta`) is accepted and typed on construction
     provenance: Provenance = field(default_factory=Provenance)
     gram: torch.Tensor | None = None  # (r, r) training states in V's coordinates (rank cuts)
+    # "linear": W h = U Vᵀ h; "rbf": U exp(−gamma ‖h − V_j‖²)_j, V's columns the support
+    # states (`kernel`): not linear, so never folded, carried as a LoRA or cut in rank
+    map: str = "linear"
+    gamma: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.provenance, dict):
@@ -181,6 +185,11 @@ class TaskVector:
             )
         if self.bias is not None and tuple(self.bias.shape) != (d_out,):
             raise VectorError(f"bias must have shape ({d_out},), got {tuple(self.bias.shape)}")
+        if self.map not in ("linear", "rbf"):
+            raise VectorError(f"map must be 'linear' or 'rbf', got {self.map!r}")
+        if (self.map == "rbf") != (self.gamma is not None) or (
+                self.gamma is not None and not self.gamma > 0):
+            raise VectorError("an rbf map needs its gamma > 0, a linear one none")
         r = self.U.shape[1]
         if self.gram is not None and tuple(self.gram.shape) != (r, r):
             raise VectorError(f"gram must have shape ({r}, {r}), got {tuple(self.gram.shape)}")
@@ -211,6 +220,7 @@ class TaskVector:
 
         if rank >= self.rank:
             return self
+        self.require_linear("cut to a lower rank")
         hg = head_gram(lm_head) if self.kind == "hidden" and lm_head is not None else None
         f = truncate(Factors(self.U, self.V, form=str(self.provenance.ridge_form or "?"),
                              gram=self.gram), rank, head_gram=hg)
@@ -234,9 +244,21 @@ class TaskVector:
 
         h must share the vector's device and dtype: cast the vector once with `to`.
         """
+        if self.map == "rbf":
+            from .kernel import rbf_delta
+
+            assert self.gamma is not None
+            return rbf_delta(h, self.U, self.V, self.gamma, self.bias, rows)
         from .ridge import low_rank_delta
 
         return low_rank_delta(h, self.U, self.V, self.bias, rows)
+
+    def require_linear(self, what: str) -> None:
+        """One line for a use only a linear map supports (folding, a LoRA, a rank cut)."""
+        if self.map != "linear":
+            raise VectorError(f"task vector {self.task_name!r} has a nonlinear ({self.map}) "
+                              f"map, which cannot be {what}; serve it fused (one vector, "
+                              "no --fold)")
 
     def shift_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """h_tv = h + W h (+ bias) for a hidden-space vector. (B, d)"""
@@ -265,14 +287,19 @@ class TaskVector:
 
     # -- files --------------------------------------------------------------------------
     def _header(self) -> dict[str, Any]:
-        return {
+        head = {
+            # a linear file keeps format 1, so older readers still load it; a kernel file is
+            # 2, so they refuse it instead of applying its factors as a linear map
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": 1 if self.map == "linear" else FORMAT_VERSION,
             "kind": self.kind,
             "model": self.model.to_dict(),
             "label_token_ids": list(self.label_token_ids),
             "meta": self.provenance.to_dict(),
         }
+        if self.map != "linear":
+            head["map"] = {"kind": self.map, "gamma": self.gamma}
+        return head
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         t = {"U": self.U.float().contiguous(), "V": self.V.float().contiguous()}
@@ -359,6 +386,7 @@ def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:
             raise VectorError(f"{path}: missing tensor {name!r}")
     try:
         ident = ModelIdentity.from_dict(header["model"])
+        kmap = header.get("map") or {"kind": "linear", "gamma": None}
         return TaskVector(
             kind=header["kind"],
             U=tensors["U"].float(),
@@ -368,6 +396,8 @@ def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:
             label_token_ids=tuple(int(i) for i in header["label_token_ids"]),
             provenance=Provenance.from_dict(header.get("meta")),
             gram=tensors["gram"].float() if "gram" in tensors else None,
+            map=str(kmap["kind"]),
+            gamma=float(kmap["gamma"]) if kmap.get("gamma") is not None else None,
         )
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, VectorError):

@@ -46,6 +46,8 @@ CASES = [
     (["extract", *M, "--task", "trec", "--lam", "-1"], "--lam must be a positive number"),
     (["extract", *M, "--task", "trec", "--lam", "0"], "--lam must be a positive number"),
     (["extract", *M, "--task", "trec", "--lam", "nan"], "--lam must be a positive number"),
+    (["extract", *M, "--task", "trec", "--lam", "big"], "'big' is neither a number nor 'auto'"),
+    (["evaluate", *M, "--tasks", "trec", "--lam", "-2"], "--lam must be a positive number"),
     (["extract", *M, "--task", "trec", "--k", "0"], "--k must be at least 1"),
     (["extract", *M, "--task", "toy.json", "--k", "1"], "smaller than the number of classes (2)"),
     (["extract", *M, "--task", "trec", "--n", "0"], "--n must be at least 1"),

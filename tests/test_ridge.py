@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ltv_vllm.ridge import Factors, choose_form, lam_grid, loo_curve, mean_shift, ridge_fit, truncate
+from ltv_vllm.ridge import (
+    Factors,
+    choose_form,
+    lam_grid,
+    loo_curve,
+    mean_shift,
+    ridge_fit,
+    truncate,
+)
 
 
 def direct_solution(h: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Tensor:

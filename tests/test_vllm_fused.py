@@ -75,6 +75,17 @@ def logit_vector(served, tmp_path_factory):
     return ltv, ltv.save(tmp_path_factory.mktemp("logit-vectors") / "ltv.safetensors")
 
 
+@pytest.fixture(scope="module")
+def kernel_vector(served, tmp_path_factory):
+    """A kernel (RBF) vector for the same model: 6 support states, γ about 1/‖h − s‖²."""
+    _d, model, tv, _path = served
+    g = torch.Generator().manual_seed(9)
+    kv = TaskVector("hidden", 2.0 * torch.randn(128, 6, generator=g),
+                    torch.randn(128, 6, generator=g), None, model_identity(model, "tiny"),
+                    tv.label_token_ids, tv.meta, map="rbf", gamma=1 / 256)
+    return kv, kv.save(tmp_path_factory.mktemp("kernel-vectors") / "kv.safetensors")
+
+
 def make_llama_from(config):
     from transformers import LlamaForCausalLM
 
@@ -98,15 +109,20 @@ def assert_decode_matches(out: list[dict], model, tokenizer, tv) -> None:
 
 
 @pytest.mark.parametrize(
-    "mode", ["fused", "fold", "plain", "logit", "fused-tp2", "fold-tp2", "logit-tp2"])
-def test_vllm_fused_matches_transformers(served, logit_vector, tokenizer, mode):
+    "mode", ["fused", "fold", "plain", "logit", "kernel", "fused-tp2", "fold-tp2", "logit-tp2",
+             "kernel-tp2"])
+def test_vllm_fused_matches_transformers(served, logit_vector, kernel_vector, tokenizer, mode):
     """tp2: tensor_parallel_size=2 on the CPU backend (lm_head sharded by vocabulary).
-    logit: a logit-space vector (U vocab-sized, added to the LM head's output)."""
+    logit: a logit-space vector (U vocab-sized, added to the LM head's output).
+    kernel: an RBF kernel map (each rank computes the same shift of the replicated h)."""
     d, model, tv, path = served
     kind, _, tp = mode.partition("-tp")
     if kind == "logit":
         tv, path = logit_vector
-    arg = {"fused": str(path), "logit": str(path), "fold": f"fold:{path}", "plain": "-"}[kind]
+    if kind == "kernel":
+        tv, path = kernel_vector
+    arg = {"fused": str(path), "logit": str(path), "kernel": str(path), "fold": f"fold:{path}",
+           "plain": "-"}[kind]
     # The vocab-local entry points are checked where they can differ: a logit vector, where
     # each rank must add only its own rows of U.
     res = run_worker(d, arg, max_tokens=5, tp=int(tp or 1), check_local=kind == "logit")

@@ -2,6 +2,8 @@
 baselines it is compared with. A new method is one module here and one line in `registry.METHODS`.
 
   ltv   LTV: ridge map h_zs → h_icl − h_zs, before the LM head           (ltv.py)
+  ltv-auto  LTV with λ by closed-form leave-one-out error                 (ltv.py)
+  kernel    RBF kernel ridge (closed form, dual), γ and λ by LOO           (ltv.py, kernel.py)
   mean  constant mapping c* = mean(h_icl − h_zs)                          (ltv.py)
   mlp   ReLU MLP map trained with MSE on the same pairs                   (mlp.py)
   tv    Task Vector: a layer's last-token state, replaced                 (tv.py)

@@ -47,7 +47,7 @@ class MethodError(UserError):
 class MethodOptions:
     """Every method's knobs, with the paper's values as defaults; checked when built."""
 
-    lam: float = 5.0            # LTV's ridge penalty λ
+    lam: float | str = 5.0      # LTV's ridge penalty λ, or "auto" (leave-one-out)
     layer: int | None = None    # fix TV/FV's layer or SV's depth instead of choosing on val
     tv_dummies: int = 2         # TV: dummy queries the state is averaged over (the original: 2)
     fv_prompts: int = 20        # FV: clean ICL prompts for the mean head activations (paper: 20)
@@ -108,7 +108,7 @@ class Context:
 
         ep = self.episode
         return Provenance(method=method, task=ep.task.to_dict(), k_used=len(ep.demos),
-                          n=len(ep.queries), lam=self.opts.lam if method == "ltv" else None,
+                          n=len(ep.queries), lam=None,
                           seed=ep.seed, n_test=len(ep.test), episode=ep.fingerprint(),
                           dtype=str(self.cap.model.dtype).removeprefix("torch."),
                           hardware=hardware(), package_version=__version__, extra=extra)

@@ -4,6 +4,7 @@ Both are hidden-space maps of h_zs fitted on the same N train pairs, saved as ta
 files (`ltv_vllm.vector`) and applied by the same LM-head hook vLLM mirrors:
   ltv:  h + W* h,  W* = ridge from h_zs to h_icl − h_zs (closed form, λ absolute);
   ltv-auto: the same with λ chosen by closed-form leave-one-out error (no labels);
+  kernel: h + A k(S, h), RBF kernel ridge in the dual, γ and λ by the same LOO (`kernel`);
   mean: h + c*,    c* = mean_j (h_icl − h_zs)(x_j) (paper appendix "Constant Mapping").
 """
 
@@ -23,17 +24,25 @@ class LTV(Method):
     name, label = "ltv", "LTV"
     hidden_space = uses_states = True
 
+    def lam(self, ctx: Context) -> float | str:
+        return ctx.opts.lam  # a number, or "auto"
+
     def extract(self, ctx: Context) -> TaskVector:
         h_zs, h_icl = ctx.states()
-        f = ridge_fit(h_zs, h_icl - h_zs, ctx.opts.lam)
+        f = ridge_fit(h_zs, h_icl - h_zs, self.lam(ctx))
+        extra = {"ridge_form": f.form, **({"lam_loo": f.loo.to_dict()} if f.loo else {})}
         return TaskVector("hidden", f.U, f.V, None, ctx.identity, tuple(ctx.label_ids),
-                          ctx.provenance(self.name, ridge_form=f.form), gram=f.gram)
+                          replace(ctx.provenance(self.name, **extra), lam=f.lam), gram=f.gram)
 
     def applied(self, model, art: TaskVector):
         return task_vector_applied(model, art)
 
     def shift(self, art: TaskVector, h: torch.Tensor) -> torch.Tensor:
         return art.shift_hidden(h)
+
+    def params(self, art: TaskVector) -> dict[str, float] | None:
+        lam = art.provenance.lam
+        return {"lam": float(lam)} if lam is not None else None
 
 
 class LTVAuto(LTV):
@@ -42,17 +51,27 @@ class LTVAuto(LTV):
 
     name, label = "ltv-auto", "LTV, λ by LOO"
 
-    def extract(self, ctx: Context) -> TaskVector:
-        h_zs, h_icl = ctx.states()
-        f = ridge_fit(h_zs, h_icl - h_zs, "auto")
-        assert f.loo is not None and f.lam is not None
-        prov = replace(ctx.provenance(self.name, ridge_form=f.form, lam_loo=f.loo.to_dict()),
-                       lam=f.lam)
-        return TaskVector("hidden", f.U, f.V, None, ctx.identity, tuple(ctx.label_ids), prov,
-                          gram=f.gram)
+    def lam(self, ctx: Context) -> float | str:  # noqa: ARG002 - one signature
+        return "auto"
 
-    def params(self, art: TaskVector) -> dict[str, float]:
-        return {"lam": float(art.provenance.lam)}
+
+class KernelLTV(LTV):
+    """LTV's objective with an RBF kernel map, in closed form (`kernel.kernel_fit`): γ and λ
+    by leave-one-out error. A task-vector file (map "rbf"), served fused only."""
+
+    name, label = "kernel", "Kernel LTV (RBF)"
+
+    def extract(self, ctx: Context) -> TaskVector:
+        from ..kernel import kernel_fit
+
+        h_zs, h_icl = ctx.states()
+        kf = kernel_fit(h_zs, h_icl - h_zs)
+        prov = replace(ctx.provenance(self.name, kernel_loo=kf.loo), lam=kf.lam)
+        return TaskVector("hidden", kf.U, kf.V, None, ctx.identity, tuple(ctx.label_ids), prov,
+                          map="rbf", gamma=kf.gamma)
+
+    def params(self, art: TaskVector) -> dict[str, float] | None:
+        return {"lam": float(art.provenance.lam or 0), "gamma": float(art.gamma or 0)}
 
 
 class Mean(LTV):

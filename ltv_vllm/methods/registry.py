@@ -6,13 +6,13 @@ from ..errors import ArgumentError
 from .base import Method
 from .fv import FV
 from .i2cl import I2CL
-from .ltv import LTV, LTVAuto, Mean
+from .ltv import LTV, KernelLTV, LTVAuto, Mean
 from .mlp import MLP
 from .sv import SV
 from .tv import TV
 
-METHODS: dict[str, Method] = {m.name: m for m in (LTV(), LTVAuto(), Mean(), TV(), FV(), SV(),
-                                                  I2CL(), MLP())}
+METHODS: dict[str, Method] = {m.name: m for m in (LTV(), LTVAuto(), KernelLTV(), Mean(), TV(),
+                                                  FV(), SV(), I2CL(), MLP())}
 
 
 def get_method(name: str) -> Method:

@@ -81,6 +81,7 @@ class TaskEndpoints:
         self.models = state.openai_serving_models
         self.max_tasks = int(os.environ.get("LTV_VLLM_MAX_TASKS", "8"))
         self.max_rank = int(os.environ.get("LTV_VLLM_TASK_RANK", "256"))
+        self.threads = int(os.environ.get("LTV_VLLM_COMPILE_THREADS", "1"))
         self.max_model_len = int(self.models.model_config.max_model_len)
         from transformers import AutoTokenizer
 
@@ -270,7 +271,7 @@ class TaskEndpoints:
                     "request": job["request"], "model_dir": str(self.model_dir),
                     "store": str(self.store.root), "base_model": str(self.model_dir),
                     "max_model_len": self.max_model_len, "max_rank": self.max_rank,
-                    "threads": 1}))
+                    "threads": self.threads}))
             except OSError as e:
                 if job_dir is not None:
                     shutil.rmtree(job_dir, ignore_errors=True)
@@ -291,7 +292,8 @@ class TaskEndpoints:
             if self.jobs.get(name) is not job:
                 return  # deleted while queued
             job["state"] = "compiling"
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            threads = str(self.threads)
+            env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                    "TOKENIZERS_PARALLELISM": "false"}
             job["proc"] = proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "ltv_vllm.compile", str(job["dir"]), env=env,
@@ -323,7 +325,7 @@ class TaskEndpoints:
         from ..checkpoint import identity_from_dir
         from ..taskstore import full_disk
         from ..vector import load_task_vector
-        from .lora import refuse_bias
+        from .lora import refuse_non_lora
 
         suffix = ".pt" if data[:2] == b"PK" else ".safetensors"  # a .pt file is a zip
         with tempfile.TemporaryDirectory(dir=self.store.root, prefix=".up-") as d:
@@ -336,7 +338,7 @@ class TaskEndpoints:
                 raise full from e
             tv = load_task_vector(path)
         tv.check_model(identity_from_dir(self.model_dir))
-        refuse_bias(tv)
+        refuse_non_lora(tv)
         return tv
 
     async def _serve(self, entry: Any) -> Any:

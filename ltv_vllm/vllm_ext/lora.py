@@ -28,8 +28,10 @@ def lora_rank(r: int) -> int:
     raise VectorError(f"rank {r} exceeds vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
 
 
-def refuse_bias(tv: TaskVector) -> None:
-    """A constant bias (the mean-shift baseline) is not a low-rank map: no LoRA carries it."""
+def refuse_non_lora(tv: TaskVector) -> None:
+    """A constant bias (the mean-shift baseline) or a nonlinear map (kernel LTV) is not a
+    low-rank linear map: no LoRA carries it."""
+    tv.require_linear("carried as a LoRA (multi-task serving, a task store)")
     if tv.bias is not None:
         raise VectorError(f"task vector {tv.task_name!r} has a constant bias, which is not a "
                           "LoRA; serve it alone (fused)")
@@ -37,7 +39,7 @@ def refuse_bias(tv: TaskVector) -> None:
 
 def lora_factors(tv: TaskVector, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(lora_A (R, d), lora_B (vocab, R)) with R the allowed rank ≥ tv.rank; float32."""
-    refuse_bias(tv)
+    refuse_non_lora(tv)
     w = lm_head.float()
     B = w @ tv.U if tv.kind == "hidden" else tv.U  # (vocab, r)
     A = tv.V.T  # (r, d)

@@ -41,8 +41,9 @@ class LTVMixin:
         self._ltv = load_task_vector(path) if path else None
         self._ltv_cast = None
         self._ltv_fold = bool(getattr(config, FOLD_KEY, False)) and self._ltv is not None
-        if self._ltv_fold and (self._ltv.kind != "hidden" or self._ltv.bias is not None):
-            raise VectorError("only a hidden-space vector without a bias can be folded")
+        if self._ltv_fold and (self._ltv.kind != "hidden" or self._ltv.bias is not None
+                               or self._ltv.map != "linear"):
+            raise VectorError("only a linear hidden-space vector without a bias can be folded")
         if self._ltv is not None:
             d = int(config.hidden_size)
             if self._ltv.V.shape[0] != d:
