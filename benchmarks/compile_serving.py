@@ -212,12 +212,13 @@ def write(res: dict, a: argparse.Namespace) -> None:
          f"--window={a.window:g}", f"--out={a.out}"])
     res["command"] = cmd
     (a.out / "results.json").write_text(json.dumps(res, indent=1))
-    und = res["windows"][0]["throughput"]
+    und = res["windows"][0]["throughput"] or float("nan")  # --concurrency 0: no traffic
     md = ["# Compiling tasks on a running server\n", f"```\n{cmd}\n```\n",
           f"{machine_line(res['machine'])}; {res['dtype']}; k = {res['k']}, N = {res['n']}, "
           f"seed {res['seed']}; compile worker {res['compile_threads']} thread(s); "
-          f"{res['concurrency']} closed-loop clients classify "
-          f"`traffic` throughout; server start-up {res['server_startup_seconds']:.0f} s.\n",
+          + (f"{res['concurrency']} closed-loop clients classify `traffic` throughout"
+             if res["concurrency"] else "no other traffic (an idle server)")
+          + f"; server start-up {res['server_startup_seconds']:.0f} s.\n",
           "| task | offline extract (s) | POST → ready (s) | POST → first answer (s) | "
           "ratio to offline | accuracy (test) |", "|---|---|---|---|---|---|"]
     for t, c in res["compiles"].items():
@@ -226,9 +227,10 @@ def write(res: dict, a: argparse.Namespace) -> None:
                   f"{c['post_to_first_answer_seconds']:.1f} | "
                   f"{c['post_to_first_answer_seconds'] / off:.2f}x | "
                   f"{100 * c['accuracy']:.1f} % |")
-    md += ["", "| traffic window | seconds | requests | errors | req/s | vs undisturbed | "
-               "p50 (ms) | p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
-    for w in res["windows"]:
+    if res["concurrency"]:
+        md += ["", "| traffic window | seconds | requests | errors | req/s | vs undisturbed | "
+                   "p50 (ms) | p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
+    for w in res["windows"] if res["concurrency"] else []:
         md.append(f"| {w['window']} | {w['seconds']:.0f} | {w['requests']} | {w['errors']} | "
                   f"{w['throughput']:.2f} | {w['throughput'] / und:.2f}x | {w['p50_ms']:.0f} | "
                   f"{w['p99_ms']:.0f} |")
