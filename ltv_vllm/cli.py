@@ -409,40 +409,23 @@ def _extract_regression(model_spec: str | None, t: Any, method: str, output: Pat
 def _extract_method(model_spec: str | None, task: str, method: str, output: Path | None,
                     dtype: str, device: str, opts: Any) -> None:
     """`extract --method M` for a method other than LTV: its artifact plus test metrics."""
-    from dataclasses import replace
-
-    from .capture import Capturer
-    from .extract import capture_episode, episode_labels, plan_episode
+    from .extract import VECTOR_METHODS, extract_method, plan_episode
     from .loading import load_model, load_tokenizer
-    from .methods import Context, MethodOptions, score_methods
     from .tasks import get_task, label_token_ids
 
     t = get_task(task)
-    vector_file = method in ("mean", "ltv-auto", "kernel")  # a TaskVector, not an Artifact
-    suffixes = (".pt", ".safetensors") if vector_file else (".safetensors",)
+    suffixes = (".pt", ".safetensors") if method in VECTOR_METHODS else (".safetensors",)
     output = check_writable(output or f"{t.name}.{method}{suffixes[-1]}", option="--output",
                             suffixes=suffixes)
     label_token_ids(t, load_tokenizer(model_spec))
-    episode = plan_episode(t, opts)
+    plan_episode(t, opts)  # refuse a bad episode before the model loads
     lm = load_model(model_spec, dtype=dtype, device=device)
-    cap = Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size, progress=opts.progress)
-    c = capture_episode(cap, episode)
-    ctx = Context(cap, episode, label_token_ids(t, lm.tokenizer),
-                  MethodOptions(lam=opts.lam, seed=opts.seed, batch_size=opts.batch_size,
-                                progress=opts.progress),
-                  identity=lm.identity, h_zs=c.h_zs, h_icl=c.h_icl,
-                  capture_seconds=c.capture_seconds)
-    sc = score_methods(ctx, [method], c.h_zs_test, c.h_icl_test, episode_labels(episode))
-    art = sc.artifacts[method]
-    secs = sc.extraction_seconds[method]
-    art = replace(art, provenance=replace(art.provenance, metrics=sc.metrics,
-                                          timings={"extraction_seconds": secs}))
-    art.save(output)
-    click.echo(f"\n{t.name} on {lm.spec}: k={len(episode.demos)} demos, {method}, "
-               f"{len(episode.test)} test queries")
-    _print_metrics(sc.metrics)
-    chosen = {k_: v for k_, v in sc.params.get(method, {}).items() if k_ != "val_accuracy"}
-    click.echo(f"extraction {secs:.1f} s" + (f"; {chosen}" if chosen else ""))
+    r = extract_method(lm, t, method, opts)
+    r.artifact.save(output)
+    click.echo(f"\n{t.name} on {lm.spec}: k={r.k} demos, {method}, {r.n_test} test queries")
+    _print_metrics(r.metrics)
+    chosen = {k_: v for k_, v in r.params.items() if k_ != "val_accuracy"}
+    click.echo(f"extraction {r.seconds:.1f} s" + (f"; {chosen}" if chosen else ""))
     click.echo(f"wrote {output} ({method})")
 
 
@@ -917,7 +900,8 @@ def bench() -> None:
 @click.option("--modes",
               default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-folded,ltv-lora",
               show_default=True,
-              help="Offline modes ('' for none); also ltv-lora-rR: LoRA adapters cut to rank R.")
+              help="Offline modes ('' for none); also ltv-lora-rR: LoRA adapters cut to rank R; "
+                   "kernel-fused: the kernel LTV (RBF) served fused.")
 @click.option("--online-modes",
               default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-lora",
               show_default=True, help="Modes served through the OpenAI server ('' for none).")

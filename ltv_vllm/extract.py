@@ -229,6 +229,49 @@ def extract(
     return tv, res
 
 
+@dataclass(frozen=True)
+class MethodResult:
+    """`extract_method`'s outcome: the artifact (a TaskVector for mean / ltv-auto / kernel),
+    its test metrics, extraction seconds and the parameters it chose (λ, γ, layers)."""
+
+    artifact: Any
+    metrics: dict[str, dict[str, float]]
+    seconds: float
+    params: dict[str, Any]
+    k: int
+    n_test: int
+
+
+VECTOR_METHODS = ("mean", "ltv-auto", "kernel")  # methods whose artifact is a TaskVector
+
+
+def extract_method(lm: LoadedModel, task: Task, method: str,
+                   opts: ExtractOptions | None = None) -> MethodResult:
+    """Extract `method`'s artifact (any registered method but plain LTV, which is `extract`)
+    on `task`'s episode, scored on its test queries; the artifact carries the metrics."""
+    from dataclasses import replace
+
+    from .methods import Context, MethodOptions, score_methods
+
+    opts = opts or ExtractOptions()
+    label_ids = label_token_ids(task, lm.tokenizer)
+    episode = plan_episode(task, opts)
+    cap = Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size, progress=opts.progress)
+    c = capture_episode(cap, episode)
+    ctx = Context(cap, episode, label_ids,
+                  MethodOptions(lam=opts.lam, seed=opts.seed, batch_size=opts.batch_size,
+                                progress=opts.progress),
+                  identity=lm.identity, h_zs=c.h_zs, h_icl=c.h_icl,
+                  capture_seconds=c.capture_seconds)
+    sc = score_methods(ctx, [method], c.h_zs_test, c.h_icl_test, episode_labels(episode))
+    secs = sc.extraction_seconds[method]
+    art = sc.artifacts[method]
+    art = replace(art, provenance=replace(art.provenance, metrics=sc.metrics,
+                                          timings={"extraction_seconds": secs}))
+    return MethodResult(art, sc.metrics, secs, dict(sc.params.get(method, {})),
+                        k=len(episode.demos), n_test=len(episode.test))
+
+
 def _provenance(lm: LoadedModel, episode: Episode, res: Any, opts: ExtractOptions, *,
                 method: str, source: SourceModel | None = None) -> Provenance:
     """What a task-vector file records about its extraction (res: Episode/TransferResult)."""

@@ -50,6 +50,12 @@ def place_vectors(model_dir: Path, vector_dir: Path, tokenizer) -> None:
         tv = TaskVector("hidden", 0.5 * torch.randn(128, 8, generator=g), V, None, ident,
                         tuple(label_token_ids(task, tokenizer)), {"task": task.to_dict()})
         tv.save(vector_dir / f"{name}-k6-n8-lam5-seed0.safetensors")
+        # and an RBF kernel vector (`kernel-fused`): 8 support states, γ about 1/‖h − s‖²
+        kv = TaskVector("hidden", 2.0 * torch.randn(128, 8, generator=g),
+                        torch.randn(128, 8, generator=g), None, ident,
+                        tuple(label_token_ids(task, tokenizer)), {"task": task.to_dict()},
+                        map="rbf", gamma=1 / 256)
+        kv.save(vector_dir / f"{name}-kernel-k6-n8-seed0.safetensors")
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -87,7 +93,7 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
     run_cli("bench", "serving", "--model", str(model_dir), "--tasks", TASKS, "--n-per-task", "6",
             "--k", "6", "--n", "8", "--concurrency", "1,4", "--online-requests", "8",
             "--modes", "zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-folded,ltv-lora,"
-            "ltv-lora-r4",
+            "ltv-lora-r4,kernel-fused",
             "--online-modes", "ltv-lora", "--repeats", "2", "--gen-tokens", "3",
             "--warmup", "2", "--dtype", "float32", "--max-model-len", "2048",
             "--kv-cache-gib", "1", "--out", str(out), cwd=tmp_path)
@@ -96,7 +102,7 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
     for f in ("throughput_ratio.png", "accuracy_vs_throughput.png", "latency.png"):
         assert (out / f).stat().st_size > 1000, f
     modes = ["zero-shot", "icl-prefix-cache", "icl-no-cache", "ltv-fused", "ltv-folded",
-             "ltv-lora", "ltv-lora-r4", "zero-shot (again)"]
+             "ltv-lora", "ltv-lora-r4", "kernel-fused", "zero-shot (again)"]
     assert list(doc["offline"]) == modes
     for m in modes:
         r = doc["offline"][m]
@@ -130,11 +136,17 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
             assert x["requests"] == 8 and x["latency_p99_ms"] >= x["latency_p50_ms"] > 0, (m, c)
     # the same queries through transformers: every mode predicts what the method predicts
     wl = build_workload(str(model_dir), TASKS.split(","), n_per_task=6, k=6, n=8,
-                        vector_dir=out / "work" / "vectors", with_vectors=True)
+                        vector_dir=out / "work" / "vectors", with_vectors=True, with_kernel=True)
     vectors = {t: load_task_vector(p) for t, p in wl.vectors.items()}
+    kernels = {t: load_task_vector(p) for t, p in wl.kernel_vectors.items()}
+    assert all(tv.map == "rbf" for tv in kernels.values())
+    ltv = reference_probs(model_dir, wl, [q.zs for q in wl.queries], vectors)
+    kern = reference_probs(model_dir, wl, [q.zs for q in wl.queries], kernels)
+    # the kernel map moves the distributions and is not the linear one, so matching it below
+    # tells the three apart
+    assert max(float((a - b).abs().max()) for a, b in zip(kern, ltv, strict=True)) > 1e-2
     zs = reference_probs(model_dir, wl, [q.zs for q in wl.queries], None)
     icl = reference_probs(model_dir, wl, [q.icl for q in wl.queries], None)
-    ltv = reference_probs(model_dir, wl, [q.zs for q in wl.queries], vectors)
     # rank 4 of the rank-8 vectors (placed without training states): the rank-4 map closest to
     # W in what it does to the logits, min ‖W_lm (W − W_4)‖_F, by the reduced-rank formula
     # W_4 = R⁻¹ P_4 P_4ᵀ R W (W_lm = Q R, P_4: top left singular vectors of R W)
@@ -154,7 +166,7 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
                for a, b in zip(ltv, ltv4, strict=True)) > 1e-3  # a real cut
     for mode, ref in (("zero-shot", zs), ("icl-prefix-cache", icl), ("icl-no-cache", icl),
                       ("ltv-fused", ltv), ("ltv-folded", ltv), ("ltv-lora", ltv),
-                      ("ltv-lora-r4", ltv4)):
+                      ("ltv-lora-r4", ltv4), ("kernel-fused", kern)):
         got = doc["offline"][mode]
         for i, p in enumerate(ref):
             assert torch.allclose(torch.tensor(got["probs"][i], dtype=torch.float64), p,
@@ -162,6 +174,7 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
         assert got["predictions"] == [int(p.argmax()) for p in ref], mode
     # the vectors move the distributions, so the comparison above tells the methods apart
     assert max(float((a - b).abs().max()) for a, b in zip(ltv, zs, strict=True)) > 1e-2
+    assert max(float((a - b).abs().max()) for a, b in zip(kern, zs, strict=True)) > 1e-2
 
 
 def test_bench_icl_cost_end_to_end(model_dir, tmp_path):

@@ -18,7 +18,7 @@ from ltv_vllm.methods.mlp import fit_mlp, mlp_delta
 from ltv_vllm.methods.sv import separator_positions
 from ltv_vllm.ridge import ridge_fit
 from ltv_vllm.tasks import get_task, label_token_ids
-from ltv_vllm.vector import VectorError, model_identity
+from ltv_vllm.vector import VectorError, load_task_vector, model_identity
 
 WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "movie"]
 
@@ -302,7 +302,6 @@ def test_artifact_round_trip_and_checks(model, ctx, artifacts, name, tmp_path, t
     (tmp_path / "bad.safetensors").write_bytes(path.read_bytes()[:100])
     with pytest.raises(VectorError, match="truncated or corrupt"):
         load_artifact(tmp_path / "bad.safetensors")
-    from ltv_vllm.vector import load_task_vector
 
     with pytest.raises(VectorError, match="not a task vector"):
         load_task_vector(path)  # serve refuses a baseline's artifact in one line
@@ -390,6 +389,13 @@ def test_cli_extract_method_writes_a_checked_artifact(tmp_path, tokenizer):
     assert r.exit_code == 1 and "--output" in r.output and not (tmp_path / "tv.pt").exists()
     r = CliRunner().invoke(main, [*args, "--method", "fv", "--rank", "2"])
     assert r.exit_code == 1 and "LTV's only" in r.output
+    # a vector method writes a task-vector file (.pt allowed) with the map it fitted
+    r = CliRunner().invoke(main, [*args, "--method", "kernel", "-o", str(tmp_path / "k.pt")])
+    assert r.exit_code == 0, r.output
+    kv = load_task_vector(tmp_path / "k.pt")
+    assert kv.map == "rbf" and kv.gamma > 0 and kv.V.shape == (64, 24)  # N support states
+    assert set(kv.provenance.metrics) == {"zero-shot", "icl", "kernel"}
+    assert "gamma" in r.output and "wrote" in r.output
 
 
 def test_evaluate_resumes_from_its_checkpoint(tmp_path, tokenizer, monkeypatch):

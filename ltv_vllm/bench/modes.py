@@ -5,7 +5,8 @@ everywhere (vLLM's default) except in `icl-no-cache`. A fused or folded vector s
 task, so those modes run one engine per task (times are summed); the LoRA mode serves every
 task from one engine with the tasks mixed in one batch; `ltv-lora-rR` does the same with
 every adapter cut to rank R (`TaskVector.truncated`; vLLM's CPU LoRA kernel gathers a
-vocab × rank matrix per sampled row, so its cost grows with the rank).
+vocab × rank matrix per sampled row, so its cost grows with the rank). `kernel-fused` serves
+the kernel LTV (`extract --method kernel`) fused, the only way a nonlinear map is served.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 
 from .workload import EngineSettings, Query, Workload
 
-MODES = ("zero-shot", "icl-prefix-cache", "icl-no-cache", "ltv-fused", "ltv-folded", "ltv-lora")
+MODES = ("zero-shot", "icl-prefix-cache", "icl-no-cache", "ltv-fused", "ltv-folded", "ltv-lora",
+         "kernel-fused")
+DEFAULT_MODES = MODES[:-1]  # the kernel map is compared on request (`--modes ...,kernel-fused`)
 BASE_NAME = "base"  # served model name of the bare model
 _LORA_MODE = re.compile(r"ltv-lora(?:-r([1-9][0-9]*))?")
 
@@ -82,11 +85,11 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
                        [[request(wl, q, icl=icl, model=BASE_NAME) for q in qs]
                         for qs in groups.values()])]
 
-    if mode in ("ltv-fused", "ltv-folded"):
+    if mode in ("ltv-fused", "ltv-folded", "kernel-fused"):
         fold = mode == "ltv-folded"
         out = []
         for task, qs in groups.items():
-            vec = wl.vectors[task]
+            vec = (wl.kernel_vectors if mode == "kernel-fused" else wl.vectors)[task]
 
             def fused(host: str, port: int, vec: Path = vec) -> list[str]:
                 args, _ = server_args(model, {"": vec}, lora_dir=lora_dir, served_name=BASE_NAME,

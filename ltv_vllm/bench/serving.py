@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import BenchError
-from .modes import MODES, Engine, engines, known_mode
+from .modes import DEFAULT_MODES, MODES, Engine, engines, known_mode
 from .report import derive_rates
 from .workload import EngineSettings, Query, Workload, icl_queries, interleave
 
@@ -264,7 +264,7 @@ class ServingBench:
     model_spec: str = "smollm2-135m"
     tasks: tuple[str, ...] = ("sst2", "subj", "trec", "agnews")
     n_per_task: int = 125
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     online_modes: tuple[str, ...] = ONLINE_MODES
     levels: tuple[int, ...] = (1, 8, 32)
     online_requests: int = 100
@@ -325,10 +325,12 @@ def bench_serving(b: ServingBench, *, command: str,
     from .workload import build_workload, kv_bytes_per_token, machine
 
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    needs_vectors = any(m.startswith("ltv") for m in [*b.modes, *b.online_modes])
+    wanted = [*b.modes, *b.online_modes]
+    with_kernel = "kernel-fused" in wanted
+    needs_vectors = with_kernel or any(m.startswith("ltv") for m in wanted)
     wl = build_workload(b.model_spec, list(b.tasks), n_per_task=b.n_per_task, k=b.k, n=b.n,
                         lam=b.lam, seed=b.seed, vector_dir=b.work / "vectors",
-                        with_vectors=needs_vectors)
+                        with_vectors=needs_vectors, with_kernel=with_kernel)
     settings = _resolved(wl, b.settings)
     doc: dict[str, Any] = {
         "command": command, "model": b.model_spec, "started": started, "machine": machine(),

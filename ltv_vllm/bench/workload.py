@@ -62,6 +62,7 @@ class Workload:
     label_ids: dict[str, list[int]]
     queries: list[Query]
     vectors: dict[str, Path] = field(default_factory=dict)
+    kernel_vectors: dict[str, Path] = field(default_factory=dict)  # `kernel-fused` only
     # accuracy (and d_NTP) of each method measured by transformers at extraction, same queries
     transformers_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     k: int = 30
@@ -75,6 +76,7 @@ class Workload:
             "k": self.k,
             "label_ids": self.label_ids,
             "vectors": {t: str(p) for t, p in self.vectors.items()},
+            "kernel_vectors": {t: str(p) for t, p in self.kernel_vectors.items()},
             "transformers_metrics": self.transformers_metrics,
         }
 
@@ -111,6 +113,7 @@ def build_workload(
     vector_dir: Path,
     extract_dtype: str = "auto",
     with_vectors: bool = True,
+    with_kernel: bool = False,
 ) -> Workload:
     from transformers import AutoTokenizer
 
@@ -146,6 +149,21 @@ def build_workload(
             "k": tv.provenance.k, "seed": tv.provenance.seed, "n_test": tv.provenance.n_test,
             **{m: v.get("accuracy") for m, v in (tv.provenance.metrics or {}).items()},
         }
+    for name, task in tasks.items() if with_kernel else ():
+        path = vector_dir / f"{name}-kernel-k{k}-n{n}-seed{seed}.safetensors"
+        if path.exists():
+            tv = checked_vector(model_dir, path)
+        else:
+            from ..extract import ExtractOptions, extract_method
+            from ..loading import load_model
+
+            lm = lm or load_model(str(model_dir), dtype=extract_dtype)
+            tv = extract_method(lm, task, "kernel", ExtractOptions(
+                k=k, n=n, seed=seed, n_test=n_per_task)).artifact
+            tv.save(path)
+        wl.kernel_vectors[name] = path
+        wl.transformers_metrics[name]["kernel"] = (
+            (tv.provenance.metrics or {}).get("kernel", {}).get("accuracy"))
     del lm
     return wl
 
