@@ -49,16 +49,29 @@ def cpu_native_bf16() -> bool:
     true for plain AVX512, where bf16 is converted in registers; we ask for the instructions.
     Elsewhere (Arm) oneDNN's check is the instruction check.
     """
-    cpu = getattr(torch._C, "_cpu", None)
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-        if cpu is None:
-            return False
+        # torch.cpu's checks moved between releases (torch._C._cpu before, torch.cpu since);
+        # ask whichever this torch has, and the kernel's flags when it has neither.
         checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-        return any(bool(getattr(cpu, c, lambda: False)()) for c in checks)
+        for owner in (torch.cpu, getattr(torch._C, "_cpu", None)):
+            found = [getattr(owner, c) for c in checks if hasattr(owner, c)]
+            if found:
+                return any(bool(f()) for f in found)
+        return bool({"avx512_bf16", "amx_bf16"} & _proc_cpu_flags())
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except Exception:  # noqa: BLE001 - no oneDNN in this build
         return False
+
+
+def _proc_cpu_flags() -> set[str]:
+    """The first CPU's flags from /proc/cpuinfo (empty where there is none: not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
 
 
 def checkpoint_dtype(model_dir: str | Path) -> str | None:
