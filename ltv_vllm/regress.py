@@ -32,7 +32,7 @@ from .errors import ArgumentError
 from .evaluate import EvalConfig, _resume, _save_checkpoint, bars_per_task, method_label
 from .extract import DEFAULT_K, LoadedModel
 from .fileio import atomic_write
-from .generate import greedy
+from .generate import greedy, greedy_shared, greedy_states
 from .hardware import hardware, machine_line
 from .methods import Context, get_method
 from .methods.base import full_log_probs
@@ -79,36 +79,44 @@ def score_instance(ctx: Context, methods: Sequence[str], max_new_tokens: int
     task = ep.task
     queries = [task.query(e.text) for e in ep.test]
     targets = [float(e.label) for e in ep.test]
-    prefix = ep.demo_prefix()
     gen = {"max_new_tokens": max_new_tokens}
-    h_zs = cap.hidden(queries, desc=f"{task.name} zero-shot test")
-    logp = {"zero-shot": full_log_probs(cap, h_zs),
-            "icl": full_log_probs(cap, cap.icl(prefix, queries, desc=f"{task.name} icl test"))}
-    texts = {"zero-shot": greedy(cap, queries, desc=f"{task.name} zero-shot gen", **gen),
-             "icl": greedy(cap, queries, prefix=prefix, desc=f"{task.name} icl gen", **gen)}
     ext: dict[str, float] = {}
-    need = [m for m in methods if m not in texts]
-    if FIRST in need and "ltv" not in need:
-        need.insert(need.index(FIRST), "ltv")  # extracted for the ablation, not reported
     arts: dict[str, Any] = {}
+    need = [m for m in methods if m not in ("zero-shot", "icl", FIRST)]
+    if FIRST in methods and "ltv" not in need:
+        need.append("ltv")  # extracted for the ablation, not reported
     for name in need:
-        if name == FIRST:
-            logp[FIRST] = logp["ltv"]  # the first token is shifted either way
-            texts[FIRST] = greedy(cap, queries, mapping=_on_device_of(
-                                      functools.partial(get_method("ltv").shift, arts["ltv"])),
-                                  steps="first", desc=f"{task.name} {FIRST} gen", **gen)
-            ext[FIRST] = ext["ltv"]
-            continue
         m = get_method(name)
         t0 = time.perf_counter()
-        arts[name] = art = m.extract(ctx)
+        arts[name] = m.extract(ctx)
         ext[name] = time.perf_counter() - t0 + (ctx.capture_seconds if m.uses_states else 0.0)
-        if m.hidden_space:  # the state the head sees, in closed form (no hook: not twice)
-            logp[name] = full_log_probs(cap, m.shift(art, h_zs))
-        with m.applied(ctx.model, art):
-            if not m.hidden_space:
-                logp[name] = full_log_probs(cap, cap.hidden(queries,
-                                                            desc=f"{task.name} {name} test"))
+    if FIRST in methods:
+        ext[FIRST] = ext["ltv"]
+    # Zero-shot and every map at the head's input share one prefill of the queries
+    # (`greedy_shared`); its states are h_zs, so the first token's distributions need no
+    # further pass (`shift` gives the state the head sees, in closed form).
+    head_maps = [n for n in need if get_method(n).hidden_space]
+
+    def mapping(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        return _on_device_of(functools.partial(get_method(name).shift, arts[name]))
+
+    maps = {"zero-shot": (None, "every"),
+            **{n: (mapping(n), "every") for n in head_maps if n in methods},
+            **({FIRST: (mapping("ltv"), "first")} if FIRST in methods else {})}
+    texts, h_zs = greedy_shared(cap, queries, maps, desc=f"{task.name} query-only gen", **gen)
+    texts["icl"], h_icl = greedy_states(cap, queries, prefix=ep.demo_prefix(),
+                                        desc=f"{task.name} icl gen", **gen)
+    logp = {"zero-shot": full_log_probs(cap, h_zs), "icl": full_log_probs(cap, h_icl)}
+    for name in head_maps:
+        logp[name] = full_log_probs(cap, get_method(name).shift(arts[name], h_zs))
+    if FIRST in methods:
+        logp[FIRST] = logp["ltv"]  # the first token is LTV's either way
+    for name in need:  # methods that act inside the network (I2CL): their own passes
+        if name in head_maps:
+            continue
+        m = get_method(name)
+        with m.applied(ctx.model, arts[name]):
+            logp[name] = full_log_probs(cap, cap.hidden(queries, desc=f"{task.name} {name} test"))
             texts[name] = greedy(cap, queries, desc=f"{task.name} {name} gen", **gen)
     out: dict[str, dict[str, Any]] = {}
     for name in methods:

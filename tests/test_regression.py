@@ -253,6 +253,42 @@ def test_greedy_with_a_shared_prefix_equals_full_prompts(tiny_model, tokenizer, 
         assert text == tokenizer.decode(hand, skip_special_tokens=True)
 
 
+def test_greedy_shared_equals_one_greedy_run_per_map(tiny_model, tokenizer, planted_w):
+    """One prefill for several head maps gives each map's own `greedy` answers token for
+    token (batches pad), and the states are the Capturer's h."""
+    from ltv_vllm.capture import Capturer
+    from ltv_vllm.generate import greedy, greedy_shared
+
+    cap = Capturer(tiny_model, tokenizer, progress=False, batch_size=2)
+    w2 = planted_w.flip(0)
+    maps = {"plain": (None, "every"), "w": (lambda h: h + h @ planted_w.T, "every"),
+            "w-first": (lambda h: h + h @ planted_w.T, "first"),
+            "w2": (lambda h: h + 2 * h @ w2.T, "every")}
+    for n_new in (1, 6):
+        got, h = greedy_shared(cap, PROMPTS, maps, max_new_tokens=n_new)
+        for name, (mapping, steps) in maps.items():
+            want = greedy(cap, PROMPTS, max_new_tokens=n_new, mapping=mapping, steps=steps)
+            assert got[name] == want, (name, n_new)
+        torch.testing.assert_close(h, cap.hidden(PROMPTS), rtol=1e-5, atol=1e-5)
+    assert len({tuple(got[name]) for name in maps}) == len(maps)  # the maps differ
+    assert not tiny_model.lm_head._forward_pre_hooks
+
+
+def test_greedy_states_are_the_captured_states(tiny_model, tokenizer, planted_w):
+    """The prefill's last state (before the map) is Capturer.hidden's / .icl's h."""
+    from ltv_vllm.capture import Capturer
+    from ltv_vllm.generate import greedy, greedy_states
+
+    prefix = "x: [1.0000]\ny: 2.0000\n\nx: [-3.0000]\ny: -6.0000\n\n"
+    cap = Capturer(tiny_model, tokenizer, progress=False, batch_size=2)
+    mapping = lambda h: h + h @ planted_w.T  # noqa: E731
+    texts, h = greedy_states(cap, PROMPTS, max_new_tokens=4, mapping=mapping)
+    assert texts == greedy(cap, PROMPTS, max_new_tokens=4, mapping=mapping)
+    torch.testing.assert_close(h, cap.hidden(PROMPTS), rtol=1e-5, atol=1e-5)
+    texts, h = greedy_states(cap, PROMPTS, prefix=prefix, max_new_tokens=4)
+    torch.testing.assert_close(h, cap.icl(prefix, PROMPTS), rtol=1e-5, atol=1e-5)
+
+
 def test_greedy_refuses_bad_requests(tiny_model, tokenizer):
     from ltv_vllm.capture import Capturer
     from ltv_vllm.generate import GenerateError, greedy
