@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -113,20 +114,10 @@ def _gen_kwargs(cap: Capturer, max_new_tokens: int) -> dict:
             "top_k": None}
 
 
-@torch.no_grad()
-def greedy(
-    cap: Capturer,
-    prompts: Sequence[str],
-    *,
-    prefix: str | None = None,
-    max_new_tokens: int = 12,
-    mapping: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    steps: str = "every",
-    desc: str = "generate",
-) -> list[str]:
-    """Greedy continuations of `prefix + p` for each prompt, decoded without special tokens."""
-    return greedy_states(cap, prompts, prefix=prefix, max_new_tokens=max_new_tokens,
-                         mapping=mapping, steps=steps, desc=desc)[0]
+def greedy(cap: Capturer, prompts: Sequence[str], **options: Any) -> list[str]:
+    """Greedy continuations of `prefix + p` for each prompt, decoded without special tokens
+    (`options` as `greedy_states`: prefix, max_new_tokens, mapping, steps, desc)."""
+    return greedy_states(cap, prompts, **options)[0]
 
 
 @torch.no_grad()
