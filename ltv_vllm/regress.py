@@ -18,6 +18,7 @@ vocabulary at the first generated token, averaged over the test queries.
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -255,6 +256,7 @@ def evaluate_regression(
         "wall_seconds": time.perf_counter() - started,
         "records": records,
         "summary": summarise_regression(records, names, methods),
+        "references": references(config),
         "correlation": _correlation(records),
     }
 
@@ -282,6 +284,43 @@ def extract_regression(lm: LoadedModel, task: RegressionTask, *, k: int = DEFAUL
 
 
 METRICS = ("mse", "parse_rate", "mse_zero_fill", "kl_first")
+
+# predictors that read only the demos, beside the model's methods: what the MSEs mean
+REFERENCES = {"zero": "predict 0 (the prior mean of y)",
+              "demo_mean": "predict the demos' mean y",
+              "least_squares": "least squares on the k demos (with an intercept)"}
+
+
+def reference_scores(ep: Any) -> dict[str, float]:
+    """Test MSE of each `REFERENCES` predictor on one instance. Least squares on the demos is
+    the learner a linear instance calls for (exact up to the printed rounding once k > m);
+    on relu it is a misspecified linear learner — either way a floor ICL could aim at."""
+    x_demo = torch.tensor([json.loads(e.text) for e in ep.demos], dtype=torch.float64)
+    x_test = torch.tensor([json.loads(e.text) for e in ep.test], dtype=torch.float64)
+    # the demos' y as printed in the prompt: what the model sees
+    y_demo = torch.tensor([float(ep.task.number(float(e.label))) for e in ep.demos],
+                          dtype=torch.float64)
+    y = torch.tensor([float(e.label) for e in ep.test], dtype=torch.float64)
+    ones = torch.ones(len(x_demo), 1, dtype=torch.float64)
+    coef = torch.linalg.lstsq(torch.cat([x_demo, ones], 1), y_demo[:, None]).solution[:, 0]
+    pred = x_test @ coef[:-1] + coef[-1]
+    return {"zero": float((y ** 2).mean()),
+            "demo_mean": float(((y - y_demo.mean()) ** 2).mean()),
+            "least_squares": float(((y - pred) ** 2).mean())}
+
+
+def references(cfg: dict[str, Any]) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per task, each reference's mean ± std over the evaluation's instances, redrawn from the
+    configuration (instances are pure functions of their seed, so any results.json can be
+    re-reported)."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for name in cfg["tasks"]:
+        task = RegressionTask.from_dict(cfg["task_specs"][name])
+        runs = [reference_scores(sample_regression_episode(
+            task, k=cfg["k"], n=1, n_test=cfg["n_test"], seed=cfg["seed"] + r))
+            for r in range(cfg["runs"])]
+        out[name] = {key: _mean_std([r[key] for r in runs]) for key in REFERENCES}
+    return out
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
@@ -341,6 +380,13 @@ def regression_table(doc: dict[str, Any]) -> str:
             lines.append(f"| {_label(m)} | " + " | ".join(cells) + " |")
 
     table("**MSE over parsed answers** (lower is better)", "mse", "{:.2f}")
+    refs = doc.get("references") or references(cfg)
+    lines += ["", "**Reference predictors** that read only the demos (the same test queries):",
+              "", head.replace("| Method |", "| Reference |"), sep]
+    for key, label in REFERENCES.items():
+        cells = [f"{refs[t][key][0]:.2f}" + (f" ± {refs[t][key][1]:.2f}" if cfg["runs"] > 1
+                                              else "") for t in tasks]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     table("**Parse rate** (answers with a number)", "parse_rate", "{:.2f}")
     table("**MSE with an unparsed answer counted as 0** (the prior mean of y)",
           "mse_zero_fill", "{:.2f}")

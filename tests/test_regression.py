@@ -73,6 +73,36 @@ def test_regression_scores_against_hand_values():
 # -- tasks -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("family", ["linear", "relu"])
+def test_reference_predictors_against_hand_values(family):
+    """Predict 0, the demos' mean, least squares on the demos: MSEs computed by hand (numpy
+    on the instance's own x and y); on a linear instance least squares recovers w."""
+    import json
+
+    import numpy as np
+
+    from ltv_vllm.data import regression_instance, sample_regression_episode
+    from ltv_vllm.regress import reference_scores
+
+    task = get_task(family, regression=True)
+    ep = sample_regression_episode(task, k=30, n=1, n_test=40, seed=7)
+    got = reference_scores(ep)
+    y = np.array([e.label for e in ep.test])
+    y_demo = np.array([round(e.label, 4) for e in ep.demos])  # as the prompt prints it
+    x_demo = np.array([json.loads(e.text) for e in ep.demos])
+    x_test = np.array([json.loads(e.text) for e in ep.test])
+    a = np.hstack([x_demo, np.ones((30, 1))])
+    coef = np.linalg.lstsq(a, y_demo, rcond=None)[0]
+    pred = np.hstack([x_test, np.ones((40, 1))]) @ coef
+    assert got["zero"] == pytest.approx(np.mean(y ** 2), rel=1e-9)
+    assert got["demo_mean"] == pytest.approx(np.mean((y - y_demo.mean()) ** 2), rel=1e-9)
+    assert got["least_squares"] == pytest.approx(np.mean((y - pred) ** 2), rel=1e-6, abs=1e-12)
+    if family == "linear":
+        w = regression_instance(task, 7)["w"].numpy().ravel()
+        np.testing.assert_allclose(coef[:-1], w, atol=1e-3)
+        assert got["least_squares"] < 1e-6 < got["zero"]
+
+
 def test_builtin_regression_tasks_and_prompt_format():
     lin, relu = get_tasks("linear,relu", regression=True)
     assert (lin.family, relu.family) == ("linear", "relu")
