@@ -23,6 +23,7 @@ from .errors import ArgumentError
 from .extract import (
     METHODS,
     TRANSFER_METHOD,
+    Captures,
     ExtractOptions,
     LoadedModel,
     SourceModel,
@@ -37,9 +38,10 @@ from .extract import (
 from .fileio import atomic_write, save_figure
 from .hardware import hardware, machine_line
 from .methods import METHODS as TASK_VECTOR_METHODS
-from .methods import Context, MethodOptions, inference_cost, score_methods
+from .methods import Context, MethodOptions, MethodScores, inference_cost, score_methods
 from .metrics import pearson, spearman
 from .tasks import Task, label_token_ids
+from .vector import VectorError, read_safetensors
 
 METHOD_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", TRANSFER_METHOD: "Transferred LTV",
                  **{name: m.label for name, m in TASK_VECTOR_METHODS.items()}}
@@ -139,7 +141,9 @@ def evaluate(
 
     `checkpoint`: a JSON file rewritten (atomically) after every episode; an evaluation with
     the same configuration started again skips the episodes it holds (a long comparison
-    survives an interruption), one of another configuration is refused.
+    survives an interruption), one of another configuration is refused. The episode in
+    progress is saved beside it after its capture and after each method
+    (`episode_checkpoint`), so a rerun resumes inside that episode too.
     """
     from tqdm.auto import tqdm
 
@@ -186,13 +190,21 @@ def evaluate(
             seed = cfg.seed + run
             episode = plan[task.name][run]
             if source is None:
-                if h_zs_test is None:  # the test subset is the same for every run
-                    h_zs_test = capture_test_zero_shot(cap, task, episode)
-                c = capture_episode(cap, episode, h_zs_test=h_zs_test)
+                where = (_key(config), task.name, run)
+                c, scored = _load_episode(checkpoint, *where)
+                if run == 0 and cfg.cost_samples:
+                    scored = {}  # the cost table times each method's artifact: extract all
+                if c is None:
+                    if h_zs_test is None:  # the test subset is the same for every run
+                        h_zs_test = capture_test_zero_shot(cap, task, episode)
+                    c = capture_episode(cap, episode, h_zs_test=h_zs_test)
+                    _save_episode(checkpoint, *where, c, None)
                 ctx = Context(cap, episode, label_ids, cfg.method_options(seed, progress),
                               identity=lm.identity, h_zs=c.h_zs, h_icl=c.h_icl,
                               capture_seconds=c.capture_seconds)
-                sc = score_methods(ctx, own, c.h_zs_test, c.h_icl_test, episode_labels(episode))
+                sc = score_methods(ctx, own, c.h_zs_test, c.h_icl_test, episode_labels(episode),
+                                   done=scored, on_scored=lambda s, c=c, where=where:
+                                   _save_episode(checkpoint, *where, c, s))
                 metrics, ext, params = sc.metrics, sc.extraction_seconds, sc.params
                 if run == 0 and cfg.cost_samples:
                     costs[task.name] = inference_cost(ctx, sc, own, cfg.cost_samples,
@@ -231,6 +243,7 @@ def evaluate(
             if checkpoint is not None:
                 _save_checkpoint(checkpoint, config, records, costs, sorted(done),
                                  time.perf_counter() - started)
+                episode_checkpoint(checkpoint).unlink(missing_ok=True)
     bar.close()
     return {
         "config": config,
@@ -268,6 +281,58 @@ def _save_checkpoint(path: str | Path, config: dict[str, Any], records: list[dic
     doc = {"key": _key(config), "config": config, "records": records, "costs": costs,
            "done": [list(d) for d in done], "wall_seconds": wall}
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(doc)))
+
+
+EPISODE_HEADER = "ltv_vllm_episode"
+
+
+def episode_checkpoint(checkpoint: str | Path) -> Path:
+    """Where the episode in progress is saved beside `checkpoint` (partial.json →
+    partial.episode.safetensors): its captured states and every method scored so far."""
+    return Path(checkpoint).with_suffix(".episode.safetensors")
+
+
+def _save_episode(checkpoint: str | Path | None, key: str, task: str, run: int,
+                  c: Captures, scores: MethodScores | None) -> None:
+    """Save an episode in progress, so that a rerun neither captures its states again nor
+    re-extracts a method it scored (on a 1.5B model on 2 cores the capture alone takes a
+    quarter of an hour and FV's sweep most of an hour). Tensors only: safetensors."""
+    if checkpoint is None:
+        return
+    from safetensors.torch import save_file
+
+    tensors = {"h_zs": c.h_zs, "h_icl": c.h_icl, "h_zs_test": c.h_zs_test,
+               "h_icl_test": c.h_icl_test}
+    methods: dict[str, Any] = {}
+    for m, z in (scores.logits.items() if scores else ()):
+        if m in scores.extraction_seconds:  # not the references, which come from the states
+            tensors[f"logits.{m}"] = z
+            methods[m] = {"extraction_seconds": scores.extraction_seconds[m],
+                          "params": scores.params.get(m)}
+    header = {"key": key, "task": task, "run": run, "capture_seconds": c.capture_seconds,
+              "test_seconds": c.test_seconds, "methods": methods}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    atomic_write(episode_checkpoint(checkpoint), lambda tmp: save_file(
+        tensors, tmp, metadata={EPISODE_HEADER: json.dumps(header)}))
+
+
+def _load_episode(checkpoint: str | Path | None, key: str, task: str, run: int
+                  ) -> tuple[Captures | None, dict[str, dict[str, Any]]]:
+    """The saved part of this episode, or (None, {}) when there is none for it: a file of
+    another episode or configuration, or a damaged one, is only lost work and is replaced."""
+    if checkpoint is None or not episode_checkpoint(checkpoint).is_file():
+        return None, {}
+    try:
+        header_json, t = read_safetensors(episode_checkpoint(checkpoint), key=EPISODE_HEADER)
+        header = json.loads(header_json)
+        if (header["key"], header["task"], header["run"]) != (key, task, run):
+            return None, {}
+        c = Captures(t["h_zs"], t["h_icl"], t["h_zs_test"], t["h_icl_test"],
+                     float(header["capture_seconds"]), float(header["test_seconds"]))
+        scored = {m: {**v, "logits": t[f"logits.{m}"]} for m, v in header["methods"].items()}
+    except (VectorError, TypeError, KeyError, ValueError):
+        return None, {}
+    return c, scored
 
 
 def correlations(records: list[dict[str, Any]], tasks: list[str]) -> dict[str, Any]:

@@ -422,8 +422,8 @@ def test_evaluate_resumes_from_its_checkpoint(tmp_path, tokenizer, monkeypatch):
     ck.write_text(json.dumps(state))
     calls = []
     real = ev.score_methods
-    monkeypatch.setattr(ev, "score_methods", lambda ctx, *a: calls.append(ctx.episode.seed)
-                        or real(ctx, *a))
+    monkeypatch.setattr(ev, "score_methods", lambda ctx, *a, **kw: calls.append(ctx.episode.seed)
+                        or real(ctx, *a, **kw))
     again = ev.evaluate(lm, [task], ms, cfg, progress=False, checkpoint=ck)
     assert calls == [1]  # only the missing run
     def scores(doc):  # everything but the timings, which differ between passes
@@ -434,3 +434,65 @@ def test_evaluate_resumes_from_its_checkpoint(tmp_path, tokenizer, monkeypatch):
     with pytest.raises(ArgumentError, match="another configuration"):
         ev.evaluate(lm, [task], ms, ev.EvalConfig(k=6, n=24, n_test=12, runs=3, n_val=4,
                                                   cost_samples=0), progress=False, checkpoint=ck)
+    assert not ev.episode_checkpoint(ck).exists()  # removed once its episode is done
+
+
+def test_evaluate_resumes_inside_an_episode(tmp_path, tokenizer, monkeypatch):
+    """Stopped in the middle of an episode (after its capture and its first method), a rerun
+    captures nothing again, extracts only the methods not yet scored, and ends with the same
+    records as an uninterrupted evaluation."""
+    import ltv_vllm.evaluate as ev
+    import ltv_vllm.methods.score as score
+    from ltv_vllm.loading import load_model
+
+    make_llama(len(tokenizer), seed=9, layers=2).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    task = get_task(str(write_toy_task(tmp_path, WORDS)))
+    lm = load_model(str(tmp_path / "m"), dtype="float32")
+    cfg = ev.EvalConfig(k=6, n=24, n_test=12, runs=1, n_val=4, cost_samples=0)
+    ms = ["zero-shot", "icl", "ltv", "mlp", "i2cl"]
+    full = ev.evaluate(lm, [task], ms, cfg, progress=False)
+
+    ck = tmp_path / "partial.json"
+    real_get = score.get_method
+    extracted: list[str] = []
+
+    class Stop(Exception):
+        pass
+
+    def stopping(name):  # the session ends as the third method starts
+        if name == "i2cl" and not extracted.count("again"):
+            raise Stop
+        extracted.append(name)
+        return real_get(name)
+
+    monkeypatch.setattr(score, "get_method", stopping)
+    with pytest.raises(Stop):
+        ev.evaluate(lm, [task], ms, cfg, progress=False, checkpoint=ck)
+    assert not ck.exists() and ev.episode_checkpoint(ck).is_file()
+    assert extracted == ["ltv", "mlp"]
+
+    captured = []
+    real_capture = ev.capture_episode
+    monkeypatch.setattr(ev, "capture_episode", lambda *a, **kw: captured.append(1)
+                        or real_capture(*a, **kw))
+    extracted[:] = ["again"]
+    again = ev.evaluate(lm, [task], ms, cfg, progress=False, checkpoint=ck)
+    assert captured == [] and extracted == ["again", "i2cl"]
+
+    def same(doc):  # as uninterrupted; the reloaded states are contiguous copies, whose
+        # products may round differently in the last bit, hence d_NTP to 1e-6
+        assert len(doc["records"]) == len(full["records"])
+        for r, f in zip(doc["records"], full["records"], strict=True):
+            assert {k: v for k, v in r.items() if k not in ("extraction_seconds", "d_ntp")} == \
+                {k: v for k, v in f.items() if k not in ("extraction_seconds", "d_ntp")}
+            assert r["d_ntp"] == pytest.approx(f["d_ntp"], rel=1e-6, abs=1e-9)
+
+    same(again)
+    assert not ev.episode_checkpoint(ck).exists()
+
+    ck.unlink()
+    ev.episode_checkpoint(ck).write_bytes(b"not safetensors")  # a damaged file: start over
+    captured.clear()
+    same(ev.evaluate(lm, [task], ms, cfg, progress=False, checkpoint=ck))
+    assert captured == [1]

@@ -8,7 +8,7 @@ KL(P_icl ‖ P_method) over the label tokens against the same episode's ICL.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +31,15 @@ class MethodScores:
 
 
 def score_methods(ctx: Context, names: Sequence[str], h_zs_test: torch.Tensor,
-                  h_icl_test: torch.Tensor, labels: torch.Tensor) -> MethodScores:
+                  h_icl_test: torch.Tensor, labels: torch.Tensor, *,
+                  done: Mapping[str, Mapping[str, Any]] | None = None,
+                  on_scored: Callable[[MethodScores], None] | None = None) -> MethodScores:
     """Extract every method in `names` from the episode and score it on the test subset
-    (zero-shot and ICL are the references, always scored)."""
+    (zero-shot and ICL are the references, always scored).
+
+    `done`: methods already scored on this episode by an interrupted pass ({"logits",
+    "extraction_seconds", "params"}), taken as they are (no artifact); `on_scored(scores)`
+    is called after each method newly scored, so a caller can save the episode so far."""
     w_c, b_c = label_head(ctx.model, ctx.label_ids)
     task = ctx.episode.task
     prompts = [task.query(e.text) for e in ctx.episode.test]
@@ -42,6 +48,12 @@ def score_methods(ctx: Context, names: Sequence[str], h_zs_test: torch.Tensor,
     out.logits["icl"] = h_icl_test @ w_c.T + b_c
     for name in names:
         if name in out.logits:
+            continue
+        if done and name in done:
+            out.logits[name] = done[name]["logits"]
+            out.extraction_seconds[name] = done[name]["extraction_seconds"]
+            if done[name].get("params") is not None:
+                out.params[name] = dict(done[name]["params"])
             continue
         m = get_method(name)
         t0 = time.perf_counter()
@@ -59,6 +71,8 @@ def score_methods(ctx: Context, names: Sequence[str], h_zs_test: torch.Tensor,
         params = m.params(art)
         if params is not None:
             out.params[name] = dict(params)
+        if on_scored is not None:
+            on_scored(out)
     icl = out.logits["icl"]
     out.metrics = {m: {"accuracy": accuracy(z, labels), "d_ntp": d_ntp(icl, z)}
                    for m, z in out.logits.items()}
