@@ -357,6 +357,11 @@ def _label(m: str) -> str:
     return LABELS.get(m) or method_label(m)
 
 
+def _mse(x: float) -> str:
+    # a degenerate answer such as ' 24444444444' squares to ~1e20: keep such cells readable
+    return f"{x:.2f}" if abs(x) < 1e5 else f"{x:.2e}"
+
+
 def regression_table(doc: dict[str, Any]) -> str:
     cfg, summ = doc["config"], doc["summary"]
     tasks, methods = cfg["tasks"], cfg["methods"]
@@ -367,7 +372,8 @@ def regression_table(doc: dict[str, Any]) -> str:
              f"instances per task (mean ± std over instances), greedy, at most "
              f"{cfg['max_new_tokens']} new tokens, the first number of the answer line parsed."]
 
-    def table(title: str, key: str, fmt: str, skip: tuple[str, ...] = ()) -> None:
+    def table(title: str, key: str, fmt: Callable[[float], str],
+              skip: tuple[str, ...] = ()) -> None:
         lines.extend(["", title, "", head, sep])
         for m in methods:
             if m in skip:
@@ -375,23 +381,23 @@ def regression_table(doc: dict[str, Any]) -> str:
             cells = []
             for t in tasks:
                 c = summ[t][m]
-                cells.append(fmt.format(c[key]) + (" ± " + fmt.format(c[key + "_std"])
-                                                    if cfg["runs"] > 1 else ""))
+                cells.append(fmt(c[key]) + (" ± " + fmt(c[key + "_std"])
+                                            if cfg["runs"] > 1 else ""))
             lines.append(f"| {_label(m)} | " + " | ".join(cells) + " |")
 
-    table("**MSE over parsed answers** (lower is better)", "mse", "{:.2f}")
+    table("**MSE over parsed answers** (lower is better)", "mse", _mse)
     refs = doc.get("references") or references(cfg)
     lines += ["", "**Reference predictors** that read only the demos (the same test queries):",
               "", head.replace("| Method |", "| Reference |"), sep]
     for key, label in REFERENCES.items():
-        cells = [f"{refs[t][key][0]:.2f}" + (f" ± {refs[t][key][1]:.2f}" if cfg["runs"] > 1
-                                              else "") for t in tasks]
+        cells = [_mse(refs[t][key][0]) + (" ± " + _mse(refs[t][key][1]) if cfg["runs"] > 1
+                                          else "") for t in tasks]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    table("**Parse rate** (answers with a number)", "parse_rate", "{:.2f}")
+    table("**Parse rate** (answers with a number)", "parse_rate", "{:.2f}".format)
     table("**MSE with an unparsed answer counted as 0** (the prior mean of y)",
-          "mse_zero_fill", "{:.2f}")
+          "mse_zero_fill", _mse)
     table("**KL(P_icl ‖ P_method) at the first generated token, whole vocabulary** (the "
-          "regression analogue of d_NTP)", "kl_first", "{:.3f}", skip=("icl",))
+          "regression analogue of d_NTP)", "kl_first", "{:.3f}".format, skip=("icl",))
     if cfg.get("vllm"):
         lines += ["", "**Through vLLM** (the same greedy answers from `vllm.LLM`: zero-shot and "
                   "ICL on the plain model with prefix caching, LTV and the mean shift fused): "
@@ -403,7 +409,7 @@ def regression_table(doc: dict[str, Any]) -> str:
             cells = []
             for t in tasks:
                 v = summ[t][m]["vllm"]
-                cells.append(f"{v['mse']:.2f} / {v['parse_rate']:.2f} / {v['agreement']:.2f} / "
+                cells.append(f"{_mse(v['mse'])} / {v['parse_rate']:.2f} / {v['agreement']:.2f} / "
                              f"{v['identical_text']:.2f}")
             lines.append(f"| {_label(m)} | " + " | ".join(cells) + " |")
     c = doc.get("correlation") or {}

@@ -498,3 +498,23 @@ def test_evaluate_regression_through_vllm_equals_transformers(tmp_path, tokenize
         assert x["vllm"]["identical_text"] == 1.0 and x["vllm"]["agreement"] == 1.0, m
     assert recs["ltv"]["texts"] != recs["zero-shot"]["texts"]
     assert "**Through vLLM**" in (tmp_path / "ev" / "results.md").read_text()
+
+
+def test_regression_table_keeps_a_degenerate_mse_readable():
+    from ltv_vllm.regress import REFERENCES, regression_table, summarise_regression
+
+    def rec(method: str, run: int, mse: float) -> dict[str, Any]:
+        return {"task": "linear", "run": run, "method": method, "mse": mse, "parse_rate": 1.0,
+                "mse_zero_fill": mse, "kl_first": 0.5}
+
+    records = [rec("zero-shot", 0, 1.0), rec("zero-shot", 1, 3.0),
+               rec("ltv", 0, 2.0e20), rec("ltv", 1, 0.0)]
+    cfg = {"model": "m", "dtype": "float32", "k": 30, "n": 8, "lam": 5.0, "n_test": 4,
+           "runs": 2, "max_new_tokens": 12, "tasks": ["linear"], "methods": ["zero-shot", "ltv"]}
+    doc = {"config": cfg, "summary": summarise_regression(records, ["linear"], cfg["methods"]),
+           "references": {"linear": {key: (1.0, 0.0) for key in REFERENCES}}}
+    rows = regression_table(doc).splitlines()
+    mse_rows = rows[rows.index("**MSE over parsed answers** (lower is better)") + 4:][:2]
+    # zero-shot: mean 2, std (sample) sqrt(2); ltv: mean 1e20, std 2e20/sqrt(2)
+    assert mse_rows[0] == "| Zero-shot | 2.00 ± 1.41 |"
+    assert mse_rows[1] == "| LTV | 1.00e+20 ± 1.41e+20 |"
