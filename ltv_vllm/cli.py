@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -736,13 +737,16 @@ def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
 @click.option("--vllm", "with_vllm", is_flag=True,
               help="Regression tasks: also generate the answers through vLLM (zero-shot, ICL "
                    "with prefix caching, LTV and mean fused) and report their agreement.")
+@click.option("--extend", is_flag=True,
+              help="Grow the finished evaluation in --out by tasks or runs: its episodes are "
+                   "kept (the same configuration otherwise) and only the new ones run.")
 @_source_options
 @friendly
 def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: int, k: int | None,
              n: int, lam: float | str, n_test: int, seed: int, batch_size: int, dtype: str,
              device: str, out_dir: Path, quiet: bool, n_val: int, cost_samples: int, fv_trials: int,
              fv_prompts: int, tv_dummies: int, mlp_depth: int, max_new_tokens: int,
-             with_vllm: bool, source_spec: str | None, source_dtype: str,
+             with_vllm: bool, extend: bool, source_spec: str | None, source_dtype: str,
              source_device_map: str | None, source_quantization: str, work_dir: Path | None,
              chunk_size: int) -> None:
     """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots.
@@ -773,6 +777,9 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
         raise ArgumentError("--tasks mixes classification and regression tasks; evaluate them "
                             "separately (their metrics differ)")
     if kinds == {"regression"}:
+        if extend:
+            raise ArgumentError("--extend grows a classification evaluation; regression "
+                                "evaluations resume (rerun the command) but do not extend")
         if source_opts is not None:
             raise ArgumentError("--source-model: cross-model transfer is for classification "
                                 "tasks (a logit-space map over label tokens)")
@@ -784,6 +791,8 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
                             "(classification through vLLM: `ltv-vllm bench serving`)")
     ms = resolve_methods(_csv(methods) if methods else None, transfer=source_opts is not None)
     check_writable(out_dir, option="--out", directory=True)
+    previous = (_previous_evaluation(out_dir, model_spec, ms, cfg, dtype, device)
+                if extend else None)
     tok = load_tokenizer(model_spec)
     for t in tasks_:
         label_token_ids(t, tok)  # labels sharing a first token: refused before any pass
@@ -792,11 +801,37 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     lm = load_model(model_spec, dtype=dtype, device=device)
     partial = out_dir / "partial.json"  # rewritten after every episode; rerun to resume
     doc = run_evaluate(lm, tasks_, ms, cfg, source=source, progress=not quiet, episodes=episodes,
-                       checkpoint=partial)
+                       checkpoint=partial, extend=previous)
     paths = write_report(doc, out_dir, _command_line())
     partial.unlink(missing_ok=True)
     click.echo(markdown_table({**doc}))
     click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
+def _previous_evaluation(out_dir: Path, model_spec: str | None, methods: list[str], cfg: Any,
+                         dtype: str, device: str) -> dict[str, Any]:
+    """OUT/results.json for --extend, checked against what is known before the model loads
+    (its weights' identity is checked once they have)."""
+    from .evaluate import check_extension
+    from .hardware import checkpoint_dtype, resolve_dtype
+    from .models import DEFAULT_MODEL, resolve_model
+
+    path = out_dir / "results.json"
+    try:
+        previous = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArgumentError(f"--extend: {path} does not exist (nothing finished to extend)"
+                            ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArgumentError(f"--extend: {path} is unreadable ({e})") from None
+    if not isinstance(previous, dict):
+        raise ArgumentError(f"--extend: {path} is not an evaluation's result")
+    spec = model_spec or DEFAULT_MODEL
+    check_extension(previous, {"model": spec, "methods": methods, **cfg.to_dict()})
+    # `auto` follows the CPU: an evaluation begun in bf16 is not extended in float32
+    resolved = resolve_dtype(dtype, device=device, checkpoint=checkpoint_dtype(resolve_model(spec)))
+    check_extension(previous, {"dtype": resolved})
+    return previous
 
 
 def _evaluate_regression(model_spec: str | None, tasks_: list[Any], methods: str | None,

@@ -132,6 +132,7 @@ def evaluate(
     progress: bool = True,
     episodes: dict[str, list[Any]] | None = None,
     checkpoint: str | Path | None = None,
+    extend: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run every task × run and return the result document (also what `write_report` saves).
 
@@ -144,6 +145,10 @@ def evaluate(
     survives an interruption), one of another configuration is refused. The episode in
     progress is saved beside it after its capture and after each method
     (`episode_checkpoint`), so a rerun resumes inside that episode too.
+
+    `extend`: a finished result document of the same configuration but for its tasks and
+    number of runs; its episodes that this evaluation also asks for are kept, not run again
+    (`extension_state`), so a comparison can grow by a task or a run.
     """
     from tqdm.auto import tqdm
 
@@ -174,6 +179,8 @@ def evaluate(
         "k_per_task": {t.name: k_for(t) for t in tasks},
     }
     state = _resume(checkpoint, config)
+    if extend is not None and not state["done"]:
+        state = extension_state(extend, config)
     records: list[dict[str, Any]] = state["records"]
     costs: dict[str, dict[str, dict[str, float]]] = state["costs"]  # task → method → s/sample
     done = {(t, r) for t, r in state["done"]}
@@ -253,7 +260,42 @@ def evaluate(
         "summary": summarise(records, [t.name for t in tasks], keys),
         "correlation": correlations(records, [t.name for t in tasks]),
         **({"inference_cost": costs} if costs else {}),
+        **({"extends": {k: extend.get(k) for k in ("command", "machine", "extends")}
+            | {"tasks": extend["config"]["tasks"], "runs": extend["config"]["runs"]}}
+           if extend is not None else {}),
     }
+
+
+# what an extension may change; each episode depends only on its task, the seed and its run
+EXTENSIBLE = ("tasks", "runs", "k_per_task")
+
+
+def check_extension(previous: dict[str, Any], config: dict[str, Any]) -> None:
+    """Refuse to extend `previous` (a finished result document) with an evaluation whose
+    `config` differs in anything but its tasks and runs. Only the keys `config` has are
+    compared, so the CLI can check what it knows before the model loads."""
+    old = previous.get("config")
+    if not isinstance(old, dict) or not isinstance(previous.get("records"), list):
+        raise ArgumentError("--extend: the earlier results.json is not an evaluation's result")
+    diff = [k for k in config if k not in EXTENSIBLE and old.get(k) != config[k]]
+    diff += [f"k for {t}" for t, k in (config.get("k_per_task") or {}).items()
+             if t in old.get("k_per_task", {}) and old["k_per_task"][t] != k]
+    if diff:
+        raise ArgumentError(f"--extend: the earlier evaluation differs in {', '.join(diff)}; "
+                            "only --tasks and --runs may change (or choose another --out)")
+
+
+def extension_state(previous: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The episodes of `previous` that an evaluation with `config` reuses: those of the tasks
+    both ask for, runs below `config`'s; their cost tables; the time they took."""
+    check_extension(previous, config)
+    keep = [r for r in previous["records"]
+            if r["task"] in config["tasks"] and r["run"] < config["runs"]]
+    costs = {t: c for t, c in (previous.get("inference_cost") or {}).items()
+             if t in config["tasks"]}
+    return {"records": keep, "costs": costs,
+            "done": sorted({(r["task"], r["run"]) for r in keep}),
+            "wall_seconds": float(previous.get("wall_seconds") or 0.0)}
 
 
 def _key(config: dict[str, Any]) -> str:
@@ -626,6 +668,12 @@ def write_report(doc: dict[str, Any], out_dir: str | Path, command: str) -> list
     j, md = out / "results.json", out / "results.md"
     atomic_write(j, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1)))
     table = markdown_table(doc)
+    ext = doc.get("extends")
+    while ext:  # earlier evaluations' episodes are part of this table: say where they ran
+        command += (f"\n```\n\nextending an earlier evaluation (tasks {', '.join(ext['tasks'])}; "
+                    f"{ext['runs']} runs) on {machine_line(ext['machine'] or {})}:\n\n```\n"
+                    f"{ext['command']}")
+        ext = ext.get("extends")
     text = f"# ltv-vllm evaluate\n\n```\n{command}\n```\n\n{table}\n" \
            f"Machine: {machine_line(doc['machine'])}, torch {doc['machine']['torch']}, " \
            f"{doc['config']['dtype']}; wall time {doc['wall_seconds'] / 60:.1f} min.\n"

@@ -496,3 +496,68 @@ def test_evaluate_resumes_inside_an_episode(tmp_path, tokenizer, monkeypatch):
     captured.clear()
     same(ev.evaluate(lm, [task], ms, cfg, progress=False, checkpoint=ck))
     assert captured == [1]
+
+
+def test_cli_evaluate_extend_equals_one_evaluation_of_everything(tmp_path, tokenizer,
+                                                                  monkeypatch):
+    """`evaluate --extend` grows a finished evaluation by a task and a run: only the new
+    episodes run, and the document equals one evaluation of every task and run (timings
+    aside); a changed configuration, a missing results.json and regression are refused."""
+    import json
+
+    from click.testing import CliRunner
+
+    import ltv_vllm.evaluate as ev
+    from ltv_vllm.cli import main
+
+    make_llama(len(tokenizer), seed=9, layers=2).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    one = write_toy_task(tmp_path, WORDS)
+    spec = json.loads(one.read_text())
+    two = tmp_path / "toy2.json"  # a second task on the same data, another prompt
+    two.write_text(json.dumps({**spec, "name": "toy2", "in_prefix": "Text"}))
+    base = ["evaluate", "--model", str(tmp_path / "m"), "--methods", "zero-shot,icl,ltv,tv",
+            "--k", "6", "--n", "24", "--n-test", "12", "--n-val", "4", "--cost-samples", "2",
+            "--dtype", "float32", "--quiet"]
+    both = ["--tasks", f"{one},{two}", "--runs", "2"]
+
+    def run(*args: str) -> tuple[int, str]:
+        r = CliRunner().invoke(main, [*base, *args])
+        return r.exit_code, r.output
+
+    assert run(*both, "--out", str(tmp_path / "all"))[0] == 0
+    assert run("--tasks", str(one), "--runs", "1", "--out", str(tmp_path / "ext"))[0] == 0
+    seen = []
+    real = ev.score_methods
+    monkeypatch.setattr(ev, "score_methods", lambda ctx, *a, **kw: seen.append(
+        (ctx.episode.task.name, ctx.episode.seed)) or real(ctx, *a, **kw))
+    code, out = run(*both, "--out", str(tmp_path / "ext"), "--extend")
+    assert code == 0, out
+    assert seen == [("toy", 1), ("toy2", 0), ("toy2", 1)]  # toy's run 0 is kept
+
+    full, ext = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("all", "ext"))
+
+    def scores(doc):
+        return sorted((r["task"], r["run"], r["method"], r["accuracy"],
+                       round(r["d_ntp"], 9), json.dumps(r.get("params"), sort_keys=True))
+                      for r in doc["records"])
+
+    assert scores(ext) == scores(full)
+    assert ext["summary"]["average"] == full["summary"]["average"]
+    assert ext["correlation"]["pooled"] == pytest.approx(full["correlation"]["pooled"])
+    assert set(ext["inference_cost"]) == {"toy", "toy2"}
+    assert ext["extends"]["tasks"] == ["toy"] and ext["extends"]["runs"] == 1
+    assert "extending an earlier evaluation (tasks toy; 1 runs)" in (
+        tmp_path / "ext" / "results.md").read_text()
+
+    seen.clear()  # refusals, one line each, before any episode runs
+    code, out = run(*both, "--n", "20", "--out", str(tmp_path / "ext"), "--extend")
+    assert code == 1 and "differs in n;" in out and seen == []
+    code, out = run(*both, "--out", str(tmp_path / "none"), "--extend")
+    assert code == 1 and "does not exist" in out
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "results.json").write_text("{not json")
+    code, out = run(*both, "--out", str(tmp_path / "bad"), "--extend")
+    assert code == 1 and "unreadable" in out
+    code, out = run("--tasks", "linear", "--out", str(tmp_path / "ext"), "--extend")
+    assert code == 1 and "--extend grows a classification evaluation" in out and seen == []
