@@ -303,7 +303,7 @@ def _source(spec: str | None, dtype: str, device_map: str | None, quantization: 
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--method", default="ltv", show_default=True,
               type=click.Choice(["ltv", "ltv-auto", "kernel", "mean", "tv", "fv", "sv",
-                                 "i2cl", "mlp"]),
+                                 "i2cl", "i2cl-cal", "mlp"]),
               help="ltv (served by `serve`); ltv-auto (λ by leave-one-out) and kernel (RBF "
                    "kernel LTV) and mean: task-vector files too (kernel and mean: served "
                    "fused only); or a baseline of the paper's comparison, saved as an "
@@ -319,7 +319,7 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
 
     With --source-model LARGE: a logit-space vector for --model, fitted to LARGE's ICL
     (cross-model transfer; the two must share a tokenizer). With --method: another
-    method's artifact (tv, fv, sv, i2cl, mlp: .safetensors; mean, ltv-auto, kernel: a
+    method's artifact (tv, fv, sv, i2cl, i2cl-cal, mlp: .safetensors; mean, ltv-auto, kernel: a
     task-vector file).
     """
     from .extract import (
@@ -702,8 +702,9 @@ def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
               help="Comma-separated task names/spec files, or 'packaged' for all seven "
                    "packaged tasks.")
 @click.option("--methods", default=None,
-              help="Comma-separated, from zero-shot, icl, ltv, mean, tv, fv, sv, i2cl, mlp (the "
-                   "paper's baselines; not with --source-model) and ltv-transfer (with "
+              help="Comma-separated, from zero-shot, icl, ltv, ltv-auto, kernel, mean, tv, fv, "
+                   "sv, i2cl, i2cl-cal, mlp (the paper's baselines and ours; not with "
+                   "--source-model) and ltv-transfer (with "
                    "--source-model) [default: zero-shot,icl,ltv,mean; "
                    "zero-shot,icl,ltv,ltv-transfer with --source-model].")
 @click.option("--runs", default=5, show_default=True, help="Episodes (demo seeds) per task.")
@@ -732,6 +733,9 @@ def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
               help="TV: dummy queries its state is averaged over.")
 @click.option("--mlp-depth", default=2, show_default=True,
               help="MLP mapping: 2 (the paper's W₂ ReLU(W₁ h)), or 4/8/16 with residual blocks.")
+@click.option("--i2cl-epochs", default=100, show_default=True,
+              help="i2cl-cal: epochs its coefficients are calibrated for on the demos (the "
+                   "original's 100).")
 @click.option("--max-new-tokens", default=12, show_default=True,
               help="Regression tasks: tokens generated per answer.")
 @click.option("--vllm", "with_vllm", is_flag=True,
@@ -745,7 +749,8 @@ def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
 def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: int, k: int | None,
              n: int, lam: float | str, n_test: int, seed: int, batch_size: int, dtype: str,
              device: str, out_dir: Path, quiet: bool, n_val: int, cost_samples: int, fv_trials: int,
-             fv_prompts: int, tv_dummies: int, mlp_depth: int, max_new_tokens: int,
+             fv_prompts: int, tv_dummies: int, mlp_depth: int, i2cl_epochs: int,
+             max_new_tokens: int,
              with_vllm: bool, extend: bool, source_spec: str | None, source_dtype: str,
              source_device_map: str | None, source_quantization: str, work_dir: Path | None,
              chunk_size: int) -> None:
@@ -768,7 +773,8 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size,
                      n_val=n_val, cost_samples=cost_samples,
                      options=MethodOptions(fv_trials=fv_trials, fv_prompts=fv_prompts,
-                                           tv_dummies=tv_dummies, mlp_depth=mlp_depth))
+                                           tv_dummies=tv_dummies, mlp_depth=mlp_depth,
+                                           i2cl_epochs=i2cl_epochs))
     source_opts = _source(source_spec, source_dtype, source_device_map, source_quantization,
                           work_dir, chunk_size, batch_size, quiet)
     tasks_ = get_tasks(task_list, regression=True)

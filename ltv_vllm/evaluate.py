@@ -277,12 +277,21 @@ def check_extension(previous: dict[str, Any], config: dict[str, Any]) -> None:
     old = previous.get("config")
     if not isinstance(old, dict) or not isinstance(previous.get("records"), list):
         raise ArgumentError("--extend: the earlier results.json is not an evaluation's result")
+    old = {**old, "options": _with_default_options(old.get("options"))}
     diff = [k for k in config if k not in EXTENSIBLE and old.get(k) != config[k]]
     diff += [f"k for {t}" for t, k in (config.get("k_per_task") or {}).items()
              if t in old.get("k_per_task", {}) and old["k_per_task"][t] != k]
     if diff:
         raise ArgumentError(f"--extend: the earlier evaluation differs in {', '.join(diff)}; "
                             "only --tasks and --runs may change (or choose another --out)")
+
+
+def _with_default_options(options: Any) -> Any:
+    """An earlier document's method options, with knobs added since at their defaults (what
+    that evaluation ran with): a new option does not make old results unextendable."""
+    if not isinstance(options, dict):
+        return options
+    return {**EvalConfig().to_dict()["options"], **options}
 
 
 def extension_state(previous: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:

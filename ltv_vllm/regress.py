@@ -52,8 +52,9 @@ def resolve_regression_methods(methods: Sequence[str] | None) -> list[str]:
     ms = list(methods) if methods else list(DEFAULT_REGRESSION_METHODS)
     bad = [m for m in ms if m not in REGRESSION_METHODS]
     if bad:
-        why = (" (TV, FV and SV choose their layer on label accuracy; regression has no labels)"
-               if set(bad) & {"tv", "fv", "sv"} else "")
+        why = (" (TV, FV and SV choose their layer on label accuracy, i2cl-cal calibrates on "
+               "the label token; regression has no labels)"
+               if set(bad) & {"tv", "fv", "sv", "i2cl-cal"} else "")
         raise ArgumentError(f"--methods: {', '.join(bad)} cannot run on regression tasks{why}; "
                             f"choose from {', '.join(REGRESSION_METHODS)}")
     if "icl" not in ms:

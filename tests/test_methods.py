@@ -269,6 +269,70 @@ def test_i2cl_context_vectors_are_module_outputs_of_demos_alone(model, ctx, arti
     torch.testing.assert_close(got["c_mlp"][0], torch.stack(ffn).mean(0), atol=1e-5, rtol=1e-4)
 
 
+def hand_i2cl(model, c_attn, c_mlp, coef):
+    """Forward hooks written out by hand: layer ℓ's attention / MLP output o → β o + λ c."""
+    hs = []
+    for ell, layer in enumerate(model.model.layers):
+        for mod, c, m in ((layer.self_attn, c_attn[ell], 0), (layer.mlp, c_mlp[ell], 1)):
+            lam, beta = float(coef[ell, m, 0]), float(coef[ell, m, 1])
+
+            def hook(_m, _a, out, lam=lam, beta=beta, c=c):
+                if isinstance(out, tuple):
+                    return (beta * out[0] + lam * c, *out[1:])
+                return beta * out + lam * c
+            hs.append(mod.register_forward_hook(hook))
+    return hs
+
+
+def demos_loss_by_hand(model, ctx, art, coef):
+    """Mean cross-entropy of each demo's label token, the demo asked as a zero-shot query."""
+    ep = ctx.episode
+    hs = hand_i2cl(model, art.tensors["c_attn"], art.tensors["c_mlp"], coef)
+    try:
+        losses = []
+        for e in ep.demos:
+            z = logits(model, torch.tensor([ctx.cap.encode(ep.task.query(e.text))])).double()
+            losses.append(-torch.log_softmax(z, -1)[ctx.label_ids[e.label]])
+    finally:
+        for h in hs:
+            h.remove()
+    return float(torch.stack(losses).mean())
+
+
+def test_i2cl_calibrated_hook_equals_a_hand_made_forward(model, ctx, artifacts):
+    art = artifacts["i2cl-cal"]
+    coef = art.tensors["coef"]
+    assert coef.shape == (3, 2, 2) and not torch.allclose(coef, coef[0, 0])  # per-layer values
+    ids = query_ids(ctx, 1)
+    hs = hand_i2cl(model, art.tensors["c_attn"], art.tensors["c_mlp"], coef)
+    try:
+        expected = logits(model, ids)
+    finally:
+        for h in hs:
+            h.remove()
+    with METHODS["i2cl-cal"].applied(model, art):
+        torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_i2cl_calibration_lowers_the_demos_loss_and_leaves_the_model_alone(model, ctx, artifacts):
+    from ltv_vllm.methods.i2cl import calibrate, initial_coef
+
+    art = artifacts["i2cl-cal"]
+    before = demos_loss_by_hand(model, ctx, art, initial_coef(3, 0.1, 1.0))
+    after = demos_loss_by_hand(model, ctx, art, art.tensors["coef"])
+    assert after < before - 0.05, (before, after)
+    assert art.params["loss_last_epoch"] < art.params["loss_first_epoch"]
+    # the same fit again: the model's weights neither move nor collect a gradient
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    ep = ctx.episode
+    coef, losses = calibrate(model, art.tensors["c_attn"], art.tensors["c_mlp"],
+                             [ctx.cap.encode(ep.task.query(e.text)) for e in ep.demos],
+                             [ctx.label_ids[e.label] for e in ep.demos],
+                             epochs=3, seed=ctx.opts.seed)
+    assert len(losses) == 3 and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
 def test_mlp_fits_a_planted_nonlinear_target_better_than_ridge():
     g = torch.Generator().manual_seed(0)
     h = torch.randn(256, 16, generator=g)
@@ -282,7 +346,7 @@ def test_mlp_fits_a_planted_nonlinear_target_better_than_ridge():
     assert len(deep) == 4 and float(((mlp_delta(deep, h) - y) ** 2).mean()) < mse_lin
 
 
-@pytest.mark.parametrize("name", ["tv", "fv", "sv", "i2cl", "mlp"])
+@pytest.mark.parametrize("name", ["tv", "fv", "sv", "i2cl", "i2cl-cal", "mlp"])
 def test_artifact_round_trip_and_checks(model, ctx, artifacts, name, tmp_path, tokenizer):
     art = artifacts[name]
     path = art.save(tmp_path / f"{name}.safetensors")
@@ -322,32 +386,35 @@ def test_cli_evaluate_every_method_end_to_end(tmp_path, tokenizer):
     make_llama(len(tokenizer), seed=9, layers=3).save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
     spec = write_toy_task(tmp_path, WORDS)
-    methods = "zero-shot,icl,ltv,mean,tv,fv,sv,i2cl,mlp"
+    methods = "zero-shot,icl,ltv,mean,tv,fv,sv,i2cl,i2cl-cal,mlp"
     r = CliRunner().invoke(main, [
         "evaluate", "--model", str(tmp_path / "m"), "--tasks", str(spec), "--methods", methods,
         "--runs", "2", "--k", "6", "--n", "24", "--n-test", "12", "--n-val", "8",
         "--fv-trials", "2", "--fv-prompts", "3", "--cost-samples", "3", "--dtype", "float32",
-        "--out", str(tmp_path / "ev"), "--quiet"])
+        "--i2cl-epochs", "20", "--out", str(tmp_path / "ev"), "--quiet"])
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "ev" / "results.json").read_text())
     assert doc["config"]["methods"] == methods.split(",")
+    assert doc["config"]["options"]["i2cl_epochs"] == 20
     assert {(x["method"], x["run"]) for x in doc["records"]} == {
         (m, run) for m in methods.split(",") for run in (0, 1)}
     assert all(0 <= x["accuracy"] <= 1 and x["d_ntp"] >= 0 for x in doc["records"])
     layers = {x["method"]: x["params"] for x in doc["records"] if "params" in x and x["run"] == 0}
     assert 0 <= layers["tv"]["layer"] < 3 and 1 <= layers["sv"]["depth"] <= 3
     assert len(layers["fv"]["heads"]) == 10
-    assert doc["correlation"]["pooled"]["points"] == 2 * 8
+    cal = layers["i2cl-cal"]
+    assert cal["epochs"] == 20 and cal["mean_beta"] != 1.0  # calibrated, for 20 epochs
+    assert doc["correlation"]["pooled"]["points"] == 2 * 9
     icl = {x["run"]: x["accuracy"] for x in doc["records"] if x["method"] == "icl"}
     pts = [(x["d_ntp"], abs(x["accuracy"] - icl[x["run"]])) for x in doc["records"]
            if x["method"] != "icl"]
     gap = doc["correlation"]["icl_gap"]
-    assert gap["points"] == 16
+    assert gap["points"] == 18
     assert gap["pearson"] == pytest.approx(float(np.corrcoef(np.array(pts).T)[0, 1]), abs=1e-9)
     assert set(doc["inference_cost"]["toy"]) == set(methods.split(","))
     md = (tmp_path / "ev" / "results.md").read_text()
     assert "| Function Vector |" in md and "**Cost**" in md and "d_NTP vs accuracy" in md
-    assert "gap to ICL's accuracy" in md
+    assert "gap to ICL's accuracy" in md and "| I2CL (calibrated) |" in md
 
     lm = load_model(str(tmp_path / "m"), dtype="float32")
     for run in (0, 1):
@@ -496,6 +563,21 @@ def test_evaluate_resumes_inside_an_episode(tmp_path, tokenizer, monkeypatch):
     captured.clear()
     same(ev.evaluate(lm, [task], ms, cfg, progress=False, checkpoint=ck))
     assert captured == [1]
+
+
+def test_extend_takes_an_earlier_evaluation_from_before_a_new_option():
+    """A method option added since an evaluation ran is compared at its default (what that
+    evaluation ran with); a changed option is still refused."""
+    from ltv_vllm.errors import ArgumentError
+    from ltv_vllm.evaluate import EvalConfig, check_extension
+
+    config = EvalConfig().to_dict()
+    older = {**config, "options": {k: v for k, v in config["options"].items()
+                                   if not k.startswith("i2cl_")}}
+    check_extension({"config": older, "records": []}, config)
+    changed = EvalConfig(options=MethodOptions(i2cl_epochs=5)).to_dict()
+    with pytest.raises(ArgumentError, match="differs in options"):
+        check_extension({"config": older, "records": []}, changed)
 
 
 def test_cli_evaluate_extend_equals_one_evaluation_of_everything(tmp_path, tokenizer,

@@ -10,6 +10,7 @@ baselines it is compared with. A new method is one module here and one line in `
   fv    Function Vector: top heads by indirect effect, added at a layer   (fv.py)
   sv    State Vector: separator attention states in the first layers      (sv.py)
   i2cl  I2CL: attention / MLP context vectors at every layer and token    (i2cl.py)
+  i2cl-cal  I2CL with its coefficients calibrated on the demos             (i2cl.py)
 """
 
 from __future__ import annotations

@@ -56,6 +56,8 @@ class MethodOptions:
     sv_last: int | None = None  # SV: average only the last m demos' states (None: all)
     i2cl_lam: float = 0.1       # I2CL: out ← β·out + λ·c, the paper's uncalibrated values
     i2cl_beta: float = 1.0
+    i2cl_epochs: int = 100      # I2CL calibrated (i2cl-cal): the original's 100 epochs, lr 0.01
+    i2cl_lr: float = 0.01
     mlp_depth: int = 2          # MLP: 2 = W₂ ReLU(W₁ h); 4/8/16 add residual two-layer blocks
     mlp_epochs: int = 20
     mlp_lr: float = 1e-3
@@ -66,10 +68,12 @@ class MethodOptions:
 
     def __post_init__(self) -> None:
         for name in ("tv_dummies", "fv_prompts", "fv_trials", "fv_heads", "mlp_epochs",
-                     "mlp_batch", "batch_size"):
+                     "mlp_batch", "i2cl_epochs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ArgumentError(f"--{name.replace('_', '-')} must be at least 1, "
                                     f"got {getattr(self, name)}")
+        if not self.i2cl_lr > 0:
+            raise ArgumentError(f"--i2cl-lr must be positive, got {self.i2cl_lr}")
         if self.mlp_depth < 2 or self.mlp_depth % 2:
             raise ArgumentError(f"--mlp-depth must be an even number ≥ 2, got {self.mlp_depth}")
         if self.sv_last is not None and self.sv_last < 1:
