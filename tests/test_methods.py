@@ -315,18 +315,24 @@ def test_i2cl_calibrated_hook_equals_a_hand_made_forward(model, ctx, artifacts):
 
 
 def test_i2cl_calibration_lowers_the_demos_loss_and_leaves_the_model_alone(model, ctx, artifacts):
-    from ltv_vllm.methods.i2cl import calibrate, initial_coef
+    from ltv_vllm.methods.i2cl import calibrate, demos_loss, initial_coef, injected
 
     art = artifacts["i2cl-cal"]
     before = demos_loss_by_hand(model, ctx, art, initial_coef(3, 0.1, 1.0))
+    # the training loss: all demos in one left-padded batch, equal to one run per demo
+    ep = ctx.episode
+    prompts = [ctx.cap.encode(ep.task.query(e.text)) for e in ep.demos]
+    assert len({len(p) for p in prompts}) > 1  # padding is exercised
+    with torch.no_grad(), injected(model, art.tensors["c_attn"], art.tensors["c_mlp"],
+                                   initial_coef(3, 0.1, 1.0)):
+        batched = demos_loss(model, prompts, [ctx.label_ids[e.label] for e in ep.demos])
+    assert float(batched) == pytest.approx(before, rel=1e-4)
     after = demos_loss_by_hand(model, ctx, art, art.tensors["coef"])
     assert after < before - 0.05, (before, after)
     assert art.params["loss_last_epoch"] < art.params["loss_first_epoch"]
     # the same fit again: the model's weights neither move nor collect a gradient
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    ep = ctx.episode
-    coef, losses = calibrate(model, art.tensors["c_attn"], art.tensors["c_mlp"],
-                             [ctx.cap.encode(ep.task.query(e.text)) for e in ep.demos],
+    coef, losses = calibrate(model, art.tensors["c_attn"], art.tensors["c_mlp"], prompts,
                              [ctx.label_ids[e.label] for e in ep.demos],
                              epochs=3, seed=ctx.opts.seed)
     assert len(losses) == 3 and all(p.grad is None for p in model.parameters())

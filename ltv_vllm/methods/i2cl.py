@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..capture import base_model, lm_head
+from ..capture import base_model, left_pad, lm_head
 from .artifact import Artifact
 from .base import Context, Method, MethodError, attention, decoder_layers, edits, mlp, records
 
@@ -84,12 +84,17 @@ def warmup_cosine(step: int, warmup: int, total: int) -> float:
     return (1 + math.cos(math.pi * step / total)) / 2
 
 
-def demo_loss(model: nn.Module, ids: Sequence[int], target: int) -> torch.Tensor:
-    """Cross-entropy of `target` over the whole vocabulary at the last token of `ids`."""
+def demos_loss(model: nn.Module, prompts: Sequence[Sequence[int]],
+               targets: Sequence[int]) -> torch.Tensor:
+    """Mean cross-entropy of each prompt's target token over the whole vocabulary at its last
+    token; one left-padded batch (explicit positions, so a row equals its unpadded run)."""
     dev = next(model.parameters()).device
-    h = base_model(model)(input_ids=torch.tensor([list(ids)], device=dev)).last_hidden_state
+    ids, mask = left_pad(prompts, 0)  # the pad id is masked out: any token will do
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    h = base_model(model)(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                          position_ids=pos.to(dev)).last_hidden_state
     z = lm_head(model)(h[:, -1]).float()
-    return nn.functional.cross_entropy(z, torch.tensor([target], device=dev))
+    return nn.functional.cross_entropy(z, torch.tensor(list(targets), device=dev))
 
 
 def calibrate(
@@ -121,7 +126,7 @@ def calibrate(
             for _ in range(per_epoch):
                 # the original reshuffles every step and takes the first `batch`
                 idx = torch.randperm(len(prompts), generator=g)[:batch].tolist()
-                loss = torch.stack([demo_loss(model, prompts[i], targets[i]) for i in idx]).mean()
+                loss = demos_loss(model, [prompts[i] for i in idx], [targets[i] for i in idx])
                 (coef.grad,) = torch.autograd.grad(loss, [coef])
                 opt.step()
                 sched.step()
