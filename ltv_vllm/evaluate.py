@@ -633,7 +633,8 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
 
 METHOD_COLORS = {"zero-shot": "tab:gray", "ltv": "tab:blue", "mean": "tab:orange",
                  "icl": "tab:green", "tv": "tab:purple", "fv": "tab:brown", "sv": "tab:pink",
-                 "i2cl": "tab:olive", "mlp": "tab:cyan", "ltv-first": "lightsteelblue",
+                 "i2cl": "tab:olive", "i2cl-cal": "gold", "mlp": "tab:cyan",
+                 "ltv-auto": "navy", "kernel": "darkred", "ltv-first": "lightsteelblue",
                  SOURCE + "zero-shot": "silver", SOURCE + "ltv": "lightskyblue",
                  SOURCE + "mean": "navajowhite", SOURCE + "icl": "yellowgreen",
                  TRANSFER_METHOD: "tab:red"}

@@ -432,6 +432,16 @@ def test_cli_evaluate_every_method_end_to_end(tmp_path, tokenizer):
             assert got[m]["d_ntp"] == pytest.approx(res.metrics[m]["d_ntp"], rel=1e-4, abs=1e-6)
 
 
+def test_every_method_has_its_own_colour_in_the_figures():
+    from ltv_vllm.evaluate import METHOD_COLORS, SOURCE, TRANSFER_METHOD
+    from ltv_vllm.regress import FIRST
+
+    names = [*METHODS, "zero-shot", "icl", FIRST, TRANSFER_METHOD,
+             *(SOURCE + m for m in ("zero-shot", "icl", "ltv", "mean"))]
+    colours = [METHOD_COLORS.get(m) for m in names]
+    assert None not in colours and len(set(colours)) == len(names)
+
+
 def test_evaluate_refuses_baselines_with_a_source_model_and_unknown_methods():
     from ltv_vllm.errors import ArgumentError
     from ltv_vllm.evaluate import resolve_methods
