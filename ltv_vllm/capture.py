@@ -87,6 +87,12 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     return ids, mask
 
 
+def positions(mask: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Position ids of a left-padded batch: they count only real tokens (after `offset` cached
+    ones), so padding never shifts a row."""
+    return (mask.cumsum(-1) - 1).clamp(min=0) + offset
+
+
 @dataclass
 class Prefix:
     ids: list[int]
@@ -156,8 +162,7 @@ class Capturer:
                 config=self.model.config,
             )
             full_mask = torch.cat([torch.ones(bsz, offset, dtype=mask.dtype), mask], dim=1)
-        # Positions count only real tokens, so padding never shifts a row.
-        pos = (mask.cumsum(-1) - 1).clamp(min=0) + offset
+        pos = positions(mask, offset)
         out = self.base(
             input_ids=ids.to(self.device),
             attention_mask=full_mask.to(self.device),

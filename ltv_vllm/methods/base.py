@@ -73,7 +73,7 @@ class MethodOptions:
                 raise ArgumentError(f"--{name.replace('_', '-')} must be at least 1, "
                                     f"got {getattr(self, name)}")
         if not self.i2cl_lr > 0:
-            raise ArgumentError(f"--i2cl-lr must be positive, got {self.i2cl_lr}")
+            raise ArgumentError(f"i2cl_lr must be positive, got {self.i2cl_lr}")
         if self.mlp_depth < 2 or self.mlp_depth % 2:
             raise ArgumentError(f"--mlp-depth must be an even number ≥ 2, got {self.mlp_depth}")
         if self.sv_last is not None and self.sv_last < 1:

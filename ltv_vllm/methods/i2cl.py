@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..capture import base_model, left_pad, lm_head
+from ..capture import base_model, left_pad, lm_head, positions
 from .artifact import Artifact
 from .base import Context, Method, MethodError, attention, decoder_layers, edits, mlp, records
 
@@ -90,9 +90,8 @@ def demos_loss(model: nn.Module, prompts: Sequence[Sequence[int]],
     token; one left-padded batch (explicit positions, so a row equals its unpadded run)."""
     dev = next(model.parameters()).device
     ids, mask = left_pad(prompts, 0)  # the pad id is masked out: any token will do
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
     h = base_model(model)(input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                          position_ids=pos.to(dev)).last_hidden_state
+                          position_ids=positions(mask).to(dev)).last_hidden_state
     z = lm_head(model)(h[:, -1]).float()
     return nn.functional.cross_entropy(z, torch.tensor(list(targets), device=dev))
 

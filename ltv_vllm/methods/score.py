@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..capture import label_head, left_pad
+from ..capture import label_head, left_pad, positions
 from ..metrics import accuracy, d_ntp
 from .base import Context
 from .registry import get_method
@@ -95,9 +95,8 @@ def inference_cost(ctx: Context, scores: MethodScores, names: Sequence[str], n: 
         t0 = time.perf_counter()
         for i in range(0, len(seqs), size):
             ids, mask = left_pad(seqs[i:i + size], cap.pad_id)
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
             model(input_ids=ids.to(cap.device), attention_mask=mask.to(cap.device),
-                  position_ids=pos.to(cap.device), logits_to_keep=1)
+                  position_ids=positions(mask).to(cap.device), logits_to_keep=1)
         return (time.perf_counter() - t0) / len(seqs)
 
     for name in names:
