@@ -494,6 +494,9 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
 @click.option("--compile-threads", default=1, show_default=True,
               help="With --task-store: torch threads of a compile worker (the engine keeps "
                    "the other cores; more compiles faster and slows traffic meanwhile).")
+@click.option("--max-body-mib", default=64, show_default=True,
+              help="Largest request body the server reads (MiB; counted as it arrives); a "
+                   "task-vector upload's limit follows from the model instead.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True)
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
@@ -508,7 +511,8 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @friendly
 def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | None,
-          max_tasks: int, compile_threads: int, host: str, port: int, dtype: str,
+          max_tasks: int, compile_threads: int, max_body_mib: int, host: str, port: int,
+          dtype: str,
           max_model_len: int | None, fold: bool, lora_rank: int | None, dry_run: bool,
           vllm_args: tuple[str, ...]) -> None:
     """Start vLLM's OpenAI-compatible server with task vectors (extra args go to vLLM).
@@ -523,14 +527,23 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | No
     plan = plan_server(ServeOptions(model_spec, vectors, host=host, port=port, dtype=dtype,
                                     max_model_len=max_model_len, fold=fold, lora_rank=lora_rank,
                                     vllm_args=vllm_args, task_store=task_store,
-                                    max_tasks=max_tasks, compile_threads=compile_threads))
+                                    max_tasks=max_tasks, compile_threads=compile_threads,
+                                    max_body_mib=max_body_mib))
+    for line in plan.warnings(done=not dry_run):
+        click.echo(line, err=True)
     click.echo(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in plan.env.items()),
                          *(shlex.quote(a) for a in plan.argv)]), err=True)
     if dry_run:
         if plan.lora is not None and (n := len(plan.lora.adapters) - len(plan.lora.prebuilt)):
             click.echo(f"(dry run: the {n} LoRA adapters above were not written)", err=True)
         return
-    plan.start()  # writes the adapters, then the server replaces this process
+    plan.start()  # writes the adapters (quarantine: warned above), then the server replaces
+    # this process
+
+
+# every command that talks to a server (classify, compile, tasks remote ...)
+API_KEY = click.option("--api-key", envvar="LTV_VLLM_API_KEY", default=None,
+                       help="The server's --api-key [env LTV_VLLM_API_KEY].")
 
 
 @main.command()
@@ -539,8 +552,10 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | No
 @click.option("--task", required=True, help="Task name (also the served model name) or spec.")
 @click.option("--model", "served_model", default=None,
               help="Served model name to ask [default: the task name].")
+@API_KEY
 @friendly
-def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | None) -> None:
+def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | None,
+             api_key: str | None) -> None:
     """Classify TEXTS with a served task vector; prints label and restricted probabilities."""
     from .client import ClientError
     from .client import classify as run_classify
@@ -548,7 +563,7 @@ def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | No
 
     t = get_task(task)
     try:
-        results = run_classify(url, t, list(texts), model=served_model)
+        results = run_classify(url, t, list(texts), model=served_model, api_key=api_key)
     except ClientError as e:
         raise click.ClickException(str(e)) from None
     for text, r in zip(texts, results, strict=True):
@@ -559,8 +574,6 @@ def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | No
 # -- a server's task store ------------------------------------------------------------------
 URL = click.option("--url", default="http://127.0.0.1:8000", show_default=True,
                    help="A server started with `ltv-vllm serve --task-store`.")
-API_KEY = click.option("--api-key", envvar="LTV_VLLM_API_KEY", default=None,
-                       help="The server's --api-key [env LTV_VLLM_API_KEY].")
 
 
 def _jsonl(path: str, what: str) -> list[Any]:

@@ -32,15 +32,33 @@ def token_logprobs(top: dict[str, float]) -> dict[int, float]:
     return {int(k.split(":", 1)[1]): v for k, v in top.items()}
 
 
-def label_ids_from_server(base_url: str, model: str, task: Task) -> list[int]:
+def _auth(api_key: str | None) -> dict[str, str]:
+    """The header a server started with --api-key wants; none without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _openai(base_url: str, api_key: str | None) -> Any:
+    import openai
+
+    # the openai client insists on some key; a server without --api-key ignores this one
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key or "ltv-vllm",
+                         max_retries=0)
+
+
+def label_ids_from_server(base_url: str, model: str, task: Task, *,
+                          api_key: str | None = None) -> list[int]:
     """First token of " " + label for each label, from the server's own tokenizer."""
     import httpx
 
     ids = []
     for lab in task.labels:
-        r = httpx.post(f"{base_url}/tokenize",
-                       json={"model": model, "prompt": " " + lab, "add_special_tokens": False},
-                       timeout=30)
+        try:
+            r = httpx.post(f"{base_url}/tokenize",
+                           json={"model": model, "prompt": " " + lab,
+                                 "add_special_tokens": False},
+                           headers=_auth(api_key), timeout=30)
+        except httpx.HTTPError:
+            raise ClientError(f"cannot reach {base_url}") from None
         if r.status_code != 200:
             raise ClientError(f"/tokenize failed ({r.status_code}): {r.text[:200]}")
         toks = r.json()["tokens"]
@@ -57,15 +75,16 @@ def classify(
     *,
     model: str | None = None,
     concurrency: int = 8,
+    api_key: str | None = None,
 ) -> list[Classification]:
     """Classify `texts` with the server's task `model` (default: the task's name)."""
     import openai
 
     base_url = base_url.rstrip("/")
     model = model or task.name
-    ids = label_ids_from_server(base_url, model, task)
+    ids = label_ids_from_server(base_url, model, task, api_key=api_key)
     by_id = dict(zip(ids, task.labels, strict=True))
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="ltv-vllm", max_retries=0)
+    client = _openai(base_url, api_key)
 
     def one(text: str) -> Classification:
         try:
@@ -95,7 +114,7 @@ class Generation:
 
 
 def first_step_only(base_url: str, prompt: str, *, vector: str, base: str,
-                    max_tokens: int = 16) -> Generation:
+                    max_tokens: int = 16, api_key: str | None = None) -> Generation:
     """Greedy generation with a task vector on the first generated token only, from a server
     that serves the vector (`vector`) and the bare model (`base`) by name (multi-task mode).
 
@@ -109,11 +128,11 @@ def first_step_only(base_url: str, prompt: str, *, vector: str, base: str,
     base_url = base_url.rstrip("/")
     if max_tokens < 1:
         raise ClientError(f"max_tokens must be at least 1, got {max_tokens}")
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="ltv-vllm", max_retries=0)
+    client = _openai(base_url, api_key)
     ids_only = {"return_tokens_as_token_ids": True}
     try:
         r = httpx.post(f"{base_url}/tokenize", json={"model": base, "prompt": prompt},
-                       timeout=30)
+                       headers=_auth(api_key), timeout=30)
         if r.status_code != 200:
             raise ClientError(f"/tokenize failed ({r.status_code}): {r.text[:200]}")
         first = client.completions.create(model=vector, prompt=prompt, max_tokens=1,
@@ -126,7 +145,8 @@ def first_step_only(base_url: str, prompt: str, *, vector: str, base: str,
                                              logprobs=0, extra_body=ids_only).choices[0]
             toks += [int(t.split(":", 1)[1]) for t in rest.logprobs.tokens]  # type: ignore[union-attr]
         # decoded whole: two texts joined could split a character's bytes between them
-        d = httpx.post(f"{base_url}/detokenize", json={"model": base, "tokens": toks}, timeout=30)
+        d = httpx.post(f"{base_url}/detokenize", json={"model": base, "tokens": toks},
+                       headers=_auth(api_key), timeout=30)
         if d.status_code != 200:
             raise ClientError(f"/detokenize failed ({d.status_code}): {d.text[:200]}")
         text = d.json()["prompt"]
@@ -143,9 +163,8 @@ def _tasks_call(method: str, base_url: str, path: str = "", *, api_key: str | No
     import httpx
 
     url = f"{base_url.rstrip('/')}/v1/ltv/tasks{path}"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.request(method, url, headers=headers, timeout=120, **kw)
+        r = httpx.request(method, url, headers=_auth(api_key), timeout=120, **kw)
     except httpx.HTTPError:
         raise ClientError(f"cannot reach {base_url}") from None
     if r.status_code >= 400:
@@ -161,12 +180,22 @@ def list_remote_tasks(base_url: str, *, api_key: str | None = None) -> list[dict
     return list(_tasks_call("GET", base_url, api_key=api_key)["data"])
 
 
+def _task_path(name: str) -> str:
+    """"/NAME" for a checked task name (StoreError, before any request, otherwise): a name
+    like "x/../other" or "v?x=1" would address another URL than the task's."""
+    from urllib.parse import quote
+
+    from .taskstore import check_name  # here: taskstore imports the vector stack
+
+    return "/" + quote(check_name(name), safe="")
+
+
 def remote_task(base_url: str, name: str, *, api_key: str | None = None) -> dict[str, Any]:
-    return dict(_tasks_call("GET", base_url, f"/{name}", api_key=api_key))
+    return dict(_tasks_call("GET", base_url, _task_path(name), api_key=api_key))
 
 
 def delete_remote_task(base_url: str, name: str, *, api_key: str | None = None) -> None:
-    _tasks_call("DELETE", base_url, f"/{name}", api_key=api_key)
+    _tasks_call("DELETE", base_url, _task_path(name), api_key=api_key)
 
 
 def upload_task(base_url: str, name: str, vector: str, *, api_key: str | None = None
@@ -174,6 +203,7 @@ def upload_task(base_url: str, name: str, vector: str, *, api_key: str | None = 
     """Send a task-vector file to the server's store; served when this returns."""
     from pathlib import Path
 
+    _task_path(name)  # checked here, as for the calls that put it in the URL
     data = Path(vector).read_bytes()
     return dict(_tasks_call("POST", base_url, api_key=api_key, data={"name": name},
                             files={"vector": (Path(vector).name, data)}))
@@ -186,6 +216,9 @@ def compile_remote(base_url: str, request: dict[str, Any], *, wait: bool = False
     served (or the compile failed: ClientError), calling `on_status(view)` each time."""
     import time
 
+    from .taskstore import check_name
+
+    check_name(request.get("name"))  # `wait` polls it in the URL: checked before any request
     view = dict(_tasks_call("POST", base_url, api_key=api_key, json=request))
     while wait and view.get("status") != "ready":
         if on_status is not None:

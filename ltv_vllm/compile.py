@@ -40,6 +40,7 @@ MAX_DEMOS = 256
 MAX_QUERIES = 4096
 MAX_TEST = 2048
 MAX_TEXT = 20_000  # characters per input
+ENTRY = "entry"    # JOB_DIR/entry: the staged entry a worker leaves for the server to publish
 FIELDS = {"name", "task", "demos", "queries", "test", "lam"}
 TASK_FIELDS = {"in_prefix", "label_prefix", "labels"}
 
@@ -135,29 +136,46 @@ def parse_request(body: Any, *, tokenizer: Any, max_model_len: int) -> CompileRe
         raise CompileError(f"queries: {len(queries)}, over the limit of {MAX_QUERIES}")
     queries = tuple(_text(q, f"queries[{i}]") for i, q in enumerate(queries))
     test = _examples(body.get("test", []), "test", task.labels, MAX_TEST)
-    lam = body.get("lam", 5.0)
-    if lam != "auto" and (isinstance(lam, bool) or not isinstance(lam, int | float) or not (
-            math.isfinite(lam) and lam > 0)):
-        raise CompileError(f"lam: a positive number or \"auto\", got {json.dumps(lam)}")
-    req = CompileRequest(name, task, demos, queries, test,
-                         lam if lam == "auto" else float(lam))
+    lam = _lam(body.get("lam", 5.0))
+    req = CompileRequest(name, task, demos, queries, test, lam)
     prefix = req.episode().demo_prefix()
     n_prefix = len(tokenizer(prefix)["input_ids"])
-    longest = max((*queries, *(e.text for e in test)), key=len)
-    n = n_prefix + len(tokenizer(task.query(longest), add_special_tokens=False)["input_ids"])
+    # every input counted in tokens: the longest in characters need not be the longest in
+    # tokens (a run of digits or symbols can take a token per character)
+    inputs = [task.query(t) for t in (*queries, *(e.text for e in test))]
+    n_query = max(len(ids) for ids in tokenizer(inputs, add_special_tokens=False)["input_ids"])
+    n = n_prefix + n_query
     if n + 1 > max_model_len:
         raise CompileError(f"the demos and the longest input make a {n}-token prompt; the "
                            f"served context is {max_model_len} tokens: give fewer or shorter "
-                           "demos")
+                           "demos or inputs")
     return req
+
+
+def _lam(lam: Any) -> float | str:
+    """The request's λ: a positive finite number, or "auto"."""
+    if lam == "auto":
+        return "auto"
+    try:
+        ok = not isinstance(lam, bool) and isinstance(lam, int | float) and \
+            math.isfinite(float(lam)) and lam > 0
+    except OverflowError:  # an integer literal past float range (10**400)
+        ok = False
+    if not ok:
+        shown = json.dumps(lam)
+        raise CompileError(f"lam: a positive finite number or \"auto\", got "
+                           f"{shown if len(shown) <= 40 else shown[:37] + '...'}")
+    return float(lam)
 
 
 # -- the worker -----------------------------------------------------------------------------
 def compile_task(req: CompileRequest, model_dir: str | Path, store_root: str | Path, *,
-                 base_model: str, max_rank: int | None = None,
+                 base_model: str, max_rank: int | None = None, into: str | Path | None = None,
                  status: Any = None) -> dict[str, Any]:
-    """Extract the request's LTV on the model in `model_dir` (transformers) and publish it
-    as a task-store entry; the entry's record."""
+    """Extract the request's LTV on the model in `model_dir` (transformers) and write it as
+    a task-store entry; the entry's record. With `into` the entry is only staged there (the
+    server publishes it: a worker that dies at any point leaves no entry); without, it is
+    published in the store at once."""
     from .extract import ExtractOptions, extract
     from .loading import load_model
     from .taskstore import TaskStore
@@ -176,16 +194,17 @@ def compile_task(req: CompileRequest, model_dir: str | Path, store_root: str | P
                           n_test=max(1, len(req.test)), n_val=0, progress=False)
     tv, res = extract(lm, req.task, opts, episode=ep)
     say("writing")
-    rank = max_rank if max_rank is not None and tv.rank > max_rank else None
-    entry = store.add(req.name, tv, model_dir, source="compiled", base_model=base_model,
-                      rank=rank, extra={"compile_seconds": time.perf_counter() - t0,
-                                        "n_test": len(req.test)})
-    return entry.record
+    kw = {"source": "compiled", "base_model": base_model, "rank": max_rank,
+          "extra": {"compile_seconds": time.perf_counter() - t0, "n_test": len(req.test)}}
+    if into is not None:
+        staged = store.stage(req.name, tv, model_dir, into=into, **kw)
+        return dict(json.loads((staged / "entry.json").read_text()))
+    return store.add(req.name, tv, model_dir, **kw).record
 
 
 def _main(job_dir: str) -> int:
-    """`python -m ltv_vllm.compile JOB_DIR`: JOB_DIR/job.json → an entry; status.json says
-    how far it got (state, error)."""
+    """`python -m ltv_vllm.compile JOB_DIR`: JOB_DIR/job.json → a staged entry JOB_DIR/entry
+    (the server publishes it); status.json says how far it got (state, error)."""
     job = Path(job_dir)
     status_path = job / "status.json"
     _die_with_parent()
@@ -205,7 +224,7 @@ def _main(job_dir: str) -> int:
         req = parse_request(spec["request"], tokenizer=tok, max_model_len=spec["max_model_len"])
         record = compile_task(req, spec["model_dir"], spec["store"],
                               base_model=spec["base_model"], max_rank=spec.get("max_rank"),
-                              status=status)
+                              into=job / ENTRY, status=status)
         status("done", record=record)
         return 0
     except (UserError, TaskError) as e:

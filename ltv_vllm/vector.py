@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import numbers
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -103,6 +105,24 @@ def _num_layers(cfg: Any) -> int | None:
 
 
 _INT_FIELDS = ("k", "k_used", "n", "seed", "n_test", "metrics_rank")
+_STR_FIELDS = ("method", "episode", "ridge_form", "dtype", "package_version")
+_DICT_FIELDS = ("task", "hardware", "timings", "source_model", "source_load", "metrics")
+
+
+def _kind(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _finite_or_none(v: Any) -> Any:
+    """v with every NaN/inf float replaced by None: a metric undefined at extraction (an MSE
+    with nothing parsed) must not make the file unloadable, nor its meta invalid JSON."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite_or_none(x) for x in v]
+    return v
 
 
 @dataclass(frozen=True)
@@ -135,14 +155,43 @@ class Provenance:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Provenance:
-        d = dict(d or {})
+        """Type the known keys; a key of the wrong type is one VectorError line naming it
+        (a file's `meta` is untrusted input: a server reads uploads with this)."""
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise VectorError(f"meta: an object, got {_kind(d)}")
+        d = dict(d)
         known = {f.name for f in fields(cls)} - {"extra"}
         kw: dict[str, Any] = {k: d.pop(k) for k in list(d) if k in known}
-        for k in _INT_FIELDS:
-            if kw.get(k) is not None:
-                kw[k] = int(kw[k])
-        if kw.get("lam") is not None:
-            kw["lam"] = float(kw["lam"])
+        # None is "not recorded", whatever the field
+        for k, v in kw.items():
+            if v is None:
+                continue
+            where = f"meta.{k}"
+            if k in _INT_FIELDS:
+                # bool is an int to Python, never a count to us
+                if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                    raise VectorError(f"{where}: an integer, got {_kind(v)}")
+                kw[k] = int(v)
+            elif k == "lam":
+                if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                    raise VectorError(f"{where}: a finite number, got {_kind(v)}")
+                if not math.isfinite(float(v)):
+                    raise VectorError(f"{where}: a finite number, got {float(v)}")
+                kw[k] = float(v)
+            elif k in _STR_FIELDS:
+                if not isinstance(v, str):
+                    raise VectorError(f"{where}: a string, got {_kind(v)}")
+            elif k in _DICT_FIELDS:
+                if not isinstance(v, dict):
+                    raise VectorError(f"{where}: an object, got {_kind(v)}")
+                if k == "metrics":
+                    for m, sc in v.items():
+                        if not isinstance(sc, dict):
+                            raise VectorError(f"{where}[{m!r}]: an object, got {_kind(sc)}")
+                if k in ("metrics", "timings"):
+                    kw[k] = _finite_or_none(v)
         return cls(**kw, extra=d)
 
     def to_dict(self) -> dict[str, Any]:
@@ -193,6 +242,12 @@ class TaskVector:
         r = self.U.shape[1]
         if self.gram is not None and tuple(self.gram.shape) != (r, r):
             raise VectorError(f"gram must have shape ({r}, {r}), got {tuple(self.gram.shape)}")
+        # a NaN/inf factor would turn every served logit into NaN: refuse it where it enters
+        for name in ("U", "V", "bias", "gram"):
+            t = getattr(self, name)
+            if t is not None and not bool(torch.isfinite(t).all()):
+                raise VectorError(f"task vector {self.task_name!r}: {name} holds non-finite "
+                                  "values (NaN or inf)")
 
     @property
     def rank(self) -> int:
@@ -399,7 +454,7 @@ def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:
             map=str(kmap["kind"]),
             gamma=float(kmap["gamma"]) if kmap.get("gamma") is not None else None,
         )
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # any malformed header
         if isinstance(e, VectorError):
             raise VectorError(f"{path}: {e}") from None
         raise VectorError(f"{path}: malformed task-vector header ({e!r})") from None
@@ -421,6 +476,45 @@ def load_task_vector(path: str | Path) -> TaskVector:
 
 
 CORRUPT = "not a task-vector file: truncated or corrupt"
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
+PICKLE_PROTO = b"\x80"  # a plain pickle (protocol 2+) starts with the PROTO opcode
+PICKLE_SCAN_BYTES = 64 << 20  # our files are zips: a plain pickle is read no further than this
+# the opcodes that import or call something: what makes unpickling run code
+_CODE_OPS = frozenset({"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "REDUCE"})
+FORMATS = "task-vector files are safetensors or torch.save zip files"
+
+
+def sniff_suffix(data: bytes) -> str:
+    """The suffix a task-vector file's first bytes call for: ".pt" for a zip (torch.save) or a
+    plain pickle (refused on load, with its reason), else ".safetensors"."""
+    return ".pt" if data.startswith(ZIP_MAGIC) or data.startswith(PICKLE_PROTO) else ".safetensors"
+
+
+def _refuse_plain_pickle(path: Path) -> None:
+    """A .pt that is a plain pickle, not torch.save's zip: never ours. Say whether it would
+    run code, from its opcodes alone (pickletools reads, never executes); not unpickled."""
+    import io
+    import pickletools
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(PICKLE_SCAN_BYTES)
+    except OSError:
+        raise VectorError(f"{path}: {CORRUPT}") from None
+    if data.startswith(ZIP_MAGIC) or not data.startswith(PICKLE_PROTO):
+        return  # torch.load's own checks (and its weights-only unpickler) take it from here
+    try:
+        for op, _arg, _pos in pickletools.genops(io.BytesIO(data)):
+            if op.name in _CODE_OPS:
+                raise VectorError(f"{path}: refused: a plain pickle that names Python objects "
+                                  f"(code that would run on load); {FORMATS}")
+    except VectorError:
+        raise
+    except Exception:  # noqa: BLE001 - any damage genops trips on (bad opcode, EOF)
+        if len(data) < PICKLE_SCAN_BYTES:
+            raise VectorError(f"{path}: {CORRUPT}") from None
+        # cut off by our bound, not damaged: still a pickle with no code in what was read
+    raise VectorError(f"{path}: a plain pickle, not a task-vector file ({FORMATS})")
 
 
 def _torch_load(path: Path) -> Any:
@@ -428,11 +522,13 @@ def _torch_load(path: Path) -> Any:
 
     A pickle that names anything but tensors and plain containers (a class, a function:
     code that would run on load) is refused by torch's weights-only unpickler; say that,
-    rather than torch's paragraph on how to load it anyway.
+    rather than torch's paragraph on how to load it anyway. A plain (non-zip) pickle is
+    refused before torch sees it (`_refuse_plain_pickle`).
     """
     import pickle
     import warnings
 
+    _refuse_plain_pickle(path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

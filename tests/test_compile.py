@@ -14,7 +14,7 @@ import torch
 from conftest import make_llama
 from ltv_vllm.compile import CompileError, compile_task, parse_request
 from ltv_vllm.errors import UserError
-from ltv_vllm.taskstore import TaskStore
+from ltv_vllm.taskstore import EntryExists, TaskStore
 
 TASK = {"in_prefix": "Review", "label_prefix": "Sentiment", "labels": ["negative", "positive"]}
 WORDS = ["the plot is dull", "a warm and funny film", "boring and slow", "great acting",
@@ -85,8 +85,10 @@ def test_compile_equals_a_direct_ridge_solve(model_dir, tokenizer, tmp_path):
     ({"task": {**TASK, "labels": ["zq1", "zq2"]}}, "share their first token"),
     ({"task": {**TASK, "labels": ["negative"]}}, "at least two labels"),
     ({"task": {**TASK, "extra": 1}}, "exactly in_prefix, label_prefix and labels"),
-    ({"lam": -1}, "lam: a positive number"),
-    ({"lam": True}, "lam: a positive number"),
+    ({"lam": -1}, "lam: a positive finite number or \"auto\", got -1"),
+    ({"lam": True}, "lam: a positive finite number or \"auto\", got true"),
+    ({"lam": float("inf")}, "got Infinity"),
+    ({"lam": 10**400}, "got 1000000000000000000000000000000000000..."),
     ({"test": [{"text": "x"}]}, "test[0]: an object with exactly"),
     ({"queries": ["word " * 400]}, "served context is 512 tokens"),
 ])
@@ -117,14 +119,20 @@ def test_worker_process_reports_done_or_failed_and_a_killed_one_leaves_no_entry(
     assert r.returncode == 0, r.stderr
     st = json.loads((job / "status.json").read_text())
     assert st["state"] == "done" and st["record"]["name"] == "senti"
-    assert TaskStore(tmp_path / "store").names() == ["senti"]
-    # the name is taken now: the worker fails with the store's message, nothing changes
+    # the worker only stages: the entry appears when the server publishes it
+    store = TaskStore(tmp_path / "store")
+    assert store.names() == [] and (job / "entry" / "entry.json").is_file()
+    assert store.publish(job / "entry", "senti").record == st["record"]
+    assert store.names() == ["senti"]
+    # the name is taken now: the second worker's entry is refused at publication
     again = _job(tmp_path, model_dir, body(), "again")
     r = subprocess.run([sys.executable, "-m", "ltv_vllm.compile", str(again)],
                        capture_output=True, text=True, timeout=300)
-    st = json.loads((again / "status.json").read_text())
-    assert r.returncode == 1 and st["state"] == "failed" and "already exists" in st["error"]
-    # killed while extracting: no entry (a .tmp- directory at most, which sweep removes)
+    assert r.returncode == 0, r.stderr
+    with pytest.raises(EntryExists, match="already exists"):
+        store.publish(again / "entry", "senti")
+    assert not (again / "entry").exists() and store.names() == ["senti"]
+    # killed while extracting: no entry, nothing in the store at all
     # (2400 queries: seconds of extraction, so the kill lands inside it)
     killed = _job(tmp_path, model_dir, body(name="other", queries=WORDS * 200), "killed")
     p = subprocess.Popen([sys.executable, "-m", "ltv_vllm.compile", str(killed)])
@@ -137,8 +145,7 @@ def test_worker_process_reports_done_or_failed_and_a_killed_one_leaves_no_entry(
         time.sleep(0.05)
     p.kill()
     assert p.wait() == -9  # killed, not finished
-    store = TaskStore(tmp_path / "store")
-    store.sweep()
+    assert not (killed / "entry" / "entry.json").exists()
     assert store.names() == ["senti"]
     assert sorted(x.name for x in store.root.iterdir()) == ["senti"]
 

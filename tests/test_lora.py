@@ -121,3 +121,44 @@ def test_cli_export_lora_rank(tmp_path, tokenizer, kind):
     assert (full - ref).abs().max() > 1e-3  # the cut is real
     assert peft_model.peft_config["default"].r == lora_rank(3) == 8
     assert tv.truncated(3).meta == tv.meta and tv.truncated(12) is tv
+
+
+def test_lowrank_fro_norm_equals_the_product_norm():
+    from ltv_vllm.vllm_ext.lora import lowrank_fro_norm
+
+    g = torch.Generator().manual_seed(3)
+    B, A = torch.randn(50, 4, generator=g), torch.randn(4, 30, generator=g)
+    direct = torch.linalg.matrix_norm((B.double() @ A.double()), "fro").item()
+    assert lowrank_fro_norm(B, A) == pytest.approx(direct, rel=1e-12)
+
+
+def test_gain_bound_refuses_corrupt_vectors(tmp_path, tokenizer):
+    """A served vector may not move the logits 1e3x more than the LM head itself does."""
+    from ltv_vllm.vllm_ext.lora import MAX_GAIN, lora_factors
+
+    model = make_llama(len(tokenizer), seed=4)
+    model.save_pretrained(tmp_path / "m")
+    head = model.lm_head.weight.detach()
+    g = torch.Generator().manual_seed(1)
+    U, V = torch.randn(64, 3, generator=g), torch.randn(64, 3, generator=g)
+    ident = model_identity(model, "m")
+    task = {"task": BUILTIN_TASKS["sst2"].to_dict()}
+    # factors ~1: served, and the adapter is written
+    out = export_lora(TaskVector("hidden", U, V, None, ident, (1, 2), task), tmp_path / "m",
+                      tmp_path / "ok")
+    assert (out / "adapter_model.safetensors").is_file()
+    # ×1e30: finite in float32, but the logit map is ~1e30 larger than the head's own
+    big = TaskVector("hidden", U * 1e30, V, None, ident, (1, 2), task)
+    ratio = (torch.linalg.matrix_norm(head.double() @ (U.double() * 1e30) @ V.double().T)
+             / torch.linalg.matrix_norm(head.double())).item()
+    assert ratio > MAX_GAIN
+    with pytest.raises(VectorError) as e:
+        export_lora(big, tmp_path / "m", tmp_path / "bad")
+    assert str(e.value) == (f"task vector 'sst2' would move the logits {ratio:.1e}x more than "
+                            "the LM head itself (limit 1e+03x): refused as corrupt")
+    assert not (tmp_path / "bad" / "adapter_model.safetensors").exists()
+    # W_lm U beyond float32 (a head of 10s times U of 3e38): overflow, said as such
+    huge = TaskVector("hidden", torch.full((64, 3), 3e38), V, None, ident, (1, 2), task)
+    with pytest.raises(VectorError) as e:
+        lora_factors(huge, torch.full_like(head, 10.0))
+    assert str(e.value) == "task vector 'sst2' overflows float32 on this LM head"

@@ -45,7 +45,7 @@ def test_dry_run_commands(setup, monkeypatch):
                                   f"a={good}", "--task-vector", f"b={good}", "--dry-run"])
     assert r.exit_code == 0, r.output
     assert "--enable-lora" in r.output and "--max-loras 3" in r.output
-    assert "refuse_prompt_logprobs" in r.output
+    assert "--middleware ltv_vllm.vllm_ext.middleware.LoraGate" in r.output
     assert "--max-lora-rank 8" in r.output  # rank 2, padded to a rank vLLM accepts
     # --lora-rank cuts every adapter (W = 2·11ᵀ here has rank 1): a smaller LoRA rank
     r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
@@ -116,7 +116,8 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     r = run("--task-store", str(store), "--task-vector", f"beta={good}", "--max-tasks", "3")
     assert r.exit_code == 0, r.output
     assert f"alpha={store / 'alpha'}" in r.output  # served from the store, not re-exported
-    assert "beta=" in r.output and "--max-loras 4" in r.output
+    # a slot for the command-line task besides the 3 store tasks, and the spare
+    assert "beta=" in r.output and "--max-loras 5" in r.output
     r = run("--task-store")  # no value: the model's store under the cache
     assert r.exit_code == 0, r.output
     assert f"LTV_VLLM_TASK_STORE={tmp / 'cache' / 'task-stores'}" in r.output
@@ -124,7 +125,9 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
                         (("--task-store", str(store), "--task-vector", f"alpha={good}"),
                          "both a --task-vector and an entry"),
                         ((), "at least one --task-vector, or a --task-store"),
-                        (("--task-store", str(store), "--max-tasks", "0"), "--max-tasks")]:
+                        (("--task-store", str(store), "--max-tasks", "0"), "--max-tasks"),
+                        (("--task-store", str(store), "--api-server-count", "2"),
+                         "one API-server process")]:
         r = run(*args)
         assert r.exit_code != 0 and words in r.output, (args, r.output)
         assert len(r.output.strip().splitlines()) == 1
@@ -136,5 +139,9 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
 
     make_llama(len(tokenizer), seed=5).save_pretrained(tmp / "o")  # `other`'s model
     TaskStore(store).add("zeta", load_task_vector(other), tmp / "o")
-    r = run("--task-store", str(store))
-    assert r.exit_code == 1 and "task store entry zeta" in r.output, r.output
+    r = run("--task-store", str(store))  # an entry it cannot serve: a warning, no refusal
+    assert r.exit_code == 0, r.output
+    assert ("warning: task store entry 'zeta' is not served (task store entry zeta: "
+            "task vector '?' was extracted from other") in r.output
+    assert "would be moved to .quarantine/" in r.output and "zeta=" not in r.output
+    assert (store / "zeta").is_dir()  # a dry run moves nothing

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -113,17 +114,86 @@ def test_checked_names_the_entry_that_does_not_fit(setup, tokenizer):
     tmp, good, _ = setup
     store = TaskStore(tmp / "store")
     store.add("alpha", good, tmp / "m")
-    assert set(store.checked(tmp / "m")) == {"alpha"}
+    assert set(store.checked(tmp / "m")[0]) == {"alpha"}
     # the same store against another model directory
     other_dir = tmp / "o"
     (tmp / "o2").mkdir()
     write_model_and_vectors(tmp / "o2", tokenizer)  # seed-4 model again: same identity
-    assert set(store.checked(tmp / "o2" / "m")) == {"alpha"}
+    assert set(store.checked(tmp / "o2" / "m")[0]) == {"alpha"}
     from conftest import make_llama
 
     make_llama(len(tokenizer), seed=6).save_pretrained(other_dir)
-    with pytest.raises(StoreError, match="task store entry alpha: .*extracted from"):
-        store.checked(other_dir)
+    ok, bad = store.checked(other_dir)  # never raises: the server quarantines it
+    assert ok == {} and list(bad) == ["alpha"]
+    assert re.fullmatch(r"task store entry alpha: .*extracted from.*", bad["alpha"])
     (store.root / "alpha" / "entry.json").write_text("{not json")
     with pytest.raises(StoreError, match="entry alpha: unreadable entry.json"):
         store.entries()
+
+
+def test_a_cut_entry_stores_what_it_serves(tmp_path, tokenizer):
+    """An entry cut to the served rank stores the cut vector: its file, its adapter and its
+    record agree (a restart serves exactly it), and the record keeps the full rank."""
+    from conftest import make_llama
+    from ltv_vllm.vector import TaskVector, model_identity
+
+    model = make_llama(len(tokenizer), seed=4)
+    model.save_pretrained(tmp_path / "m")
+    g = torch.Generator().manual_seed(0)
+    tv = TaskVector("hidden", torch.randn(64, 12, generator=g), torch.randn(64, 12, generator=g),
+                    None, model_identity(model, "m"), (1, 2), {"task": {"name": "t"}})
+    store = TaskStore(tmp_path / "store")
+    e = store.add("t", tv, tmp_path / "m", rank=8)
+    held = e.vector()
+    assert held.rank == 8 and e.record["rank"] == 8 and e.record["full_rank"] == 12
+    cut = tv.truncated(8, lm_head=read_lm_head(tmp_path / "m"))
+    torch.testing.assert_close(held.U @ held.V.T, cut.U @ cut.V.T)
+    t = load_file(e.path / "adapter_model.safetensors")
+    a, b = t["base_model.model.lm_head.lora_A.weight"], t["base_model.model.lm_head.lora_B.weight"]
+    torch.testing.assert_close(b.double() @ a.double(),
+                               read_lm_head(tmp_path / "m").double() @ (held.U @ held.V.T).double(),
+                               atol=1e-4, rtol=1e-4)
+    assert set(store.checked(tmp_path / "m")[0]) == {"t"}
+
+
+def test_unservable_entries_are_named_and_quarantined(setup):
+    tmp, good, _ = setup
+    store = TaskStore(tmp / "store")
+    for n in ("a", "b", "c", "d"):
+        store.add(n, good, tmp / "m")
+    (store.root / "b" / "adapter_model.safetensors").write_bytes(b"junk")
+    (store.root / "c" / "vector.safetensors").unlink()
+    cfg = json.loads((store.root / "d" / "adapter_config.json").read_text())
+    (store.root / "d" / "adapter_config.json").write_text(json.dumps({**cfg, "r": 1024}))
+    ok, bad = store.checked(tmp / "m")
+    assert list(ok) == ["a"] and sorted(bad) == ["b", "c", "d"]
+    assert bad["b"] == "task store entry b: its LoRA adapter does not read (SafetensorError)"
+    assert bad["c"].startswith("task store entry c: task-vector file not found")
+    assert "adapter rank 1024" in bad["d"]
+    assert str(store.root) not in "".join(bad.values())
+    dest = store.quarantine("b", bad["b"])
+    assert dest.parent == store.root / ".quarantine" and (dest / "b" / "entry.json").is_file()
+    assert (dest / "reason.txt").read_text() == bad["b"] + "\n"
+    assert store.names() == ["a", "c", "d"] and "b" not in store.checked(tmp / "m")[1]
+    assert store.sweep() == []  # quarantine is kept
+
+
+def test_publish_refuses_a_taken_name_and_drops_the_staged_entry(setup):
+    tmp, good, _ = setup
+    store = TaskStore(tmp / "store")
+    staged = store.stage("a", good, tmp / "m")
+    assert staged.name.startswith(".tmp-a-") and store.names() == []
+    other = store.stage("a", good, tmp / "m")
+    assert store.publish(staged, "a").name == "a"
+    with pytest.raises(EntryExists):
+        store.publish(other, "a")
+    assert not other.exists() and store.names() == ["a"]
+
+
+def test_records_are_strict_json():
+    from ltv_vllm.taskstore import finite_json
+
+    x = {"metrics": {"ltv": {"accuracy": float("nan"), "d_ntp": float("inf"), "k": 3}},
+         "l": [1.5, float("-inf")]}
+    assert json.dumps(finite_json(x), allow_nan=False) == json.dumps(
+        {"metrics": {"ltv": {"accuracy": None, "d_ntp": None, "k": 3}}, "l": [1.5, None]})

@@ -245,3 +245,149 @@ def test_provenance_is_typed_and_keeps_unknown_keys(tmp_path, tiny_model):
         assert back.provenance == pv and back.meta == {**old_meta, "lam": 5.0}
     with pytest.raises(dataclasses.FrozenInstanceError):
         pv.k = 3  # type: ignore[misc]
+
+
+def _write_raw(path, tensors, header):
+    """A file as `TaskVector.save` writes it, from tensors and a header given as they are:
+    nothing checks them on the way (the files a broken or hostile writer makes)."""
+    import json
+
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path), metadata={"ltv_vllm": json.dumps(header)})
+    else:
+        torch.save({"tensors": tensors, "ltv_vllm": json.dumps(header)}, path)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+@pytest.mark.parametrize(("name", "bad"), [("U", float("nan")), ("V", float("inf")),
+                                           ("bias", float("nan")), ("gram", -float("inf"))])
+def test_non_finite_vectors_are_refused(tmp_path, tiny_model, tokenizer, suffix, name, bad):
+    tv = make_vector(tiny_model, tokenizer, bias=True)
+    tensors = {k: v.clone() for k, v in tv._tensors().items()}
+    tensors[name].view(-1)[3] = bad  # one bad value among thousands
+    assert not torch.isfinite(tensors[name]).all()
+    msg = (f"task vector {TASK.name!r}: {name} holds non-finite values (NaN or inf)")
+    with pytest.raises(VectorError) as e:
+        TaskVector(tv.kind, tensors["U"], tensors["V"], tensors["bias"], tv.model,
+                   tv.label_token_ids, tv.meta, gram=tensors["gram"])
+    assert str(e.value) == msg
+    path = _write_raw(tmp_path / f"bad{suffix}", tensors, tv._header())
+    with pytest.raises(VectorError) as e:
+        load_task_vector(path)
+    assert str(e.value) == f"{path}: {msg}"
+    # the same file with finite tensors loads: the refusal is the value, not the writing
+    assert load_task_vector(_write_raw(tmp_path / f"ok{suffix}", tv._tensors(), tv._header()))
+
+
+@pytest.mark.parametrize(("meta", "msg"), [
+    (["not", "a", "dict"], "meta: an object, got list"),
+    ({"task": ["sst2"]}, "meta.task: an object, got list"),
+    ({"hardware": "h100"}, "meta.hardware: an object, got str"),
+    ({"timings": 3.0}, "meta.timings: an object, got float"),
+    ({"source_model": 1}, "meta.source_model: an object, got int"),
+    ({"source_load": [1]}, "meta.source_load: an object, got list"),
+    ({"metrics": {"ltv": 0.5}}, "meta.metrics['ltv']: an object, got float"),
+    ({"metrics": [0.5]}, "meta.metrics: an object, got list"),
+    ({"k": "30"}, "meta.k: an integer, got str"),
+    ({"n": True}, "meta.n: an integer, got bool"),
+    ({"seed": 1.5}, "meta.seed: an integer, got float"),
+    ({"lam": "5"}, "meta.lam: a finite number, got str"),
+    ({"lam": float("nan")}, "meta.lam: a finite number, got nan"),
+    ({"lam": False}, "meta.lam: a finite number, got bool"),
+    ({"method": ["ltv"]}, "meta.method: a string, got list"),
+])
+def test_malformed_provenance_is_one_line(tmp_path, tiny_model, tokenizer, meta, msg):
+    """A file's `meta` is untrusted (a server reads uploads): a wrong type is a one-line
+    VectorError naming the field, never a TypeError or AttributeError."""
+    from ltv_vllm.vector import Provenance
+
+    with pytest.raises(VectorError) as e:
+        Provenance.from_dict(meta)
+    assert str(e.value) == msg
+    tv = make_vector(tiny_model, tokenizer)
+    for suffix in (".pt", ".safetensors"):
+        path = _write_raw(tmp_path / f"v{suffix}", tv._tensors(), {**tv._header(), "meta": meta})
+        with pytest.raises(VectorError) as e:
+            load_task_vector(path)
+        assert str(e.value) == f"{path}: {msg}"
+
+
+def test_malformed_model_header_is_one_line(tmp_path, tiny_model, tokenizer):
+    tv = make_vector(tiny_model, tokenizer)
+    for model in (["tiny"], "tiny"):
+        path = _write_raw(tmp_path / "v.pt", tv._tensors(), {**tv._header(), "model": model})
+        with pytest.raises(VectorError, match=r"v\.pt: malformed task-vector header"):
+            load_task_vector(path)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_non_finite_metrics_load_as_none(tmp_path, tiny_model, tokenizer, suffix):
+    """A metric undefined at extraction (NaN) or a timing that overflowed (inf) must not make
+    the file unloadable, and its meta must stay valid strict JSON."""
+    import json
+
+    tv = make_vector(tiny_model, tokenizer)
+    metrics = {"ltv": {"accuracy": 0.5, "mse": float("nan"), "curve": [1.0, float("inf")]},
+               "icl": {"mse": float("-inf")}}
+    header = {**tv._header(), "meta": {**tv.meta, "metrics": metrics,
+                                       "timings": {"extraction_seconds": float("nan"),
+                                                   "capture_seconds": 2.5}}}
+    assert "NaN" in json.dumps(header)  # what Python's json writes, and strict readers refuse
+    back = load_task_vector(_write_raw(tmp_path / f"v{suffix}", tv._tensors(), header))
+    assert back.provenance.metrics == {"ltv": {"accuracy": 0.5, "mse": None,
+                                               "curve": [1.0, None]},
+                                       "icl": {"mse": None}}
+    assert back.provenance.timings == {"extraction_seconds": None, "capture_seconds": 2.5}
+    json.dumps(back.meta, allow_nan=False)  # raises ValueError on any NaN or inf left
+
+
+class _Print:
+    """Unpickling this would call print("x"): a stand-in for any code a pickle can run."""
+
+    def __reduce__(self):
+        return (print, ("x",))
+
+
+def test_plain_pickles_are_refused_unread(tmp_path, capsys):
+    """A .pt that is a plain pickle (not torch.save's zip) is never unpickled: one that names
+    Python objects is refused as code, one that does not as a foreign file."""
+    import pickletools
+
+    code = pickle.dumps({"tensors": {"U": _Print()}}, protocol=4)
+    # an independent look at what the payload holds: it imports and calls
+    assert {op.name for op, _, _ in pickletools.genops(code)} & {"STACK_GLOBAL", "REDUCE"}
+    cases = [
+        ("x.pt", code, "refused: a plain pickle that names Python objects (code that would "
+                       "run on load); task-vector files are safetensors or torch.save zip files"),
+        ("x2.pt", pickle.dumps(_Print(), protocol=2), "refused: a plain pickle that names "
+         "Python objects"),
+        ("plain.pt", pickle.dumps({"a": 1}), "a plain pickle, not a task-vector file "
+         "(task-vector files are safetensors or torch.save zip files)"),
+        ("cut.pt", pickle.dumps({"a": list(range(100))})[:20], CORRUPT_MSG),
+        # named .safetensors, holds a pickle: not a safetensors file, whatever is inside
+        ("x.safetensors", code, CORRUPT_MSG),
+    ]
+    for name, data, msg in cases:
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(VectorError) as e:
+            load_task_vector(path)
+        assert str(e.value).startswith(f"{path}: {msg}"), str(e.value)
+        assert "\n" not in str(e.value)
+    assert capsys.readouterr().out == ""  # print("x") never ran
+
+
+CORRUPT_MSG = "not a task-vector file: truncated or corrupt"
+
+
+def test_sniff_suffix(tmp_path, tiny_model, tokenizer):
+    from ltv_vllm.vector import sniff_suffix
+
+    tv = make_vector(tiny_model, tokenizer)
+    for suffix in (".pt", ".safetensors"):
+        assert sniff_suffix(tv.save(tmp_path / f"v{suffix}").read_bytes()) == suffix
+    assert sniff_suffix(pickle.dumps({"a": 1})) == ".pt"  # refused on load, with its reason
+    assert sniff_suffix(b"") == ".safetensors" and sniff_suffix(b"garbage") == ".safetensors"

@@ -93,5 +93,7 @@ def load_artifact(path: str | Path) -> Artifact | TaskVector:
             label_token_ids=tuple(int(i) for i in header["label_token_ids"]),
             provenance=Provenance.from_dict(header.get("meta")),
         )
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # any malformed header
+        if isinstance(e, VectorError):  # already one line (a malformed `meta` field)
+            raise VectorError(f"{path}: {e}") from None
         raise VectorError(f"{path}: malformed artifact header ({e!r})") from None

@@ -3,7 +3,8 @@
 `register()` is the `vllm.general_plugins` entry point. vLLM calls it in every process that
 builds a model (engine core, workers), which is the only way an out-of-tree class reaches a
 worker. It registers lazy "module:Class" strings, so importing this package never imports
-vLLM's model code, and it is safe to call any number of times.
+vLLM's model code, and it is safe to call any number of times. It also applies `fixes`:
+work-arounds for vLLM bugs that would make a server answer silently wrong.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ WRAPPERS: dict[str, str] = {
 
 def register() -> None:
     from vllm import ModelRegistry
+
+    from .fixes import patch_cpu_lora_logits
+
+    # before any engine builds its LoRA layers: a request without a task vector must never
+    # get a LoRA slot's shift (fixes.py)
+    patch_cpu_lora_logits()
 
     supported = set(ModelRegistry.get_supported_archs())
     for wrapper in WRAPPERS.values():

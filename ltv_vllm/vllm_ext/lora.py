@@ -10,6 +10,7 @@ which changes nothing numerically.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -19,6 +20,9 @@ from ..fileio import atomic_write
 from ..vector import TaskVector, VectorError
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# How much more a served vector may move the logits than the LM head itself (Frobenius norms
+# of the two logit maps): a real task vector is within a few times; 1e3 times is a broken file
+MAX_GAIN = 1e3
 
 
 def lora_rank(r: int) -> int:
@@ -37,12 +41,41 @@ def refuse_non_lora(tv: TaskVector) -> None:
                           "LoRA; serve it alone (fused)")
 
 
+def lowrank_fro_norm(B: torch.Tensor, A: torch.Tensor) -> float:
+    """‖B A‖_F for B (m, r), A (r, n) without forming the m × n product:
+    ‖BA‖_F² = trace((BᵀB)(AAᵀ)), two r × r Gram matrices, in float64."""
+    b, a = B.double(), A.double()
+    return float(torch.trace((b.T @ b) @ (a @ a.T)).clamp_min(0).sqrt())
+
+
+def _fro_norm(w: torch.Tensor, rows: int = 8192) -> float:
+    """‖w‖_F in float64, a block of rows at a time (a whole vocab × d copy is gigabytes)."""
+    return math.sqrt(sum(float(w[i:i + rows].double().pow(2).sum())
+                         for i in range(0, w.shape[0], rows)))
+
+
+def check_servable(tv: TaskVector, A: torch.Tensor, B: torch.Tensor,
+                   lm_head: torch.Tensor) -> None:
+    """Refuse LoRA factors (A (r, d), B (vocab, r)) that would wreck every logit: values
+    float32 cannot hold, or a logit map B A far larger than the LM head's own."""
+    if not (bool(torch.isfinite(A).all()) and bool(torch.isfinite(B).all())):
+        raise VectorError(f"task vector {tv.task_name!r} overflows float32 on this LM head")
+    gain, head = lowrank_fro_norm(B, A), _fro_norm(lm_head)
+    if gain > MAX_GAIN * head:
+        ratio = gain / head if head > 0 else math.inf
+        raise VectorError(f"task vector {tv.task_name!r} would move the logits {ratio:.1e}x "
+                          f"more than the LM head itself (limit {MAX_GAIN:.0e}x): refused as "
+                          "corrupt")
+
+
 def lora_factors(tv: TaskVector, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lora_A (R, d), lora_B (vocab, R)) with R the allowed rank ≥ tv.rank; float32."""
+    """(lora_A (R, d), lora_B (vocab, R)) with R the allowed rank ≥ tv.rank; float32.
+    Refuses a vector whose factors are not servable (`check_servable`)."""
     refuse_non_lora(tv)
     w = lm_head.float()
     B = w @ tv.U if tv.kind == "hidden" else tv.U  # (vocab, r)
     A = tv.V.T  # (r, d)
+    check_servable(tv, A, B, w)
     pad = lora_rank(tv.rank) - tv.rank
     if pad:
         A = torch.cat([A, A.new_zeros(pad, A.shape[1])])
