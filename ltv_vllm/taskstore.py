@@ -28,7 +28,6 @@ from __future__ import annotations
 import datetime as _dt
 import errno
 import json
-import math
 import os
 import re
 import shutil
@@ -39,7 +38,7 @@ from typing import Any
 
 from .errors import UserError
 from .fileio import umask
-from .vector import TaskVector, load_task_vector
+from .vector import TaskVector, finite_or_none, load_task_vector
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 FORMAT = 1
@@ -100,25 +99,14 @@ class Entry:
         return load_task_vector(self.vector_path)
 
 
-def finite_json(x: Any) -> Any:
-    """`x` with every non-finite float replaced by None: entry.json and the server's answers
-    are strict JSON (a NaN metric in an uploaded file must not make them unwritable)."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {str(k): finite_json(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [finite_json(v) for v in x]
-    return x
-
-
 def record_of(name: str, tv: TaskVector, *, source: str, lora_rank: int,
               full_rank: int | None = None,
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """What `entry.json` says about a task: enough to list it without loading tensors.
     `rank` is the served (stored) rank; `full_rank` the rank before a cut."""
     p = tv.provenance
-    return finite_json({
+    # strict JSON: entry.json and the server's answers refuse NaN
+    return finite_or_none({
         "format": FORMAT, "name": name, "source": source,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "task": p.task, "kind": tv.kind, "rank": tv.rank, "full_rank": full_rank or tv.rank,

@@ -113,15 +113,16 @@ def _kind(v: Any) -> str:
     return "null" if v is None else type(v).__name__
 
 
-def _finite_or_none(v: Any) -> Any:
+def finite_or_none(v: Any) -> Any:
     """v with every NaN/inf float replaced by None: a metric undefined at extraction (an MSE
-    with nothing parsed) must not make the file unloadable, nor its meta invalid JSON."""
+    with nothing parsed) must not make the file unloadable, nor its meta (or a server's
+    answer about it) invalid JSON."""
     if isinstance(v, float):
         return v if math.isfinite(v) else None
     if isinstance(v, dict):
-        return {k: _finite_or_none(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_finite_or_none(x) for x in v]
+        return {k: finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [finite_or_none(x) for x in v]
     return v
 
 
@@ -191,7 +192,7 @@ class Provenance:
                         if not isinstance(sc, dict):
                             raise VectorError(f"{where}[{m!r}]: an object, got {_kind(sc)}")
                 if k in ("metrics", "timings"):
-                    kw[k] = _finite_or_none(v)
+                    kw[k] = finite_or_none(v)
         return cls(**kw, extra=d)
 
     def to_dict(self) -> dict[str, Any]:

@@ -191,9 +191,9 @@ def test_publish_refuses_a_taken_name_and_drops_the_staged_entry(setup):
 
 
 def test_records_are_strict_json():
-    from ltv_vllm.taskstore import finite_json
+    from ltv_vllm.vector import finite_or_none
 
     x = {"metrics": {"ltv": {"accuracy": float("nan"), "d_ntp": float("inf"), "k": 3}},
          "l": [1.5, float("-inf")]}
-    assert json.dumps(finite_json(x), allow_nan=False) == json.dumps(
+    assert json.dumps(finite_or_none(x), allow_nan=False) == json.dumps(
         {"metrics": {"ltv": {"accuracy": None, "d_ntp": None, "k": 3}}, "l": [1.5, None]})
