@@ -266,6 +266,8 @@ def test_task_store_server(assets, tokenizer, tmp_path):
     try:
         listed = httpx.get(tasks).json()["data"]
         assert [(t["name"], t["served"]) for t in listed] == [("alpha", True)]
+        assert listed[0]["model"]["name"] == "<model>"  # the record's model path, hidden
+        no_paths(httpx.get(tasks), store.root, d)
         served = {"alpha": store.get("alpha").vector(), "beta": vecs["beta"][0]}
         check_mixed(url, served, model, tokenizer)
         g = post("gamma", vecs["beta"][1])  # a .pt file (a zip; loaded with weights_only)

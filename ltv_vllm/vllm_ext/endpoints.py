@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import sys
@@ -51,6 +52,7 @@ from fastapi import APIRouter, Request
 from ..compile import ENTRY
 from .middleware import drained
 
+logger = logging.getLogger(__name__)
 DRAIN_SECONDS = 120.0  # DELETE waits this long for the task's requests in flight to finish
 
 
@@ -167,7 +169,11 @@ class TaskEndpoints:
         return self._fail(507, e, "InsufficientStorageError")
 
     def _view(self, entry: Any) -> dict[str, Any]:
-        return {**entry.record, "object": "ltv.task", "status": "ready",
+        record = dict(entry.record)
+        if isinstance(record.get("model"), dict):  # its name is often the model's path here
+            record["model"] = {**record["model"],
+                               "name": self._public(str(record["model"].get("name")))}
+        return {**record, "object": "ltv.task", "status": "ready",
                 "served": entry.name in self.models.lora_requests}
 
     def _job_view(self, name: str) -> dict[str, Any]:
@@ -243,7 +249,12 @@ class TaskEndpoints:
             # there once no request that was admitted with it is in flight (a request whose
             # adapter is gone from the engine and from disk would fail the engine's step).
             if lora is not None and await drained(name, DRAIN_SECONDS):
-                await self.engine.remove_lora(lora.lora_int_id)
+                try:
+                    await self.engine.remove_lora(lora.lora_int_id)
+                except Exception as e:  # noqa: BLE001 - the name is unserved already; an
+                    # adapter left in the engine is never used again (vllm_ext.fixes)
+                    logger.warning("ltv-vllm: adapter of deleted task %r stays in the "
+                                   "engine: %s", name, e)
             await asyncio.to_thread(self.store.remove, name)
         finally:
             self.deleting.discard(name)
