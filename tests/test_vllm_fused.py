@@ -228,3 +228,90 @@ def test_vllm_qwen2_wrapper_matches_transformers(served_qwen2, tokenizer):
     d, model, tv, path = served_qwen2
     out = run_worker(d, str(path), max_tokens=4)["outputs"]
     assert_decode_matches(out, model, tokenizer, tv)
+
+
+# -- bf16 serving against the float32 reference ---------------------------------------------
+SOFT_TEXTS = ["the plot is dull", "a gorgeous witty movie", "the team wins", "boring and slow",
+              "great acting", "i loved it", "a waste of time", "fresh and bright",
+              "flat and tired", "so good", "so bad", "the cast shines", "the script fails",
+              "truly moving", "painfully dull", "a warm and funny film"]
+BF16_TOL = 0.02  # label probability; the bare model alone moves 0.0012 in bf16 here
+
+
+@pytest.fixture(scope="module")
+def soft(tmp_path_factory, tokenizer):
+    """A tiny model whose label distribution is not saturated (LM head x2, not x20), its
+    float32 states for SOFT_TEXTS, and one vector per served map whose shift moves it."""
+    from transformers import LlamaForCausalLM
+
+    from ltv_vllm.capture import Capturer
+
+    d = tmp_path_factory.mktemp("tiny-soft")
+    cfg = make_llama(len(tokenizer), hidden=128, layers=2, seed=21, tie=True).config
+    cfg.num_attention_heads, cfg.num_key_value_heads = 2, 1
+    torch.manual_seed(21)
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    task = BUILTIN_TASKS["sst2"]
+    h = Capturer(model, tokenizer, progress=False).hidden([task.query(t) for t in SOFT_TEXTS])
+    ident = model_identity(model, "tiny-soft")
+    g = torch.Generator().manual_seed(4)
+    # kernel: support states next to half the queries' own states, as a fit on real states
+    # is (LM states sit in a tight cluster); γ from the nearest-support distances
+    S = h[::2] + 0.05 * torch.randn(8, 128, generator=g)
+    gamma = 1.0 / float(torch.cdist(h, S).pow(2).min(dim=1).values.median())
+    vectors = {
+        "kernel": TaskVector("hidden", 5.0 * torch.randn(128, 8, generator=g),
+                             S.T.contiguous(), None, ident, (1, 2), {}, map="rbf",
+                             gamma=gamma),
+        "linear": TaskVector("hidden", 0.5 * torch.randn(128, 8, generator=g),
+                             torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None, ident,
+                             (1, 2), {}),
+        "logit": TaskVector("logit", 2.0 * torch.randn(len(tokenizer), 8, generator=g),
+                            torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None, ident,
+                            (1, 2), {}),
+    }
+    vd = tmp_path_factory.mktemp("soft-vectors")
+    return d, model, h, {k: (tv, tv.save(vd / f"{k}.safetensors")) for k, tv in vectors.items()}
+
+
+def restricted(model, h: torch.Tensor, tv: TaskVector | None, ids: list[int]) -> torch.Tensor:
+    """float32 reference: transformers' LM head on h (+ the shift), softmax over `ids`."""
+    with torch.no_grad():
+        if tv is not None and tv.kind == "hidden":
+            h = tv.shift_hidden(h)
+        logits = model.lm_head(h)
+        if tv is not None and tv.kind == "logit":
+            logits = logits + tv.delta(h)
+    return torch.softmax(logits[:, ids].double(), -1)
+
+
+@pytest.mark.parametrize("kind", ["kernel", "linear", "logit"])
+def test_bf16_serving_holds_to_float32(soft, tokenizer, kind):
+    """Served in bf16 (the engine's dtype with `--dtype auto` on a CPU with native bf16, and
+    on every GPU), every map's label distribution stays within BF16_TOL of the float32
+    reference: the shift is computed in float32. (Computed in bf16, the kernel map's
+    distances cancelled and its shift was lost: 0.32 off here, more than the shift itself;
+    on SmolLM2 the served kernel fell from 35 % to below zero-shot.)"""
+    from ltv_vllm.tasks import label_token_ids
+
+    d, model, h, vectors = soft
+    tv, path = vectors[kind]
+    ids = label_token_ids(BUILTIN_TASKS["sst2"], tokenizer)
+    ref, bare = restricted(model, h, tv, ids), restricted(model, h, None, ids)
+    assert float((ref - bare).abs().max()) > 0.1  # the shift matters at this tolerance
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, str(WORKER.parent / "offline_classify.py"), str(d),
+                        str(path), json.dumps(SOFT_TEXTS), "bfloat16"], capture_output=True,
+                       text=True, env=env, timeout=600, check=False)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    labels = BUILTIN_TASKS["sst2"].labels
+    err = max(abs(r["probs"][lab] - float(ref[i, j]))
+              for i, r in enumerate(got) for j, lab in enumerate(labels))
+    assert err < BF16_TOL, err

@@ -34,7 +34,7 @@ class LTVMixin:
     """Shared by every wrapper; expects the host class's `compute_logits` and `config`."""
 
     _ltv: TaskVector | None
-    _ltv_cast: TaskVector | None  # _ltv on the engine's device and dtype
+    _ltv_cast: TaskVector | None  # _ltv on the engine's device, float32
 
     def _ltv_init(self, config: object) -> None:
         path = getattr(config, CONFIG_KEY, None)
@@ -60,19 +60,26 @@ class LTVMixin:
                 )
 
     def _ltv_delta(self, h: torch.Tensor, part: slice | None = None) -> torch.Tensor:
-        """U (Vᵀ h) (+ bias), only the outputs in `part` (a vocab shard for a logit vector)."""
-        # One cast to the engine's device/dtype, on first use (vLLM may build the module on
-        # the meta device and move it; the hidden states tell us where we really run).
+        """U (Vᵀ h) (+ bias) in float32, only the outputs in `part` (a vocab shard for a
+        logit vector).
+
+        Always float32, whatever the engine's dtype: in bf16 an RBF map's distances
+        ‖h‖² + ‖v‖² − 2h·v cancel catastrophically (at ‖h‖² ≈ 128 a bf16 step is 1, the
+        size of the distances themselves), and a linear shift loses what rounding each
+        product loses. The shift is ~1 % of the LM head's work (r ≪ vocab), so the cost is
+        small; only its sum with h is rounded back to the engine's dtype."""
+        # One cast to the engine's device, on first use (vLLM may build the module on the
+        # meta device and move it; the hidden states tell us where we really run).
         cast = self._ltv_cast
-        if cast is None or cast.U.device != h.device or cast.U.dtype != h.dtype:
+        if cast is None or cast.U.device != h.device:
             assert self._ltv is not None
-            cast = self._ltv_cast = self._ltv.to(h.device, h.dtype)
-        return cast.delta(h, part)  # (n, d_out): rank-r, never a dense d×d
+            cast = self._ltv_cast = self._ltv.to(h.device, torch.float32)
+        return cast.delta(h.float(), part)  # (n, d_out): rank-r, never a dense d×d
 
     def _ltv_hidden(self, h: torch.Tensor) -> torch.Tensor:
         if self._ltv is None or self._ltv.kind != "hidden" or h.shape[0] == 0:
             return h
-        return h + self._ltv_delta(h)
+        return (h.float() + self._ltv_delta(h)).to(h.dtype)
 
     def load_weights(self, weights):
         loaded = super().load_weights(weights)  # type: ignore[misc]

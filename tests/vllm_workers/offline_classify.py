@@ -1,6 +1,6 @@
 """Fresh process: ltv_vllm.offline.make_llm + classify_offline; prints probabilities as JSON.
 
-argv: model_dir vector_path texts_json
+argv: model_dir vector_path texts_json [dtype (default float32)]
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ def main() -> None:
     from ltv_vllm.tasks import BUILTIN_TASKS
 
     model_dir, vector, texts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    llm = make_llm(model_dir, vector, dtype="float32", max_model_len=256)
+    dtype = sys.argv[4] if len(sys.argv) > 4 else "float32"
+    llm = make_llm(model_dir, vector if vector != "-" else None, dtype=dtype,
+                   max_model_len=256)
     res = classify_offline(llm, BUILTIN_TASKS["sst2"], texts)
     print("RESULT " + json.dumps([{"label": r.label, "probs": r.probs} for r in res]))
 
