@@ -1,10 +1,9 @@
-"""Every CLI command refuses a bad argument with one line, exit 1, in under a second, and
-before any model is loaded (loading is made to fail loudly here)."""
+"""Every CLI command refuses a bad argument with one line, exit 1, before any model is
+loaded or fetched (loading is made to fail loudly here, and the hub is off)."""
 
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -35,6 +34,7 @@ def env(tmp_path, tokenizer, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", trap)
     monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a regression must not reach for the registry
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -105,9 +105,7 @@ CASES = [
 
 @pytest.mark.parametrize("args,message", CASES, ids=[" ".join(c[0][:2] + c[0][-2:]) for c in CASES])
 def test_bad_argument_refused_before_work(env, args, message):
-    t0 = time.perf_counter()
     r = CliRunner().invoke(main, args)
-    elapsed = time.perf_counter() - t0
     assert message in r.output, r.output
     assert "Traceback" not in r.output
     errors = [ln for ln in r.output.splitlines() if ln.startswith("Error: ")]
@@ -116,5 +114,4 @@ def test_bad_argument_refused_before_work(env, args, message):
         assert r.output.startswith("Usage: "), r.output
     else:
         assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
-    assert elapsed < 1.0, f"{elapsed:.2f} s"
     assert not (env / "cache" / "models").exists()  # nothing fetched or converted either

@@ -40,10 +40,10 @@ def task_file(tmp_path_factory):
 
 def hand_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     total = 0.0
-    for a, b in zip(p_logits.tolist(), q_logits.tolist(), strict=False):
+    for a, b in zip(p_logits.tolist(), q_logits.tolist(), strict=True):
         za, zb = sum(math.exp(x) for x in a), sum(math.exp(x) for x in b)
         total += sum(math.exp(x) / za * (x - math.log(za) - (y - math.log(zb)))
-                     for x, y in zip(a, b, strict=False))
+                     for x, y in zip(a, b, strict=True))
     return total / len(p_logits)
 
 

@@ -25,8 +25,9 @@ PROMPTS = ["Review: the plot is dull\nSentiment:", "News: the team wins the fina
 
 
 def run_worker(model_dir: Path, vector: str, max_tokens: int = 4, tp: int = 1,
-               check_local: bool = False) -> dict:
-    """{"outputs": per-prompt logprobs, "local": per-rank local-path checks or None}."""
+               check_local: bool = False, check_fold: bool = False) -> dict:
+    """{"outputs": per-prompt logprobs, "local": per-rank local-path checks or None,
+    "fold": per-rank fold checks or None}."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if tp == 1:
@@ -34,10 +35,11 @@ def run_worker(model_dir: Path, vector: str, max_tokens: int = 4, tp: int = 1,
     else:
         # the CPU backend wants one NUMA node per rank; on one node, bind a core per rank
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
-    if check_local:
+    if check_local or check_fold:
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc sends a function
+    check = "local" if check_local else "fold" if check_fold else ""
     p = subprocess.run([sys.executable, str(WORKER), str(model_dir), vector, json.dumps(PROMPTS),
-                        str(max_tokens), str(tp), "local" if check_local else ""],
+                        str(max_tokens), str(tp), check],
                        capture_output=True, text=True, env=env, timeout=600, check=False)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, p.stderr[-3000:]
@@ -98,7 +100,8 @@ def make_llama_from(config):
 
 def assert_decode_matches(out: list[dict], model, tokenizer, tv) -> None:
     """Every decode step: greedy token = reference argmax, every logprob within 1e-4."""
-    for prompt, res in zip(PROMPTS, out, strict=False):
+    assert len(out) == len(PROMPTS)
+    for prompt, res in zip(PROMPTS, out, strict=True):
         n_prompt = len(tokenizer(prompt)["input_ids"])
         ref = reference_logprobs(model, tokenizer, prompt, res["token_ids"], tv)
         for step, lp in enumerate(res["logprobs"]):
@@ -125,12 +128,14 @@ def test_vllm_fused_matches_transformers(served, logit_vector, kernel_vector, to
            "plain": "-"}[kind]
     # The vocab-local entry points are checked where they can differ: a logit vector, where
     # each rank must add only its own rows of U.
-    res = run_worker(d, arg, max_tokens=5, tp=int(tp or 1), check_local=kind == "logit")
+    res = run_worker(d, arg, max_tokens=5, tp=int(tp or 1), check_local=kind == "logit",
+                     check_fold=kind == "fold")
     out = res["outputs"]
+    assert len(out) == len(PROMPTS)
     fused = kind != "plain"
     ref_tv = tv if fused else None
     assert_decode_matches(out, model, tokenizer, ref_tv)
-    for prompt, r in zip(PROMPTS, out, strict=False):
+    for prompt, r in zip(PROMPTS, out, strict=True):
         # prompt-logprob rows go through compute_logits too
         ref = reference_logprobs(model, tokenizer, prompt, r["token_ids"], ref_tv)
         for i, lp in enumerate(r["prompt_logprobs"][1:], start=1):
@@ -140,6 +145,11 @@ def test_vllm_fused_matches_transformers(served, logit_vector, kernel_vector, to
         plain = reference_logprobs(model, tokenizer, PROMPTS[0], out[0]["token_ids"], None)
         shifted = reference_logprobs(model, tokenizer, PROMPTS[0], out[0]["token_ids"], tv)
         assert (plain - shifted).abs().max() > 1e-2
+    if kind == "fold":  # folded for real: no per-token shift left, the head is W (I + UVᵀ)
+        assert len(res["fold"]) == int(tp or 1)
+        for r in res["fold"]:
+            assert not r["shift_left"] and r["untied"] and r["moved"] > 1e-2, r
+            assert r["max_err"] < 1e-4, r
     if res["local"] is not None:
         ranks = res["local"]
         assert len(ranks) == int(tp or 1)
@@ -195,7 +205,8 @@ def test_offline_classify_matches_restricted_softmax(served, tokenizer):
     w, b = label_head(model, label_token_ids(task, tokenizer))
     h = Capturer(model, tokenizer, progress=False).hidden([task.query(t) for t in texts])
     ref = torch.softmax((tv.shift_hidden(h) @ w.T + b).double(), -1)
-    for row, r in zip(ref.tolist(), got, strict=False):
+    assert len(got) == len(texts)
+    for row, r in zip(ref.tolist(), got, strict=True):
         for lab, pr in zip(task.labels, row, strict=True):
             assert abs(r["probs"][lab] - pr) < 1e-4
         assert r["label"] == task.labels[max(range(2), key=row.__getitem__)]

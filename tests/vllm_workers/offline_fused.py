@@ -1,7 +1,8 @@
 """Run in a fresh process: vllm.LLM with a fused task vector; print logprobs as JSON.
 
 argv: model_dir vector_path|fold:vector_path|- prompts_json max_tokens [tensor_parallel_size
-      [local]]
+      [local|fold]]
+`fold` also reports, per rank, whether the head was really folded (`fold_check`).
 `local` also runs, on every rank, the vocab-local entry points (`compute_logits_local`,
 `get_top_tokens`) against the gathered `compute_logits` (see `local_check`); their results come
 back under "local", one entry per rank.
@@ -35,10 +36,29 @@ def local_check(worker) -> dict:
             "top_ok": bool((top == full.argmax(-1)).all())}
 
 
+def fold_check(worker) -> dict:
+    """On one rank: the wrapper kept no per-token shift, and its LM head is the (untied)
+    embedding times I + U Vᵀ, row for row of this rank's shard."""
+
+    from ltv_vllm.vector import load_task_vector
+
+    model = worker.get_model()
+    path = model.config.ltv_task_vector
+    tv = load_task_vector(path)
+    head = model.lm_head.weight.detach().float()
+    embed = model.model.embed_tokens.weight.detach().float()
+    want = embed + (embed @ tv.U) @ tv.V.T
+    return {"shift_left": model._ltv is not None,
+            "untied": model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr(),
+            "max_err": float((head - want).abs().max()),
+            "moved": float((head - embed).abs().max())}
+
+
 def main() -> None:
     model_dir, vector, prompts_json, max_tokens = sys.argv[1:5]
     tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     check_local = len(sys.argv) > 6 and sys.argv[6] == "local"
+    check_fold = len(sys.argv) > 6 and sys.argv[6] == "fold"
     from vllm import LLM, SamplingParams
 
     from ltv_vllm.serve import engine_kwargs
@@ -63,7 +83,8 @@ def main() -> None:
                                 for s in o.prompt_logprobs],
         })
     local = llm.collective_rpc(local_check) if check_local else None
-    print("RESULT " + json.dumps({"outputs": result, "local": local}))
+    folded = llm.collective_rpc(fold_check) if check_fold else None
+    print("RESULT " + json.dumps({"outputs": result, "local": local, "fold": folded}))
 
 
 if __name__ == "__main__":
