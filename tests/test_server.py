@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -68,38 +69,47 @@ def make_assets(tmp_path_factory, tokenizer):
 
 def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
                  extra: tuple[str, ...] = (), *, cwd: Path | None = None,
-                 env_extra: dict[str, str] | None = None):
+                 env_extra: dict[str, str] | None = None, attempts: int = 3):
     """`ltv-vllm serve` on a free port; (process, url, log). `model_dir` may be relative to
-    `cwd` (then it is also the served base model's name)."""
-    port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "LTV_VLLM_CACHE": str(tmp / "cache"), "TOKENIZERS_PARALLELISM": "false",
-           **(env_extra or {})}
-    cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", str(model_dir),
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
-           *[a for v in vector_args for a in ("--task-vector", v)], *extra, "--enforce-eager"]
-    log = open(tmp / f"server-{port}.log", "wb")  # noqa: SIM115 - closed in stop()
-    # the log is copied through a pipe, so the server never writes a file of its own
-    # (file_size_limit below limits only the task store's writes)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            cwd=cwd)
-    proc.copier = threading.Thread(target=_copy, args=(proc.stdout, log), daemon=True)
-    proc.copier.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 400
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            proc.copier.join(10)
-            raise RuntimeError((tmp / f"server-{port}.log").read_text()[-3000:])
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    proc.copier.join(10)
-    raise RuntimeError("server did not start: " + (tmp / f"server-{port}.log").read_text()[-3000:])
+    `cwd` (then it is also the served base model's name). The server runs in a process group
+    of its own (`stop` ends all of it). A port taken between `free_port` and the server's
+    bind (another process may win it) is retried on a new port."""
+    for attempt in range(attempts):
+        port = free_port()
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+               "LTV_VLLM_CACHE": str(tmp / "cache"), "TOKENIZERS_PARALLELISM": "false",
+               **(env_extra or {})}
+        cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", str(model_dir),
+               "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
+               *[a for v in vector_args for a in ("--task-vector", v)], *extra,
+               "--enforce-eager"]
+        log_path = tmp / f"server-{port}.log"
+        log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        # the log is copied through a pipe, so the server never writes a file of its own
+        # (file_size_limit below limits only the task store's writes)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                cwd=cwd, start_new_session=True)
+        proc.copier = threading.Thread(target=_copy, args=(proc.stdout, log), daemon=True)
+        proc.copier.start()
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                stop(proc, log)
+                text = log_path.read_text()
+                if "address already in use" in text.lower() and attempt + 1 < attempts:
+                    break  # lost the port race: another port
+                raise RuntimeError(text[-3000:])
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return proc, url, log
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            stop(proc, log)
+            raise RuntimeError("server did not start: " + log_path.read_text()[-3000:])
+    raise AssertionError("unreachable")
 
 
 def _copy(src, dst) -> None:
@@ -108,12 +118,30 @@ def _copy(src, dst) -> None:
         dst.flush()
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def stop(proc, log) -> None:
-    proc.terminate()
+    """End the server's whole process group (API server, engine core, compile workers):
+    SIGTERM, then SIGKILL after 30 s; no process of it outlives the test."""
+    if _group_alive(proc.pid):
+        os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    deadline = time.time() + 30
+    while _group_alive(proc.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    if _group_alive(proc.pid):  # a child ignored SIGTERM: end it, and say so
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("a server process outlived its server by 30 s")
     proc.copier.join(10)
     log.close()
 

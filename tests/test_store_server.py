@@ -211,7 +211,7 @@ def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path):
 
 def delete_while_streaming(url, name, tv, model, tokenizer) -> None:
     """DELETE a task while a long request for it streams: the request completes with the
-    task's shift at every token, and the DELETE answers only after it (the drain)."""
+    task's shift at every token, the DELETE succeeds, and the name is gone after it."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     stream = client.completions.create(
         model=name, prompt=PROMPTS[0], max_tokens=200, temperature=0.0, logprobs=1,
@@ -231,9 +231,11 @@ def delete_while_streaming(url, name, tv, model, tokenizer) -> None:
         lp = c.choices[0].logprobs
         toks += [int(t.split(":", 1)[1]) for t in lp.tokens]
         lps += lp.token_logprobs
-    t_stream = time.time()
     deleter.join()
-    assert done["status"] == 200 and done["t"] >= t_stream
+    # (with the drain disabled this still passed here: the engine re-loads a removed adapter
+    # for a running request from its path, which is still there a few ms after remove_lora;
+    # the drain closes that window, so the files never go first)
+    assert done["status"] == 200
     assert len(toks) == 200
     ref = reference_logprobs(model, tokenizer, PROMPTS[0], toks, tv)
     n_prompt = len(tokenizer(PROMPTS[0])["input_ids"])
@@ -596,14 +598,14 @@ def test_compile_over_http_while_serving(assets, tokenizer, tmp_path):
         # a worker killed mid-compile, and a queued compile deleted: nothing left of either
         r = httpx.post(tasks, json=_compile_body("c3", queries=["so so film"] * 3000))
         assert r.status_code == 202, r.text
-        job_status = None
-        while time.time() < deadline:
+        job_status = {}
+        while job_status.get("state") != "extracting":  # kill inside the extraction only
+            assert job_status.get("state") not in ("writing", "done", "failed"), job_status
+            assert time.time() < deadline
+            time.sleep(0.02)
             found = list((store.root / ".jobs").glob("c3-*/status.json"))
-            if found and json.loads(found[0].read_text())["state"] == "extracting":
+            if found:
                 job_status = json.loads(found[0].read_text())
-                break
-            time.sleep(0.05)
-        assert job_status is not None
         r = httpx.post(tasks, json=_compile_body("c4"))
         assert r.status_code == 202 and r.json()["status"] == "queued", r.text
         assert len(list((store.root / ".jobs").glob("c4-*"))) == 1
