@@ -127,7 +127,9 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
                         ((), "at least one --task-vector, or a --task-store"),
                         (("--task-store", str(store), "--max-tasks", "0"), "--max-tasks"),
                         (("--task-store", str(store), "--api-server-count", "2"),
-                         "one API-server process")]:
+                         "one API-server process"),
+                        (("--task-store", str(store), "--max-body-mib", "0"),
+                         "--max-body-mib must be at least 1")]:
         r = run(*args)
         assert r.exit_code != 0 and words in r.output, (args, r.output)
         assert len(r.output.strip().splitlines()) == 1

@@ -88,14 +88,27 @@ def kernel_vector(served, tmp_path_factory):
     return kv, kv.save(tmp_path_factory.mktemp("kernel-vectors") / "kv.safetensors")
 
 
-def make_llama_from(config):
+def make_llama_from(config, head_scale: float = 20.0):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(21)
     m = LlamaForCausalLM(config).float().eval()
     with torch.no_grad():
-        m.lm_head.weight.mul_(20.0)
+        m.lm_head.weight.mul_(head_scale)
     return m
+
+
+def run_classify_worker(model_dir: Path, vector: Path, texts: list[str],
+                        dtype: str = "float32") -> list[dict]:
+    """offline_classify.py in a fresh process: per text {"label", "probs"}."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, str(WORKER.parent / "offline_classify.py"),
+                        str(model_dir), str(vector), json.dumps(texts), dtype],
+                       capture_output=True, text=True, env=env, timeout=600, check=False)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def assert_decode_matches(out: list[dict], model, tokenizer, tv) -> None:
@@ -193,14 +206,7 @@ def test_offline_classify_matches_restricted_softmax(served, tokenizer):
 
     d, model, tv, path = served
     texts = ["the plot is dull", "a gorgeous witty movie", "the team wins"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, str(WORKER.parent / "offline_classify.py"), str(d),
-                        str(path), json.dumps(texts)], capture_output=True, text=True, env=env,
-                       timeout=600, check=False)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, p.stderr[-3000:]
-    got = json.loads(lines[-1][len("RESULT "):])
+    got = run_classify_worker(d, path, texts)
     task = BUILTIN_TASKS["sst2"]
     w, b = label_head(model, label_token_ids(task, tokenizer))
     h = Capturer(model, tokenizer, progress=False).hidden([task.query(t) for t in texts])
@@ -253,17 +259,12 @@ BF16_TOL = 0.02  # label probability; the bare model alone moves 0.0012 in bf16 
 def soft(tmp_path_factory, tokenizer):
     """A tiny model whose label distribution is not saturated (LM head x2, not x20), its
     float32 states for SOFT_TEXTS, and one vector per served map whose shift moves it."""
-    from transformers import LlamaForCausalLM
-
     from ltv_vllm.capture import Capturer
 
     d = tmp_path_factory.mktemp("tiny-soft")
     cfg = make_llama(len(tokenizer), hidden=128, layers=2, seed=21, tie=True).config
     cfg.num_attention_heads, cfg.num_key_value_heads = 2, 1
-    torch.manual_seed(21)
-    model = LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(2.0)
+    model = make_llama_from(cfg, head_scale=2.0)
     model.save_pretrained(d)
     tokenizer.save_pretrained(d)
     task = BUILTIN_TASKS["sst2"]
@@ -314,14 +315,7 @@ def test_bf16_serving_holds_to_float32(soft, tokenizer, kind):
     ids = label_token_ids(BUILTIN_TASKS["sst2"], tokenizer)
     ref, bare = restricted(model, h, tv, ids), restricted(model, h, None, ids)
     assert float((ref - bare).abs().max()) > 0.1  # the shift matters at this tolerance
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, str(WORKER.parent / "offline_classify.py"), str(d),
-                        str(path), json.dumps(SOFT_TEXTS), "bfloat16"], capture_output=True,
-                       text=True, env=env, timeout=600, check=False)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, p.stderr[-3000:]
-    got = json.loads(lines[-1][len("RESULT "):])
+    got = run_classify_worker(d, path, SOFT_TEXTS, "bfloat16")
     labels = BUILTIN_TASKS["sst2"].labels
     err = max(abs(r["probs"][lab] - float(ref[i, j]))
               for i, r in enumerate(got) for j, lab in enumerate(labels))

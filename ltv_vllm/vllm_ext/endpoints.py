@@ -299,11 +299,10 @@ class TaskEndpoints:
 
     def _stage_upload(self, name: str, data: bytes) -> Path:
         """The uploaded bytes as a staged entry (never unpickled: safetensors, or torch.load
-        with weights_only), checked against the served model."""
-        from ..checkpoint import identity_from_dir
+        with weights_only); `stage` checks it against the served model."""
         from ..taskstore import full_disk
         from ..vector import VectorError, load_task_vector, sniff_suffix
-        from .lora import VLLM_LORA_RANKS, refuse_non_lora
+        from .lora import VLLM_LORA_RANKS
 
         with tempfile.TemporaryDirectory(dir=self.store.root, prefix=".up-") as d:
             path = Path(d) / f"upload{sniff_suffix(data)}"
@@ -314,8 +313,6 @@ class TaskEndpoints:
                     raise
                 raise full from e
             tv = load_task_vector(path)
-        tv.check_model(identity_from_dir(self.model_dir))
-        refuse_non_lora(tv)
         if tv.rank > VLLM_LORA_RANKS[-1]:
             raise VectorError(f"rank {tv.rank}: an upload may have rank {VLLM_LORA_RANKS[-1]} "
                               f"at most (vLLM's largest LoRA rank); this server serves rank "

@@ -48,19 +48,13 @@ def lowrank_fro_norm(B: torch.Tensor, A: torch.Tensor) -> float:
     return float(torch.trace((b.T @ b) @ (a @ a.T)).clamp_min(0).sqrt())
 
 
-def _fro_norm(w: torch.Tensor, rows: int = 8192) -> float:
-    """‖w‖_F in float64, a block of rows at a time (a whole vocab × d copy is gigabytes)."""
-    return math.sqrt(sum(float(w[i:i + rows].double().pow(2).sum())
-                         for i in range(0, w.shape[0], rows)))
-
-
 def check_servable(tv: TaskVector, A: torch.Tensor, B: torch.Tensor,
                    lm_head: torch.Tensor) -> None:
     """Refuse LoRA factors (A (r, d), B (vocab, r)) that would wreck every logit: values
     float32 cannot hold, or a logit map B A far larger than the LM head's own."""
     if not (bool(torch.isfinite(A).all()) and bool(torch.isfinite(B).all())):
         raise VectorError(f"task vector {tv.task_name!r} overflows float32 on this LM head")
-    gain, head = lowrank_fro_norm(B, A), _fro_norm(lm_head)
+    gain, head = lowrank_fro_norm(B, A), float(torch.linalg.vector_norm(lm_head))
     if gain > MAX_GAIN * head:
         ratio = gain / head if head > 0 else math.inf
         raise VectorError(f"task vector {tv.task_name!r} would move the logits {ratio:.1e}x "
