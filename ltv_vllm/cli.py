@@ -827,6 +827,44 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     click.echo("wrote " + ", ".join(str(p) for p in paths))
 
 
+def _read_evaluation(out_dir: Path, what: str) -> dict[str, Any]:
+    """OUT/results.json of a finished evaluation, or a one-line error prefixed by `what`."""
+    path = out_dir / "results.json"
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArgumentError(f"{what}{path} does not exist (no finished evaluation there)"
+                            ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArgumentError(f"{what}{path} is unreadable ({e})") from None
+    if not (isinstance(doc, dict) and isinstance(doc.get("config"), dict)
+            and isinstance(doc.get("records"), list)):
+        raise ArgumentError(f"{what}{path} is not an evaluation's result")
+    return doc
+
+
+@main.command("report")
+@click.argument("out_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@friendly
+def report_cmd(out_dir: Path) -> None:
+    """Re-render an `evaluate` result directory from its results.json, running no model: a
+    regression evaluation's scores (MSE, parse and echo counts) are recomputed from the
+    answers it stored, its instances redrawn from their seeds."""
+    from .evaluate import markdown_table, write_report
+    from .regress import regression_table, rescore, write_regression_report
+
+    doc = _read_evaluation(out_dir, "")
+    command = str(doc.get("command", "(command not recorded)"))
+    if doc["config"].get("kind") == "regression":
+        doc = rescore(doc)
+        paths = write_regression_report(doc, out_dir, command)
+        click.echo(regression_table(doc))
+    else:
+        paths = write_report(doc, out_dir, command)
+        click.echo(markdown_table(doc))
+    click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
 def _previous_evaluation(out_dir: Path, model_spec: str | None, methods: list[str], cfg: Any,
                          dtype: str, device: str) -> dict[str, Any]:
     """OUT/results.json for --extend, checked against what is known before the model loads
@@ -835,16 +873,7 @@ def _previous_evaluation(out_dir: Path, model_spec: str | None, methods: list[st
     from .hardware import checkpoint_dtype, resolve_dtype
     from .models import DEFAULT_MODEL, resolve_model
 
-    path = out_dir / "results.json"
-    try:
-        previous = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ArgumentError(f"--extend: {path} does not exist (nothing finished to extend)"
-                            ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArgumentError(f"--extend: {path} is unreadable ({e})") from None
-    if not isinstance(previous, dict):
-        raise ArgumentError(f"--extend: {path} is not an evaluation's result")
+    previous = _read_evaluation(out_dir, "--extend: ")
     spec = model_spec or DEFAULT_MODEL
     check_extension(previous, {"model": spec, "methods": methods, **cfg.to_dict()})
     # `auto` follows the CPU: an evaluation begun in bf16 is not extended in float32

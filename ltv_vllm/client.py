@@ -27,6 +27,16 @@ class Classification:
     probs: dict[str, float]  # label word → restricted probability
 
 
+def classification(lp: dict[int, float], label_ids: Sequence[int],
+                   labels: Sequence[str]) -> Classification:
+    """Label and label-restricted probabilities from logprobs by token id (a label the
+    engine did not return gets probability 0)."""
+    by_lab = {lab: lp[i] for i, lab in zip(label_ids, labels, strict=True) if i in lp}
+    z = sum(math.exp(v) for v in by_lab.values())
+    probs = {lab: math.exp(by_lab[lab]) / z if lab in by_lab else 0.0 for lab in labels}
+    return Classification(label=max(probs, key=probs.__getitem__), probs=probs)
+
+
 def token_logprobs(top: dict[str, float]) -> dict[int, float]:
     """`top_logprobs` keyed `token_id:N` (return_tokens_as_token_ids) → {N: logprob}."""
     return {int(k.split(":", 1)[1]): v for k, v in top.items()}
@@ -83,7 +93,6 @@ def classify(
     base_url = base_url.rstrip("/")
     model = model or task.name
     ids = label_ids_from_server(base_url, model, task, api_key=api_key)
-    by_id = dict(zip(ids, task.labels, strict=True))
     client = _openai(base_url, api_key)
 
     def one(text: str) -> Classification:
@@ -98,10 +107,7 @@ def classify(
         except openai.APIConnectionError:
             raise ClientError(f"cannot reach {base_url}") from None
         top = token_logprobs(r.choices[0].logprobs.top_logprobs[0])  # type: ignore[union-attr]
-        lp = {by_id[i]: v for i, v in top.items() if i in by_id}
-        z = sum(math.exp(v) for v in lp.values())
-        probs = {lab: math.exp(lp[lab]) / z if lab in lp else 0.0 for lab in task.labels}
-        return Classification(label=max(probs, key=probs.__getitem__), probs=probs)
+        return classification(top, ids, task.labels)
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         return list(pool.map(one, texts))

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -98,19 +101,62 @@ def parse_number(text: str, next_input: str | None = "x:") -> float | None:
     return v if math.isfinite(v) else None
 
 
-def regression_scores(answers: list[float | None], targets: list[float]) -> dict[str, float]:
-    """MSE over the parsed answers, the parse rate, and `mse_zero_fill`: MSE over all queries
-    with an unparsed answer counted as 0 (the prior mean of y), so a method cannot improve
-    its MSE by failing to answer the hard queries."""
+def copies(answer: float | None, printed: Sequence[float], decimals: int) -> bool:
+    """The answer is one of `printed` as the prompt prints it (to `decimals` places): a
+    query's own coordinates (the model echoed the `x: [x₁, …` line) or a demo's label (it
+    repeated a y it was shown) rather than a prediction. A real prediction equal to one of
+    them is a 1-in-10^decimals coincidence per value."""
+    if answer is None:
+        return False
+    half = 0.5 * 10.0 ** -decimals
+    return any(abs(answer - round(v, decimals)) < half for v in printed)
+
+
+def _mse_of(pairs: list[tuple[float, float]]) -> float:
+    return sum((a - t) ** 2 for a, t in pairs) / len(pairs) if pairs else math.nan
+
+
+def regression_scores(answers: list[float | None], targets: list[float],
+                      inputs: Sequence[Sequence[float]] | None = None,
+                      decimals: int = 4, demo_labels: Sequence[float] = ()) -> dict[str, Any]:
+    """What the answers are and how far they land, per instance.
+
+    `mse`: over every parsed answer; `parse_rate`: parsed / queries. With the queries'
+    `inputs`, a parsed answer that `copies` a coordinate of its own x (`echoes_x`), or else a
+    demo's label (`echoes_demo`, from `demo_labels`), is an *echo*: `echoes`, `echo_rate`,
+    and `mse_own` / `own_rate` over the parsed answers that are not echoes.
+    `mse_zero_fill`: MSE over all queries with an unparsed answer replaced by 0 — failures
+    scored as *predict 0*, the prior mean of y and the best constant guess: a bound on what
+    failing to answer could hide, not a score of the method. `top_answer` / `top_count`: the
+    most frequent parsed value and how often it came, `zeros`: how many answers are exactly
+    0 (a model that answers one constant, or the best constant, shows here)."""
     assert len(answers) == len(targets), "one answer per target"
     if not targets:
         raise ValueError("no queries to score")
     parsed = [(a, t) for a, t in zip(answers, targets, strict=True) if a is not None]
     filled = [((a if a is not None else 0.0) - t) ** 2 for a, t in zip(answers, targets,
                                                                        strict=True)]
-    return {
-        "mse": sum((a - t) ** 2 for a, t in parsed) / len(parsed) if parsed else math.nan,
-        "parse_rate": len(parsed) / len(targets),
+    n = len(targets)
+    counts = Counter(a for a, _ in parsed)
+    top, top_n = counts.most_common(1)[0] if counts else (None, 0)
+    out: dict[str, Any] = {
+        "mse": _mse_of(parsed),
+        "parse_rate": len(parsed) / n,
         "mse_zero_fill": sum(filled) / len(filled),
-        "n": len(targets),
+        "n": n,
+        "parsed": len(parsed),
+        "top_answer": top,
+        "top_count": top_n,
+        "zeros": counts.get(0.0, 0),  # answers of exactly 0: the predict-0 reference's answer
     }
+    if inputs is not None:
+        assert len(inputs) == n, "one input per target"
+        of_x = [copies(a, x, decimals) for a, x in zip(answers, inputs, strict=True)]
+        of_demo = [not e and copies(a, demo_labels, decimals) for a, e in
+                   zip(answers, of_x, strict=True)]
+        echo = [a or b for a, b in zip(of_x, of_demo, strict=True)]
+        own = [(a, t) for a, t, e in zip(answers, targets, echo, strict=True)
+               if a is not None and not e]
+        out |= {"echoes": sum(echo), "echoes_x": sum(of_x), "echoes_demo": sum(of_demo),
+                "echo_rate": sum(echo) / n, "own_rate": len(own) / n, "mse_own": _mse_of(own)}
+    return out

@@ -8,12 +8,11 @@ greedy generation jobs in a fresh process (`python -m ltv_vllm.offline JOB OUT`)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .client import Classification
+from .client import Classification, classification
 from .tasks import Task, label_token_ids
 
 
@@ -58,10 +57,7 @@ def parse_classification(
 ) -> Classification:
     """Label and restricted probabilities from a `RequestOutput` of `classification_params`."""
     top = output.outputs[0].logprobs[0]  # token id → Logprob, restricted to the labels
-    lp = {lab: top[i].logprob for i, lab in zip(label_ids, labels, strict=False) if i in top}
-    z = sum(math.exp(v) for v in lp.values())
-    probs = {lab: math.exp(lp[lab]) / z if lab in lp else 0.0 for lab in labels}
-    return Classification(label=max(probs, key=probs.__getitem__), probs=probs)
+    return classification({i: x.logprob for i, x in top.items()}, label_ids, labels)
 
 
 def classify_offline(llm: Any, task: Task, texts: Sequence[str]) -> list[Classification]:

@@ -80,7 +80,6 @@ def score_instance(ctx: Context, methods: Sequence[str], max_new_tokens: int
     cap, ep = ctx.cap, ctx.episode
     task = ep.task
     queries = [task.query(e.text) for e in ep.test]
-    targets = [float(e.label) for e in ep.test]
     gen = {"max_new_tokens": max_new_tokens}
     ext: dict[str, float] = {}
     arts: dict[str, Any] = {}
@@ -122,15 +121,19 @@ def score_instance(ctx: Context, methods: Sequence[str], max_new_tokens: int
             texts[name] = greedy(cap, queries, desc=f"{task.name} {name} gen", **gen)
     out: dict[str, dict[str, Any]] = {}
     for name in methods:
-        s = answer_scores(task, texts[name], targets)
+        s = answer_scores(task, texts[name], ep)
         s["kl_first"] = 0.0 if name == "icl" else _kl(logp["icl"], logp[name])
         out[name] = s
     return out, ext, arts
 
 
-def answer_scores(task: RegressionTask, texts: list[str], targets: list[float]) -> dict[str, Any]:
+def answer_scores(task: RegressionTask, texts: list[str], ep: Any) -> dict[str, Any]:
+    """`metrics.regression_scores` of the generated texts against the episode's test examples
+    (their x and the demos' printed y, to tell an echo from a prediction, and their y)."""
     answers = [parse_number(t, task.in_prefix + ":") for t in texts]
-    s: dict[str, Any] = regression_scores(answers, targets)
+    s: dict[str, Any] = regression_scores(
+        answers, [float(e.label) for e in ep.test], [json.loads(e.text) for e in ep.test],
+        task.decimals, demo_labels=[float(task.number(float(e.label))) for e in ep.demos])
     s["texts"] = texts  # every generated answer, parsed or not: nothing is hidden
     return s
 
@@ -152,7 +155,6 @@ def vllm_scores(lm: LoadedModel, ctx: Context, methods: Sequence[str], arts: dic
     ep, tok = ctx.episode, lm.tokenizer
     task = ep.task
     queries = [task.query(e.text) for e in ep.test]
-    targets = [float(e.label) for e in ep.test]
     prefix = ep.demo_prefix()
     model_dir = resolve_model(lm.spec)
     longest = max(len(ctx.cap.encode(prefix + q)) for q in queries)
@@ -176,7 +178,7 @@ def vllm_scores(lm: LoadedModel, ctx: Context, methods: Sequence[str], arts: dic
         if m not in methods:
             continue
         texts = [tok.decode(t, skip_special_tokens=True) for t in ids]
-        s = answer_scores(task, texts, targets)
+        s = answer_scores(task, texts, ep)
         ours = [parse_number(t, task.in_prefix + ":") for t in hf[m]["texts"]]
         theirs = [parse_number(t, task.in_prefix + ":") for t in texts]
         s["agreement"] = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(texts)
@@ -284,7 +286,8 @@ def extract_regression(lm: LoadedModel, task: RegressionTask, *, k: int = DEFAUL
     return tv, metrics
 
 
-METRICS = ("mse", "parse_rate", "mse_zero_fill", "kl_first")
+METRICS = ("mse", "parse_rate", "mse_zero_fill", "kl_first", "echo_rate", "own_rate",
+           "mse_own")
 
 # predictors that read only the demos, beside the model's methods: what the MSEs mean
 REFERENCES = {"zero": "predict 0 (the prior mean of y)",
@@ -331,6 +334,10 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 
 def summarise_regression(records: list[dict[str, Any]], tasks: list[str],
                          methods: list[str]) -> dict[str, Any]:
+    """Per task and method: each metric's mean ± std over instances, with how many instances
+    it rests on (`mse_instances`: an instance with no parsed answer has no MSE and drops out
+    of the mean), and counts over all instances: answers, parsed, echoes of x, and the
+    queries answered by their instance's most frequent value."""
     out: dict[str, Any] = {}
     for t in tasks:
         out[t] = {}
@@ -338,13 +345,49 @@ def summarise_regression(records: list[dict[str, Any]], tasks: list[str],
             rs = [r for r in records if r["task"] == t and r["method"] == m]
             cell: dict[str, Any] = {"runs": len(rs)}
             for key in METRICS:
-                cell[key], cell[key + "_std"] = _mean_std([r[key] for r in rs])
+                vals = [r[key] for r in rs if key in r]
+                if len(vals) < len(rs):
+                    continue  # an old record without this score: `rescore` adds it
+                cell[key], cell[key + "_std"] = _mean_std(vals)
+                cell[key + "_instances"] = sum(v == v for v in vals)
+            for key in ("n", "parsed", "echoes", "echoes_x", "echoes_demo", "top_count",
+                        "zeros"):
+                if all(key in r for r in rs):
+                    cell[key + "_total"] = sum(r[key] for r in rs)
+            tops = {r.get("top_answer") for r in rs}
+            cell["top_answer"] = tops.pop() if len(tops) == 1 else None  # shared by all
             served = [r["vllm"] for r in rs if "vllm" in r]
             if served:
                 cell["vllm"] = {key: _mean_std([v[key] for v in served])[0]
                                 for key in ("mse", "parse_rate", "agreement", "identical_text")}
             out[t][m] = cell
     return out
+
+
+def rescore(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` with every score that comes from the answers recomputed from its stored texts
+    (transformers' and vLLM's) against the instances, redrawn from the configuration:
+    an older results.json gains the echo counts, and a change to the scoring re-reports
+    every committed evaluation without generating anything again."""
+    cfg = doc["config"]
+    eps: dict[tuple[str, int], tuple[RegressionTask, Any]] = {}
+    records = []
+    for r in doc["records"]:
+        if (r["task"], r["seed"]) not in eps:
+            task = RegressionTask.from_dict(cfg["task_specs"][r["task"]])
+            eps[r["task"], r["seed"]] = (task, sample_regression_episode(
+                task, k=r.get("k_used", cfg["k"]), n=1, n_test=cfg["n_test"], seed=r["seed"]))
+        task, ep = eps[r["task"], r["seed"]]
+        new = {**r, **answer_scores(task, r["texts"], ep)}
+        if "vllm" in r:
+            new["vllm"] = {**r["vllm"], **answer_scores(task, r["vllm"]["texts"], ep)}
+        records.append(new)
+    return {**doc, "records": records,
+            "summary": summarise_regression(records, cfg["tasks"], cfg["methods"]),
+            # the references read only the demos: kept as stored (a redraw would differ in
+            # the last bits of a least-squares solve)
+            "references": doc.get("references") or references(cfg),
+            "correlation": _correlation(records)}
 
 
 def _correlation(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -363,6 +406,13 @@ def _mse(x: float) -> str:
     return f"{x:.2f}" if abs(x) < 1e5 else f"{x:.2e}"
 
 
+def _instances(c: dict[str, Any], key: str) -> str:
+    """', on 2 of 5 instances' where a mean rests on fewer instances than ran (an instance
+    with no answer of the kind has no MSE)."""
+    got = c.get(key + "_instances", c["runs"])
+    return "" if got >= c["runs"] else f", on {got} of {c['runs']} instances"
+
+
 def regression_table(doc: dict[str, Any]) -> str:
     cfg, summ = doc["config"], doc["summary"]
     tasks, methods = cfg["tasks"], cfg["methods"]
@@ -370,11 +420,15 @@ def regression_table(doc: dict[str, Any]) -> str:
     sep = "|---|" + "---|" * len(tasks)
     lines = [f"Model `{cfg['model']}` ({cfg['dtype']}), k={cfg['k']}, N={cfg['n']}, "
              f"λ={cfg['lam']}, {cfg['n_test']} test queries per instance, {cfg['runs']} "
-             f"instances per task (mean ± std over instances), greedy, at most "
-             f"{cfg['max_new_tokens']} new tokens, the first number of the answer line parsed."]
+             f"instances per task (mean ± std over instances; counts over all instances), "
+             f"greedy, at most {cfg['max_new_tokens']} new tokens, the first number of the "
+             "answer line parsed. An **echo** is a parsed answer equal, as printed, to a "
+             "coordinate of the query's own x (the model copied the `x: [x₁, …` line) or to "
+             "a demo's y; the **own answers** are the parsed answers that are not echoes."]
+    counted = all("echoes_total" in summ[t][m] for t in tasks for m in methods)
 
-    def table(title: str, key: str, fmt: Callable[[float], str],
-              skip: tuple[str, ...] = ()) -> None:
+    def table(title: str, key: str, fmt: Callable[[float], str], skip: tuple[str, ...] = (),
+              note: Callable[[dict[str, Any]], str] | None = None) -> None:
         lines.extend(["", title, "", head, sep])
         for m in methods:
             if m in skip:
@@ -382,11 +436,26 @@ def regression_table(doc: dict[str, Any]) -> str:
             cells = []
             for t in tasks:
                 c = summ[t][m]
-                cells.append(fmt(c[key]) + (" ± " + fmt(c[key + "_std"])
-                                            if cfg["runs"] > 1 else ""))
+                spread = " ± " + fmt(c[key + "_std"]) if cfg["runs"] > 1 else ""
+                extra = (note(c) if note and counted else "") + _instances(c, key)
+                cells.append(fmt(c[key]) + spread + (f" ({extra.lstrip(', ')})" if extra
+                                                     else ""))
             lines.append(f"| {_label(m)} | " + " | ".join(cells) + " |")
 
-    table("**MSE over parsed answers** (lower is better)", "mse", _mse)
+    if counted:
+        lines += ["", "**Answers**, of all queries: parsed / echoes of x / echoes of a demo's "
+                  "y / own answers. A parse rate counts echoes as answers.", "", head, sep]
+        for m in methods:
+            cells = [f"{c['parsed_total']} / {c['echoes_x_total']} / {c['echoes_demo_total']}"
+                     f" / {c['parsed_total'] - c['echoes_total']} of {c['n_total']}"
+                     for c in (summ[t][m] for t in tasks)]
+            lines.append(f"| {_label(m)} | " + " | ".join(cells) + " |")
+        table("**MSE over own answers** (parsed, not an echo; lower is better)", "mse_own",
+              _mse, note=lambda c: f"{c['parsed_total'] - c['echoes_total']} own of "
+                                   f"{c['n_total']}")
+    table("**MSE over parsed answers**, echoes included (lower is better)", "mse", _mse,
+          note=lambda c: f"{c['parsed_total']} parsed, {c['echoes_total']} echoes, of "
+                         f"{c['n_total']}")
     refs = doc.get("references") or references(cfg)
     lines += ["", "**Reference predictors** that read only the demos (the same test queries):",
               "", head.replace("| Method |", "| Reference |"), sep]
@@ -394,9 +463,25 @@ def regression_table(doc: dict[str, Any]) -> str:
         cells = [_mse(refs[t][key][0]) + (" ± " + _mse(refs[t][key][1]) if cfg["runs"] > 1
                                           else "") for t in tasks]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    table("**Parse rate** (answers with a number)", "parse_rate", "{:.2f}".format)
-    table("**MSE with an unparsed answer counted as 0** (the prior mean of y)",
-          "mse_zero_fill", _mse)
+    table("**MSE with failures scored as predict-0**: every unparsed answer replaced by 0, the "
+          "prior mean of y and the best constant guess (the *predict 0* reference), so a "
+          "method that seldom answers scores about as well as predicting 0 here. The cost of "
+          "failing to answer, never the method's own error.",
+          "mse_zero_fill", _mse,
+          note=lambda c: f"{c['n_total'] - c['parsed_total']} of {c['n_total']} unparsed")
+    if counted:
+        lines += ["", "**Constant answers**: queries answered exactly 0 (the *predict 0* "
+                  "reference's answer) / with their instance's most frequent value (that "
+                  "value where every instance's is the same), of all queries", "", head, sep]
+        for m in methods:
+            cells = []
+            for t in tasks:
+                c = summ[t][m]
+                v = c.get("top_answer")
+                cells.append(f"{c['zeros_total']} / {c['top_count_total']}"
+                             + (f" ({v + 0.0:g})" if v is not None else "")
+                             + f" of {c['n_total']}")
+            lines.append(f"| {_label(m)} | " + " | ".join(cells) + " |")
     table("**KL(P_icl ‖ P_method) at the first generated token, whole vocabulary** (the "
           "regression analogue of d_NTP)", "kl_first", "{:.3f}".format, skip=("icl",))
     if cfg.get("vllm"):
@@ -415,17 +500,20 @@ def regression_table(doc: dict[str, Any]) -> str:
             lines.append(f"| {_label(m)} | " + " | ".join(cells) + " |")
     c = doc.get("correlation") or {}
     if c.get("pearson") is not None:
-        lines += ["", f"KL vs MSE over {c['points']} (method, task, instance) points, ICL left "
-                  f"out: Pearson r = {c['pearson']:+.2f}, Spearman ρ = {c['spearman']:+.2f}."]
+        lines += ["", f"KL vs MSE (over parsed answers) over {c['points']} (method, task, "
+                  f"instance) points, ICL left out: Pearson r = {c['pearson']:+.2f}, "
+                  f"Spearman ρ = {c['spearman']:+.2f}."]
     return "\n".join(lines) + "\n"
 
 
 def plot_regression(doc: dict[str, Any], out_dir: Path) -> Path:
     cfg, summ = doc["config"], doc["summary"]
     tasks, methods = cfg["tasks"], cfg["methods"]
+    key = "mse_own" if all("mse_own" in summ[t][m] for t in tasks for m in methods) else "mse"
     return bars_per_task(
-        tasks, {m: [summ[t][m]["mse"] for t in tasks] for m in methods},
-        {m: [summ[t][m]["mse_std"] for t in tasks] for m in methods}, _label,
+        tasks, {m: [summ[t][m][key] for t in tasks] for m in methods},
+        {m: [summ[t][m][key + "_std"] for t in tasks] for m in methods}, _label,
+        "MSE (own answers: parsed, not echoes of x)" if key == "mse_own" else
         "MSE (parsed answers)", f"{cfg['model']}: regression MSE ({cfg['runs']} instances per "
         "task)", out_dir / "mse_per_task.png")
 

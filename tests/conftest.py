@@ -12,6 +12,18 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# nothing in the suite may reach for the hub: a regression in argument checking that tried to
+# download the default model fails here instead of waiting on the network
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_model_cache(tmp_path_factory):
+    """The suite's own empty model cache (a test may set another): the default model of a
+    developer's cache is never what a test silently runs on."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LTV_VLLM_CACHE", str(tmp_path_factory.mktemp("model-cache")))
+        yield
 
 CORPUS = [
     "Review: a gorgeous, witty, seductive movie.\nSentiment: positive\n",

@@ -172,6 +172,19 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
             assert torch.allclose(torch.tensor(got["probs"][i], dtype=torch.float64), p,
                                   atol=1e-4), (mode, i)
         assert got["predictions"] == [int(p.argmax()) for p in ref], mode
+        # and the report's transformers row for the mode is the same method's answers
+        assert doc["transformers"][mode]["predictions"] == got["predictions"], mode
+        assert f"| {mode} | " in md.split("transformers in float32")[1]
+    # the online server answered what the method answers, at every concurrency level (its
+    # queries are the workload's first `--online-requests`)
+    for c in ("1", "4"):
+        got = doc["online"]["ltv-lora"][c]
+        assert len(got["probs"]) == 8
+        for i, p in enumerate(ltv[:8]):
+            assert torch.allclose(torch.tensor(got["probs"][i], dtype=torch.float64), p,
+                                  atol=1e-4), ("online", c, i)
+        assert got["predictions"] == [int(p.argmax()) for p in ltv[:8]], ("online", c)
+    assert max(float((a - b).abs().max()) for a, b in zip(ltv[:8], zs[:8], strict=True)) > 1e-2
     # the vectors move the distributions, so the comparison above tells the methods apart
     assert max(float((a - b).abs().max()) for a, b in zip(ltv, zs, strict=True)) > 1e-2
     assert max(float((a - b).abs().max()) for a, b in zip(kern, zs, strict=True)) > 1e-2

@@ -70,6 +70,26 @@ def test_regression_scores_against_hand_values():
     assert none["mse_zero_fill"] == pytest.approx(2.5)
 
 
+def test_regression_scores_tell_echoes_of_x_from_answers():
+    """An answer equal to a coordinate of its own query's x (as printed, 4 decimals) is an
+    echo: counted apart, and left out of `mse_own`; a value of another query's x is not."""
+    inputs = [[-3.6117, 0.8299], [1.25, 0.0], [0.5, 0.5], [2.0, -1.0], [0.1, 0.2]]
+    # echo of x; own; unparsed; own (an x of query 1, not of query 3); a demo's y
+    answers = [-3.6117, 0.7, None, 0.0, 1.2346]
+    targets = [1.0, 1.0, 2.0, 0.5, 1.0]
+    got = regression_scores(answers, targets, inputs, decimals=4, demo_labels=[1.2346, 9.0])
+    assert (got["parsed"], got["echoes"], got["echoes_x"], got["echoes_demo"]) == (4, 2, 1, 1)
+    assert got["echo_rate"] == 0.4 and got["own_rate"] == 0.4
+    assert got["mse_own"] == pytest.approx(((0.7 - 1.0) ** 2 + 0.25) / 2)
+    assert got["mse"] == pytest.approx((4.6117 ** 2 + 0.09 + 0.25 + 0.2346 ** 2) / 4)
+    assert got["zeros"] == 1 and got["top_count"] == 1
+    # the printed rounding decides: 0.82994 prints as 0.8299, 0.82996 as 0.8300
+    assert regression_scores([0.8299], [0.0], [[0.82994]], 4)["echoes_x"] == 1
+    assert regression_scores([0.8299], [0.0], [[0.82996]], 4)["echoes_x"] == 0
+    same = regression_scores([2.0, 2.0, 1.0, None], [0.0] * 4)
+    assert (same["top_answer"], same["top_count"]) == (2.0, 2) and "echoes" not in same
+
+
 # -- tasks -----------------------------------------------------------------------------------
 
 
@@ -514,7 +534,72 @@ def test_regression_table_keeps_a_degenerate_mse_readable():
     doc = {"config": cfg, "summary": summarise_regression(records, ["linear"], cfg["methods"]),
            "references": {"linear": {key: (1.0, 0.0) for key in REFERENCES}}}
     rows = regression_table(doc).splitlines()
-    mse_rows = rows[rows.index("**MSE over parsed answers** (lower is better)") + 4:][:2]
+    mse_rows = rows[rows.index("**MSE over parsed answers**, echoes included (lower is "
+                               "better)") + 4:][:2]
     # zero-shot: mean 2, std (sample) sqrt(2); ltv: mean 1e20, std 2e20/sqrt(2)
     assert mse_rows[0] == "| Zero-shot | 2.00 ± 1.41 |"
     assert mse_rows[1] == "| LTV | 1.00e+20 ± 1.41e+20 |"
+
+
+def test_table_says_how_few_instances_a_mean_rests_on():
+    """An instance with no parsed answer has no MSE: the mean says it rests on fewer."""
+    from ltv_vllm.regress import REFERENCES, regression_table, summarise_regression
+
+    def rec(run: int, mse: float, parsed: int) -> dict[str, Any]:
+        return {"task": "linear", "run": run, "method": "ltv", "mse": mse, "mse_own": mse,
+                "parse_rate": parsed / 4, "mse_zero_fill": 1.0, "kl_first": 0.5, "n": 4,
+                "parsed": parsed, "echoes": 0, "echoes_x": 0, "echoes_demo": 0,
+                "echo_rate": 0.0, "own_rate": parsed / 4,
+                "top_answer": None, "top_count": 1 if parsed else 0, "zeros": 0}
+
+    records = [rec(0, 2.0, 1), rec(1, math.nan, 0), rec(2, 4.0, 2)]
+    cfg = {"model": "m", "dtype": "float32", "k": 30, "n": 8, "lam": 5.0, "n_test": 4,
+           "runs": 3, "max_new_tokens": 12, "tasks": ["linear"], "methods": ["ltv"]}
+    summ = summarise_regression(records, ["linear"], cfg["methods"])
+    assert summ["linear"]["ltv"]["mse"] == 3.0 and summ["linear"]["ltv"]["mse_instances"] == 2
+    doc = {"config": cfg, "summary": summ,
+           "references": {"linear": {key: (1.0, 0.0) for key in REFERENCES}}}
+    text = regression_table(doc)
+    assert "| LTV | 3.00 ± 1.41 (3 own of 12, on 2 of 3 instances) |" in text
+    assert "| LTV | 3 / 0 / 0 / 3 of 12 |" in text
+
+
+@pytest.mark.parametrize("name,echoes", [("regression_smollm2-135m", (426, 417)),
+                                         ("regression_qwen2.5-coder-1.5b", (427, 430))])
+def test_committed_regression_reports_recompute_from_their_answers(name, echoes):
+    """Every committed regression score recomputes exactly from the answers stored beside
+    it (instances redrawn from their seeds), and the echoes agree with a count by string:
+    the answer's first number spelled exactly as one of its query's printed coordinates."""
+    import re
+    from pathlib import Path
+
+    from ltv_vllm.data import sample_regression_episode
+    from ltv_vllm.regress import regression_table, rescore
+
+    path = Path(__file__).parent.parent / "benchmarks" / "results" / name / "results.json"
+    doc = json.loads(path.read_text())
+    new = rescore(doc)
+    for old, r in zip(doc["records"], new["records"], strict=True):
+        for key in ("mse", "parse_rate", "mse_zero_fill", "n"):
+            assert (old[key] == r[key]) or (math.isnan(old[key]) and math.isnan(r[key])), key
+    cfg, by_string = doc["config"], {}
+    for t in cfg["tasks"]:
+        task = RegressionTask.from_dict(cfg["task_specs"][t])
+        count = 0
+        for r in doc["records"]:
+            if r["task"] != t or r["method"] != "zero-shot":
+                continue
+            test = sample_regression_episode(task, k=cfg["k"], n=1, n_test=cfg["n_test"],
+                                             seed=r["seed"]).test
+            for text, e in zip(r["texts"], test, strict=True):
+                line = next((s.strip() for s in text.split("\n") if s.strip()), "")
+                first = re.search(r"[-+]?\d+\.?\d*", line)
+                printed = re.findall(r"[-+]?\d+\.\d+", task.query(e.text).split("\n")[-2])
+                count += bool(first) and not line.startswith("x:") and first.group() in printed
+        by_string[t] = count
+    assert tuple(by_string.values()) == echoes
+    assert tuple(new["summary"][t]["zero-shot"]["echoes_x_total"] for t in cfg["tasks"]) == echoes
+    if "smollm2" in name:  # every-step LTV answered on 2 of 5 linear instances: the table says
+        assert "(4 own of 500, on 2 of 5 instances)" in regression_table(new)
+    md = (path.parent / "results.md").read_text()
+    assert regression_table(new) in md  # the committed report is the rescored one

@@ -113,7 +113,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 dt, outs = timed(g, None)
                 total += dt
                 if rep == 0:
-                    for r, o in zip(g, outs, strict=False):
+                    for r, o in zip(g, outs, strict=True):
                         c = parse_classification(o, r["label_ids"], r["labels"])
                         preds.append({"qid": r["qid"], "task": r["task"], "gold": r["gold"],
                                       "pred": r["labels"].index(c.label),

@@ -23,7 +23,7 @@ from typing import Any, Self
 
 import httpx
 
-from ..client import token_logprobs
+from ..client import classification, token_logprobs
 from ..serve import SERVER_MODULE
 from . import BenchError
 
@@ -157,9 +157,10 @@ async def _drive(url: str, requests: list[dict[str, Any]], concurrency: int
                 raise BenchError(f"request for {r['model']!r} refused ({resp.status_code}): "
                                  f"{resp.text[:200]}")
             lp = token_logprobs(resp.json()["choices"][0]["logprobs"]["top_logprobs"][0])
-            scores = [lp.get(i, float("-inf")) for i in r["label_ids"]]
+            c = classification(lp, r["label_ids"], r["labels"])
             return {"qid": r["qid"], "task": r["task"], "gold": r["gold"], "latency": latency,
-                    "pred": max(range(len(scores)), key=scores.__getitem__)}
+                    "pred": r["labels"].index(c.label),
+                    "probs": [round(c.probs[lab], 7) for lab in r["labels"]]}
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(r) for r in requests))

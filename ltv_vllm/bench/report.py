@@ -120,7 +120,25 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"| {r['prompt_tokens_mean'] * kv_tok / MIB:.1f} | {100 * r['peak_kv_usage']:.1f}% "
                 f"| {r['peak_rss_bytes'] / GIB:.2f} | {100 * r['prefix_cache_hit_rate']:.0f}% |")
         tm = doc["workload"].get("transformers_metrics") or {}
-        if tm:
+        ref = doc.get("transformers") or {}
+        if ref:
+            tasks = doc["workload"]["tasks"]
+            lines += ["", ("Accuracy per task, vLLM offline (transformers in float32 on the same "
+                      "queries, the same method; queries whose predicted label differs):"), "",
+                      "| Mode | " + " | ".join(tasks) + " | all | differs |",
+                      "|---|" + "---|" * (len(tasks) + 2)]
+            for mode, r in off.items():
+                t_ref = ref.get(mode) or ref.get(mode.removesuffix(" (again)"))
+                if t_ref is None:
+                    continue
+                diff = sum(a != b for a, b in zip(r["predictions"], t_ref["predictions"],
+                                                  strict=True))
+                lines.append(f"| {mode} | " + " | ".join(
+                    f"{100 * r['accuracy_per_task'][t]:.1f} "
+                    f"({100 * t_ref['accuracy_per_task'][t]:.1f})" for t in tasks)
+                    + f" | {100 * r['accuracy']:.1f} ({100 * t_ref['accuracy']:.1f}) "
+                    f"| {diff} of {len(r['predictions'])} |")
+        elif tm:
             lines += ["", ("Accuracy per task (vLLM offline) and, for reference, what transformers "
                       "measured at extraction on the same queries:"), "",
                       "| Mode | " + " | ".join(tm) + " |", "|---|" + "---|" * len(tm)]

@@ -201,6 +201,9 @@ def _combine_online(parts: list[dict[str, Any]]) -> dict[str, Any]:
         "latency_p50_ms": 1000 * _quantile(lat, 0.50),
         "latency_p99_ms": 1000 * _quantile(lat, 0.99),
         "accuracy": sum(x["pred"] == x["gold"] for x in res) / max(1, len(res)),
+        # per query, in workload order, as offline: what the server answered, to be checked
+        "predictions": [x["pred"] for x in sorted(res, key=lambda x: x["qid"])],
+        "probs": [x["probs"] for x in sorted(res, key=lambda x: x["qid"])],
         "peak_rss_bytes": max(p["peak_rss"] for p in parts),
         "peak_kv_usage": max(p["peak_kv"] for p in parts),
     }
@@ -281,6 +284,7 @@ class ServingBench:
     work_dir: Path | None = None  # [default: out_dir/work]
     resume: bool = False
     ks: tuple[int, ...] = (0, 10, 30, 50)  # icl-cost only: demonstrations per prompt
+    reference: bool = True  # serving: transformers' float32 answers for every served mode
 
     def __post_init__(self) -> None:
         from ..errors import ArgumentError
@@ -338,6 +342,10 @@ def bench_serving(b: ServingBench, *, command: str,
         "gen_tokens": b.gen_tokens, "online_requests": None,
         "kv_bytes_per_token": kv_bytes_per_token(wl.model_dir, settings.dtype),
     }
+    if b.reference:
+        from .reference import transformers_reference
+
+        doc["transformers"] = transformers_reference(wl, list(dict.fromkeys(wanted)), log=log)
     t0 = time.time()
     if b.modes:
         order = list(b.modes)
