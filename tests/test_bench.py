@@ -59,7 +59,9 @@ def place_vectors(model_dir: Path, vector_dir: Path, tokenizer) -> None:
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "LTV_VLLM_CACHE": str(cwd / "cache")}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "LTV_VLLM_CACHE": str(cwd / "cache"),
+           # the online server runs its worker in the engine-core process (see test_server)
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     r = subprocess.run([sys.executable, "-m", "ltv_vllm.cli", *args], cwd=cwd, env=env,
                        capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr[-3000:]

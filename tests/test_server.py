@@ -78,6 +78,10 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
         port = free_port()
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "LTV_VLLM_CACHE": str(tmp / "cache"), "TOKENIZERS_PARALLELISM": "false",
+               # the CPU backend then runs its one worker inside the engine-core process
+               # (the "uni" executor) instead of a third process: ~10 s less per start here;
+               # the API server and the engine core stay separate processes, as served
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                **(env_extra or {})}
         cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", str(model_dir),
                "--port", str(port), "--dtype", "float32", "--max-model-len", "256",

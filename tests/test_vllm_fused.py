@@ -20,30 +20,75 @@ from conftest import make_llama, reference_logprobs
 from ltv_vllm.tasks import BUILTIN_TASKS
 from ltv_vllm.vector import TaskVector, VectorError, model_identity
 
-WORKER = Path(__file__).parent / "vllm_workers" / "offline_fused.py"
+WORKERS = Path(__file__).parent / "vllm_workers"
 PROMPTS = ["Review: the plot is dull\nSentiment:", "News: the team wins the final game\nType:"]
 
 
-def run_worker(model_dir: Path, vector: str, max_tokens: int = 4, tp: int = 1,
-               check_local: bool = False, check_fold: bool = False) -> dict:
-    """{"outputs": per-prompt logprobs, "local": per-rank local-path checks or None,
-    "fold": per-rank fold checks or None}."""
+def run_batch(jobs: list[dict], tmp: Path, tp: int = 1) -> dict:
+    """Every job (`vllm_workers/batch.py`: generate or classify) in one fresh process, one
+    engine after another: {key: result}. tp > 1: every job at that tensor-parallel size."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc sends a function
     if tp == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: starts in seconds
     else:
         # the CPU backend wants one NUMA node per rank; on one node, bind a core per rank
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
-    if check_local or check_fold:
-        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc sends a function
-    check = "local" if check_local else "fold" if check_fold else ""
-    p = subprocess.run([sys.executable, str(WORKER), str(model_dir), vector, json.dumps(PROMPTS),
-                        str(max_tokens), str(tp), check],
-                       capture_output=True, text=True, env=env, timeout=600, check=False)
+    path = tmp / f"jobs-tp{tp}.json"
+    path.write_text(json.dumps([{**j, **({"tp": tp} if j["kind"] == "generate" else {})}
+                                for j in jobs]))
+    p = subprocess.run([sys.executable, str(WORKERS / "batch.py"), str(path)],
+                       capture_output=True, text=True, env=env, timeout=1200, check=False)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, p.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert sorted(out) == sorted(j["key"] for j in jobs)  # every engine answered
+    return out
+
+
+def generate_job(key: str, model_dir: Path, vector: str, max_tokens: int,
+                 check: str = "") -> dict:
+    return {"key": key, "kind": "generate", "model_dir": str(model_dir), "vector": vector,
+            "prompts": PROMPTS, "max_tokens": max_tokens, "check": check}
+
+
+def classify_job(key: str, model_dir: Path, vector: Path, texts: list[str],
+                 dtype: str = "float32") -> dict:
+    return {"key": key, "kind": "classify", "model_dir": str(model_dir), "vector": str(vector),
+            "texts": texts, "dtype": dtype}
+
+
+FUSED_KINDS = ("fused", "fold", "plain", "logit", "kernel")
+CLASSIFY_TEXTS = ["the plot is dull", "a gorgeous witty movie", "the team wins"]
+
+
+def fused_jobs(served, logit_vector, kernel_vector) -> list[dict]:
+    d, _model, _tv, path = served
+    arg = {"fused": str(path), "logit": str(logit_vector[1]), "kernel": str(kernel_vector[1]),
+           "fold": f"fold:{path}", "plain": "-"}
+    check = {"logit": "local", "fold": "fold"}
+    return [generate_job(k, d, arg[k], 5, check.get(k, "")) for k in FUSED_KINDS]
+
+
+@pytest.fixture(scope="module")
+def engines(served, logit_vector, kernel_vector, served_qwen2, soft, tmp_path_factory):
+    """Every single-process engine this module checks, run in one worker process: the fused
+    kinds, the Qwen2 wrapper, offline classification, and the bf16 maps."""
+    d, _model, _tv, path = served
+    jobs = [*fused_jobs(served, logit_vector, kernel_vector),
+            generate_job("qwen2", served_qwen2[0], str(served_qwen2[3]), 4),
+            classify_job("classify", d, path, CLASSIFY_TEXTS),
+            *(classify_job(f"bf16-{k}", soft[0], p, SOFT_TEXTS, "bfloat16")
+              for k, (_tv, p) in soft[3].items())]
+    return run_batch(jobs, tmp_path_factory.mktemp("jobs"))
+
+
+@pytest.fixture(scope="module")
+def engines_tp2(served, logit_vector, kernel_vector, tmp_path_factory):
+    """The fused kinds at tensor_parallel_size=2, in one worker process."""
+    jobs = [j for j in fused_jobs(served, logit_vector, kernel_vector) if j["key"] != "plain"]
+    return run_batch(jobs, tmp_path_factory.mktemp("jobs-tp2"), tp=2)
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +143,6 @@ def make_llama_from(config, head_scale: float = 20.0):
     return m
 
 
-def run_classify_worker(model_dir: Path, vector: Path, texts: list[str],
-                        dtype: str = "float32") -> list[dict]:
-    """offline_classify.py in a fresh process: per text {"label", "probs"}."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, str(WORKER.parent / "offline_classify.py"),
-                        str(model_dir), str(vector), json.dumps(texts), dtype],
-                       capture_output=True, text=True, env=env, timeout=600, check=False)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, p.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
-
-
 def assert_decode_matches(out: list[dict], model, tokenizer, tv) -> None:
     """Every decode step: greedy token = reference argmax, every logprob within 1e-4."""
     assert len(out) == len(PROMPTS)
@@ -127,7 +159,8 @@ def assert_decode_matches(out: list[dict], model, tokenizer, tv) -> None:
 @pytest.mark.parametrize(
     "mode", ["fused", "fold", "plain", "logit", "kernel", "fused-tp2", "fold-tp2", "logit-tp2",
              "kernel-tp2"])
-def test_vllm_fused_matches_transformers(served, logit_vector, kernel_vector, tokenizer, mode):
+def test_vllm_fused_matches_transformers(served, logit_vector, kernel_vector, tokenizer, mode,
+                                         request):
     """tp2: tensor_parallel_size=2 on the CPU backend (lm_head sharded by vocabulary).
     logit: a logit-space vector (U vocab-sized, added to the LM head's output).
     kernel: an RBF kernel map (each rank computes the same shift of the replicated h)."""
@@ -137,12 +170,9 @@ def test_vllm_fused_matches_transformers(served, logit_vector, kernel_vector, to
         tv, path = logit_vector
     if kind == "kernel":
         tv, path = kernel_vector
-    arg = {"fused": str(path), "logit": str(path), "kernel": str(path), "fold": f"fold:{path}",
-           "plain": "-"}[kind]
-    # The vocab-local entry points are checked where they can differ: a logit vector, where
-    # each rank must add only its own rows of U.
-    res = run_worker(d, arg, max_tokens=5, tp=int(tp or 1), check_local=kind == "logit",
-                     check_fold=kind == "fold")
+    # (the vocab-local entry points are checked where they can differ: a logit vector, where
+    # each rank must add only its own rows of U; `fused_jobs`)
+    res = request.getfixturevalue("engines_tp2" if tp else "engines")[kind]
     out = res["outputs"]
     assert len(out) == len(PROMPTS)
     fused = kind != "plain"
@@ -200,13 +230,13 @@ def test_vector_for_another_model_refused_before_engine(served, logit_vector, to
         engine_kwargs(d, tmp_path / "junk.pt")
 
 
-def test_offline_classify_matches_restricted_softmax(served, tokenizer):
+def test_offline_classify_matches_restricted_softmax(served, tokenizer, request):
     from ltv_vllm.capture import Capturer, label_head
     from ltv_vllm.tasks import label_token_ids
 
     d, model, tv, path = served
-    texts = ["the plot is dull", "a gorgeous witty movie", "the team wins"]
-    got = run_classify_worker(d, path, texts)
+    texts = CLASSIFY_TEXTS
+    got = request.getfixturevalue("engines")["classify"]
     task = BUILTIN_TASKS["sst2"]
     w, b = label_head(model, label_token_ids(task, tokenizer))
     h = Capturer(model, tokenizer, progress=False).hidden([task.query(t) for t in texts])
@@ -241,9 +271,9 @@ def served_qwen2(tmp_path_factory, tokenizer):
     return d, model, tv, tv.save(tmp_path_factory.mktemp("qvec") / "tv.pt")
 
 
-def test_vllm_qwen2_wrapper_matches_transformers(served_qwen2, tokenizer):
+def test_vllm_qwen2_wrapper_matches_transformers(served_qwen2, tokenizer, engines):
     d, model, tv, path = served_qwen2
-    out = run_worker(d, str(path), max_tokens=4)["outputs"]
+    out = engines["qwen2"]["outputs"]
     assert_decode_matches(out, model, tokenizer, tv)
 
 
@@ -302,7 +332,7 @@ def restricted(model, h: torch.Tensor, tv: TaskVector | None, ids: list[int]) ->
 
 
 @pytest.mark.parametrize("kind", ["kernel", "linear", "logit"])
-def test_bf16_serving_holds_to_float32(soft, tokenizer, kind):
+def test_bf16_serving_holds_to_float32(soft, tokenizer, kind, engines):
     """Served in bf16 (the engine's dtype with `--dtype auto` on a CPU with native bf16, and
     on every GPU), every map's label distribution stays within BF16_TOL of the float32
     reference: the shift is computed in float32. (Computed in bf16, the kernel map's
@@ -315,7 +345,8 @@ def test_bf16_serving_holds_to_float32(soft, tokenizer, kind):
     ids = label_token_ids(BUILTIN_TASKS["sst2"], tokenizer)
     ref, bare = restricted(model, h, tv, ids), restricted(model, h, None, ids)
     assert float((ref - bare).abs().max()) > 0.1  # the shift matters at this tolerance
-    got = run_classify_worker(d, path, SOFT_TEXTS, "bfloat16")
+    got = engines[f"bf16-{kind}"]
+    assert len(got) == len(SOFT_TEXTS)
     labels = BUILTIN_TASKS["sst2"].labels
     err = max(abs(r["probs"][lab] - float(ref[i, j]))
               for i, r in enumerate(got) for j, lab in enumerate(labels))

@@ -9,16 +9,24 @@ import json
 import sys
 
 
-def main() -> None:
+def classify(model_dir: str, vector: str, texts: list[str], dtype: str = "float32") -> list:
+    """One engine: sst2 label and restricted probabilities of every text."""
+    from offline_fused import shutdown
+
     from ltv_vllm.offline import classify_offline, make_llm
     from ltv_vllm.tasks import BUILTIN_TASKS
 
-    model_dir, vector, texts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    dtype = sys.argv[4] if len(sys.argv) > 4 else "float32"
     llm = make_llm(model_dir, vector if vector != "-" else None, dtype=dtype,
                    max_model_len=256)
     res = classify_offline(llm, BUILTIN_TASKS["sst2"], texts)
-    print("RESULT " + json.dumps([{"label": r.label, "probs": r.probs} for r in res]))
+    shutdown(llm)
+    return [{"label": r.label, "probs": r.probs} for r in res]
+
+
+def main() -> None:
+    model_dir, vector, texts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    dtype = sys.argv[4] if len(sys.argv) > 4 else "float32"
+    print("RESULT " + json.dumps(classify(model_dir, vector, texts, dtype)))
 
 
 if __name__ == "__main__":

@@ -54,11 +54,9 @@ def fold_check(worker) -> dict:
             "moved": float((head - embed).abs().max())}
 
 
-def main() -> None:
-    model_dir, vector, prompts_json, max_tokens = sys.argv[1:5]
-    tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
-    check_local = len(sys.argv) > 6 and sys.argv[6] == "local"
-    check_fold = len(sys.argv) > 6 and sys.argv[6] == "fold"
+def generate(model_dir: str, vector: str, prompts: list[str], max_tokens: int, tp: int = 1,
+             check: str = "") -> dict:
+    """One engine: greedy logprobs of `prompts` (+ the `local` or `fold` per-rank checks)."""
     from vllm import LLM, SamplingParams
 
     from ltv_vllm.serve import engine_kwargs
@@ -70,9 +68,9 @@ def main() -> None:
         kwargs = engine_kwargs(model_dir, vector.removeprefix("fold:"), fold=fold)
     llm = LLM(**kwargs, dtype="float32", enforce_eager=True, max_model_len=512,
               gpu_memory_utilization=0.5, seed=0, tensor_parallel_size=tp)
-    params = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), logprobs=5,
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5,
                             prompt_logprobs=1)
-    outs = llm.generate(json.loads(prompts_json), params)
+    outs = llm.generate(prompts, params)
     result = []
     for o in outs:
         c = o.outputs[0]
@@ -82,9 +80,27 @@ def main() -> None:
             "prompt_logprobs": [None if s is None else {str(k): v.logprob for k, v in s.items()}
                                 for s in o.prompt_logprobs],
         })
-    local = llm.collective_rpc(local_check) if check_local else None
-    folded = llm.collective_rpc(fold_check) if check_fold else None
-    print("RESULT " + json.dumps({"outputs": result, "local": local, "fold": folded}))
+    local = llm.collective_rpc(local_check) if check == "local" else None
+    folded = llm.collective_rpc(fold_check) if check == "fold" else None
+    shutdown(llm)
+    return {"outputs": result, "local": local, "fold": folded}
+
+
+def shutdown(llm) -> None:
+    """End an engine (and its worker processes) before the next one starts in this process."""
+    import gc
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def main() -> None:
+    model_dir, vector, prompts_json, max_tokens = sys.argv[1:5]
+    tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    check = sys.argv[6] if len(sys.argv) > 6 else ""
+    print("RESULT " + json.dumps(generate(model_dir, vector, json.loads(prompts_json),
+                                          int(max_tokens), tp, check)))
 
 
 if __name__ == "__main__":
