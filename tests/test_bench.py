@@ -194,7 +194,8 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
 
 def test_bench_icl_cost_end_to_end(model_dir, tmp_path):
     out = tmp_path / "icl"
-    r = run_cli("bench", "icl-cost", "--model", str(model_dir), "--tasks", TASKS, "--ks", "0,4,8",
+    # one task: the cost grows with k per engine; a second task would only add engines
+    r = run_cli("bench", "icl-cost", "--model", str(model_dir), "--tasks", "sst2", "--ks", "0,4,8",
                 "--n-per-task", "4", "--vector-k", "4", "--n", "8", "--repeats", "1",
                 "--warmup", "2", "--dtype", "float32", "--max-model-len", "2048",
                 "--kv-cache-gib", "1",
@@ -205,7 +206,7 @@ def test_bench_icl_cost_end_to_end(model_dir, tmp_path):
     for mode in ("icl-prefix-cache", "icl-no-cache"):
         toks = [ic[mode][f"k={k}"]["prompt_tokens_mean"] for k in (0, 4, 8)]
         assert toks[0] < toks[1] < toks[2], (mode, toks)  # more demos, longer prompts
-        assert all(ic[mode][f"k={k}"]["requests"] == 8 for k in (0, 4, 8))
+        assert all(ic[mode][f"k={k}"]["requests"] == 4 for k in (0, 4, 8))
     assert ic["ltv-fused"]["prompt_tokens_mean"] == ic["icl-no-cache"]["k=0"]["prompt_tokens_mean"]
     assert (out / "icl_cost.png").stat().st_size > 1000
     assert "| 8 |" in r.stdout

@@ -30,9 +30,10 @@ def run_batch(jobs: list[dict], tmp: Path, tp: int = 1) -> dict:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc sends a function
-    if tp == 1:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: starts in seconds
-    else:
+    # the engine core runs in this process (one process fewer per engine); at tp > 1 its
+    # workers are still one process per rank
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if tp > 1:
         # the CPU backend wants one NUMA node per rank; on one node, bind a core per rank
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     path = tmp / f"jobs-tp{tp}.json"
