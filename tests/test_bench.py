@@ -9,30 +9,18 @@ the benchmark measures what it says it measures.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import make_vllm_llama
+from conftest import run_cli
 from ltv_vllm.apply import task_vector_applied
-from ltv_vllm.bench.extraction import grid
 from ltv_vllm.bench.workload import build_workload
 from ltv_vllm.tasks import get_task, label_token_ids
 from ltv_vllm.vector import TaskVector, load_task_vector, model_identity
 
 TASKS = "sst2,agnews"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    d = tmp_path_factory.mktemp("bench-model")
-    make_vllm_llama(tokenizer, seed=5).save_pretrained(d)
-    tokenizer.save_pretrained(d)
-    return d
 
 
 def place_vectors(model_dir: Path, vector_dir: Path, tokenizer) -> None:
@@ -58,16 +46,6 @@ def place_vectors(model_dir: Path, vector_dir: Path, tokenizer) -> None:
         kv.save(vector_dir / f"{name}-kernel-k6-n8-seed0.safetensors")
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "LTV_VLLM_CACHE": str(cwd / "cache"),
-           # the online server runs its worker in the engine-core process (see test_server)
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    r = subprocess.run([sys.executable, "-m", "ltv_vllm.cli", *args], cwd=cwd, env=env,
-                       capture_output=True, text=True, check=False)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
 def reference_probs(
     model_dir: Path, wl, prompts: list[str], vectors: dict | None
 ) -> list[torch.Tensor]:
@@ -89,10 +67,10 @@ def reference_probs(
     return preds
 
 
-def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
+def test_bench_serving_end_to_end(bench_model, tmp_path, tokenizer):
     out = tmp_path / "serving"
-    place_vectors(model_dir, out / "work" / "vectors", tokenizer)
-    run_cli("bench", "serving", "--model", str(model_dir), "--tasks", TASKS, "--n-per-task", "6",
+    place_vectors(bench_model, out / "work" / "vectors", tokenizer)
+    run_cli("bench", "serving", "--model", str(bench_model), "--tasks", TASKS, "--n-per-task", "6",
             "--k", "6", "--n", "8", "--concurrency", "1,4", "--online-requests", "8",
             "--modes", "zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-folded,ltv-lora,"
             "ltv-lora-r4,kernel-fused",
@@ -137,24 +115,24 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
             x = levels[c]
             assert x["requests"] == 8 and x["latency_p99_ms"] >= x["latency_p50_ms"] > 0, (m, c)
     # the same queries through transformers: every mode predicts what the method predicts
-    wl = build_workload(str(model_dir), TASKS.split(","), n_per_task=6, k=6, n=8,
+    wl = build_workload(str(bench_model), TASKS.split(","), n_per_task=6, k=6, n=8,
                         vector_dir=out / "work" / "vectors", with_vectors=True, with_kernel=True)
     vectors = {t: load_task_vector(p) for t, p in wl.vectors.items()}
     kernels = {t: load_task_vector(p) for t, p in wl.kernel_vectors.items()}
     assert all(tv.map == "rbf" for tv in kernels.values())
-    ltv = reference_probs(model_dir, wl, [q.zs for q in wl.queries], vectors)
-    kern = reference_probs(model_dir, wl, [q.zs for q in wl.queries], kernels)
+    ltv = reference_probs(bench_model, wl, [q.zs for q in wl.queries], vectors)
+    kern = reference_probs(bench_model, wl, [q.zs for q in wl.queries], kernels)
     # the kernel map moves the distributions and is not the linear one, so matching it below
     # tells the three apart
     assert max(float((a - b).abs().max()) for a, b in zip(kern, ltv, strict=True)) > 1e-2
-    zs = reference_probs(model_dir, wl, [q.zs for q in wl.queries], None)
-    icl = reference_probs(model_dir, wl, [q.icl for q in wl.queries], None)
+    zs = reference_probs(bench_model, wl, [q.zs for q in wl.queries], None)
+    icl = reference_probs(bench_model, wl, [q.icl for q in wl.queries], None)
     # rank 4 of the rank-8 vectors (placed without training states): the rank-4 map closest to
     # W in what it does to the logits, min ‖W_lm (W − W_4)‖_F, by the reduced-rank formula
     # W_4 = R⁻¹ P_4 P_4ᵀ R W (W_lm = Q R, P_4: top left singular vectors of R W)
     from transformers import AutoModelForCausalLM
 
-    w_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).lm_head.weight
+    w_lm = AutoModelForCausalLM.from_pretrained(bench_model, dtype=torch.float32).lm_head.weight
     R = torch.linalg.qr(w_lm.detach().double())[1]
     cut = {}
     for t, tv in vectors.items():
@@ -163,7 +141,7 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
         P2, sv, Qt = torch.linalg.svd(torch.linalg.solve(R, P[:, :4] @ P[:, :4].T @ R @ W))
         cut[t] = TaskVector("hidden", (P2[:, :4] * sv[:4]).float(), Qt[:4].T.float(), None,
                             tv.model, tv.label_token_ids, tv.meta)
-    ltv4 = reference_probs(model_dir, wl, [q.zs for q in wl.queries], cut)
+    ltv4 = reference_probs(bench_model, wl, [q.zs for q in wl.queries], cut)
     assert max(float((a - b).abs().max())
                for a, b in zip(ltv, ltv4, strict=True)) > 1e-3  # a real cut
     for mode, ref in (("zero-shot", zs), ("icl-prefix-cache", icl), ("icl-no-cache", icl),
@@ -190,75 +168,3 @@ def test_bench_serving_end_to_end(model_dir, tmp_path, tokenizer):
     # the vectors move the distributions, so the comparison above tells the methods apart
     assert max(float((a - b).abs().max()) for a, b in zip(ltv, zs, strict=True)) > 1e-2
     assert max(float((a - b).abs().max()) for a, b in zip(kern, zs, strict=True)) > 1e-2
-
-
-def test_bench_icl_cost_end_to_end(model_dir, tmp_path):
-    out = tmp_path / "icl"
-    # one task: the cost grows with k per engine; a second task would only add engines
-    r = run_cli("bench", "icl-cost", "--model", str(model_dir), "--tasks", "sst2", "--ks", "0,4,8",
-                "--n-per-task", "4", "--vector-k", "4", "--n", "8", "--repeats", "1",
-                "--warmup", "2", "--dtype", "float32", "--max-model-len", "2048",
-                "--kv-cache-gib", "1",
-                "--out", str(out), cwd=tmp_path)
-    doc = json.loads((out / "results.json").read_text())
-    ic = doc["icl_cost"]
-    assert ic["k"] == [0, 4, 8]
-    for mode in ("icl-prefix-cache", "icl-no-cache"):
-        toks = [ic[mode][f"k={k}"]["prompt_tokens_mean"] for k in (0, 4, 8)]
-        assert toks[0] < toks[1] < toks[2], (mode, toks)  # more demos, longer prompts
-        assert all(ic[mode][f"k={k}"]["requests"] == 4 for k in (0, 4, 8))
-    assert ic["ltv-fused"]["prompt_tokens_mean"] == ic["icl-no-cache"]["k=0"]["prompt_tokens_mean"]
-    assert (out / "icl_cost.png").stat().st_size > 1000
-    assert "| 8 |" in r.stdout
-
-
-def test_bench_extraction_end_to_end(model_dir, tmp_path):
-    out = tmp_path / "extraction"
-    run_cli("bench", "extraction", "--model", str(model_dir), "--tasks", "sst2", "--ks", "2,4",
-            "--ns", "4,8", "--dtype", "float32", "--out", str(out), cwd=tmp_path)
-    doc = json.loads((out / "results.json").read_text())
-    assert ([(r["k"], r["n"]) for r in doc["rows"]] == grid([2, 4], [4, 8])
-            == [(2, 8), (4, 8), (4, 4)])
-    for r in doc["rows"]:
-        assert r["naive_capture_seconds"] > 0 and r["speedup"] > 0
-        # the shared demo cache gives the naive path's hidden states (float32)
-        assert r["max_abs_diff_h_icl"] < 1e-4 and r["max_abs_diff_h_zs"] < 1e-4
-    assert (out / "extraction_cost.png").stat().st_size > 1000
-    assert (out / "results.md").read_text().count("| sst2 |") == 3
-
-
-def test_bench_rank_end_to_end(model_dir, tmp_path):
-    """Every rank row is what `extract --rank` measures on the same episode."""
-    from ltv_vllm.extract import ExtractOptions, extract
-    from ltv_vllm.loading import load_model
-
-    out = tmp_path / "rank"
-    r = run_cli("bench", "rank", "--model", str(model_dir), "--tasks", "sst2", "--ranks", "1,2,64",
-                "--k", "4", "--n", "10", "--n-test", "12", "--runs", "2", "--dtype", "float32",
-                "--out", str(out), cwd=tmp_path)
-    doc = json.loads((out / "results.json").read_text())
-    rows = doc["rows"]
-    assert [(x["run"], x["rank_label"]) for x in rows] == [
-        (run, lab) for run in (0, 1) for lab in ("1", "2", "full")]  # 64 ≥ the full rank: once
-    assert all(x["full_rank"] == 10 for x in rows)  # rank ≤ N
-    lm = load_model(str(model_dir), dtype="float32")
-    for x in rows:
-        rank = None if x["rank_label"] == "full" else x["rank"]
-        tv, res = extract(lm, get_task("sst2"), ExtractOptions(
-            k=4, n=10, n_test=12, seed=x["seed"], progress=False, rank=rank))
-        assert tv.rank == x["rank"]
-        for m in ("accuracy", "d_ntp"):
-            assert x["ltv"][m] == pytest.approx(res.metrics["ltv"][m], abs=1e-6), (x, m)
-            assert x["zero-shot"][m] == pytest.approx(res.metrics["zero-shot"][m], abs=1e-6)
-        assert x["lora_b_bytes_bf16"] == len(lm.tokenizer) * {1: 1, 2: 8, 10: 16}[x["rank"]] * 2
-        if x["rank_label"] == "full":  # nothing cut: both cuts are the fit itself
-            assert x["ltv_plain"] == x["ltv"]
-    s = doc["summary"]
-    assert s["LTV r=full"]["sst2"]["accuracy"] == pytest.approx(
-        sum(x["ltv"]["accuracy"] for x in rows if x["rank_label"] == "full") / 2)
-    assert s["plain SVD r=2"]["sst2"]["d_ntp"] == pytest.approx(
-        sum(x["ltv_plain"]["d_ntp"] for x in rows if x["rank_label"] == "2") / 2)
-    assert (out / "rank.png").stat().st_size > 1000
-    md = (out / "results.md").read_text()
-    assert "| LTV r=1 |" in md and "| LTV r=full |" in md and "| plain SVD r=2 |" in md
-    assert md in r.stdout
