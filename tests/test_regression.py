@@ -603,3 +603,28 @@ def test_committed_regression_reports_recompute_from_their_answers(name, echoes)
         assert "(4 own of 500, on 2 of 5 instances)" in regression_table(new)
     md = (path.parent / "results.md").read_text()
     assert regression_table(new) in md  # the committed report is the rescored one
+
+
+def test_cli_report_rewrites_a_committed_report_and_refuses_what_is_not_one(tmp_path):
+    """`ltv-vllm report DIR` on a copy of a committed regression result writes the same
+    report (nothing runs but the scoring); a directory without an evaluation is one line."""
+    import shutil
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    src = Path(__file__).parent.parent / "benchmarks" / "results" / "regression_smollm2-135m"
+    shutil.copytree(src, tmp_path / "reg")
+    (tmp_path / "reg" / "results.md").unlink()
+    r = CliRunner().invoke(main, ["report", str(tmp_path / "reg")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "reg" / "results.md").read_text() == (src / "results.md").read_text()
+    (tmp_path / "empty").mkdir()
+    r = CliRunner().invoke(main, ["report", str(tmp_path / "empty")])
+    assert r.exit_code == 1 and "does not exist" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+    (tmp_path / "empty" / "results.json").write_text('{"config": 3}')
+    r = CliRunner().invoke(main, ["report", str(tmp_path / "empty")])
+    assert r.exit_code == 1 and "is not an evaluation's result" in r.output
