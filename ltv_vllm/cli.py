@@ -998,13 +998,17 @@ def bench() -> None:
 @click.option("--lam", default=5.0, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--no-noise-check", is_flag=True, help="Skip the second zero-shot run.")
+@click.option("--no-reference", is_flag=True,
+              help="Skip transformers' float32 answers for every served mode (they load the "
+                   "model in float32 on the CPU: for a model that does not fit there).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("benchmarks/results/serving"), show_default=True)
 @_engine_options
 @friendly
 def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, modes: str,
                       online_modes: str, concurrency: str, online_requests: int, gen_tokens: int,
-                      k: int, n: int, lam: float, seed: int, no_noise_check: bool, out_dir: Path,
+                      k: int, n: int, lam: float, seed: int, no_noise_check: bool,
+                      no_reference: bool, out_dir: Path,
                       dtype: str, max_model_len: int, kv_cache_gib: int, max_num_seqs: int | None,
                       repeats: int, warmup: int, work_dir: Path | None, resume: bool) -> None:
     """Zero-shot vs ICL (prefix cache on/off) vs LTV (fused, folded, LoRA) in vLLM."""
@@ -1016,7 +1020,7 @@ def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, modes: s
         n_per_task=n_per_task, modes=tuple(_csv(modes)), online_modes=tuple(_csv(online_modes)),
         levels=tuple(_ints(concurrency)), online_requests=online_requests,
         gen_tokens=gen_tokens, k=k, n=n, lam=lam, noise_check=not no_noise_check,
-        repeats=repeats, warmup=warmup, resume=resume)
+        reference=not no_reference, repeats=repeats, warmup=warmup, resume=resume)
     doc = bench_serving(b, command=_command_line(), log=lambda m: click.echo(m, err=True))
     click.echo(markdown(doc))
     click.echo(f"wrote {out_dir}/results.json, results.md and plots")
