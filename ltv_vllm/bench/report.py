@@ -166,7 +166,9 @@ def markdown(doc: dict[str, Any]) -> str:
                   "level; latency = send → full response (one output token, so also time to "
                   "first token); output tok/s = req/s."), "",
                   ("| Mode | concurrency | req/s | × ZS | p50 (ms) | p99 (ms) | accuracy | peak KV "
-                  "| peak RSS (GiB) |"), "|---|---|---|---|---|---|---|---|---|"]
+                  "| peak RSS (GiB) | differs from transformers |"),
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        ref_on = doc.get("transformers") or {}
         levels = [c for c in next(iter(on.values())) if c != "startup_seconds"]
         for c in levels:
             refs = [on[m][c]["requests_per_s"] for m in ("zero-shot", "zero-shot (again)")
@@ -177,8 +179,19 @@ def markdown(doc: dict[str, Any]) -> str:
                 lines.append(f"| {mode} | {c} | {x['requests_per_s']:.1f} | "
                              f"{_ratio(x['requests_per_s'], ref)} | {x['latency_p50_ms']:.0f} | "
                              f"{x['latency_p99_ms']:.0f} | {100 * x['accuracy']:.1f}% | "
-                             f"{100 * x['peak_kv_usage']:.1f}% | {x['peak_rss_bytes'] / GIB:.2f} |")
+                             f"{100 * x['peak_kv_usage']:.1f}% | {x['peak_rss_bytes'] / GIB:.2f} | "
+                             f"{_differs(x, ref_on.get(mode.removesuffix(' (again)')))} |")
     return "\n".join(lines) + "\n"
+
+
+def _differs(x: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    """'k of n': online answers (the workload's first n queries) whose predicted label is not
+    transformers' for the same method; '—' where either side was not recorded."""
+    got = x.get("predictions")
+    if ref is None or got is None:
+        return "—"
+    n = len(got)
+    return f"{sum(a != b for a, b in zip(got, ref['predictions'][:n], strict=True))} of {n}"
 
 
 def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
