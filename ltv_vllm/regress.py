@@ -287,8 +287,8 @@ def extract_regression(lm: LoadedModel, task: RegressionTask, *, k: int = DEFAUL
     return tv, metrics
 
 
-METRICS = ("mse", "parse_rate", "mse_zero_fill", "kl_first", "echo_rate", "own_rate",
-           "mse_own")
+# averaged over instances; the answer counts are summed instead (`summarise_regression`)
+METRICS = ("mse", "parse_rate", "mse_zero_fill", "kl_first", "mse_own")
 
 # predictors that read only the demos, beside the model's methods: what the MSEs mean
 REFERENCES = {"zero": "predict 0 (the prior mean of y)",

@@ -88,5 +88,5 @@ def _shifted_label_logits(tv: TaskVector, h: torch.Tensor, w: torch.Tensor, b: t
     W_C h + b_C + Δ(h)_C for a logit-space one. (n, K)"""
     v = tv.to("cpu", torch.float32)
     if tv.kind == "hidden":
-        return (h + v.delta(h)) @ w.T + b
+        return v.shift_hidden(h) @ w.T + b
     return h @ w.T + b + v.delta(h, rows=torch.tensor(label_ids))
