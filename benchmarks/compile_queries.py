@@ -20,10 +20,17 @@ from pathlib import Path
 
 import torch
 
-from ltv_vllm.capture import Capturer, label_head
-from ltv_vllm.extract import Captures, ExtractOptions, capture_episode, plan_episode, score_episode
+from ltv_vllm.capture import Capturer
+from ltv_vllm.extract import (
+    Captures,
+    ExtractOptions,
+    capture_episode,
+    method_context,
+    plan_episode,
+)
 from ltv_vllm.hardware import hardware, machine_line
 from ltv_vllm.loading import load_model
+from ltv_vllm.methods import score_methods
 from ltv_vllm.tasks import get_task, label_token_ids
 
 WAYS = ("queries", "loo", "self")
@@ -45,8 +52,9 @@ def main() -> None:
                  "machine": hardware(), "tasks": {}}
     for name in a.tasks.split(","):
         task = get_task(name)
-        ep = plan_episode(task, ExtractOptions(n=a.n, n_test=a.n_test, seed=a.seed, n_val=0))
-        w_c, b_c = label_head(lm.model, label_token_ids(task, lm.tokenizer))
+        opts = ExtractOptions(n=a.n, n_test=a.n_test, seed=a.seed, n_val=0, progress=False)
+        ep = plan_episode(task, opts)
+        label_ids = label_token_ids(task, lm.tokenizer)
         labels = torch.tensor([e.label for e in ep.test])
         full = capture_episode(cap, ep)  # real queries, and the test states all share
         demos = [task.query(e.text) for e in ep.demos]
@@ -61,7 +69,8 @@ def main() -> None:
                                  full.h_zs_test, full.h_icl_test, 0.0, 0.0)}
         per = {}
         for way, c in fits.items():
-            m = score_episode(c, 5.0, w_c, b_c, labels).metrics
+            ctx = method_context(lm, cap, ep, label_ids, opts, c)  # λ = 5, the default
+            m = score_methods(ctx, ["ltv"], c.h_zs_test, c.h_icl_test, labels).metrics
             per[way] = {"rows": int(c.h_zs.shape[0]), **{k: m[k] for k in
                                                          ("zero-shot", "icl", "ltv")}}
         res["tasks"][name] = per

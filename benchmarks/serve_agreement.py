@@ -56,7 +56,7 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
     lm = load_model(model_spec, dtype=dtype)
     dtype = str(lm.model.dtype).removeprefix("torch.")  # resolved: the server gets the same
     if vector is None:
-        tv, _ = extract(lm, task, ExtractOptions(n_test=n_test))
+        tv = extract(lm, task, "ltv", ExtractOptions(n_test=n_test)).artifact
         vector = tv.save(out_dir / f"{task.name}.safetensors")
     tv = load_task_vector(vector)
     test = sample_test(load_dataset(task), n_test=n_test)

@@ -40,7 +40,7 @@ def _command_line() -> str:
         names.insert(0, c.info_name)
         c = c.parent
     parts = ["ltv-vllm", *names]
-    for p in ctx.command.params:
+    for p in ctx.command.get_params(ctx):
         value = ctx.params.get(p.name)
         if not isinstance(p, click.Option) or value is None:
             continue
@@ -69,6 +69,54 @@ class _Lam(click.ParamType):
 LAM = _Lam()
 LAM_HELP = ("Ridge penalty λ (> 0), or `auto`: the λ with the least closed-form "
             "leave-one-out error on a grid scaled to the states (no labels).")
+
+# the settings every method reads have their own flags in each command (`methods.base.COMMON`)
+_OWN_FLAGS = ("lam", "seed", "batch_size", "progress")
+
+
+class MethodCommand(click.Command):
+    """A command whose method flags come from the method registry: every option a method
+    declares in its own module (`methods.base.Option`) becomes a --flag here, with its
+    default, type and help. The registry imports torch, so the flags are derived when the
+    command parses or shows its help — never for `ltv-vllm --help` — and afresh each time
+    (a method registered later shows up)."""
+
+    def __init__(self, *args: Any, method_param: Callable[[], click.Parameter] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._static = list(self.params)
+        self._method_param = method_param
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        from .methods.base import DECLARED
+
+        derived: list[click.Parameter] = [self._method_param()] if self._method_param else []
+        for o in DECLARED.values():
+            if o.name in _OWN_FLAGS:
+                continue
+            if o.type is bool:
+                derived.append(click.Option([o.flag], is_flag=True, default=o.default,
+                                            help=o.help))
+            else:
+                derived.append(click.Option([o.flag], type=o.type, default=o.default,
+                                            show_default=o.default is not None, help=o.help))
+        self.params = [*self._static, *derived]
+        return super().get_params(ctx)
+
+
+def _method_names_help() -> str:
+    from .methods import METHODS
+
+    return "; ".join(f"{name} ({m.label}" + (", served by `serve`" if "fused" in m.supports
+                                             else "") + ")" for name, m in METHODS.items())
+
+
+def _method_option() -> click.Option:
+    from .methods import METHODS
+
+    return click.Option(["--method"], default="ltv", show_default=True,
+                        type=click.Choice(list(METHODS)),
+                        help="The method extracted: " + _method_names_help() + ".")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -279,7 +327,7 @@ def _source(spec: str | None, dtype: str, device_map: str | None, quantization: 
                          batch_size=batch_size, progress=not quiet)
 
 
-@main.command()
+@main.command(cls=MethodCommand, method_param=lambda: _method_option())
 @click.option("--model", "model_spec", default=None,
               help="Packaged alias, local HF directory or hub id [default: smollm2-135m]. "
                    "With --source-model: the (small) target the vector is applied to.")
@@ -296,89 +344,97 @@ def _source(spec: str | None, dtype: str, device_map: str | None, quantization: 
 @click.option("--device", default="cpu", show_default=True,
               help="Device of --model (cpu, cuda, ...).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Task-vector file (.pt or .safetensors) [default: TASK.pt, TASK.transfer.pt].")
-@click.option("--rank", type=int, default=None,
-              help="Cut the fit to rank R, keeping what matters on its training states "
-                   "(scored and saved as such) [default: the full rank, ≤ N].")
+              help="Output file [default: TASK.pt for ltv, TASK.METHOD.pt for another "
+                   "task-vector method, TASK.METHOD.safetensors for a baseline's artifact, "
+                   "TASK.transfer.pt with --source-model].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-@click.option("--method", default="ltv", show_default=True,
-              type=click.Choice(["ltv", "ltv-auto", "kernel", "mean", "tv", "fv", "sv",
-                                 "i2cl", "i2cl-cal", "mlp"]),
-              help="ltv (served by `serve`); ltv-auto (λ by leave-one-out) and kernel (RBF "
-                   "kernel LTV) and mean: task-vector files too (kernel and mean: served "
-                   "fused only); or a baseline of the paper's comparison, saved as an "
-                   "artifact for the transformers hook.")
+@click.option("--n-val", default=32, show_default=True,
+              help="Labelled validation examples (TV, FV, SV choose their layer on them).")
 @_source_options
 @friendly
 def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float | str, seed: int,
             n_test: int, batch_size: int, dtype: str, device: str, output: Path | None,
-            rank: int | None, quiet: bool, method: str, source_spec: str | None,
+            quiet: bool, n_val: int, method: str, source_spec: str | None,
             source_dtype: str, source_device_map: str | None, source_quantization: str,
-            work_dir: Path | None, chunk_size: int) -> None:
-    """Extract a task vector and report zero-shot / ICL / LTV accuracy and d_NTP.
+            work_dir: Path | None, chunk_size: int, **method_flags: Any) -> None:
+    """Extract a task vector (or a baseline's artifact) and report zero-shot / ICL / the
+    method's accuracy and d_NTP on held-out queries.
 
     With --source-model LARGE: a logit-space vector for --model, fitted to LARGE's ICL
-    (cross-model transfer; the two must share a tokenizer). With --method: another
-    method's artifact (tv, fv, sv, i2cl, i2cl-cal, mlp: .safetensors; mean, ltv-auto, kernel: a
-    task-vector file).
+    (cross-model transfer; the two must share a tokenizer).
     """
-    from .extract import (
-        ExtractOptions,
-        extract_transfer,
-        open_source,
-        plan_episode,
-    )
     from .extract import extract as run_extract
+    from .extract import extract_transfer, open_source, plan_episode
     from .hardware import device_line
     from .loading import load_model, load_tokenizer
+    from .methods import get_method
     from .tasks import get_task, label_token_ids
 
     # Everything a user can get wrong is refused here, before any model loads.
-    opts = ExtractOptions(k=k, n=n, lam=lam, seed=seed, n_test=n_test, batch_size=batch_size,
-                          rank=rank, progress=not quiet)
+    opts = _extract_options(k=k, n=n, lam=lam, seed=seed, n_test=n_test, batch_size=batch_size,
+                            progress=not quiet, n_val=n_val, method_flags=method_flags,
+                            methods=[method])
     source_opts = _source(source_spec, source_dtype, source_device_map, source_quantization,
                           work_dir, chunk_size, batch_size, quiet)
+    m = get_method(method)
     t = get_task(task, regression=True)
     if t.kind == "regression":
-        if source_opts or rank is not None or method not in ("ltv", "mean"):
+        if source_opts or opts.rank is not None or "regression" not in m.supports:
             raise ArgumentError(f"{t.name} is a regression task: extract --method ltv or mean, "
                                 "without --source-model or --rank")
         return _extract_regression(model_spec, t, method, output, dtype, device, opts)
-    if method != "ltv":
-        if source_opts or rank is not None:
-            raise ArgumentError(f"--method {method}: --source-model and --rank are LTV's only")
-        return _extract_method(model_spec, task, method, output, dtype, device, opts)
-    default = f"{t.name}.transfer.pt" if source_opts else f"{t.name}.pt"
-    output = check_writable(output or default, option="--output", suffixes=(".pt", ".safetensors"))
+    if source_opts and method != "ltv":
+        raise ArgumentError(f"--method {method}: --source-model transfers LTV only")
+    vector_file = "fused" in m.supports  # a task-vector file a server loads
+    suffixes = (".pt", ".safetensors") if vector_file else (".safetensors",)
+    default = (f"{t.name}.transfer.pt" if source_opts else f"{t.name}.pt" if method == "ltv"
+               else f"{t.name}.{method}{suffixes[0]}")
+    output = check_writable(output or default, option="--output", suffixes=suffixes)
     label_token_ids(t, load_tokenizer(model_spec))  # labels sharing a first token: refused
     episode = plan_episode(t, opts, transfer=source_opts is not None)  # reads the data
     source = open_source(source_opts) if source_opts else None  # tokenizer and identity only
     lm = load_model(model_spec, dtype=dtype, device=device)
     if source is None:
-        tv, res = run_extract(lm, t, opts, episode=episode)
+        r = run_extract(lm, t, method, opts, episode=episode)
+        art, metrics, tm = r.artifact, r.metrics, r.timings
     else:
-        tv, res = extract_transfer(lm, source, t, opts, episode=episode)
-    tv.save(output)
+        art, res = extract_transfer(lm, source, t, opts, episode=episode)
+        metrics, tm = res.metrics, res.timings
+    art.save(output)
     src = f" from {source.spec}" if source else ""
-    pv = tv.provenance
-    shown_lam = f"{pv.lam:.4g} (auto)" if lam == "auto" else f"{lam}"
-    click.echo(f"\n{t.name} on {lm.spec}{src}: k={pv.k_used} demos, N={n}, λ={shown_lam}, "
+    pv = art.provenance
+    what = f"N={n}, λ={f'{pv.lam:.4g} (auto)' if lam == 'auto' else lam}" if m.uses_states \
+        else method
+    click.echo(f"\n{t.name} on {lm.spec}{src}: k={pv.k_used} demos, {what}, "
                f"{pv.n_test} test queries")
-    _print_metrics(res.metrics)
-    tm = res.timings
-    dt = pv.dtype or "?"
-    hw = f"{dt} on {device_line(device)}"
-    if source is None:
-        click.echo(f"extraction {tm['extraction_seconds']:.1f} s "
-                   f"(capture {tm['capture_seconds']:.1f} s,"
-                   f" fit {tm['fit_seconds']:.2f} s; {hw}); rank {tv.rank}")
-    else:
+    _print_metrics(metrics)
+    hw = f"{pv.dtype or '?'} on {device_line(device)}"
+    if source is not None:
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s "
                    f"(source {tm['source_capture_seconds']:.1f} s, "
                    f"target {tm['target_capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s; "
-                   f"{hw}); rank {tv.rank}; source captures in {source.cap.dir} "
+                   f"{hw}); rank {art.rank}; source captures in {source.cap.dir} "
                    f"({source.cap.reused} chunks reused, {source.cap.computed} computed)")
-    click.echo(f"wrote {output} ({tv.kind} vector)")
+    else:
+        shown = {k_: v for k_, v in r.params.items() if k_ not in ("val_accuracy", "lam")}
+        chosen = (f"; rank {art.rank}" if vector_file else "") + (f"; {shown}" if shown else "")
+        split = (f"capture {tm['capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s; "
+                 if m.uses_states else "")
+        click.echo(f"extraction {tm['extraction_seconds']:.1f} s ({split}{hw}){chosen}")
+    click.echo(f"wrote {output} ({f'{art.kind} vector' if vector_file else method})")
+
+
+def _extract_options(*, method_flags: dict[str, Any], methods: list[str], **fields: Any) -> Any:
+    """ExtractOptions from a command's settings and its registry-derived method flags
+    (checked: a flag no chosen method reads is refused)."""
+    from .extract import ExtractOptions
+    from .methods import MethodOptions, check_options_apply
+
+    flags = dict(method_flags)
+    rank = flags.pop("rank", None)
+    options = MethodOptions(**flags)
+    check_options_apply(methods, options.replace(rank=rank))
+    return ExtractOptions(rank=rank, options=options, **fields)
 
 
 def _extract_regression(model_spec: str | None, t: Any, method: str, output: Path | None,
@@ -393,9 +449,7 @@ def _extract_regression(model_spec: str | None, t: Any, method: str, output: Pat
                             suffixes=(".pt", ".safetensors"))
     lm = load_model(model_spec, dtype=dtype, device=device)
     k = opts.k or DEFAULT_K
-    tv, metrics = extract_regression(lm, t, k=k, n=opts.n, lam=opts.lam, seed=opts.seed,
-                                     n_test=opts.n_test, batch_size=opts.batch_size,
-                                     method=method, progress=opts.progress)
+    tv, metrics = extract_regression(lm, t, opts, method=method)
     tv.save(output)
     click.echo(f"\n{t.name} (instance {opts.seed}) on {lm.spec}: k={k} demos, N={opts.n}, "
                f"λ={opts.lam}, {opts.n_test} test queries, greedy answers")
@@ -405,29 +459,6 @@ def _extract_regression(model_spec: str | None, t: Any, method: str, output: Pat
                    f"{v['kl_first']:>9.4f}")
     click.echo(f"extraction {tv.provenance.timings['extraction_seconds']:.1f} s; "
                f"wrote {output} ({tv.kind} vector)")
-
-
-def _extract_method(model_spec: str | None, task: str, method: str, output: Path | None,
-                    dtype: str, device: str, opts: Any) -> None:
-    """`extract --method M` for a method other than LTV: its artifact plus test metrics."""
-    from .extract import VECTOR_METHODS, extract_method, plan_episode
-    from .loading import load_model, load_tokenizer
-    from .tasks import get_task, label_token_ids
-
-    t = get_task(task)
-    suffixes = (".pt", ".safetensors") if method in VECTOR_METHODS else (".safetensors",)
-    output = check_writable(output or f"{t.name}.{method}{suffixes[-1]}", option="--output",
-                            suffixes=suffixes)
-    label_token_ids(t, load_tokenizer(model_spec))
-    plan_episode(t, opts)  # refuse a bad episode before the model loads
-    lm = load_model(model_spec, dtype=dtype, device=device)
-    r = extract_method(lm, t, method, opts)
-    r.artifact.save(output)
-    click.echo(f"\n{t.name} on {lm.spec}: k={r.k} demos, {method}, {r.n_test} test queries")
-    _print_metrics(r.metrics)
-    chosen = {k_: v for k_, v in r.params.items() if k_ != "val_accuracy"}
-    click.echo(f"extraction {r.seconds:.1f} s" + (f"; {chosen}" if chosen else ""))
-    click.echo(f"wrote {output} ({method})")
 
 
 @main.command()
@@ -707,19 +738,22 @@ def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
 
 
 # -- evaluate -----------------------------------------------------------------------------
-@main.command()
+def _methods_option() -> click.Option:
+    return click.Option(
+        ["--methods"], default=None,
+        help="Comma-separated, from zero-shot, icl and the registered methods — "
+             + _method_names_help() + " — (not with --source-model), and ltv-transfer (with "
+             "--source-model) [default: zero-shot,icl,ltv,mean; zero-shot,icl,ltv,ltv-transfer "
+             "with --source-model].")
+
+
+@main.command(cls=MethodCommand, method_param=_methods_option)
 @click.option("--model", "model_spec", default=None,
               help="Packaged alias, local HF directory or hub id [default: smollm2-135m]. "
                    "With --source-model: the (small) target.")
 @click.option("--tasks", "task_list", default="sst2", show_default=True,
               help="Comma-separated task names/spec files, or 'packaged' for all seven "
                    "packaged tasks.")
-@click.option("--methods", default=None,
-              help="Comma-separated, from zero-shot, icl, ltv, ltv-auto, kernel, mean, tv, fv, "
-                   "sv, i2cl, i2cl-cal, mlp (the paper's baselines and ours; not with "
-                   "--source-model) and ltv-transfer (with "
-                   "--source-model) [default: zero-shot,icl,ltv,mean; "
-                   "zero-shot,icl,ltv,ltv-transfer with --source-model].")
 @click.option("--runs", default=5, show_default=True, help="Episodes (demo seeds) per task.")
 @click.option("--k", type=int, default=None,
               help="Demonstrations [default: 30; max(10, K) per task with --source-model].")
@@ -738,17 +772,6 @@ def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
 @click.option("--cost-samples", default=16, show_default=True,
               help="Test prompts timed per method in each task's first run (the cost table); "
                    "0 skips it.")
-@click.option("--fv-trials", default=25, show_default=True,
-              help="FV: shuffled-label prompts its heads' indirect effect is averaged over.")
-@click.option("--fv-prompts", default=20, show_default=True,
-              help="FV: clean ICL prompts its mean head activations come from.")
-@click.option("--tv-dummies", default=2, show_default=True,
-              help="TV: dummy queries its state is averaged over.")
-@click.option("--mlp-depth", default=2, show_default=True,
-              help="MLP mapping: 2 (the paper's W₂ ReLU(W₁ h)), or 4/8/16 with residual blocks.")
-@click.option("--i2cl-epochs", default=100, show_default=True,
-              help="i2cl-cal: epochs its coefficients are calibrated for on the demos (the "
-                   "original's 100).")
 @click.option("--max-new-tokens", default=12, show_default=True,
               help="Regression tasks: tokens generated per answer.")
 @click.option("--vllm", "with_vllm", is_flag=True,
@@ -761,12 +784,11 @@ def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
 @friendly
 def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: int, k: int | None,
              n: int, lam: float | str, n_test: int, seed: int, batch_size: int, dtype: str,
-             device: str, out_dir: Path, quiet: bool, n_val: int, cost_samples: int, fv_trials: int,
-             fv_prompts: int, tv_dummies: int, mlp_depth: int, i2cl_epochs: int,
+             device: str, out_dir: Path, quiet: bool, n_val: int, cost_samples: int,
              max_new_tokens: int,
              with_vllm: bool, extend: bool, source_spec: str | None, source_dtype: str,
              source_device_map: str | None, source_quantization: str, work_dir: Path | None,
-             chunk_size: int) -> None:
+             chunk_size: int, **method_flags: Any) -> None:
     """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots.
 
     With --source-model LARGE it is the paper's transfer table: each method on the target
@@ -780,14 +802,11 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     from .evaluate import evaluate as run_evaluate
     from .extract import open_source
     from .loading import load_model, load_tokenizer
-    from .methods import MethodOptions
+    from .methods import MethodOptions, check_options_apply
     from .tasks import get_tasks, label_token_ids
 
     cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size,
-                     n_val=n_val, cost_samples=cost_samples,
-                     options=MethodOptions(fv_trials=fv_trials, fv_prompts=fv_prompts,
-                                           tv_dummies=tv_dummies, mlp_depth=mlp_depth,
-                                           i2cl_epochs=i2cl_epochs))
+                     n_val=n_val, cost_samples=cost_samples, options=MethodOptions(**method_flags))
     source_opts = _source(source_spec, source_dtype, source_device_map, source_quantization,
                           work_dir, chunk_size, batch_size, quiet)
     tasks_ = get_tasks(task_list, regression=True)
@@ -809,6 +828,7 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
         raise ArgumentError("--vllm compares generated answers: regression tasks only "
                             "(classification through vLLM: `ltv-vllm bench serving`)")
     ms = resolve_methods(_csv(methods) if methods else None, transfer=source_opts is not None)
+    check_options_apply(ms, cfg.options)  # a method flag no chosen method reads: refused
     check_writable(out_dir, option="--out", directory=True)
     previous = (_previous_evaluation(out_dir, model_spec, ms, cfg, dtype, device)
                 if extend else None)
@@ -888,6 +908,7 @@ def _evaluate_regression(model_spec: str | None, tasks_: list[Any], methods: str
     import importlib.util
 
     from .loading import load_model
+    from .methods import check_options_apply
     from .regress import (
         evaluate_regression,
         regression_table,
@@ -896,6 +917,8 @@ def _evaluate_regression(model_spec: str | None, tasks_: list[Any], methods: str
     )
 
     ms = resolve_regression_methods(_csv(methods) if methods else None)
+    check_options_apply([m for m in ms if m != "ltv-first"] + ["ltv"] * ("ltv-first" in ms),
+                        cfg.options)
     if max_new_tokens < 1:
         raise ArgumentError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if with_vllm and importlib.util.find_spec("vllm") is None:

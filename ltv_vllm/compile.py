@@ -192,7 +192,7 @@ def compile_task(req: CompileRequest, model_dir: str | Path, store_root: str | P
     say("extracting", n=len(req.queries), k=len(req.demos))
     opts = ExtractOptions(k=len(req.demos), n=len(req.queries), lam=req.lam,
                           n_test=max(1, len(req.test)), n_val=0, progress=False)
-    tv, res = extract(lm, req.task, opts, episode=ep)
+    tv = extract(lm, req.task, "ltv", opts, episode=ep).artifact
     say("writing")
     kw = {"source": "compiled", "base_model": base_model, "rank": max_rank,
           "extra": {"compile_seconds": time.perf_counter() - t0, "n_test": len(req.test)}}

@@ -13,7 +13,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +43,24 @@ from .metrics import pearson, spearman
 from .tasks import Task, label_token_ids
 from .vector import VectorError, read_safetensors
 
-METHOD_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", TRANSFER_METHOD: "Transferred LTV",
-                 **{name: m.label for name, m in TASK_VECTOR_METHODS.items()}}
-# every method of a plain evaluation: the two references, then the task-vector methods
-ALL_METHODS = ("zero-shot", "icl", *TASK_VECTOR_METHODS)
+FIXED_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", TRANSFER_METHOD: "Transferred LTV"}
 SOURCE = "source-"  # prefix of the source model's own methods in a transfer evaluation
+
+
+def all_methods() -> tuple[str, ...]:
+    """Every method of a plain evaluation: the two references, then the registered ones."""
+    return ("zero-shot", "icl", *TASK_VECTOR_METHODS)
+
+
+def _label(m: str) -> str:
+    return FIXED_LABELS.get(m) or (TASK_VECTOR_METHODS[m].label if m in TASK_VECTOR_METHODS
+                                   else m)
 
 
 def method_label(m: str) -> str:
     if m.startswith(SOURCE):
-        return "Source " + METHOD_LABELS.get(m.removeprefix(SOURCE), m)
-    return METHOD_LABELS.get(m, m)
+        return "Source " + _label(m.removeprefix(SOURCE))
+    return _label(m)
 
 
 @dataclass(frozen=True)
@@ -80,14 +87,12 @@ class EvalConfig:
                               batch_size=self.batch_size, n_val=self.n_val)
 
     def method_options(self, seed: int, progress: bool) -> MethodOptions:
-        from dataclasses import replace
-
-        return replace(self.options, lam=self.lam, seed=seed, batch_size=self.batch_size,
-                       progress=progress)
+        return self.options.replace(lam=self.lam, seed=seed, batch_size=self.batch_size,
+                                    progress=progress)
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "options"}
-        return {**d, "options": {k: v for k, v in asdict(self.options).items()
+        return {**d, "options": {k: v for k, v in self.options.to_dict().items()
                                  if k not in ("lam", "seed", "batch_size", "progress")}}
 
 
@@ -99,7 +104,7 @@ def resolve_methods(methods: Sequence[str] | None, *, transfer: bool) -> list[st
     """The methods an evaluation runs, in order: unknown ones refused; ICL always (d_NTP is
     measured against it), and ltv-transfer always in a transfer evaluation."""
     ms = list(methods) if methods else default_methods(transfer)
-    known = (*METHODS, TRANSFER_METHOD) if transfer else ALL_METHODS
+    known = (*METHODS, TRANSFER_METHOD) if transfer else all_methods()
     unknown = [m for m in ms if m not in known]
     if unknown:
         hint = " (ltv-transfer needs --source-model)" if TRANSFER_METHOD in unknown else ""
@@ -222,9 +227,8 @@ def evaluate(
                     h_zs_test_target=h_zs_test, h_zs_test_source=h_zs_test_source)
                 h_zs_test, h_zs_test_source = ct.h_zs_test, cs.h_zs_test
                 metrics = tr.metrics
-                t_ext = tr.target.timings["extraction_seconds"]
-                s_ext = tr.source.timings["extraction_seconds"]
-                ext = {"ltv": t_ext, "mean": t_ext, SOURCE + "ltv": s_ext, SOURCE + "mean": s_ext,
+                ext = {**tr.target.extraction_seconds,
+                       **{SOURCE + m: v for m, v in tr.source.extraction_seconds.items()},
                        TRANSFER_METHOD: tr.timings["extraction_seconds"]}
                 params = {}
             for m in keys:
@@ -573,7 +577,7 @@ def _row_label(m: str, cfg: dict[str, Any]) -> str:
     if m == TRANSFER_METHOD:
         return "**Transferred LTV (source → target)**"
     side = "Source" if m.startswith(SOURCE) else "Target"
-    return f"{side}: {METHOD_LABELS.get(m.removeprefix(SOURCE), m)}"
+    return f"{side}: {_label(m.removeprefix(SOURCE))}"
 
 
 def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -585,7 +589,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     cfg, records = doc["config"], doc["records"]
     tasks = cfg["tasks"]
     methods = [m for m in cfg["methods"] if not m.endswith("icl")]
-    colors = METHOD_COLORS
+    colors = method_colors()
     paths = []
 
     # d_NTP against accuracy, one point per run and method, one panel per task (paper Fig. 3).
@@ -631,13 +635,16 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     return paths
 
 
-METHOD_COLORS = {"zero-shot": "tab:gray", "ltv": "tab:blue", "mean": "tab:orange",
-                 "icl": "tab:green", "tv": "tab:purple", "fv": "tab:brown", "sv": "tab:pink",
-                 "i2cl": "tab:olive", "i2cl-cal": "gold", "mlp": "tab:cyan",
-                 "ltv-auto": "navy", "kernel": "darkred", "ltv-first": "lightsteelblue",
-                 SOURCE + "zero-shot": "silver", SOURCE + "ltv": "lightskyblue",
-                 SOURCE + "mean": "navajowhite", SOURCE + "icl": "yellowgreen",
-                 TRANSFER_METHOD: "tab:red"}
+# the references' colours; each method declares its own (`Method.color`)
+FIXED_COLORS = {"zero-shot": "tab:gray", "icl": "tab:green", "ltv-first": "lightsteelblue",
+                SOURCE + "zero-shot": "silver", SOURCE + "ltv": "lightskyblue",
+                SOURCE + "mean": "navajowhite", SOURCE + "icl": "yellowgreen",
+                TRANSFER_METHOD: "tab:red"}
+
+
+def method_colors() -> dict[str, str]:
+    """Every plotted series' colour: the references', then each registered method's."""
+    return {**FIXED_COLORS, **{name: m.color for name, m in TASK_VECTOR_METHODS.items()}}
 
 
 def bars_per_task(tasks: list[str], values: dict[str, list[float]], errors: dict[str, list[float]],
@@ -654,7 +661,7 @@ def bars_per_task(tasks: list[str], values: dict[str, list[float]], errors: dict
     for i, m in enumerate(methods):
         xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(tasks))]
         ax.bar(xs, values[m], width, yerr=errors[m], capsize=2, label=label(m),
-               color=METHOD_COLORS.get(m))
+               color=method_colors().get(m))
     ax.set_xticks(range(len(tasks)), tasks)
     positive = [v for vs in values.values() for v in vs if v > 0]
     if positive and max(positive) > 1000 * min(positive):

@@ -1,19 +1,24 @@
-"""The extraction pass: Episode → captures → ridge fit → TaskVector (+ held-out metrics).
+"""The extraction pipeline: Episode → captures → a registered method → artifact (+ metrics).
 
-`run_episode` is the one place where an episode is turned into activations, a fit and test
-scores; `extract` (the CLI's `extract`) and `evaluate` (many tasks × runs) both call it.
+`extract(lm, task, method=..., opts)` is the one call from an episode to an artifact:
+`capture_episode` runs the passes every method shares (h_zs, h_icl on the train queries and
+the test subset), and the method registry (`ltv_vllm.methods`) fits the artifact and scores
+it (`score_methods`), the same code `evaluate` (many tasks × runs), `compile` (a served task),
+the benchmarks and a transfer's own-model columns go through. So the vector a server loads
+and the one whose numbers the docs report cannot drift apart.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from . import __version__
-from .capture import Capturer, full_head, label_head
+from .capture import Capturer, full_head
 from .data import Episode
 from .errors import ArgumentError
 from .loading import (
@@ -23,12 +28,21 @@ from .loading import (
     load_model,
     local_model_dir,
 )
+from .methods import (
+    Context,
+    MethodOptions,
+    MethodScores,
+    check_options_apply,
+    get_method,
+    score_methods,
+)
 from .metrics import accuracy, d_ntp
-from .ridge import Factors, head_gram, mean_shift, ridge_fit, truncate
+from .ridge import Factors, truncate
 from .tasks import Task, label_token_ids
 from .vector import ModelIdentity, Provenance, TaskVector
 
-METHODS = ("zero-shot", "icl", "ltv", "mean")
+METHODS = ("zero-shot", "icl", "ltv", "mean")  # what a transfer evaluation shows per model
+OWN_METHODS = ("ltv", "mean")  # each model's own task vectors in a transfer
 TRANSFER_METHOD = "ltv-transfer"
 DEFAULT_K = 30  # the paper's main setting
 TRANSFER_K = 10  # the paper's transfer setting: few demos, where a small model's ICL is weak
@@ -43,8 +57,6 @@ def check_counts(*, k: int | None = None, n: int | None = None,
     What depends on the task (k against its classes, N against its data) is checked when
     the episode is sampled (`plan_episode`), still before a model loads.
     """
-    import math
-
     for name, value in (("--k", k), ("--n", n), ("--n-test", n_test),
                         ("--batch-size", batch_size), ("--rank", rank), ("--runs", runs)):
         if value is not None and (isinstance(value, bool) or int(value) < 1):
@@ -56,7 +68,10 @@ def check_counts(*, k: int | None = None, n: int | None = None,
 
 @dataclass(frozen=True)
 class ExtractOptions:
-    """How one task vector is extracted; checked when built (the CLI builds it first)."""
+    """How one artifact is extracted; checked when built (the CLI builds it first).
+
+    The episode's sizes and the settings every method reads are fields; a method's own
+    knobs (`--fv-trials`, `--mlp-depth`, ...) travel in `options`."""
 
     k: int | None = None  # None: DEFAULT_K, or max(TRANSFER_K, K) for a transfer vector
     n: int = 256
@@ -67,6 +82,7 @@ class ExtractOptions:
     rank: int | None = None  # cut the fit to this rank (ridge.truncate)
     progress: bool = True
     n_val: int = 32  # labelled validation examples for the baselines' layer choice (paper: 32)
+    options: MethodOptions = field(default_factory=MethodOptions)
 
     def __post_init__(self) -> None:
         check_counts(k=self.k, n=self.n, lam=self.lam, n_test=self.n_test,
@@ -77,6 +93,11 @@ class ExtractOptions:
             return self.k
         return max(TRANSFER_K, task.num_classes) if transfer else DEFAULT_K
 
+    def method_options(self) -> MethodOptions:
+        """The registry's options: the method's own knobs and this extraction's settings."""
+        return self.options.replace(lam=self.lam, seed=self.seed, batch_size=self.batch_size,
+                                    progress=self.progress, rank=self.rank)
+
 
 def plan_episode(task: Task, opts: ExtractOptions, *, transfer: bool = False) -> Episode:
     """The episode an extraction runs on (data loaded, k against the classes, N against the
@@ -85,16 +106,6 @@ def plan_episode(task: Task, opts: ExtractOptions, *, transfer: bool = False) ->
 
     return sample_episode(load_dataset(task), k=opts.k_for(task, transfer=transfer), n=opts.n,
                           n_test=opts.n_test, seed=opts.seed, n_val=opts.n_val)
-
-
-@dataclass
-class EpisodeResult:
-    factors: Factors
-    mean: torch.Tensor                      # (d,) constant-mapping baseline
-    label_logits: dict[str, torch.Tensor]   # method → (n_test, K) restricted logits
-    labels: torch.Tensor                    # (n_test,)
-    metrics: dict[str, dict[str, float]]    # method → {"accuracy", "d_ntp"}
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,150 +148,78 @@ def capture_episode(
     return Captures(h_zs, h_icl, h_zs_test, h_icl_test, t1 - t0, t2 - t1)
 
 
-def score_episode(
-    c: Captures,
-    lam: float,
-    w_c: torch.Tensor,
-    b_c: torch.Tensor,
-    labels: torch.Tensor,
-    methods: tuple[str, ...] = METHODS,
-    rank: int | None = None,
-    head_gram: torch.Tensor | None = None,
-) -> EpisodeResult:
-    """Fit LTV (and the mean shift) on the train states; score every method on the test ones.
-
-    rank: cut the fit to rank `rank` (`ridge.truncate`, weighted by the LM head's Gram
-    `head_gram` = W_lmᵀ W_lm when given); the cut is what gets scored and saved.
-    """
-    t0 = time.perf_counter()
-    y = c.h_icl - c.h_zs  # (N, d) targets
-    factors = ridge_fit(c.h_zs, y, lam)
-    if rank is not None:
-        factors = truncate(factors, rank, head_gram=head_gram)
-    mean = mean_shift(y)
-    fit_seconds = time.perf_counter() - t0
-    hidden = {
-        "zero-shot": c.h_zs_test,
-        "icl": c.h_icl_test,
-        "ltv": c.h_zs_test + factors.apply(c.h_zs_test),
-        "mean": c.h_zs_test + mean,
-    }
-    logits = {m: hidden[m] @ w_c.T + b_c for m in methods}
-    metrics = {
-        m: {"accuracy": accuracy(z, labels), "d_ntp": d_ntp(logits["icl"], z)}
-        for m, z in logits.items()
-    } if labels.numel() else {}
-    timings = {
-        "capture_seconds": c.capture_seconds,
-        "fit_seconds": fit_seconds,
-        "extraction_seconds": c.capture_seconds + fit_seconds,
-        "test_seconds": c.test_seconds,
-    }
-    return EpisodeResult(factors, mean, logits, labels, metrics, timings)
-
-
 def episode_labels(episode: Episode) -> torch.Tensor:
     return torch.tensor([e.label for e in episode.test])
 
 
-def run_episode(
-    cap: Capturer,
-    episode: Episode,
-    lam: float,
-    label_ids: list[int],
-    *,
-    h_zs_test: torch.Tensor | None = None,
-    methods: tuple[str, ...] = METHODS,
-    rank: int | None = None,
-) -> EpisodeResult:
-    w_c, b_c = label_head(cap.model, label_ids)  # (K, d), (K,)
-    c = capture_episode(cap, episode, h_zs_test=h_zs_test)
-    hg = head_gram(full_head(cap.model)[0]) if rank is not None else None
-    return score_episode(c, lam, w_c, b_c, episode_labels(episode), methods, rank, hg)
+@dataclass(frozen=True)
+class Extraction:
+    """`extract`'s outcome: the artifact (a TaskVector for the hidden-space maps, an
+    `Artifact` for the layer methods), the held-out metrics of zero-shot, ICL, the method and
+    the baselines it is shown beside, and what the extraction cost and chose."""
+
+    method: str
+    artifact: Any
+    metrics: dict[str, dict[str, float]]   # method → {"accuracy", "d_ntp"}; {} without test
+    timings: dict[str, float]              # capture / fit / extraction / test seconds
+    params: dict[str, Any]                 # what the method chose (λ, γ, a layer)
+    episode: Episode
+    label_logits: dict[str, torch.Tensor]  # method → (n_test, K) restricted logits
+
+
+def method_context(lm: LoadedModel, cap: Capturer, episode: Episode, label_ids: list[int],
+                   opts: ExtractOptions, c: Captures | None = None) -> Context:
+    """The registry's view of one episode on `lm` (the captured train states, if any)."""
+    return Context(cap, episode, label_ids, opts.method_options(), identity=lm.identity,
+                   h_zs=c.h_zs if c else None, h_icl=c.h_icl if c else None,
+                   capture_seconds=c.capture_seconds if c else 0.0)
 
 
 def extract(
     lm: LoadedModel,
     task: Task,
+    method: str = "ltv",
     opts: ExtractOptions | None = None,
     *,
     episode: Episode | None = None,
-) -> tuple[TaskVector, EpisodeResult]:
-    """Fit an LTV for `task` on `lm` and measure it on the held-out test subset.
+) -> Extraction:
+    """Extract `method`'s artifact for `task` on `lm` and score it on the held-out test subset
+    (beside zero-shot, ICL and the method's `compare_with` baselines).
 
-    `episode`: one already sampled (`plan_episode(task, opts)`), e.g. by a caller that
-    checked it before loading the model. `opts.rank` cuts the fit before it is scored and saved.
+    `episode`: one already sampled (`plan_episode(task, opts)`), e.g. by a caller that checked
+    it before loading the model. The artifact's provenance carries the metrics and timings.
     """
     opts = opts or ExtractOptions()
+    m = get_method(method)
+    check_options_apply([method], opts.options)
     label_ids = label_token_ids(task, lm.tokenizer)
     episode = episode or plan_episode(task, opts)
     cap = Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size, progress=opts.progress)
-    res = run_episode(cap, episode, opts.lam, label_ids, rank=opts.rank)
-    tv = TaskVector(
-        kind="hidden",
-        U=res.factors.U,
-        V=res.factors.V,
-        bias=None,
-        model=lm.identity,
-        label_token_ids=tuple(label_ids),
-        provenance=_provenance(lm, episode, res, opts, method="ltv"),
-        gram=res.factors.gram,
-    )
-    return tv, res
-
-
-@dataclass(frozen=True)
-class MethodResult:
-    """`extract_method`'s outcome: the artifact (a TaskVector for mean / ltv-auto / kernel),
-    its test metrics, extraction seconds and the parameters it chose (λ, γ, layers)."""
-
-    artifact: Any
-    metrics: dict[str, dict[str, float]]
-    seconds: float
-    params: dict[str, Any]
-    k: int
-    n_test: int
-
-
-VECTOR_METHODS = ("mean", "ltv-auto", "kernel")  # methods whose artifact is a TaskVector
-
-
-def extract_method(lm: LoadedModel, task: Task, method: str,
-                   opts: ExtractOptions | None = None) -> MethodResult:
-    """Extract `method`'s artifact (any registered method but plain LTV, which is `extract`)
-    on `task`'s episode, scored on its test queries; the artifact carries the metrics."""
-    from dataclasses import replace
-
-    from .methods import Context, MethodOptions, score_methods
-
-    opts = opts or ExtractOptions()
-    label_ids = label_token_ids(task, lm.tokenizer)
-    episode = plan_episode(task, opts)
-    cap = Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size, progress=opts.progress)
     c = capture_episode(cap, episode)
-    ctx = Context(cap, episode, label_ids,
-                  MethodOptions(lam=opts.lam, seed=opts.seed, batch_size=opts.batch_size,
-                                progress=opts.progress),
-                  identity=lm.identity, h_zs=c.h_zs, h_icl=c.h_icl,
-                  capture_seconds=c.capture_seconds)
-    sc = score_methods(ctx, [method], c.h_zs_test, c.h_icl_test, episode_labels(episode))
-    secs = sc.extraction_seconds[method]
+    ctx = method_context(lm, cap, episode, label_ids, opts, c)
+    names = [method, *(b for b in m.compare_with if b != method)]
+    sc = score_methods(ctx, names, c.h_zs_test, c.h_icl_test, episode_labels(episode))
+    total = sc.extraction_seconds[method]
+    capture = c.capture_seconds if m.uses_states else 0.0
+    timings = {"capture_seconds": capture, "fit_seconds": total - capture,
+               "extraction_seconds": total, "test_seconds": c.test_seconds}
     art = sc.artifacts[method]
-    art = replace(art, provenance=replace(art.provenance, metrics=sc.metrics,
-                                          timings={"extraction_seconds": secs}))
-    return MethodResult(art, sc.metrics, secs, dict(sc.params.get(method, {})),
-                        k=len(episode.demos), n_test=len(episode.test))
+    prov = replace(art.provenance, k=opts.k_for(task), n=opts.n, metrics=sc.metrics,
+                   timings=timings,
+                   metrics_rank=art.rank if isinstance(art, TaskVector) else None)
+    return Extraction(method, replace(art, provenance=prov), sc.metrics, timings,
+                      dict(sc.params.get(method, {})), episode, sc.logits)
 
 
-def _provenance(lm: LoadedModel, episode: Episode, res: Any, opts: ExtractOptions, *,
-                method: str, source: SourceModel | None = None) -> Provenance:
-    """What a task-vector file records about its extraction (res: Episode/TransferResult)."""
+def _transfer_provenance(lm: LoadedModel, episode: Episode, res: TransferResult,
+                         opts: ExtractOptions, source: SourceModel) -> Provenance:
+    """What a transferred vector's file records about its extraction."""
     from .hardware import hardware
 
     return Provenance(
-        method=method,
+        method=TRANSFER_METHOD,
         task=episode.task.to_dict(),
-        k=opts.k_for(episode.task, transfer=source is not None),
+        k=opts.k_for(episode.task, transfer=True),
         k_used=len(episode.demos),
         n=opts.n,
         lam=res.factors.lam if res.factors.lam is not None else opts.lam,
@@ -294,8 +233,8 @@ def _provenance(lm: LoadedModel, episode: Episode, res: Any, opts: ExtractOption
         package_version=__version__,
         metrics=res.metrics,
         timings=res.timings,
-        source_model=source.identity.to_dict() if source else None,
-        source_load={k: v for k, v in source.load.items() if v is not None} if source else None,
+        source_model=source.identity.to_dict(),
+        source_load={k: v for k, v in source.load.items() if v is not None},
         extra={"lam_loo": res.factors.loo.to_dict()} if res.factors.loo is not None else {},
     )
 
@@ -416,8 +355,8 @@ def check_pair(target: LoadedModel, source: SourceModel, episode: Episode) -> li
 @dataclass
 class TransferResult:
     factors: Factors                      # W̃ = U Vᵀ, U (V_S, r), V (d_S, r)
-    target: EpisodeResult                 # the target's own zero-shot / ICL / LTV / mean
-    source: EpisodeResult                 # the source's own
+    target: MethodScores                  # the target's own zero-shot / ICL / LTV / mean
+    source: MethodScores                  # the source's own (fitted on its stored states)
     metrics: dict[str, dict[str, float]]  # target methods, "source-*" and "ltv-transfer"
     timings: dict[str, float]
 
@@ -448,8 +387,17 @@ def run_transfer_episode(
     cs = capture_episode(source.cap, episode, h_zs_test=h_zs_test_source)
     w_t, b_t = full_head(target_cap.model)
     w_s, b_s = source.head()
-    res_t = score_episode(ct, lam, *_label_rows(w_t, b_t, label_ids), labels)
-    res_s = score_episode(cs, lam, *_label_rows(w_s, b_s, label_ids), labels)
+    # each model's own LTV and mean shift, through the registry like any extraction
+    own = MethodOptions(lam=lam, progress=False)
+    ctx_t = Context(target_cap, episode, label_ids, own, h_zs=ct.h_zs, h_icl=ct.h_icl,
+                    capture_seconds=ct.capture_seconds)
+    ctx_s = Context(None, episode, label_ids, own, identity=source.identity, h_zs=cs.h_zs,
+                    h_icl=cs.h_icl, capture_seconds=cs.capture_seconds, head=w_s,
+                    dtype=str(source.load["dtype"]))
+    res_t = score_methods(ctx_t, OWN_METHODS, ct.h_zs_test, ct.h_icl_test, labels,
+                          head=_label_rows(w_t, b_t, label_ids))
+    res_s = score_methods(ctx_s, OWN_METHODS, cs.h_zs_test, cs.h_icl_test, labels,
+                          head=_label_rows(w_s, b_s, label_ids))
 
     t0 = time.perf_counter()
     z_icl_s = full_logits(cs.h_icl, w_s, b_s)  # (N, V_L): the regression's reference
@@ -466,7 +414,7 @@ def run_transfer_episode(
     metrics.update({f"source-{m}": v for m, v in res_s.metrics.items()})
     # The transferred vector imitates the source's ICL: that is its d_NTP reference.
     metrics["ltv-transfer"] = {"accuracy": accuracy(z_tr, labels),
-                               "d_ntp": d_ntp(res_s.label_logits["icl"], z_tr)}
+                               "d_ntp": d_ntp(res_s.logits["icl"], z_tr)}
     timings = {
         "source_capture_seconds": cs.capture_seconds,
         "target_capture_seconds": ct.capture_seconds,
@@ -499,8 +447,7 @@ def extract_transfer(
         bias=None,
         model=target.identity,
         label_token_ids=tuple(label_ids),
-        provenance=_provenance(target, episode, res, opts, method=TRANSFER_METHOD,
-                               source=source),
+        provenance=_transfer_provenance(target, episode, res, opts, source),
         gram=res.factors.gram,
     )
     return tv, res

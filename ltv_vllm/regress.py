@@ -22,6 +22,7 @@ import functools
 import json
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,32 +33,40 @@ from .capture import Capturer
 from .data import sample_regression_episode
 from .errors import ArgumentError
 from .evaluate import EvalConfig, _resume, _save_checkpoint, bars_per_task, method_label
-from .extract import DEFAULT_K, LoadedModel
+from .extract import DEFAULT_K, ExtractOptions, LoadedModel
 from .fileio import atomic_write
 from .generate import greedy, greedy_shared, greedy_states
 from .hardware import hardware, machine_line
-from .methods import Context, get_method
+from .methods import METHODS, Context, get_method
 from .methods.base import full_log_probs
 from .metrics import parse_number, pearson, regression_scores, spearman
 from .tasks import RegressionTask
 
 FIRST = "ltv-first"
-# what a regression evaluation can run: TV, FV and SV choose their layer on label accuracy,
-# which a generated number does not have
-REGRESSION_METHODS = ("zero-shot", "icl", "ltv", FIRST, "mean", "mlp", "i2cl")
+
+
+def regression_methods() -> tuple[str, ...]:
+    """What a regression evaluation can run: the references, LTV's first-step ablation, and
+    every registered method that declares "regression" (TV, FV and SV choose their layer on
+    label accuracy, which a generated number does not have)."""
+    return ("zero-shot", "icl", FIRST,
+            *(name for name, m in METHODS.items() if "regression" in m.supports))
+
+
 DEFAULT_REGRESSION_METHODS = ("zero-shot", "icl", "ltv", FIRST, "mean")
 LABELS = {FIRST: "LTV, first step only"}
 
 
 def resolve_regression_methods(methods: Sequence[str] | None) -> list[str]:
     ms = list(methods) if methods else list(DEFAULT_REGRESSION_METHODS)
-    bad = [m for m in ms if m not in REGRESSION_METHODS]
+    known = regression_methods()
+    bad = [m for m in ms if m not in known]
     if bad:
         why = (" (TV, FV and SV choose their layer on label accuracy, i2cl-cal calibrates on "
                "the label token; regression has no labels)"
                if set(bad) & {"tv", "fv", "sv", "i2cl-cal"} else "")
         raise ArgumentError(f"--methods: {', '.join(bad)} cannot run on regression tasks{why}; "
-                            f"choose from {', '.join(REGRESSION_METHODS)}")
+                            f"choose from {', '.join(known)}")
     if "icl" not in ms:
         ms.insert(0, "icl")  # KL is measured against it
     return ms
@@ -265,20 +274,16 @@ def evaluate_regression(
     }
 
 
-def extract_regression(lm: LoadedModel, task: RegressionTask, *, k: int = DEFAULT_K,
-                       n: int = 256, lam: float = 5.0, seed: int = 0, n_test: int = 100,
-                       batch_size: int = 16, max_new_tokens: int = 12, method: str = "ltv",
-                       progress: bool = True) -> tuple[Any, dict[str, dict[str, float]]]:
-    """`extract --task linear`: the instance of `seed`, its LTV (or mean shift) as a task-vector
-    file, and zero-shot / ICL / the method scored on its test queries by generation."""
-    from dataclasses import replace
-
-    from .methods import MethodOptions
-
-    ep = sample_regression_episode(task, k=k, n=n, n_test=n_test, seed=seed)
-    cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=progress)
-    ctx = Context(cap, ep, [], MethodOptions(lam=lam, seed=seed, batch_size=batch_size,
-                                             progress=progress), identity=lm.identity)
+def extract_regression(lm: LoadedModel, task: RegressionTask, opts: ExtractOptions, *,
+                       method: str = "ltv", max_new_tokens: int = 12
+                       ) -> tuple[Any, dict[str, dict[str, float]]]:
+    """`extract --task linear`: the instance of `opts.seed`, its LTV (or mean shift) as a
+    task-vector file (fitted by the registry's method), and zero-shot / ICL / the method
+    scored on its test queries by generation."""
+    k = opts.k or DEFAULT_K
+    ep = sample_regression_episode(task, k=k, n=opts.n, n_test=opts.n_test, seed=opts.seed)
+    cap = Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size, progress=opts.progress)
+    ctx = Context(cap, ep, [], opts.method_options(), identity=lm.identity)
     scores, ext, arts = score_instance(ctx, ["zero-shot", "icl", method], max_new_tokens)
     tv, secs = arts[method], ext[method]  # extracted once, by the scoring
     metrics = {m: {key: v for key, v in sc.items() if key != "texts"} for m, sc in scores.items()}

@@ -68,8 +68,9 @@ def test_bench_rank_end_to_end(bench_model, tmp_path):
     lm = load_model(str(bench_model), dtype="float32")
     for x in rows:
         rank = None if x["rank_label"] == "full" else x["rank"]
-        tv, res = extract(lm, get_task("sst2"), ExtractOptions(
+        res = extract(lm, get_task("sst2"), "ltv", ExtractOptions(
             k=4, n=10, n_test=12, seed=x["seed"], progress=False, rank=rank))
+        tv = res.artifact
         assert tv.rank == x["rank"]
         for m in ("accuracy", "d_ntp"):
             assert x["ltv"][m] == pytest.approx(res.metrics["ltv"][m], abs=1e-6), (x, m)

@@ -51,8 +51,9 @@ def hand_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 def test_extract_metrics_match_independent_computation(model_dir, task_file, rank):
     lm = load_model(str(model_dir), dtype="float32")
     task = get_task(str(task_file))
-    tv, res = extract(lm, task, ExtractOptions(k=6, n=24, lam=5.0, seed=3, n_test=20,
-                                               batch_size=5, progress=False, rank=rank))
+    res = extract(lm, task, "ltv", ExtractOptions(k=6, n=24, lam=5.0, seed=3, n_test=20,
+                                                  batch_size=5, progress=False, rank=rank))
+    tv = res.artifact
     assert tv.meta["k_used"] == 6 and tv.meta["n"] == 24 and tv.rank <= 24
     assert tv.meta["metrics_rank"] == tv.rank
     ep = sample_episode(load_dataset(task), k=6, n=24, n_test=20, seed=3)
@@ -69,8 +70,8 @@ def test_extract_metrics_match_independent_computation(model_dir, task_file, ran
         from ltv_vllm.capture import full_head
         from ltv_vllm.ridge import Factors, head_gram, truncate
 
-        full, _ = extract(lm, task, ExtractOptions(k=6, n=24, lam=5.0, seed=3, n_test=20,
-                                                   batch_size=5, progress=False))
+        full = extract(lm, task, "ltv", ExtractOptions(k=6, n=24, lam=5.0, seed=3, n_test=20,
+                                                       batch_size=5, progress=False)).artifact
         assert tv.rank == 3 < full.rank
         cut = truncate(Factors(full.U, full.V, "", full.gram), 3,
                        head_gram=head_gram(full_head(lm.model)[0]))

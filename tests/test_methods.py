@@ -379,8 +379,8 @@ def test_artifact_round_trip_and_checks(model, ctx, artifacts, name, tmp_path, t
 
 def test_cli_evaluate_every_method_end_to_end(tmp_path, tokenizer):
     """`evaluate` with the full method list on a tiny model: every method scored, the
-    correlation and cost tables written, and LTV / zero-shot / ICL equal to what `extract`'s
-    own path (ltv_vllm.extract.score_episode) measures on the same episode."""
+    correlation and cost tables written, and LTV / zero-shot / ICL equal to what `extract`
+    measures on the same episode."""
     import json
 
     from click.testing import CliRunner
@@ -424,7 +424,7 @@ def test_cli_evaluate_every_method_end_to_end(tmp_path, tokenizer):
 
     lm = load_model(str(tmp_path / "m"), dtype="float32")
     for run in (0, 1):
-        _, res = extract(lm, get_task(str(spec)), ExtractOptions(
+        res = extract(lm, get_task(str(spec)), "ltv", ExtractOptions(
             k=6, n=24, n_test=12, seed=run, progress=False))
         got = {x["method"]: x for x in doc["records"] if x["run"] == run}
         for m in ("zero-shot", "icl", "ltv", "mean"):
@@ -433,12 +433,12 @@ def test_cli_evaluate_every_method_end_to_end(tmp_path, tokenizer):
 
 
 def test_every_method_has_its_own_colour_in_the_figures():
-    from ltv_vllm.evaluate import METHOD_COLORS, SOURCE, TRANSFER_METHOD
+    from ltv_vllm.evaluate import SOURCE, TRANSFER_METHOD, method_colors
     from ltv_vllm.regress import FIRST
 
     names = [*METHODS, "zero-shot", "icl", FIRST, TRANSFER_METHOD,
              *(SOURCE + m for m in ("zero-shot", "icl", "ltv", "mean"))]
-    colours = [METHOD_COLORS.get(m) for m in names]
+    colours = [method_colors().get(m) for m in names]
     assert None not in colours and len(set(colours)) == len(names)
 
 
@@ -471,7 +471,7 @@ def test_cli_extract_method_writes_a_checked_artifact(tmp_path, tokenizer):
     r = CliRunner().invoke(main, [*args, "--method", "tv", "-o", str(tmp_path / "tv.pt")])
     assert r.exit_code == 1 and "--output" in r.output and not (tmp_path / "tv.pt").exists()
     r = CliRunner().invoke(main, [*args, "--method", "fv", "--rank", "2"])
-    assert r.exit_code == 1 and "LTV's only" in r.output
+    assert r.exit_code == 1 and "--rank is an option of ltv, ltv-auto, not of fv" in r.output
     # a vector method writes a task-vector file (.pt allowed) with the map it fitted
     r = CliRunner().invoke(main, [*args, "--method", "kernel", "-o", str(tmp_path / "k.pt")])
     assert r.exit_code == 0, r.output

@@ -179,7 +179,7 @@ def test_same_model_transfer_reproduces_ltv(pair):
     res, ct, _ = run_transfer_episode(cap, source, ep, LAM, ids)
     w_c = lm.model.lm_head.weight[ids].detach()
     z_tr = transfer_label_logits(ct.h_zs_test, w_c, torch.zeros(len(ids)), res.factors, ids)
-    z_ltv = res.target.label_logits["ltv"]
+    z_ltv = res.target.logits["ltv"]
     torch.testing.assert_close(z_tr, z_ltv, rtol=1e-4, atol=1e-4 * z_ltv.abs().max().item())
     assert res.metrics["ltv-transfer"]["accuracy"] == res.metrics["ltv"]["accuracy"]
     assert res.metrics["source-icl"]["accuracy"] == res.metrics["icl"]["accuracy"]

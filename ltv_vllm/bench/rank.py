@@ -30,13 +30,9 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
 
     from ..capture import Capturer, full_head, label_head
     from ..data import load_dataset, sample_episode
-    from ..extract import (
-        capture_episode,
-        capture_test_zero_shot,
-        episode_labels,
-        score_episode,
-    )
+    from ..extract import capture_episode, capture_test_zero_shot, episode_labels
     from ..loading import load_model
+    from ..methods import Context, MethodOptions, score_methods
     from ..ridge import Factors, head_gram, truncate
     from ..tasks import get_task, label_token_ids
     from ..vllm_ext.lora import VLLM_LORA_RANKS, lora_rank
@@ -61,10 +57,15 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
                 h_zs_test = capture_test_zero_shot(cap, task, ep)
             c = capture_episode(cap, ep, h_zs_test=h_zs_test)
             labels = episode_labels(ep)
-            full = score_episode(c, lam, w_c, b_c, labels, ("zero-shot", "icl", "ltv"))
-            f = full.factors
+            # the full-rank LTV, fitted by the registry's method like every extraction
+            ctx = Context(cap, ep, label_ids, MethodOptions(lam=lam, batch_size=batch_size),
+                          identity=lm.identity, h_zs=c.h_zs, h_icl=c.h_icl)
+            full = score_methods(ctx, ["ltv"], c.h_zs_test, c.h_icl_test, labels,
+                                 head=(w_c, b_c))
+            tv = full.artifacts["ltv"]
+            f = Factors(tv.U, tv.V, str(tv.provenance.ridge_form), gram=tv.gram)
             r_full = int(f.U.shape[1])
-            z_icl = full.label_logits["icl"]
+            z_icl = full.logits["icl"]
             scored = partial(_score, h=c.h_zs_test, w_c=w_c, b_c=b_c, labels=labels, z_icl=z_icl)
 
             base = {"task": name, "run": run, "seed": seed + run, "full_rank": r_full,

@@ -141,8 +141,8 @@ def build_workload(
             from ..loading import load_model
 
             lm = lm or load_model(str(model_dir), dtype=extract_dtype)
-            tv, _ = extract(lm, task, ExtractOptions(k=k, n=n, lam=lam, seed=seed,
-                                                     n_test=n_per_task))
+            tv = extract(lm, task, "ltv", ExtractOptions(k=k, n=n, lam=lam, seed=seed,
+                                                         n_test=n_per_task)).artifact
             tv.save(path)
         wl.vectors[name] = path
         wl.transformers_metrics[name] = {
@@ -154,11 +154,11 @@ def build_workload(
         if path.exists():
             tv = checked_vector(model_dir, path)
         else:
-            from ..extract import ExtractOptions, extract_method
+            from ..extract import ExtractOptions, extract
             from ..loading import load_model
 
             lm = lm or load_model(str(model_dir), dtype=extract_dtype)
-            tv = extract_method(lm, task, "kernel", ExtractOptions(
+            tv = extract(lm, task, "kernel", ExtractOptions(
                 k=k, n=n, seed=seed, n_test=n_per_task)).artifact
             tv.save(path)
         wl.kernel_vectors[name] = path

@@ -1,5 +1,7 @@
 """Task-vector methods behind one interface (`base.Method`): the paper's LTV and the
-baselines it is compared with. A new method is one module here and one line in `registry.METHODS`.
+baselines it is compared with. A new method is one module here and one `register(...)` line
+in `registry.py`: it declares its options (the CLI's flags), its plot colour and what it
+supports; extract, evaluate, compile and the plots find it there.
 
   ltv   LTV: ridge map h_zs → h_icl − h_zs, before the LM head           (ltv.py)
   ltv-auto  LTV with λ by closed-form leave-one-out error                 (ltv.py)
@@ -16,9 +18,10 @@ baselines it is compared with. A new method is one module here and one line in `
 from __future__ import annotations
 
 from .artifact import Artifact, load_artifact
-from .base import Context, Method, MethodError, MethodOptions
-from .registry import METHODS, get_method
+from .base import Context, Method, MethodError, MethodOptions, Option
+from .registry import METHODS, check_options_apply, get_method, register
 from .score import MethodScores, inference_cost, score_methods
 
 __all__ = ["METHODS", "Artifact", "Context", "Method", "MethodError", "MethodOptions",
-           "MethodScores", "get_method", "inference_cost", "load_artifact", "score_methods"]
+           "MethodScores", "Option", "check_options_apply", "get_method", "inference_cost",
+           "load_artifact", "register", "score_methods"]

@@ -33,9 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..capture import Capturer, Prefix, base_model, label_head, lm_head
+from .. import __version__
+from ..capture import Capturer, Prefix, base_model, full_head, label_head, lm_head
 from ..data import Episode, Example
 from ..errors import ArgumentError, UserError
+from ..hardware import hardware
 from ..vector import ModelIdentity, Provenance, model_identity
 
 
@@ -44,50 +46,114 @@ class MethodError(UserError):
 
 
 @dataclass(frozen=True)
+class Option:
+    """One knob a method declares in its own module; the CLI derives `--NAME` from it
+    (`ltv_vllm.cli`), an evaluation records it, `MethodOptions` checks and carries it."""
+
+    name: str                  # python name ("fv_trials"); the flag is --fv-trials
+    default: Any
+    help: str
+    type: type = int           # int | float (None defaults take this type when given)
+    minimum: float | None = None   # refused below (inclusive bound)
+    positive: bool = False     # refused at or below 0
+    even: bool = False         # refused when odd (the MLP's depth)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def check(self, value: Any) -> None:
+        if value is None:
+            if self.default is not None:
+                raise ArgumentError(f"{self.flag} needs a value")
+            return
+        if self.minimum is not None and value < self.minimum:
+            raise ArgumentError(f"{self.flag} must be at least {self.minimum:g}, got {value}")
+        if self.positive and not value > 0:
+            raise ArgumentError(f"{self.flag} must be positive, got {value}")
+        if self.even and value % 2:
+            raise ArgumentError(f"{self.flag} must be an even number, got {value}")
+
+
+# Options every method reads (the extraction's own settings, passed on by its caller).
+COMMON: tuple[Option, ...] = (
+    Option("lam", 5.0, "LTV's ridge penalty λ, or \"auto\" (leave-one-out)", float),
+    Option("layer", None, "Fix TV/FV's layer or SV's depth instead of choosing it on the "
+           "validation examples.", int, minimum=0),
+    Option("seed", 0, "Seed of the methods' own randomness."),
+    Option("batch_size", 16, "Prompts per forward pass.", minimum=1),
+    Option("progress", True, "Progress bars.", bool),
+)
+# name → Option for every option a registered method declares (`declare`, called by
+# `registry.register`), so options are checked and defaulted without importing the methods
+DECLARED: dict[str, Option] = {o.name: o for o in COMMON}
+
+
+def declare(options: Sequence[Option], owner: str) -> None:
+    """Make `owner`'s options known; a name two methods share must mean the same knob."""
+    for o in options:
+        known = DECLARED.get(o.name)
+        if known is not None and known != o:
+            raise MethodError(f"method {owner!r} declares option {o.name!r} unlike the "
+                              "method that declared it first")
+        DECLARED[o.name] = o
+
+
 class MethodOptions:
-    """Every method's knobs, with the paper's values as defaults; checked when built."""
+    """Every method's knobs in one frozen object: the common ones (`COMMON`) and those the
+    registered methods declare; unset knobs read as their declared defaults. Checked when
+    built, so a bad value is refused with its flag's name before any model loads."""
 
-    lam: float | str = 5.0      # LTV's ridge penalty λ, or "auto" (leave-one-out)
-    layer: int | None = None    # fix TV/FV's layer or SV's depth instead of choosing on val
-    tv_dummies: int = 2         # TV: dummy queries the state is averaged over (the original: 2)
-    fv_prompts: int = 20        # FV: clean ICL prompts for the mean head activations (paper: 20)
-    fv_trials: int = 25         # FV: shuffled-label prompts the CIE is averaged over (original: 25)
-    fv_heads: int = 10          # FV: top heads by average indirect effect
-    sv_last: int | None = None  # SV: average only the last m demos' states (None: all)
-    i2cl_lam: float = 0.1       # I2CL: out ← β·out + λ·c, the paper's uncalibrated values
-    i2cl_beta: float = 1.0
-    i2cl_epochs: int = 100      # I2CL calibrated (i2cl-cal): the original's 100 epochs, lr 0.01
-    i2cl_lr: float = 0.01
-    mlp_depth: int = 2          # MLP: 2 = W₂ ReLU(W₁ h); 4/8/16 add residual two-layer blocks
-    mlp_epochs: int = 20
-    mlp_lr: float = 1e-3
-    mlp_batch: int = 8
-    seed: int = 0
-    batch_size: int = 16
-    progress: bool = True
+    __slots__ = ("_values",)
 
-    def __post_init__(self) -> None:
-        for name in ("tv_dummies", "fv_prompts", "fv_trials", "fv_heads", "mlp_epochs",
-                     "mlp_batch", "i2cl_epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ArgumentError(f"--{name.replace('_', '-')} must be at least 1, "
-                                    f"got {getattr(self, name)}")
-        if not self.i2cl_lr > 0:
-            raise ArgumentError(f"i2cl_lr must be positive, got {self.i2cl_lr}")
-        if self.mlp_depth < 2 or self.mlp_depth % 2:
-            raise ArgumentError(f"--mlp-depth must be an even number ≥ 2, got {self.mlp_depth}")
-        if self.sv_last is not None and self.sv_last < 1:
-            raise ArgumentError(f"--sv-last must be at least 1, got {self.sv_last}")
-        if self.layer is not None and self.layer < 0:
-            raise ArgumentError(f"--layer must be ≥ 0, got {self.layer}")
+    def __init__(self, **values: Any) -> None:
+        unknown = sorted(set(values) - set(DECLARED))
+        if unknown:
+            raise ArgumentError(f"unknown method option(s) {', '.join(unknown)}; known: "
+                                f"{', '.join(sorted(DECLARED))}")
+        for name, v in values.items():
+            if name != "lam":  # λ is checked with its CLI spelling (`check_counts`)
+                DECLARED[name].check(v)
+        object.__setattr__(self, "_values", dict(values))
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        if name in DECLARED:
+            return DECLARED[name].default
+        raise AttributeError(f"no method option {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("MethodOptions is frozen; use .replace(...)")
+
+    def replace(self, **changes: Any) -> MethodOptions:
+        return MethodOptions(**{**self._values, **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every declared knob with its value (defaults filled in), in declaration order."""
+        return {name: getattr(self, name) for name in DECLARED}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MethodOptions) and self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.to_dict().items()))
+
+    def __repr__(self) -> str:
+        return f"MethodOptions({', '.join(f'{k}={v!r}' for k, v in self._values.items())})"
 
 
 @dataclass
 class Context:
     """What an extraction sees: the model (through its Capturer), the episode, the options,
-    and the train states h_zs / h_icl when some method already captured them (shared)."""
+    and the train states h_zs / h_icl when some method already captured them (shared).
 
-    cap: Capturer
+    `cap` may be None where only states are known (a transfer's source model, read from its
+    capture store): hidden-space methods fit on the states alone; `head` (the LM head's
+    weight, V × d) and `dtype` then stand in for what the model would tell."""
+
+    cap: Capturer | None
     episode: Episode
     label_ids: list[int]
     opts: MethodOptions
@@ -96,25 +162,32 @@ class Context:
     h_icl: torch.Tensor | None = None  # (N, d) train queries after the demos
     capture_seconds: float = 0.0       # what capturing h_zs / h_icl cost
     timings: dict[str, float] = field(default_factory=dict)
+    head: torch.Tensor | None = None   # W_lm (V, d) when there is no model
+    dtype: str | None = None           # the states' precision when there is no model
 
     def __post_init__(self) -> None:
         if self.identity is None:
-            self.identity = model_identity(self.cap.model)
+            self.identity = model_identity(self.model)
 
     @property
     def model(self) -> nn.Module:
+        if self.cap is None:
+            raise MethodError("this method runs the model, and only its states are at hand")
         return self.cap.model
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """W_lm (V, d) on the CPU, float32: the model's, else `head`."""
+        w = self.head if self.head is not None else full_head(self.model)[0]
+        return w.float().cpu()
 
     def provenance(self, method: str, **extra: Any) -> Provenance:
         """What an artifact records about how it was made (as a task-vector file does)."""
-        from .. import __version__
-        from ..hardware import hardware
-
         ep = self.episode
+        dtype = self.dtype or str(self.model.dtype)
         return Provenance(method=method, task=ep.task.to_dict(), k_used=len(ep.demos),
                           n=len(ep.queries), lam=None,
                           seed=ep.seed, n_test=len(ep.test), episode=ep.fingerprint(),
-                          dtype=str(self.cap.model.dtype).removeprefix("torch."),
+                          dtype=dtype.removeprefix("torch."),
                           hardware=hardware(), package_version=__version__, extra=extra)
 
     def states(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,9 +196,12 @@ class Context:
             task = self.episode.task
             queries = [task.query(e.text) for e in self.episode.queries]
             t0 = time.perf_counter()
-            self.h_zs = self.cap.hidden(queries, desc=f"{task.name} zero-shot train")
-            self.h_icl = self.cap.icl(self.episode.demo_prefix(), queries,
-                                      desc=f"{task.name} icl train")
+            cap = self.cap
+            if cap is None:
+                raise MethodError("no model to capture the train states with")
+            self.h_zs = cap.hidden(queries, desc=f"{task.name} zero-shot train")
+            self.h_icl = cap.icl(self.episode.demo_prefix(), queries,
+                                 desc=f"{task.name} icl train")
             self.capture_seconds = time.perf_counter() - t0
         return self.h_zs, self.h_icl
 
@@ -138,6 +214,12 @@ class Method:
     hidden_space = False  # True: `shift` gives the final state, no forward pass needed
     uses_states = False   # fitted on the train states h_zs / h_icl (their capture is its cost)
     needs_val = False     # chooses a layer on the episode's labelled validation examples
+    options: tuple[Option, ...] = ()  # its own knobs (flags, defaults, checks)
+    color = "black"                   # its colour in every plot
+    # what its artifact can do beyond `applied` in transformers: "fused" / "folded" / "lora"
+    # (served by vLLM that way), "regression" (scored on generated numbers), "generation"
+    supports: frozenset[str] = frozenset()
+    compare_with: tuple[str, ...] = ()  # baselines `extract` scores beside it (cheap ones)
 
     def extract(self, ctx: Context) -> Any:
         raise NotImplementedError

@@ -30,6 +30,7 @@ from .base import (
     Context,
     Method,
     MethodError,
+    Option,
     at_last,
     attention,
     choose_on_val,
@@ -145,6 +146,14 @@ def function_vector(model, mean_act: torch.Tensor, heads: list[tuple[int, int]])
 class FV(Method):
     name, label = "fv", "Function Vector"
     needs_val = True
+    color = "tab:brown"
+    options = (
+        Option("fv_prompts", 20, "FV: clean ICL prompts its mean head activations come from "
+               "(the paper: 20).", minimum=1),
+        Option("fv_trials", 25, "FV: shuffled-label prompts its heads' indirect effect is "
+               "averaged over (the original: 25).", minimum=1),
+        Option("fv_heads", 10, "FV: top heads by average indirect effect.", minimum=1),
+    )
 
     def extract(self, ctx: Context) -> Artifact:
         o = ctx.opts

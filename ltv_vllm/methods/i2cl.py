@@ -27,7 +27,17 @@ from torch import nn
 
 from ..capture import base_model, left_pad, lm_head, positions
 from .artifact import Artifact
-from .base import Context, Method, MethodError, attention, decoder_layers, edits, mlp, records
+from .base import (
+    Context,
+    Method,
+    MethodError,
+    Option,
+    attention,
+    decoder_layers,
+    edits,
+    mlp,
+    records,
+)
 
 ATTN, MLP = 0, 1       # coef[ℓ, module, ·]
 LAM, BETA = 0, 1       # coef[ℓ, ·, (λ, β)], the original's (strength[0], strength[1]) order
@@ -137,6 +147,13 @@ def calibrate(
 
 class I2CL(Method):
     name, label = "i2cl", "I2CL"
+    color = "tab:olive"
+    supports = frozenset({"regression", "generation"})
+    options = (
+        Option("i2cl_lam", 0.1, "I2CL: out ← β·out + λ·c, λ (the paper's uncalibrated value).",
+               float),
+        Option("i2cl_beta", 1.0, "I2CL: β (the paper's uncalibrated value).", float),
+    )
 
     def context_vectors(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
         ep = ctx.episode
@@ -178,6 +195,13 @@ class I2CLCalibrated(I2CL):
     """I2CL with the original's calibrated coefficients (one λ, β per layer and module)."""
 
     name, label = "i2cl-cal", "I2CL (calibrated)"
+    color = "gold"
+    supports = frozenset({"generation"})
+    options = (*I2CL.options,
+               Option("i2cl_epochs", 100, "i2cl-cal: epochs its coefficients are calibrated "
+                      "for on the demos (the original's 100).", minimum=1),
+               Option("i2cl_lr", 0.01, "i2cl-cal: AdamW learning rate (the original's 0.01).",
+                      float, positive=True))
 
     def extract(self, ctx: Context) -> Artifact:
         o, ep = ctx.opts, ctx.episode

@@ -15,14 +15,20 @@ from dataclasses import replace
 import torch
 
 from ..apply import task_vector_applied
-from ..ridge import mean_shift, ridge_fit
+from ..kernel import kernel_fit
+from ..ridge import head_gram, mean_shift, ridge_fit, truncate
 from ..vector import TaskVector
-from .base import Context, Method
+from .base import Context, Method, Option
 
 
 class LTV(Method):
     name, label = "ltv", "LTV"
     hidden_space = uses_states = True
+    color = "tab:blue"
+    supports = frozenset({"fused", "folded", "lora", "regression", "generation"})
+    compare_with = ("mean",)  # the constant shift: what a map of h buys over a constant
+    options = (Option("rank", None, "Cut the fit to this rank (weighted by the LM head; "
+                      "`ridge.truncate`) before it is scored and saved.", int, minimum=1),)
 
     def lam(self, ctx: Context) -> float | str:
         return ctx.opts.lam  # a number, or "auto"
@@ -30,9 +36,12 @@ class LTV(Method):
     def extract(self, ctx: Context) -> TaskVector:
         h_zs, h_icl = ctx.states()
         f = ridge_fit(h_zs, h_icl - h_zs, self.lam(ctx))
-        extra = {"ridge_form": f.form, **({"lam_loo": f.loo.to_dict()} if f.loo else {})}
-        return TaskVector("hidden", f.U, f.V, None, ctx.identity, tuple(ctx.label_ids),
-                          replace(ctx.provenance(self.name, **extra), lam=f.lam), gram=f.gram)
+        if ctx.opts.rank is not None:  # what is scored and saved is the cut
+            f = truncate(f, ctx.opts.rank, head_gram=head_gram(ctx.lm_head_weight()))
+        extra = {"lam_loo": f.loo.to_dict()} if f.loo else {}
+        prov = replace(ctx.provenance(self.name, **extra), lam=f.lam, ridge_form=f.form)
+        return TaskVector("hidden", f.U, f.V, None, ctx.identity, tuple(ctx.label_ids), prov,
+                          gram=f.gram)
 
     def applied(self, model, art: TaskVector):
         return task_vector_applied(model, art)
@@ -50,6 +59,9 @@ class LTVAuto(LTV):
     scaled to the states (`ridge.loo_curve`): no labels, no refits."""
 
     name, label = "ltv-auto", "LTV, λ by LOO"
+    color = "navy"
+    compare_with = ()
+    supports = frozenset({"fused", "folded", "lora", "generation"})
 
     def lam(self, ctx: Context) -> float | str:  # noqa: ARG002 - one signature
         return "auto"
@@ -60,10 +72,12 @@ class KernelLTV(LTV):
     by leave-one-out error. A task-vector file (map "rbf"), served fused only."""
 
     name, label = "kernel", "Kernel LTV (RBF)"
+    color = "darkred"
+    compare_with = ()
+    supports = frozenset({"fused", "generation"})
+    options = ()
 
     def extract(self, ctx: Context) -> TaskVector:
-        from ..kernel import kernel_fit
-
         h_zs, h_icl = ctx.states()
         kf = kernel_fit(h_zs, h_icl - h_zs)
         prov = replace(ctx.provenance(self.name, kernel_loo=kf.loo), lam=kf.lam)
@@ -76,6 +90,10 @@ class KernelLTV(LTV):
 
 class Mean(LTV):
     name, label = "mean", "Mean shift"
+    color = "tab:orange"
+    compare_with = ()
+    supports = frozenset({"fused", "regression", "generation"})
+    options = ()
 
     def extract(self, ctx: Context) -> TaskVector:
         h_zs, h_icl = ctx.states()

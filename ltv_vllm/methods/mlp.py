@@ -18,7 +18,7 @@ from torch import nn
 
 from ..capture import lm_head
 from .artifact import Artifact
-from .base import Context, Method
+from .base import Context, Method, Option
 
 
 def mlp_delta(weights: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
@@ -68,6 +68,15 @@ def fit_mlp(h: torch.Tensor, y: torch.Tensor, *, depth: int = 2, epochs: int = 2
 class MLP(Method):
     name, label = "mlp", "MLP mapping"
     hidden_space = uses_states = True
+    color = "tab:cyan"
+    supports = frozenset({"regression", "generation"})
+    options = (
+        Option("mlp_depth", 2, "MLP mapping: 2 (the paper's W₂ ReLU(W₁ h)), or 4/8/16 with "
+               "residual blocks.", minimum=2, even=True),
+        Option("mlp_epochs", 20, "MLP: training epochs.", minimum=1),
+        Option("mlp_lr", 1e-3, "MLP: learning rate.", float, positive=True),
+        Option("mlp_batch", 8, "MLP: training batch size.", minimum=1),
+    )
 
     def extract(self, ctx: Context) -> Artifact:
         h_zs, h_icl = ctx.states()

@@ -1,9 +1,10 @@
-"""The registry: method name → its one instance."""
+"""The registry: method name → its one instance. Adding a method is one module and one
+`register(...)` line here."""
 
 from __future__ import annotations
 
 from ..errors import ArgumentError
-from .base import Method
+from .base import COMMON, Method, MethodOptions, declare
 from .fv import FV
 from .i2cl import I2CL, I2CLCalibrated
 from .ltv import LTV, KernelLTV, LTVAuto, Mean
@@ -11,11 +12,39 @@ from .mlp import MLP
 from .sv import SV
 from .tv import TV
 
-METHODS: dict[str, Method] = {m.name: m for m in (LTV(), LTVAuto(), KernelLTV(), Mean(), TV(),
-                                                  FV(), SV(), I2CL(), I2CLCalibrated(), MLP())}
+METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    """Make `method` known to extract, evaluate, the CLI's flags and the plots."""
+    if not method.name or method.name in METHODS:
+        raise ArgumentError(f"method name {method.name!r} is empty or taken")
+    declare(method.options, method.name)
+    METHODS[method.name] = method
+    return method
+
+
+for _m in (LTV(), LTVAuto(), KernelLTV(), Mean(), TV(), FV(), SV(), I2CL(), I2CLCalibrated(),
+           MLP()):
+    register(_m)
 
 
 def get_method(name: str) -> Method:
     if name not in METHODS:
         raise ArgumentError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     return METHODS[name]
+
+
+def check_options_apply(methods: list[str], opts: MethodOptions) -> None:
+    """Refuse a knob set away from its default that none of `methods` reads (`--rank` with
+    --method kernel): it would be silently ignored."""
+    common = {o.name for o in COMMON}
+    own = {o.name for name in methods if name in METHODS for o in METHODS[name].options}
+    for name, value in opts.to_dict().items():
+        if name in common or name in own:
+            continue
+        owner = [m.name for m in METHODS.values() if any(o.name == name for o in m.options)]
+        default = next(o.default for m in METHODS.values() for o in m.options if o.name == name)
+        if value != default:
+            raise ArgumentError(f"--{name.replace('_', '-')} is an option of "
+                                f"{', '.join(owner)}, not of {', '.join(methods)}")

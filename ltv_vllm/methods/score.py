@@ -33,14 +33,17 @@ class MethodScores:
 def score_methods(ctx: Context, names: Sequence[str], h_zs_test: torch.Tensor,
                   h_icl_test: torch.Tensor, labels: torch.Tensor, *,
                   done: Mapping[str, Mapping[str, Any]] | None = None,
-                  on_scored: Callable[[MethodScores], None] | None = None) -> MethodScores:
+                  on_scored: Callable[[MethodScores], None] | None = None,
+                  head: tuple[torch.Tensor, torch.Tensor] | None = None) -> MethodScores:
     """Extract every method in `names` from the episode and score it on the test subset
     (zero-shot and ICL are the references, always scored).
 
     `done`: methods already scored on this episode by an interrupted pass ({"logits",
     "extraction_seconds", "params"}), taken as they are (no artifact); `on_scored(scores)`
-    is called after each method newly scored, so a caller can save the episode so far."""
-    w_c, b_c = label_head(ctx.model, ctx.label_ids)
+    is called after each method newly scored, so a caller can save the episode so far.
+    `head`: the label rows (w_c, b_c) of the LM head, when the context has no model.
+    An episode without test examples (a compiled task) is extracted, not scored."""
+    w_c, b_c = head if head is not None else label_head(ctx.model, ctx.label_ids)
     task = ctx.episode.task
     prompts = [task.query(e.text) for e in ctx.episode.test]
     out = MethodScores()
@@ -63,6 +66,8 @@ def score_methods(ctx: Context, names: Sequence[str], h_zs_test: torch.Tensor,
                                         + (ctx.capture_seconds if m.uses_states else 0.0))
         if m.hidden_space:
             h = m.shift(art, h_zs_test)
+        elif not prompts:
+            h = h_zs_test
         else:
             with m.applied(ctx.model, art):
                 h = ctx.cap.hidden(prompts, desc=f"{task.name} {name} test")
@@ -75,7 +80,7 @@ def score_methods(ctx: Context, names: Sequence[str], h_zs_test: torch.Tensor,
             on_scored(out)
     icl = out.logits["icl"]
     out.metrics = {m: {"accuracy": accuracy(z, labels), "d_ntp": d_ntp(icl, z)}
-                   for m, z in out.logits.items()}
+                   for m, z in out.logits.items()} if labels.numel() else {}
     return out
 
 

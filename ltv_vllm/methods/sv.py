@@ -24,6 +24,7 @@ from .base import (
     Context,
     Method,
     MethodError,
+    Option,
     attention,
     choose_on_val,
     decoder_layers,
@@ -74,6 +75,9 @@ def states_at_last(model, sv: torch.Tensor, depth: int | torch.Tensor, *,
 class SV(Method):
     name, label = "sv", "State Vector"
     needs_val = True
+    color = "tab:pink"
+    options = (Option("sv_last", None, "SV: average only the last m demos' states [default: "
+                      f"{DEFAULT_LAST}].", int, minimum=1),)
     mode = "replace"
 
     def extract(self, ctx: Context) -> Artifact:

@@ -17,6 +17,7 @@ from .base import (
     Context,
     Method,
     MethodError,
+    Option,
     at_last,
     choose_on_val,
     decoder_layers,
@@ -28,6 +29,9 @@ from .base import (
 class TV(Method):
     name, label = "tv", "Task Vector"
     needs_val = True
+    color = "tab:purple"
+    options = (Option("tv_dummies", 2, "TV: dummy queries its state is averaged over (the "
+                      "original: 2).", minimum=1),)
 
     def extract(self, ctx: Context) -> Artifact:
         layers = decoder_layers(ctx.model)
