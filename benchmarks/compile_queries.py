@@ -20,18 +20,18 @@ from pathlib import Path
 
 import torch
 
-from ltv_vllm.capture import Capturer
-from ltv_vllm.extract import (
+from ltv_vllm.extraction.capture import Capturer
+from ltv_vllm.methods import score_methods
+from ltv_vllm.models.hardware import hardware, machine_line
+from ltv_vllm.models.loading import load_model
+from ltv_vllm.pipeline.extract import (
     Captures,
     ExtractOptions,
     capture_episode,
     method_context,
     plan_episode,
 )
-from ltv_vllm.hardware import hardware, machine_line
-from ltv_vllm.loading import load_model
-from ltv_vllm.methods import score_methods
-from ltv_vllm.tasks import get_task, label_token_ids
+from ltv_vllm.tasks.specs import get_task, label_token_ids
 
 WAYS = ("queries", "loo", "self")
 

@@ -35,12 +35,12 @@ from pathlib import Path
 import httpx
 
 from ltv_vllm.bench.online import Server
-from ltv_vllm.client import classify
-from ltv_vllm.compile import CompileRequest
-from ltv_vllm.extract import ExtractOptions, plan_episode
-from ltv_vllm.hardware import hardware, machine_line
-from ltv_vllm.serve import ServeOptions, plan_server
-from ltv_vllm.tasks import get_task
+from ltv_vllm.models.hardware import hardware, machine_line
+from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
+from ltv_vllm.serving.client import classify
+from ltv_vllm.serving.compile import CompileRequest
+from ltv_vllm.serving.serve import ServeOptions, plan_server
+from ltv_vllm.tasks.specs import get_task
 
 HOST = "127.0.0.1"
 
@@ -55,7 +55,7 @@ class Traffic:
     answer; every request is logged as (start, seconds, ok)."""
 
     def __init__(self, url: str, model: str, task, texts: list[str], concurrency: int):
-        from ltv_vllm.client import label_ids_from_server
+        from ltv_vllm.serving.client import label_ids_from_server
 
         ids = label_ids_from_server(url, model, task)
         self.bodies = [{"model": model, "prompt": task.query(t), "max_tokens": 1,

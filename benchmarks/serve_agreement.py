@@ -24,14 +24,14 @@ import click
 import httpx
 import torch
 
-from ltv_vllm.capture import Capturer, label_head
-from ltv_vllm.client import classify
-from ltv_vllm.data import load_dataset, sample_test
-from ltv_vllm.extract import ExtractOptions, extract
-from ltv_vllm.hardware import hardware, machine_line
-from ltv_vllm.loading import load_model
-from ltv_vllm.tasks import get_task
-from ltv_vllm.vector import load_task_vector
+from ltv_vllm.core.vector import load_task_vector
+from ltv_vllm.extraction.capture import Capturer, label_head
+from ltv_vllm.models.hardware import hardware, machine_line
+from ltv_vllm.models.loading import load_model
+from ltv_vllm.pipeline.extract import ExtractOptions, extract
+from ltv_vllm.serving.client import classify
+from ltv_vllm.tasks.data import load_dataset, sample_test
+from ltv_vllm.tasks.specs import get_task
 
 
 def _port() -> int:

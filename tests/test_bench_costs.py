@@ -11,7 +11,7 @@ import pytest
 
 from conftest import run_cli
 from ltv_vllm.bench.extraction import grid
-from ltv_vllm.tasks import get_task
+from ltv_vllm.tasks.specs import get_task
 
 
 def test_bench_icl_cost_end_to_end(bench_model, tmp_path):
@@ -52,8 +52,8 @@ def test_bench_extraction_end_to_end(bench_model, tmp_path):
 
 def test_bench_rank_end_to_end(bench_model, tmp_path):
     """Every rank row is what `extract --rank` measures on the same episode."""
-    from ltv_vllm.extract import ExtractOptions, extract
-    from ltv_vllm.loading import load_model
+    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.pipeline.extract import ExtractOptions, extract
 
     out = tmp_path / "rank"
     r = run_cli("bench", "rank", "--model", str(bench_model), "--tasks", "sst2",

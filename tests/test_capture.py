@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import make_llama, make_tokenizer
-from ltv_vllm.capture import CaptureError, Capturer, label_head, lm_head
-from ltv_vllm.tasks import Task
+from ltv_vllm.extraction.capture import CaptureError, Capturer, label_head, lm_head
+from ltv_vllm.tasks.specs import Task
 
 TASK = Task("toy", "Review", "Sentiment", ("negative", "positive"), "unused")
 TEXTS = [

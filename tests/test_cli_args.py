@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from conftest import write_model_and_vectors, write_toy_task
 from ltv_vllm.cli import main
-from ltv_vllm.vector import TaskVector, load_task_vector
+from ltv_vllm.core.vector import TaskVector, load_task_vector
 
 
 @pytest.fixture()

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from ltv_vllm.client import (
+from ltv_vllm.serving.client import (
     ClientError,
     classify,
     compile_remote,
@@ -24,8 +24,8 @@ from ltv_vllm.client import (
     remote_task,
     upload_task,
 )
-from ltv_vllm.tasks import BUILTIN_TASKS
-from ltv_vllm.taskstore import StoreError
+from ltv_vllm.serving.taskstore import StoreError
+from ltv_vllm.tasks.specs import BUILTIN_TASKS
 
 TASK = BUILTIN_TASKS["sst2"]
 BAD_NAMES = ["x/../cli_up", "victim?x=1", "victim#frag", "", "../etc", "a b", "x" * 65]

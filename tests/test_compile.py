@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import make_llama
-from ltv_vllm.compile import CompileError, compile_task, parse_request
 from ltv_vllm.errors import UserError
-from ltv_vllm.taskstore import EntryExists, TaskStore
+from ltv_vllm.serving.compile import CompileError, compile_task, parse_request
+from ltv_vllm.serving.taskstore import EntryExists, TaskStore
 
 TASK = {"in_prefix": "Review", "label_prefix": "Sentiment", "labels": ["negative", "positive"]}
 WORDS = ["the plot is dull", "a warm and funny film", "boring and slow", "great acting",
@@ -114,7 +114,7 @@ def _job(tmp_path, model_dir, request, name="job"):
 def test_worker_process_reports_done_or_failed_and_a_killed_one_leaves_no_entry(
         model_dir, tmp_path):
     job = _job(tmp_path, model_dir, body())
-    r = subprocess.run([sys.executable, "-m", "ltv_vllm.compile", str(job)],
+    r = subprocess.run([sys.executable, "-m", "ltv_vllm.serving.compile", str(job)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     st = json.loads((job / "status.json").read_text())
@@ -126,7 +126,7 @@ def test_worker_process_reports_done_or_failed_and_a_killed_one_leaves_no_entry(
     assert store.names() == ["senti"]
     # the name is taken now: the second worker's entry is refused at publication
     again = _job(tmp_path, model_dir, body(), "again")
-    r = subprocess.run([sys.executable, "-m", "ltv_vllm.compile", str(again)],
+    r = subprocess.run([sys.executable, "-m", "ltv_vllm.serving.compile", str(again)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     with pytest.raises(EntryExists, match="already exists"):
@@ -135,7 +135,7 @@ def test_worker_process_reports_done_or_failed_and_a_killed_one_leaves_no_entry(
     # killed while extracting: no entry, nothing in the store at all
     # (2400 queries: seconds of extraction, so the kill lands inside it)
     killed = _job(tmp_path, model_dir, body(name="other", queries=WORDS * 200), "killed")
-    p = subprocess.Popen([sys.executable, "-m", "ltv_vllm.compile", str(killed)])
+    p = subprocess.Popen([sys.executable, "-m", "ltv_vllm.serving.compile", str(killed)])
     state = None
     deadline = time.time() + 120
     while state != "extracting":  # the kill must land inside the extraction, nowhere else
@@ -157,8 +157,8 @@ def test_data_episode_files_are_the_episode_extract_fits_on(tmp_path, tokenizer)
     from click.testing import CliRunner
 
     from ltv_vllm.cli import compile_request, main
-    from ltv_vllm.extract import ExtractOptions, plan_episode
-    from ltv_vllm.tasks import get_task
+    from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
+    from ltv_vllm.tasks.specs import get_task
 
     r = CliRunner().invoke(main, ["data", "episode", "sst2", "--k", "4", "--n", "8",
                                   "--n-test", "2", "--seed", "3", "-o", str(tmp_path / "ep")])

@@ -1,4 +1,5 @@
-"""Tests for ltv_vllm.data: restricted unpickling, sources, the hash split, episode sampling."""
+"""Tests for ltv_vllm.tasks.data: restricted unpickling, sources, the hash split, episode
+sampling."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from ltv_vllm import data
-from ltv_vllm.data import (
+from ltv_vllm.tasks import data
+from ltv_vllm.tasks.data import (
     DataError,
     Dataset,
     Example,
@@ -29,7 +30,7 @@ from ltv_vllm.data import (
     sample_episode,
     sample_test,
 )
-from ltv_vllm.tasks import BUILTIN_TASKS, Task
+from ltv_vllm.tasks.specs import BUILTIN_TASKS, Task
 
 PACKAGED = [t for t in BUILTIN_TASKS.values() if t.source.startswith("packaged:")]
 
@@ -235,8 +236,8 @@ def test_episode_is_independent_of_hash_randomisation() -> None:
     # Sampling must not depend on str hashing (set order); a fresh process with another
     # PYTHONHASHSEED must draw the same episode.
     code = (
-        "from ltv_vllm.data import load_dataset, sample_episode\n"
-        "from ltv_vllm.tasks import BUILTIN_TASKS\n"
+        "from ltv_vllm.tasks.data import load_dataset, sample_episode\n"
+        "from ltv_vllm.tasks.specs import BUILTIN_TASKS\n"
         "print(sample_episode(load_dataset(BUILTIN_TASKS['mr']), seed=5).fingerprint())\n"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345")

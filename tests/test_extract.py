@@ -15,11 +15,11 @@ from click.testing import CliRunner
 
 from conftest import make_llama, write_toy_task
 from ltv_vllm.cli import main
-from ltv_vllm.data import load_dataset, sample_episode
-from ltv_vllm.extract import ExtractOptions, extract
-from ltv_vllm.loading import load_model
-from ltv_vllm.tasks import get_task, label_token_ids
-from ltv_vllm.vector import load_task_vector
+from ltv_vllm.core.vector import load_task_vector
+from ltv_vllm.models.loading import load_model
+from ltv_vllm.pipeline.extract import ExtractOptions, extract
+from ltv_vllm.tasks.data import load_dataset, sample_episode
+from ltv_vllm.tasks.specs import get_task, label_token_ids
 
 WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "witty",
          "seductive", "movie", "team", "wins", "final"]
@@ -67,8 +67,8 @@ def test_extract_metrics_match_independent_computation(model_dir, task_file, ran
     A = tv.V.T @ torch.stack(h).T
     torch.testing.assert_close(tv.gram, A @ A.T / 24, atol=1e-4, rtol=1e-3)
     if rank is not None:  # the rank-3 cut of the full fit, weighted by its states and LM head
-        from ltv_vllm.capture import full_head
-        from ltv_vllm.ridge import Factors, head_gram, truncate
+        from ltv_vllm.core.ridge import Factors, head_gram, truncate
+        from ltv_vllm.extraction.capture import full_head
 
         full = extract(lm, task, "ltv", ExtractOptions(k=6, n=24, lam=5.0, seed=3, n_test=20,
                                                        batch_size=5, progress=False)).artifact
@@ -78,7 +78,7 @@ def test_extract_metrics_match_independent_computation(model_dir, task_file, ran
         torch.testing.assert_close(tv.U @ tv.V.T, cut.dense(), atol=1e-5, rtol=1e-4)
     ids = label_token_ids(task, lm.tokenizer)
     labels = torch.tensor([e.label for e in ep.test])
-    from ltv_vllm.apply import task_vector_applied
+    from ltv_vllm.extraction.apply import task_vector_applied
 
     def last_logits(prompt: str) -> torch.Tensor:
         enc = lm.tokenizer(prompt, return_tensors="pt")

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from ltv_vllm import hardware
 from ltv_vllm.errors import UserError
-from ltv_vllm.hardware import checkpoint_dtype, resolve_dtype, resolve_for_model
+from ltv_vllm.models import hardware
+from ltv_vllm.models.hardware import checkpoint_dtype, resolve_dtype, resolve_for_model
 
 
 @pytest.fixture()
@@ -95,7 +95,7 @@ def test_real_check_on_this_machine():
 def test_load_model_uses_the_rule(tmp_path, tokenizer, cpu):
     """A bf16 checkpoint loads in float32 on a CPU without native bf16, in bf16 with it."""
     from conftest import make_llama
-    from ltv_vllm.loading import load_model
+    from ltv_vllm.models.loading import load_model
 
     model = make_llama(len(tokenizer)).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "m")

@@ -12,9 +12,9 @@ from click.testing import CliRunner
 
 from conftest import make_llama, write_model_and_vectors
 from ltv_vllm.cli import main
-from ltv_vllm.kernel import GAMMA_FACTORS, kernel_fit, rbf_delta
-from ltv_vllm.ridge import lam_grid
-from ltv_vllm.vector import TaskVector, VectorError, load_task_vector, model_identity
+from ltv_vllm.core.kernel import GAMMA_FACTORS, kernel_fit, rbf_delta
+from ltv_vllm.core.ridge import lam_grid
+from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector, model_identity
 
 
 def _problem(n=10, d=4, d_out=3, seed=3):
@@ -79,7 +79,7 @@ def kernel_tv(tokenizer):
 
 
 def test_kernel_vector_in_transformers_equals_a_hand_patched_forward(kernel_tv):
-    from ltv_vllm.apply import task_vector_applied
+    from ltv_vllm.extraction.apply import task_vector_applied
 
     model, tv = kernel_tv
     ids = torch.tensor([[5, 9, 3, 7, 11]])
@@ -105,7 +105,7 @@ def test_kernel_vector_in_transformers_equals_a_hand_patched_forward(kernel_tv):
 
 
 def test_kernel_vector_file_round_trip_and_refusals(kernel_tv, tmp_path):
-    from ltv_vllm.vllm_ext.lora import refuse_non_lora
+    from ltv_vllm.serving.lora import refuse_non_lora
 
     _model, tv = kernel_tv
     for suffix in (".pt", ".safetensors"):

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from conftest import make_llama, write_toy_task
-from ltv_vllm.capture import Capturer
-from ltv_vllm.data import load_dataset, sample_episode
+from ltv_vllm.core.ridge import ridge_fit
+from ltv_vllm.core.vector import VectorError, load_task_vector, model_identity
+from ltv_vllm.extraction.capture import Capturer
 from ltv_vllm.methods import METHODS, Artifact, Context, MethodOptions, load_artifact
 from ltv_vllm.methods.base import at_last, decoder_layers, last_token_states, prefix_of
 from ltv_vllm.methods.fv import indirect_effects, mean_head_activations, shuffled_prompts
 from ltv_vllm.methods.mlp import fit_mlp, mlp_delta
 from ltv_vllm.methods.sv import separator_positions
-from ltv_vllm.ridge import ridge_fit
-from ltv_vllm.tasks import get_task, label_token_ids
-from ltv_vllm.vector import VectorError, load_task_vector, model_identity
+from ltv_vllm.tasks.data import load_dataset, sample_episode
+from ltv_vllm.tasks.specs import get_task, label_token_ids
 
 WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "movie"]
 
@@ -87,7 +87,7 @@ def test_ltv_is_the_direct_ridge_solve(ctx, artifacts):
 def test_ltv_auto_takes_the_lam_whose_explicit_leave_one_out_error_is_least(ctx, artifacts):
     """ltv-auto's λ is the grid point with the least error over N explicit refits (each a
     direct solve without one train pair, predicting it); its map is the direct solve there."""
-    from ltv_vllm.ridge import lam_grid
+    from ltv_vllm.core.ridge import lam_grid
 
     h_zs, h_icl = ctx.states()
     h, y = h_zs.double(), (h_icl - h_zs).double()
@@ -386,8 +386,8 @@ def test_cli_evaluate_every_method_end_to_end(tmp_path, tokenizer):
     from click.testing import CliRunner
 
     from ltv_vllm.cli import main
-    from ltv_vllm.extract import ExtractOptions, extract
-    from ltv_vllm.loading import load_model
+    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.pipeline.extract import ExtractOptions, extract
 
     make_llama(len(tokenizer), seed=9, layers=3).save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
@@ -433,8 +433,8 @@ def test_cli_evaluate_every_method_end_to_end(tmp_path, tokenizer):
 
 
 def test_every_method_has_its_own_colour_in_the_figures():
-    from ltv_vllm.evaluate import SOURCE, TRANSFER_METHOD, method_colors
-    from ltv_vllm.regress import FIRST
+    from ltv_vllm.evaluation.evaluate import SOURCE, TRANSFER_METHOD, method_colors
+    from ltv_vllm.evaluation.regress import FIRST
 
     names = [*METHODS, "zero-shot", "icl", FIRST, TRANSFER_METHOD,
              *(SOURCE + m for m in ("zero-shot", "icl", "ltv", "mean"))]
@@ -444,7 +444,7 @@ def test_every_method_has_its_own_colour_in_the_figures():
 
 def test_evaluate_refuses_baselines_with_a_source_model_and_unknown_methods():
     from ltv_vllm.errors import ArgumentError
-    from ltv_vllm.evaluate import resolve_methods
+    from ltv_vllm.evaluation.evaluate import resolve_methods
 
     with pytest.raises(ArgumentError, match="without --source-model"):
         resolve_methods(["ltv", "tv"], transfer=True)
@@ -486,9 +486,9 @@ def test_evaluate_resumes_from_its_checkpoint(tmp_path, tokenizer, monkeypatch):
     the same document; a checkpoint of another configuration is refused."""
     import json
 
-    import ltv_vllm.evaluate as ev
+    import ltv_vllm.evaluation.evaluate as ev
     from ltv_vllm.errors import ArgumentError
-    from ltv_vllm.loading import load_model
+    from ltv_vllm.models.loading import load_model
 
     make_llama(len(tokenizer), seed=9, layers=2).save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
@@ -524,9 +524,9 @@ def test_evaluate_resumes_inside_an_episode(tmp_path, tokenizer, monkeypatch):
     """Stopped in the middle of an episode (after its capture and its first method), a rerun
     captures nothing again, extracts only the methods not yet scored, and ends with the same
     records as an uninterrupted evaluation."""
-    import ltv_vllm.evaluate as ev
+    import ltv_vllm.evaluation.evaluate as ev
     import ltv_vllm.methods.score as score
-    from ltv_vllm.loading import load_model
+    from ltv_vllm.models.loading import load_model
 
     make_llama(len(tokenizer), seed=9, layers=2).save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
@@ -585,7 +585,7 @@ def test_extend_takes_an_earlier_evaluation_from_before_a_new_option():
     """A method option added since an evaluation ran is compared at its default (what that
     evaluation ran with); a changed option is still refused."""
     from ltv_vllm.errors import ArgumentError
-    from ltv_vllm.evaluate import EvalConfig, check_extension
+    from ltv_vllm.evaluation.evaluate import EvalConfig, check_extension
 
     config = EvalConfig().to_dict()
     older = {**config, "options": {k: v for k, v in config["options"].items()
@@ -605,7 +605,7 @@ def test_cli_evaluate_extend_equals_one_evaluation_of_everything(tmp_path, token
 
     from click.testing import CliRunner
 
-    import ltv_vllm.evaluate as ev
+    import ltv_vllm.evaluation.evaluate as ev
     from ltv_vllm.cli import main
 
     make_llama(len(tokenizer), seed=9, layers=2).save_pretrained(tmp_path / "m")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ltv_vllm.metrics import accuracy, d_ntp, kl_per_query, restricted_log_probs
+from ltv_vllm.core.metrics import accuracy, d_ntp, kl_per_query, restricted_log_probs
 
 
 def test_restricted_distribution_is_renormalised_full_softmax():
@@ -42,7 +42,7 @@ def test_restricted_label_accuracy():
 def test_pearson_and_spearman_against_numpy():
     import numpy as np
 
-    from ltv_vllm.metrics import pearson, spearman
+    from ltv_vllm.core.metrics import pearson, spearman
 
     x = [0.3, 0.1, 0.1, 0.7, 0.2, 0.9]
     y = [0.6, 0.8, 0.7, 0.5, 0.8, 0.1]

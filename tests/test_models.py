@@ -27,17 +27,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from conftest import make_llama
-from ltv_vllm import derive, packaged
 from ltv_vllm.cli import main
-from ltv_vllm.derive import DERIVED_MARKER, derive_model
-from ltv_vllm.models import DEFAULT_MODEL, ModelError, cache_dir, list_models, resolve_model
-from ltv_vllm.packaged import (
+from ltv_vllm.models import derive, packaged
+from ltv_vllm.models.cache import DEFAULT_MODEL, DERIVED_MARKER, ModelError, cache_dir
+from ltv_vllm.models.derive import derive_model
+from ltv_vllm.models.packaged import (
     MARKER,
     PACKAGED_MODELS,
     PackagedModel,
     convert_gguf,
     prepare_model,
 )
+from ltv_vllm.models.resolve import list_models, resolve_model
 
 # A byte-level BPE vocabulary: three control tokens, the 256 byte symbols, three merges.
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -10,15 +10,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import ltv_vllm.evaluate as ev
+import ltv_vllm.evaluation.evaluate as ev
 from conftest import make_llama, write_toy_task
 from ltv_vllm.cli import main
-from ltv_vllm.evaluate import EvalConfig, method_colors
-from ltv_vllm.loading import load_model
+from ltv_vllm.core.vector import load_task_vector
+from ltv_vllm.evaluation.evaluate import EvalConfig, method_colors
 from ltv_vllm.methods import METHODS, MethodOptions
 from ltv_vllm.methods.base import DECLARED
-from ltv_vllm.tasks import get_task
-from ltv_vllm.vector import load_task_vector
+from ltv_vllm.models.loading import load_model
+from ltv_vllm.tasks.specs import get_task
 
 WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "movie"]
 VECTOR_METHODS = ("ltv", "mean", "kernel")
@@ -78,9 +78,9 @@ def test_the_vector_extract_writes_is_the_one_evaluate_scores(setup, monkeypatch
 # (This is what docs/methods.md walks through; it is not shipped.)
 
 def _example_module():
+    from ltv_vllm.core.ridge import mean_shift
+    from ltv_vllm.core.vector import TaskVector
     from ltv_vllm.methods.base import Context, Method, Option
-    from ltv_vllm.ridge import mean_shift
-    from ltv_vllm.vector import TaskVector
 
     class HalfMean(Method):
         """The mean shift, scaled by a factor: h + s · mean(h_icl − h_zs)."""
@@ -100,7 +100,7 @@ def _example_module():
                               tuple(ctx.label_ids), ctx.provenance(self.name))
 
         def applied(self, model, art):
-            from ltv_vllm.apply import task_vector_applied
+            from ltv_vllm.extraction.apply import task_vector_applied
 
             return task_vector_applied(model, art)
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from conftest import make_llama
-from ltv_vllm.data import (
+from ltv_vllm.core.metrics import parse_number, regression_scores
+from ltv_vllm.tasks.data import (
     DataError,
     regression_instance,
     regression_target,
     sample_regression_episode,
 )
-from ltv_vllm.metrics import parse_number, regression_scores
-from ltv_vllm.tasks import RegressionTask, TaskError, get_task, get_tasks, task_from_dict
+from ltv_vllm.tasks.specs import RegressionTask, TaskError, get_task, get_tasks, task_from_dict
 
 
 def _x(text: str) -> list[float]:
@@ -101,8 +101,8 @@ def test_reference_predictors_against_hand_values(family):
 
     import numpy as np
 
-    from ltv_vllm.data import regression_instance, sample_regression_episode
-    from ltv_vllm.regress import reference_scores
+    from ltv_vllm.evaluation.regress import reference_scores
+    from ltv_vllm.tasks.data import regression_instance, sample_regression_episode
 
     task = get_task(family, regression=True)
     ep = sample_regression_episode(task, k=30, n=1, n_test=40, seed=7)
@@ -267,8 +267,8 @@ def planted_w(tiny_model):
 
 @pytest.mark.parametrize("steps", ["every", "first"])
 def test_greedy_shift_equals_a_hand_written_loop(tiny_model, tokenizer, planted_w, steps):
-    from ltv_vllm.capture import Capturer
-    from ltv_vllm.generate import greedy
+    from ltv_vllm.extraction.capture import Capturer
+    from ltv_vllm.extraction.generate import greedy
 
     cap = Capturer(tiny_model, tokenizer, progress=False, batch_size=2)  # batches pad
     got = greedy(cap, PROMPTS, max_new_tokens=6, mapping=lambda h: h + h @ planted_w.T,
@@ -289,8 +289,8 @@ def test_greedy_shift_equals_a_hand_written_loop(tiny_model, tokenizer, planted_
 
 
 def test_greedy_with_a_shared_prefix_equals_full_prompts(tiny_model, tokenizer, planted_w):
-    from ltv_vllm.capture import Capturer
-    from ltv_vllm.generate import greedy
+    from ltv_vllm.extraction.capture import Capturer
+    from ltv_vllm.extraction.generate import greedy
 
     prefix = "x: [1.0000]\ny: 2.0000\n\nx: [-3.0000]\ny: -6.0000\n\n"
     cap = Capturer(tiny_model, tokenizer, progress=False, batch_size=3)
@@ -306,8 +306,8 @@ def test_greedy_with_a_shared_prefix_equals_full_prompts(tiny_model, tokenizer, 
 def test_greedy_shared_equals_one_greedy_run_per_map(tiny_model, tokenizer, planted_w):
     """One prefill for several head maps gives each map's own `greedy` answers token for
     token (batches pad), and the states are the Capturer's h."""
-    from ltv_vllm.capture import Capturer
-    from ltv_vllm.generate import greedy, greedy_shared
+    from ltv_vllm.extraction.capture import Capturer
+    from ltv_vllm.extraction.generate import greedy, greedy_shared
 
     cap = Capturer(tiny_model, tokenizer, progress=False, batch_size=2)
     w2 = planted_w.flip(0)
@@ -326,8 +326,8 @@ def test_greedy_shared_equals_one_greedy_run_per_map(tiny_model, tokenizer, plan
 
 def test_greedy_states_are_the_captured_states(tiny_model, tokenizer, planted_w):
     """The prefill's last state (before the map) is Capturer.hidden's / .icl's h."""
-    from ltv_vllm.capture import Capturer
-    from ltv_vllm.generate import greedy, greedy_states
+    from ltv_vllm.extraction.capture import Capturer
+    from ltv_vllm.extraction.generate import greedy, greedy_states
 
     prefix = "x: [1.0000]\ny: 2.0000\n\nx: [-3.0000]\ny: -6.0000\n\n"
     cap = Capturer(tiny_model, tokenizer, progress=False, batch_size=2)
@@ -340,8 +340,8 @@ def test_greedy_states_are_the_captured_states(tiny_model, tokenizer, planted_w)
 
 
 def test_greedy_refuses_bad_requests(tiny_model, tokenizer):
-    from ltv_vllm.capture import Capturer
-    from ltv_vllm.generate import GenerateError, greedy
+    from ltv_vllm.extraction.capture import Capturer
+    from ltv_vllm.extraction.generate import GenerateError, greedy
 
     prompt = "x: [1.0000, 2.0000]\ny:"
     cap = Capturer(tiny_model, tokenizer, progress=False, max_length=len(_tokens(tokenizer,
@@ -459,7 +459,7 @@ def test_cli_extract_regression_writes_the_instance_ltv(tmp_path, tokenizer):
     from click.testing import CliRunner
 
     from ltv_vllm.cli import main
-    from ltv_vllm.vector import load_task_vector, model_identity
+    from ltv_vllm.core.vector import load_task_vector, model_identity
 
     model = make_llama(len(tokenizer), seed=12, layers=2)
     model.save_pretrained(tmp_path / "m")
@@ -521,7 +521,7 @@ def test_evaluate_regression_through_vllm_equals_transformers(tmp_path, tokenize
 
 
 def test_regression_table_keeps_a_degenerate_mse_readable():
-    from ltv_vllm.regress import REFERENCES, regression_table, summarise_regression
+    from ltv_vllm.evaluation.regress import REFERENCES, regression_table, summarise_regression
 
     def rec(method: str, run: int, mse: float) -> dict[str, Any]:
         return {"task": "linear", "run": run, "method": method, "mse": mse, "parse_rate": 1.0,
@@ -543,7 +543,7 @@ def test_regression_table_keeps_a_degenerate_mse_readable():
 
 def test_table_says_how_few_instances_a_mean_rests_on():
     """An instance with no parsed answer has no MSE: the mean says it rests on fewer."""
-    from ltv_vllm.regress import REFERENCES, regression_table, summarise_regression
+    from ltv_vllm.evaluation.regress import REFERENCES, regression_table, summarise_regression
 
     def rec(run: int, mse: float, parsed: int) -> dict[str, Any]:
         return {"task": "linear", "run": run, "method": "ltv", "mse": mse, "mse_own": mse,
@@ -573,8 +573,8 @@ def test_committed_regression_reports_recompute_from_their_answers(name, echoes)
     import re
     from pathlib import Path
 
-    from ltv_vllm.data import sample_regression_episode
-    from ltv_vllm.regress import regression_table, rescore
+    from ltv_vllm.evaluation.regress import regression_table, rescore
+    from ltv_vllm.tasks.data import sample_regression_episode
 
     path = Path(__file__).parent.parent / "benchmarks" / "results" / name / "results.json"
     doc = json.loads(path.read_text())

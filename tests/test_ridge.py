@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ltv_vllm.ridge import (
+from ltv_vllm.core.ridge import (
     Factors,
     choose_form,
     lam_grid,

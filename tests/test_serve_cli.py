@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from conftest import write_model_and_vectors
 from ltv_vllm.cli import main
-from ltv_vllm.serve import parse_vector_specs, plan_lora
-from ltv_vllm.vector import VectorError
+from ltv_vllm.core.vector import VectorError
+from ltv_vllm.serving.serve import parse_vector_specs, plan_lora
 
 
 @pytest.fixture()
@@ -45,7 +45,7 @@ def test_dry_run_commands(setup, monkeypatch):
                                   f"a={good}", "--task-vector", f"b={good}", "--dry-run"])
     assert r.exit_code == 0, r.output
     assert "--enable-lora" in r.output and "--max-loras 3" in r.output
-    assert "--middleware ltv_vllm.vllm_ext.middleware.LoraGate" in r.output
+    assert "--middleware ltv_vllm.serving.vllm_ext.middleware.LoraGate" in r.output
     assert "--max-lora-rank 8" in r.output  # rank 2, padded to a rank vLLM accepts
     # --lora-rank cuts every adapter (W = 2·11ᵀ here has rank 1): a smaller LoRA rank
     r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
@@ -93,8 +93,8 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     with slots and a rank reserved for tasks added at runtime and our endpoint plugin
     allowlisted; a dry run writes nothing (not even the store); bad combinations are refused
     in one line."""
-    from ltv_vllm.taskstore import TaskStore
-    from ltv_vllm.vector import load_task_vector
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.serving.taskstore import TaskStore
 
     tmp, good, other = setup
     monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from conftest import make_vllm_llama, reference_logprobs
-from ltv_vllm.client import classify
-from ltv_vllm.tasks import BUILTIN_TASKS, label_token_ids
-from ltv_vllm.vector import TaskVector, model_identity
+from ltv_vllm.core.vector import TaskVector, model_identity
+from ltv_vllm.serving.client import classify
+from ltv_vllm.tasks.specs import BUILTIN_TASKS, label_token_ids
 
 PROMPTS = ["Review: the plot is dull\nSentiment:", "News: leaders meet for peace talks\nType:"]
 SST2 = BUILTIN_TASKS["sst2"]
@@ -238,10 +238,10 @@ def test_regression_vector_server(tokenizer, tmp_path):
     from click.testing import CliRunner
 
     from ltv_vllm.cli import main
-    from ltv_vllm.client import ClientError, first_step_only
-    from ltv_vllm.data import sample_regression_episode
-    from ltv_vllm.tasks import get_task
-    from ltv_vllm.vector import load_task_vector
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.serving.client import ClientError, first_step_only
+    from ltv_vllm.tasks.data import sample_regression_episode
+    from ltv_vllm.tasks.specs import get_task
 
     model = make_vllm_llama(tokenizer, seed=31, tie=False)  # untied: answers that vary
     model.save_pretrained(tmp_path / "m")

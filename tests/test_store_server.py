@@ -37,8 +37,8 @@ from test_server import (
 
 from conftest import reference_logprobs, write_model_and_vectors
 from ltv_vllm.cli import main
-from ltv_vllm.taskstore import TaskStore
-from ltv_vllm.vector import TaskVector, read_safetensors
+from ltv_vllm.core.vector import TaskVector, read_safetensors
+from ltv_vllm.serving.taskstore import TaskStore
 
 KEY = {"Authorization": "Bearer x"}
 
@@ -465,7 +465,7 @@ def cli_checks(url, tmp_path, store, model, tokenizer, vecs) -> None:
     code, out = cli("tasks", "remote", "add", "c5", str(vecs["beta"][1]))
     assert code == 1 and "(409)" in out, out
     # classify authenticates with --api-key (it sent a fixed key before)
-    from ltv_vllm.tasks import BUILTIN_TASKS, label_token_ids
+    from ltv_vllm.tasks.specs import BUILTIN_TASKS, label_token_ids
 
     code, out = cli("classify", "the plot is dull", "--task", "sst2", "--model", "c5")
     assert code == 0, out
@@ -486,8 +486,8 @@ HOOK = textwrap.dedent("""
     # test hook (tests/test_store_server.py): a compile worker for a task named "die*" dies
     # right after writing its entry, before it can report success
     import os, sys
-    if "ltv_vllm.compile" in getattr(sys, "orig_argv", []):
-        from ltv_vllm import taskstore
+    if "ltv_vllm.serving.compile" in getattr(sys, "orig_argv", []):
+        from ltv_vllm.serving import taskstore
         _stage = taskstore.TaskStore.stage
         def stage(self, name, *a, **kw):
             out = _stage(self, name, *a, **kw)

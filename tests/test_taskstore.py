@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import write_model_and_vectors
-from ltv_vllm.checkpoint import read_lm_head
+from ltv_vllm.core.vector import load_task_vector
 from ltv_vllm.errors import UserError
-from ltv_vllm.taskstore import (
+from ltv_vllm.models.checkpoint import read_lm_head
+from ltv_vllm.serving.taskstore import (
     EntryExists,
     NoSuchEntry,
     StoreError,
@@ -24,7 +25,6 @@ from ltv_vllm.taskstore import (
     TaskStore,
     check_name,
 )
-from ltv_vllm.vector import load_task_vector
 
 
 @pytest.fixture()
@@ -93,8 +93,8 @@ def test_a_crash_mid_write_leaves_no_entry(setup, monkeypatch):
     # a writer killed between writing and publishing: its temp directory stays behind
     code = textwrap.dedent(f"""
         import os
-        from ltv_vllm.taskstore import TaskStore
-        from ltv_vllm.vector import load_task_vector
+        from ltv_vllm.serving.taskstore import TaskStore
+        from ltv_vllm.core.vector import load_task_vector
         os.rename = lambda *a: os._exit(9)   # die just before the publishing rename
         TaskStore({str(tmp / 'store')!r}).add("alpha", load_task_vector({str(tmp / 'good.pt')!r}),
                                               {str(tmp / 'm')!r})
@@ -135,7 +135,7 @@ def test_a_cut_entry_stores_what_it_serves(tmp_path, tokenizer):
     """An entry cut to the served rank stores the cut vector: its file, its adapter and its
     record agree (a restart serves exactly it), and the record keeps the full rank."""
     from conftest import make_llama
-    from ltv_vllm.vector import TaskVector, model_identity
+    from ltv_vllm.core.vector import TaskVector, model_identity
 
     model = make_llama(len(tokenizer), seed=4)
     model.save_pretrained(tmp_path / "m")
@@ -191,7 +191,7 @@ def test_publish_refuses_a_taken_name_and_drops_the_staged_entry(setup):
 
 
 def test_records_are_strict_json():
-    from ltv_vllm.vector import finite_or_none
+    from ltv_vllm.core.vector import finite_or_none
 
     x = {"metrics": {"ltv": {"accuracy": float("nan"), "d_ntp": float("inf"), "k": 3}},
          "l": [1.5, float("-inf")]}

@@ -14,29 +14,29 @@ import torch
 from click.testing import CliRunner
 
 from conftest import make_llama, make_tokenizer, write_toy_task
-from ltv_vllm.apply import task_vector_applied
-from ltv_vllm.capture import Capturer
 from ltv_vllm.cli import main
-from ltv_vllm.data import load_dataset, sample_episode
-from ltv_vllm.extract import (
-    ExtractOptions,
-    SourceOptions,
-    extract_transfer,
-    open_source,
-    run_transfer_episode,
-)
-from ltv_vllm.loading import load_model
-from ltv_vllm.ridge import ridge_fit
-from ltv_vllm.store import StoredCapturer
-from ltv_vllm.tasks import get_task, label_token_ids
-from ltv_vllm.transfer import (
+from ltv_vllm.core.ridge import ridge_fit
+from ltv_vllm.core.vector import load_task_vector
+from ltv_vllm.extraction.apply import task_vector_applied
+from ltv_vllm.extraction.capture import Capturer
+from ltv_vllm.extraction.store import StoredCapturer
+from ltv_vllm.extraction.transfer import (
     TransferError,
     check_same_tokenizer,
     fit_transfer,
     full_logits,
     transfer_label_logits,
 )
-from ltv_vllm.vector import load_task_vector
+from ltv_vllm.models.loading import load_model
+from ltv_vllm.pipeline.extract import (
+    ExtractOptions,
+    SourceOptions,
+    extract_transfer,
+    open_source,
+    run_transfer_episode,
+)
+from ltv_vllm.tasks.data import load_dataset, sample_episode
+from ltv_vllm.tasks.specs import get_task, label_token_ids
 
 WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "witty", "movie"]
 LAM = 5.0

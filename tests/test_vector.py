@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from conftest import make_llama, make_tokenizer
-from ltv_vllm.tasks import BUILTIN_TASKS, label_token_ids
-from ltv_vllm.vector import (
+from ltv_vllm.core.vector import (
     ModelIdentity,
     TaskVector,
     VectorError,
@@ -19,6 +18,7 @@ from ltv_vllm.vector import (
     load_task_vector,
     model_identity,
 )
+from ltv_vllm.tasks.specs import BUILTIN_TASKS, label_token_ids
 
 TASK = BUILTIN_TASKS["sst2"]
 
@@ -163,8 +163,8 @@ def test_identity_dict_round_trip(tiny_model):
 
 def test_truncated_copy_with_the_same_head_is_refused(tmp_path, tokenizer):
     """`models derive` keeps the LM head, so only the layer count tells the copy apart."""
-    from ltv_vllm.checkpoint import identity_from_dir
-    from ltv_vllm.derive import derive_model
+    from ltv_vllm.models.checkpoint import identity_from_dir
+    from ltv_vllm.models.derive import derive_model
 
     model = make_llama(len(tokenizer), layers=3, seed=3)
     model.save_pretrained(tmp_path / "full")
@@ -195,7 +195,7 @@ class _Boom:
 
 
 def test_refused_and_truncated_files_say_so_in_one_line(tmp_path, tiny_model):
-    from ltv_vllm.vector import VectorError, load_task_vector
+    from ltv_vllm.core.vector import VectorError, load_task_vector
 
     tv = TaskVector("hidden", torch.ones(64, 2), torch.ones(64, 2), None,
                     model_identity(tiny_model, "tiny"), (1, 2), {"task": {"name": "t"}})
@@ -230,7 +230,7 @@ def test_refused_and_truncated_files_say_so_in_one_line(tmp_path, tiny_model):
 
 def test_provenance_is_typed_and_keeps_unknown_keys(tmp_path, tiny_model):
     """Files from older (or newer) versions: known keys typed, unknown ones kept verbatim."""
-    from ltv_vllm.vector import Provenance, load_task_vector
+    from ltv_vllm.core.vector import Provenance, load_task_vector
 
     old_meta = {"task": TASK.to_dict(), "k": 30, "n": 256, "lam": 5, "seed": 1,
                 "ridge_form": "dual", "some_future_key": {"x": [1, 2]}}
@@ -302,7 +302,7 @@ def test_non_finite_vectors_are_refused(tmp_path, tiny_model, tokenizer, suffix,
 def test_malformed_provenance_is_one_line(tmp_path, tiny_model, tokenizer, meta, msg):
     """A file's `meta` is untrusted (a server reads uploads): a wrong type is a one-line
     VectorError naming the field, never a TypeError or AttributeError."""
-    from ltv_vllm.vector import Provenance
+    from ltv_vllm.core.vector import Provenance
 
     with pytest.raises(VectorError) as e:
         Provenance.from_dict(meta)
@@ -384,7 +384,7 @@ CORRUPT_MSG = "not a task-vector file: truncated or corrupt"
 
 
 def test_sniff_suffix(tmp_path, tiny_model, tokenizer):
-    from ltv_vllm.vector import sniff_suffix
+    from ltv_vllm.core.vector import sniff_suffix
 
     tv = make_vector(tiny_model, tokenizer)
     for suffix in (".pt", ".safetensors"):

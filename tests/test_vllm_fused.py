@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import make_llama, reference_logprobs
-from ltv_vllm.tasks import BUILTIN_TASKS
-from ltv_vllm.vector import TaskVector, VectorError, model_identity
+from ltv_vllm.core.vector import TaskVector, VectorError, model_identity
+from ltv_vllm.tasks.specs import BUILTIN_TASKS
 
 WORKERS = Path(__file__).parent / "vllm_workers"
 PROMPTS = ["Review: the plot is dull\nSentiment:", "News: the team wins the final game\nType:"]
@@ -209,7 +209,7 @@ def test_vllm_fused_matches_transformers(served, logit_vector, kernel_vector, to
 
 def test_vector_for_another_model_refused_before_engine(served, logit_vector, tokenizer,
                                                         tmp_path):
-    from ltv_vllm.serve import engine_kwargs
+    from ltv_vllm.serving.serve import engine_kwargs
 
     d, _model, tv, _path = served
     with pytest.raises(VectorError, match="only a hidden-space vector"):
@@ -232,8 +232,8 @@ def test_vector_for_another_model_refused_before_engine(served, logit_vector, to
 
 
 def test_offline_classify_matches_restricted_softmax(served, tokenizer, request):
-    from ltv_vllm.capture import Capturer, label_head
-    from ltv_vllm.tasks import label_token_ids
+    from ltv_vllm.extraction.capture import Capturer, label_head
+    from ltv_vllm.tasks.specs import label_token_ids
 
     d, model, tv, path = served
     texts = CLASSIFY_TEXTS
@@ -290,7 +290,7 @@ BF16_TOL = 0.02  # label probability; the bare model alone moves 0.0012 in bf16 
 def soft(tmp_path_factory, tokenizer):
     """A tiny model whose label distribution is not saturated (LM head x2, not x20), its
     float32 states for SOFT_TEXTS, and one vector per served map whose shift moves it."""
-    from ltv_vllm.capture import Capturer
+    from ltv_vllm.extraction.capture import Capturer
 
     d = tmp_path_factory.mktemp("tiny-soft")
     cfg = make_llama(len(tokenizer), hidden=128, layers=2, seed=21, tie=True).config
@@ -339,7 +339,7 @@ def test_bf16_serving_holds_to_float32(soft, tokenizer, kind, engines):
     reference: the shift is computed in float32. (Computed in bf16, the kernel map's
     distances cancelled and its shift was lost: 0.32 off here, more than the shift itself;
     on SmolLM2 the served kernel fell from 35 % to below zero-shot.)"""
-    from ltv_vllm.tasks import label_token_ids
+    from ltv_vllm.tasks.specs import label_token_ids
 
     d, model, h, vectors = soft
     tv, path = vectors[kind]

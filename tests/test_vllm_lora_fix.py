@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from conftest import make_vllm_llama, reference_logprobs
-from ltv_vllm.tasks import BUILTIN_TASKS, label_token_ids
-from ltv_vllm.vector import TaskVector, model_identity
-from ltv_vllm.vllm_ext.lora import export_lora
+from ltv_vllm.core.vector import TaskVector, model_identity
+from ltv_vllm.serving.lora import export_lora
+from ltv_vllm.tasks.specs import BUILTIN_TASKS, label_token_ids
 
 WORKER = Path(__file__).parent / "vllm_workers" / "lora_bare_row.py"
 PROMPT = "Review: the plot is dull\nSentiment:"

@@ -6,7 +6,7 @@ turns results into JSON, markdown and plots; `serving` and `extraction` are the 
 behind `ltv-vllm bench ...` and the scripts in `benchmarks/`.
 """
 
-from ..errors import UserError
+from ltv_vllm.errors import UserError
 
 
 class BenchError(UserError):

@@ -61,7 +61,7 @@ def _inputs(group: list[dict[str, Any]], gen_tokens: int | None) -> tuple[list, 
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from ..offline import classification_params
+    from ltv_vllm.serving.offline import classification_params
 
     prompts = [r["prompt"] for r in group]
     if gen_tokens:  # free generation: the shift's cost at every decoding step
@@ -77,7 +77,7 @@ def _inputs(group: list[dict[str, Any]], gen_tokens: int | None) -> tuple[list, 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM
 
-    from ..offline import parse_classification
+    from ltv_vllm.serving.offline import parse_classification
 
     t0 = time.perf_counter()
     llm = LLM(**job["llm_kwargs"], logprobs_mode="processed_logprobs", disable_log_stats=False)

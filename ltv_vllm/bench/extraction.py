@@ -14,16 +14,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..capture import Capturer
-from ..fileio import save_figure
-from ..hardware import machine_line
+from ltv_vllm.core.fileio import save_figure
+from ltv_vllm.extraction.capture import Capturer
+from ltv_vllm.models.hardware import machine_line
 
 
 def time_paths(cap: Capturer, task_name: str, k: int, n: int, seed: int, *,
                naive: bool = True) -> dict[str, Any]:
-    from ..data import load_dataset, sample_episode
-    from ..ridge import ridge_fit
-    from ..tasks import get_task
+    from ltv_vllm.core.ridge import ridge_fit
+    from ltv_vllm.tasks.data import load_dataset, sample_episode
+    from ltv_vllm.tasks.specs import get_task
 
     task = get_task(task_name)
     ep = sample_episode(load_dataset(task), k=k, n=n, n_test=1, seed=seed)
@@ -69,9 +69,9 @@ def bench_extraction(model_spec: str, task_names: list[str], *, ks: Sequence[int
                      ) -> dict[str, Any]:
     import torch
 
-    from ..loading import load_model
-    from . import report
-    from .workload import machine
+    from ltv_vllm.bench import report
+    from ltv_vllm.bench.workload import machine
+    from ltv_vllm.models.loading import load_model
 
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     lm = load_model(model_spec, dtype=dtype)

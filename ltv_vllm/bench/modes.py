@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .workload import EngineSettings, Query, Workload
+from ltv_vllm.bench.workload import EngineSettings, Query, Workload
 
 MODES = ("zero-shot", "icl-prefix-cache", "icl-no-cache", "ltv-fused", "ltv-folded", "ltv-lora",
          "kernel-fused")
@@ -64,7 +64,7 @@ def per_task(queries: list[Query]) -> dict[str, list[Query]]:
 def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Query],
             lora_dir: Path) -> list[Engine]:
     """The engine(s) a mode needs for `queries` (a subset of the workload's)."""
-    from ..serve import engine_kwargs, plan_lora, server_args
+    from ltv_vllm.serving.serve import engine_kwargs, plan_lora, server_args
 
     model = str(wl.model_dir)
     caching = mode != "icl-no-cache"

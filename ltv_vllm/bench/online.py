@@ -23,9 +23,9 @@ from typing import Any, Self
 
 import httpx
 
-from ..client import classification, token_logprobs
-from ..serve import SERVER_MODULE
-from . import BenchError
+from ltv_vllm.bench import BenchError
+from ltv_vllm.serving.client import classification, token_logprobs
+from ltv_vllm.serving.serve import SERVER_MODULE
 
 KV_GAUGE = "vllm:kv_cache_usage_perc"
 

@@ -17,8 +17,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..fileio import save_figure
-from ..hardware import machine_line
+from ltv_vllm.core.fileio import save_figure
+from ltv_vllm.models.hardware import machine_line
 
 FULL = "full"
 
@@ -28,16 +28,16 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
                out_dir: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     import torch
 
-    from ..capture import Capturer, full_head, label_head
-    from ..data import load_dataset, sample_episode
-    from ..extract import capture_episode, capture_test_zero_shot, episode_labels
-    from ..loading import load_model
-    from ..methods import Context, MethodOptions, score_methods
-    from ..ridge import Factors, head_gram, truncate
-    from ..tasks import get_task, label_token_ids
-    from ..vllm_ext.lora import VLLM_LORA_RANKS, lora_rank
-    from . import report
-    from .workload import machine
+    from ltv_vllm.bench import report
+    from ltv_vllm.bench.workload import machine
+    from ltv_vllm.core.ridge import Factors, head_gram, truncate
+    from ltv_vllm.extraction.capture import Capturer, full_head, label_head
+    from ltv_vllm.methods import Context, MethodOptions, score_methods
+    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.pipeline.extract import capture_episode, capture_test_zero_shot, episode_labels
+    from ltv_vllm.serving.lora import VLLM_LORA_RANKS, lora_rank
+    from ltv_vllm.tasks.data import load_dataset, sample_episode
+    from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     lm = load_model(model_spec, dtype=dtype)
@@ -94,7 +94,7 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
 
 def _score(cut: Any, *, h: Any, w_c: Any, b_c: Any, labels: Any, z_icl: Any) -> dict[str, float]:
     """Accuracy and d_NTP of h + W_R h on the test states (label-restricted logits)."""
-    from ..metrics import accuracy, d_ntp
+    from ltv_vllm.core.metrics import accuracy, d_ntp
 
     z = (h + cut.apply(h)) @ w_c.T + b_c
     return {"accuracy": accuracy(z, labels), "d_ntp": d_ntp(z_icl, z)}

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ..vector import TaskVector, load_task_vector
-from .modes import lora_mode_rank
-from .workload import Workload
+from ltv_vllm.bench.modes import lora_mode_rank
+from ltv_vllm.bench.workload import Workload
+from ltv_vllm.core.vector import TaskVector, load_task_vector
 
 
 def _method(mode: str) -> tuple[str, int | None]:
@@ -38,7 +38,7 @@ def transformers_reference(wl: Workload, modes: Sequence[str], *,
     workload order), from transformers in float32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..capture import Capturer, label_head
+    from ltv_vllm.extraction.capture import Capturer, label_head
 
     log("transformers reference (float32): the same queries for every mode")
     model = AutoModelForCausalLM.from_pretrained(wl.model_dir, dtype=torch.float32).eval()

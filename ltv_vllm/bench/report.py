@@ -7,8 +7,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..fileio import atomic_write, save_figure
-from ..hardware import machine_line
+from ltv_vllm.core.fileio import atomic_write, save_figure
+from ltv_vllm.models.hardware import machine_line
 
 GIB = 1024**3
 MIB = 1024**2

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import BenchError
-from .modes import DEFAULT_MODES, MODES, Engine, engines, known_mode
-from .report import derive_rates
-from .workload import EngineSettings, Query, Workload, icl_queries, interleave
+from ltv_vllm.bench import BenchError
+from ltv_vllm.bench.modes import DEFAULT_MODES, MODES, Engine, engines, known_mode
+from ltv_vllm.bench.report import derive_rates
+from ltv_vllm.bench.workload import EngineSettings, Query, Workload, icl_queries, interleave
 
 HOST = "127.0.0.1"
 NOISE_MODE = "zero-shot (again)"
@@ -143,7 +143,7 @@ def run_offline(wl: Workload, modes: Sequence[str], settings: EngineSettings, *,
 def run_online(wl: Workload, modes: Sequence[str], settings: EngineSettings, *,
                queries: list[Query], levels: Sequence[int], warmup: int, work_dir: Path,
                log: Callable[[str], None], resume: bool = False) -> dict[str, Any]:
-    from .online import Server, drive
+    from ltv_vllm.bench.online import Server, drive
 
     out: dict[str, Any] = {}
     env = {**settings.env(), "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -223,7 +223,7 @@ def run_icl_cost(wl: Workload, ks: Sequence[int], settings: EngineSettings, *, n
                  seed: int, repeats: int, warmup: int, work_dir: Path,
                  log: Callable[[str], None], resume: bool = False) -> dict[str, Any]:
     """ICL serving cost as k grows (prefix cache on and off); LTV fused as the flat reference."""
-    from .modes import request
+    from ltv_vllm.bench.modes import request
 
     by_k: dict[int, list[Query]] = {}
     for k in ks:
@@ -287,8 +287,8 @@ class ServingBench:
     reference: bool = True  # serving: transformers' float32 answers for every served mode
 
     def __post_init__(self) -> None:
-        from ..errors import ArgumentError
-        from ..extract import check_counts
+        from ltv_vllm.errors import ArgumentError
+        from ltv_vllm.pipeline.extract import check_counts
 
         unknown = [m for m in [*self.modes, *self.online_modes] if not known_mode(m)]
         if unknown:
@@ -316,7 +316,7 @@ def _resolved(wl: Workload, settings: EngineSettings) -> EngineSettings:
     """The settings with `auto` turned into the dtype this machine runs fast (`hardware`)."""
     from dataclasses import replace
 
-    from ..hardware import resolve_for_model
+    from ltv_vllm.models.hardware import resolve_for_model
 
     return replace(settings, dtype=resolve_for_model(settings.dtype, wl.model_dir))
 
@@ -326,7 +326,7 @@ def bench_serving(b: ServingBench, *, command: str,
     """Build the workload, run the offline and online modes, write JSON, markdown and plots."""
     from dataclasses import asdict
 
-    from .workload import build_workload, kv_bytes_per_token, machine
+    from ltv_vllm.bench.workload import build_workload, kv_bytes_per_token, machine
 
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     wanted = [*b.modes, *b.online_modes]
@@ -343,7 +343,7 @@ def bench_serving(b: ServingBench, *, command: str,
         "kv_bytes_per_token": kv_bytes_per_token(wl.model_dir, settings.dtype),
     }
     if b.reference:
-        from .reference import transformers_reference
+        from ltv_vllm.bench.reference import transformers_reference
 
         doc["transformers"] = transformers_reference(wl, list(dict.fromkeys(wanted)), log=log)
     t0 = time.time()
@@ -371,7 +371,7 @@ def bench_icl_cost(b: ServingBench, *, command: str,
     """ICL serving cost for each k in `b.ks`; LTV fused (vectors from `b.k` demos) beside it."""
     from dataclasses import asdict
 
-    from .workload import build_workload, machine
+    from ltv_vllm.bench.workload import build_workload, machine
 
     # LTV's serving cost does not depend on the k its vector came from (`b.k`)
     wl = build_workload(b.model_spec, list(b.tasks), n_per_task=b.n_per_task, k=b.k, n=b.n,
@@ -388,7 +388,7 @@ def bench_icl_cost(b: ServingBench, *, command: str,
 
 def render(doc: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Rates, targets, results.json, results.md and plots of a serving or icl-cost doc."""
-    from . import report
+    from ltv_vllm.bench import report
 
     if "icl_cost" in doc:
         ic = doc["icl_cost"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..tasks import Task
+from ltv_vllm.tasks.specs import Task
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def interleave(per_task: dict[str, list[Query]]) -> list[Query]:
 
 def icl_queries(task: Task, *, k: int, n_test: int, seed: int, n: int = 256) -> list[Query]:
     """The task's balanced test subset as zero-shot and k-shot prompts (episode `seed`)."""
-    from ..data import load_dataset, sample_episode
+    from ltv_vllm.tasks.data import load_dataset, sample_episode
 
     ep = sample_episode(load_dataset(task), k=k, n=n, n_test=n_test, seed=seed)
     prefix = ep.demo_prefix()
@@ -117,9 +117,9 @@ def build_workload(
 ) -> Workload:
     from transformers import AutoTokenizer
 
-    from ..models import resolve_model
-    from ..serve import checked_vector
-    from ..tasks import get_task, label_token_ids
+    from ltv_vllm.models.resolve import resolve_model
+    from ltv_vllm.serving.serve import checked_vector
+    from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     model_dir = Path(resolve_model(model_spec))
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -137,8 +137,8 @@ def build_workload(
         if path.exists():
             tv = checked_vector(model_dir, path)
         else:
-            from ..extract import ExtractOptions, extract
-            from ..loading import load_model
+            from ltv_vllm.models.loading import load_model
+            from ltv_vllm.pipeline.extract import ExtractOptions, extract
 
             lm = lm or load_model(str(model_dir), dtype=extract_dtype)
             tv = extract(lm, task, "ltv", ExtractOptions(k=k, n=n, lam=lam, seed=seed,
@@ -154,8 +154,8 @@ def build_workload(
         if path.exists():
             tv = checked_vector(model_dir, path)
         else:
-            from ..extract import ExtractOptions, extract
-            from ..loading import load_model
+            from ltv_vllm.models.loading import load_model
+            from ltv_vllm.pipeline.extract import ExtractOptions, extract
 
             lm = lm or load_model(str(model_dir), dtype=extract_dtype)
             tv = extract(lm, task, "kernel", ExtractOptions(
@@ -180,7 +180,7 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
 
 def machine() -> dict[str, Any]:
     """The hardware record (`hardware.hardware`) plus the vLLM version."""
-    from ..hardware import hardware
+    from ltv_vllm.models.hardware import hardware
 
     try:
         import vllm

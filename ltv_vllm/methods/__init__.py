@@ -17,10 +17,10 @@ supports; extract, evaluate, compile and the plots find it there.
 
 from __future__ import annotations
 
-from .artifact import Artifact, load_artifact
-from .base import Context, Method, MethodError, MethodOptions, Option
-from .registry import METHODS, check_options_apply, get_method, register
-from .score import MethodScores, inference_cost, score_methods
+from ltv_vllm.methods.artifact import Artifact, load_artifact
+from ltv_vllm.methods.base import Context, Method, MethodError, MethodOptions, Option
+from ltv_vllm.methods.registry import METHODS, check_options_apply, get_method, register
+from ltv_vllm.methods.score import MethodScores, inference_cost, score_methods
 
 __all__ = ["METHODS", "Artifact", "Context", "Method", "MethodError", "MethodOptions",
            "MethodScores", "Option", "check_options_apply", "get_method", "inference_cost",

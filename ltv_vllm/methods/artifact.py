@@ -1,6 +1,6 @@
 """Files of the baselines' artifacts: safetensors tensors + a JSON header, checked on load.
 
-LTV and the mean shift keep their own task-vector files (`ltv_vllm.vector`, served by vLLM);
+LTV and the mean shift keep their own task-vector files (`ltv_vllm.core.vector`, served by vLLM);
 every other method (tv, fv, sv, i2cl, mlp) saves an `Artifact`: its tensors (float32), the
 parameters it was chosen with (a layer, a depth, heads, coefficients), the model it belongs
 to and how it was made. Like task-vector files, loading runs no code (safetensors only), and
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..fileio import atomic_write
-from ..vector import (
+from ltv_vllm.core.fileio import atomic_write
+from ltv_vllm.core.vector import (
     ModelIdentity,
     Provenance,
     TaskVector,

@@ -33,12 +33,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import __version__
-from ..capture import Capturer, Prefix, base_model, full_head, label_head, lm_head
-from ..data import Episode, Example
-from ..errors import ArgumentError, UserError
-from ..hardware import hardware
-from ..vector import ModelIdentity, Provenance, model_identity
+from ltv_vllm import __version__
+from ltv_vllm.core.vector import ModelIdentity, Provenance, model_identity
+from ltv_vllm.errors import ArgumentError, UserError
+from ltv_vllm.extraction.capture import (
+    Capturer,
+    Prefix,
+    base_model,
+    full_head,
+    label_head,
+    lm_head,
+)
+from ltv_vllm.models.hardware import hardware
+from ltv_vllm.tasks.data import Episode, Example
 
 
 class MethodError(UserError):

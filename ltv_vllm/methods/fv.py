@@ -25,8 +25,8 @@ from contextlib import contextmanager
 import torch
 from tqdm.auto import tqdm
 
-from .artifact import Artifact
-from .base import (
+from ltv_vllm.methods.artifact import Artifact
+from ltv_vllm.methods.base import (
     Context,
     Method,
     MethodError,
@@ -43,7 +43,7 @@ from .base import (
     records,
     run_after,
 )
-from .tv import _check_layer
+from ltv_vllm.methods.tv import _check_layer
 
 
 @contextmanager
@@ -180,7 +180,7 @@ class FV(Method):
 
     @contextmanager
     def applied(self, model, art: Artifact):
-        from ..vector import model_identity
+        from ltv_vllm.core.vector import model_identity
 
         art.check_model(model_identity(model))
         n_layers = len(decoder_layers(model))

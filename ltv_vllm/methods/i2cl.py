@@ -25,9 +25,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..capture import base_model, left_pad, lm_head, positions
-from .artifact import Artifact
-from .base import (
+from ltv_vllm.extraction.capture import base_model, left_pad, lm_head, positions
+from ltv_vllm.methods.artifact import Artifact
+from ltv_vllm.methods.base import (
     Context,
     Method,
     MethodError,
@@ -184,7 +184,7 @@ class I2CL(Method):
 
     @contextmanager
     def applied(self, model, art: Artifact):
-        from ..vector import model_identity
+        from ltv_vllm.core.vector import model_identity
 
         art.check_model(model_identity(model))
         with injected(model, art.tensors["c_attn"], art.tensors["c_mlp"], self.coefficients(art)):

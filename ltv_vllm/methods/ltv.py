@@ -1,7 +1,7 @@
 """LTV (the paper's method) and the constant-mapping baseline, behind the methods interface.
 
 Both are hidden-space maps of h_zs fitted on the same N train pairs, saved as task-vector
-files (`ltv_vllm.vector`) and applied by the same LM-head hook vLLM mirrors:
+files (`ltv_vllm.core.vector`) and applied by the same LM-head hook vLLM mirrors:
   ltv:  h + W* h,  W* = ridge from h_zs to h_icl − h_zs (closed form, λ absolute);
   ltv-auto: the same with λ chosen by closed-form leave-one-out error (no labels);
   kernel: h + A k(S, h), RBF kernel ridge in the dual, γ and λ by the same LOO (`kernel`);
@@ -14,11 +14,11 @@ from dataclasses import replace
 
 import torch
 
-from ..apply import task_vector_applied
-from ..kernel import kernel_fit
-from ..ridge import head_gram, mean_shift, ridge_fit, truncate
-from ..vector import TaskVector
-from .base import Context, Method, Option
+from ltv_vllm.core.kernel import kernel_fit
+from ltv_vllm.core.ridge import head_gram, mean_shift, ridge_fit, truncate
+from ltv_vllm.core.vector import TaskVector
+from ltv_vllm.extraction.apply import task_vector_applied
+from ltv_vllm.methods.base import Context, Method, Option
 
 
 class LTV(Method):

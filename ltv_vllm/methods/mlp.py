@@ -16,9 +16,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..capture import lm_head
-from .artifact import Artifact
-from .base import Context, Method, Option
+from ltv_vllm.extraction.capture import lm_head
+from ltv_vllm.methods.artifact import Artifact
+from ltv_vllm.methods.base import Context, Method, Option
 
 
 def mlp_delta(weights: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ class MLP(Method):
 
     @contextmanager
     def applied(self, model, art: Artifact):
-        from ..vector import model_identity
+        from ltv_vllm.core.vector import model_identity
 
         art.check_model(model_identity(model))
         head = lm_head(model)

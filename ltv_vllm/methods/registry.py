@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from ..errors import ArgumentError
-from .base import COMMON, Method, MethodOptions, declare
-from .fv import FV
-from .i2cl import I2CL, I2CLCalibrated
-from .ltv import LTV, KernelLTV, LTVAuto, Mean
-from .mlp import MLP
-from .sv import SV
-from .tv import TV
+from ltv_vllm.errors import ArgumentError
+from ltv_vllm.methods.base import COMMON, Method, MethodOptions, declare
+from ltv_vllm.methods.fv import FV
+from ltv_vllm.methods.i2cl import I2CL, I2CLCalibrated
+from ltv_vllm.methods.ltv import LTV, KernelLTV, LTVAuto, Mean
+from ltv_vllm.methods.mlp import MLP
+from ltv_vllm.methods.sv import SV
+from ltv_vllm.methods.tv import TV
 
 METHODS: dict[str, Method] = {}
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from ..capture import label_head, left_pad, positions
-from ..metrics import accuracy, d_ntp
-from .base import Context
-from .registry import get_method
+from ltv_vllm.core.metrics import accuracy, d_ntp
+from ltv_vllm.extraction.capture import label_head, left_pad, positions
+from ltv_vllm.methods.base import Context
+from ltv_vllm.methods.registry import get_method
 
 
 @dataclass

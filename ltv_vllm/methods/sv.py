@@ -19,8 +19,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .artifact import Artifact
-from .base import (
+from ltv_vllm.methods.artifact import Artifact
+from ltv_vllm.methods.base import (
     Context,
     Method,
     MethodError,
@@ -110,7 +110,7 @@ class SV(Method):
 
     @contextmanager
     def applied(self, model, art: Artifact):
-        from ..vector import model_identity
+        from ltv_vllm.core.vector import model_identity
 
         art.check_model(model_identity(model))
         with states_at_last(model, art.tensors["sv"], int(art.params["depth"]),

@@ -12,8 +12,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .artifact import Artifact
-from .base import (
+from ltv_vllm.methods.artifact import Artifact
+from ltv_vllm.methods.base import (
     Context,
     Method,
     MethodError,
@@ -57,7 +57,7 @@ class TV(Method):
 
     @contextmanager
     def applied(self, model, art: Artifact):
-        from ..vector import model_identity
+        from ltv_vllm.core.vector import model_identity
 
         art.check_model(model_identity(model))
         theta = art.tensors["theta"].to(next(model.parameters()).dtype)

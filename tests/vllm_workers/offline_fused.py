@@ -40,7 +40,7 @@ def fold_check(worker) -> dict:
     """On one rank: the wrapper kept no per-token shift, and its LM head is the (untied)
     embedding times I + U Vᵀ, row for row of this rank's shard."""
 
-    from ltv_vllm.vector import load_task_vector
+    from ltv_vllm.core.vector import load_task_vector
 
     model = worker.get_model()
     path = model.config.ltv_task_vector
@@ -59,7 +59,7 @@ def generate(model_dir: str, vector: str, prompts: list[str], max_tokens: int, t
     """One engine: greedy logprobs of `prompts` (+ the `local` or `fold` per-rank checks)."""
     from vllm import LLM, SamplingParams
 
-    from ltv_vllm.serve import engine_kwargs
+    from ltv_vllm.serving.serve import engine_kwargs
 
     if vector == "-":
         kwargs = {"model": model_dir}

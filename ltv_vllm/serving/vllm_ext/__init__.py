@@ -1,0 +1,33 @@
+"""vLLM integration, quarantined: the plugin entry point and LTV-capable model classes.
+
+`register()` is the `vllm.general_plugins` entry point. vLLM calls it in every process that
+builds a model (engine core, workers), which is the only way an out-of-tree class reaches a
+worker. It registers lazy "module:Class" strings, so importing this package never imports
+vLLM's model code, and it is safe to call any number of times. It also applies `fixes`:
+work-arounds for vLLM bugs that would make a server answer silently wrong.
+"""
+
+from __future__ import annotations
+
+# stock architecture → our wrapper (same constructor, same weights, one method overridden)
+WRAPPERS: dict[str, str] = {
+    "LlamaForCausalLM": "LTVLlamaForCausalLM",
+    "MistralForCausalLM": "LTVMistralForCausalLM",
+    "Qwen2ForCausalLM": "LTVQwen2ForCausalLM",
+    "Qwen3ForCausalLM": "LTVQwen3ForCausalLM",
+}
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+
+    from ltv_vllm.serving.vllm_ext.fixes import patch_cpu_lora_logits
+
+    # before any engine builds its LoRA layers: a request without a task vector must never
+    # get a LoRA slot's shift (fixes.py)
+    patch_cpu_lora_logits()
+
+    supported = set(ModelRegistry.get_supported_archs())
+    for wrapper in WRAPPERS.values():
+        if wrapper not in supported:
+            ModelRegistry.register_model(wrapper, f"ltv_vllm.serving.vllm_ext.models:{wrapper}")

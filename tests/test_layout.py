@@ -1,0 +1,158 @@
+"""The package's layout is its architecture: wings stacked in one order, each importing only
+the ones below it, no import circle anywhere, vLLM only in the serving wing (and the
+benchmarks that drive it). Read with the standard library's `ast`, every import counted —
+those inside functions too, since a lazy import is still a dependency."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import ltv_vllm
+
+PKG = Path(ltv_vllm.__file__).parent
+
+# bottom → top; a module may import its own wing and the ones before it
+WINGS = ("errors", "tasks", "core", "models", "extraction", "methods", "pipeline", "serving",
+         "evaluation", "bench", "cli")
+VLLM_WINGS = ("serving", "bench")
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(source: str, name: str, is_package: bool) -> set[str]:
+    """Every module `name`'s source imports (absolute names; `from X import y` counts as X
+    and, when X.y is a module of the package, X.y)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
+
+
+def graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """module → the package's modules it imports (names that are not modules dropped)."""
+    known = set(sources)
+    return {m: {t for t in imports_of(src, m, pkg) if t in known and t != m}
+            for m, (src, pkg) in sources.items()}
+
+
+def wing(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None  # the root package belongs to no wing
+
+
+def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    g = graph(sources)
+    found = []
+    # upward imports between wings
+    for m, targets in g.items():
+        for t in targets:
+            a, b = wing(m), wing(t)
+            if a is None or b is None:
+                continue  # the root: __version__ and the lazy public API only
+            if a not in WINGS or b not in WINGS:
+                found.append(f"{m if a not in WINGS else t}: in no wing")
+            elif WINGS.index(b) > WINGS.index(a):
+                found.append(f"upward import: {m} ({a}) imports {t} ({b})")
+    # circles (Tarjan's strongly connected components)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append("import circle: " + " → ".join(sorted(comp)))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    # vLLM outside its wings
+    for m, (src, pkg) in sources.items():
+        if wing(m) not in VLLM_WINGS and any(
+                t == "vllm" or t.startswith("vllm.") for t in imports_of(src, m, pkg)):
+            found.append(f"vllm imported outside {'/'.join(VLLM_WINGS)}: {m}")
+    return found
+
+
+def package_sources() -> dict[str, tuple[str, bool]]:
+    return {module_name(p, PKG): (p.read_text(), p.name == "__init__.py")
+            for p in PKG.rglob("*.py")}
+
+
+def test_the_package_keeps_its_layers():
+    assert violations(package_sources()) == []
+
+
+def test_every_wing_says_what_lives_there():
+    for w in WINGS:
+        path = PKG / w / "__init__.py"
+        if (PKG / w).is_dir():
+            doc = ast.get_docstring(ast.parse(path.read_text()))
+            assert doc and len(doc.split()) >= 20, f"{w}/__init__.py: no paragraph"
+        else:
+            assert (PKG / f"{w}.py").is_file(), w
+    assert {p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        w for w in WINGS if (PKG / w).is_dir()}, "a folder that is not a wing"
+
+
+def test_the_root_exports_the_public_api():
+    for name in ltv_vllm.__all__:
+        assert getattr(ltv_vllm, name) is not None, name
+    from ltv_vllm import TaskVector, extract
+    from ltv_vllm.core.vector import TaskVector as tv
+    from ltv_vllm.pipeline.extract import extract as ex
+    assert (TaskVector, extract) == (tv, ex)
+
+
+def _fake(**modules: str) -> dict[str, tuple[str, bool]]:
+    return {("ltv_vllm." + k.replace("__", ".")): (v, False) for k, v in modules.items()}
+
+
+@pytest.mark.parametrize("modules, expect", [
+    ({"core__ridge": "from ltv_vllm.serving import serve", "serving__serve": ""},
+     "upward import: ltv_vllm.core.ridge (core) imports ltv_vllm.serving.serve (serving)"),
+    ({"models__a": "def f():\n    from ltv_vllm.models import b\n",
+      "models__b": "from . import a\n"},
+     "import circle: ltv_vllm.models.a → ltv_vllm.models.b"),
+    ({"methods__x": "def f():\n    import vllm.lora\n"},
+     "vllm imported outside serving/bench: ltv_vllm.methods.x"),
+    ({"stray__x": "from ltv_vllm.core import y", "core__y": ""},
+     "ltv_vllm.stray.x: in no wing"),
+])
+def test_the_check_fails_on_what_it_guards(modules, expect):
+    assert expect in violations(_fake(**modules))
+    # and the same modules with the offending line gone pass
+    assert violations(_fake(**{k: "" for k in modules})) == []
