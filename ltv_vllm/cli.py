@@ -14,6 +14,7 @@ import click
 from ltv_vllm import __version__
 from ltv_vllm.core.fileio import check_writable
 from ltv_vllm.errors import ArgumentError
+from ltv_vllm.serving.settings import ServerSettings
 
 
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -520,12 +521,12 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
 @click.option("--task-store", default=None, is_flag=False, flag_value="",
               help="Serve every task in this task store by name, and add tasks at runtime "
                    "(/v1/ltv/tasks); without a value: the model's store under the cache.")
-@click.option("--max-tasks", default=8, show_default=True,
+@click.option("--max-tasks", default=ServerSettings.max_tasks, show_default=True,
               help="With --task-store: how many tasks the server can hold at once.")
-@click.option("--compile-threads", default=1, show_default=True,
+@click.option("--compile-threads", default=ServerSettings.compile_threads, show_default=True,
               help="With --task-store: torch threads of a compile worker (the engine keeps "
                    "the other cores; more compiles faster and slows traffic meanwhile).")
-@click.option("--max-body-mib", default=64, show_default=True,
+@click.option("--max-body-mib", default=ServerSettings.max_body >> 20, show_default=True,
               help="Largest request body the server reads (MiB; counted as it arrives); a "
                    "task-vector upload's limit follows from the model instead.")
 @click.option("--host", default="127.0.0.1", show_default=True)

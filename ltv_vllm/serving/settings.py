@@ -1,0 +1,38 @@
+"""What ltv-vllm's code inside vLLM's API-server process needs to know, in one frozen object.
+
+`ltv-vllm serve` decides these settings and starts vLLM's server with them; the gate
+middleware and the task-store endpoints (`vllm_ext`) read them there. vLLM builds those from
+dotted names in its own process, so the environment is the only way in: one variable holding
+the object as JSON. Every default is written here once (the CLI's flags show them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+
+ENV = "LTV_VLLM_SERVER"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    task_store: str | None = None  # absolute path of the task store; None: no store routes
+    max_tasks: int = 8             # store entries + compiles under way (`serve --max-tasks`)
+    task_rank: int = 256           # the LoRA rank store tasks are served at
+    compile_threads: int = 1       # a compile worker's torch threads
+    max_body: int = 64 << 20       # bytes of any request body but an upload or a compile
+    max_upload: int = 1 << 30      # bytes of a task-vector upload (serve computes the real one)
+
+    def to_env(self) -> dict[str, str]:
+        return {ENV: json.dumps(asdict(self))}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerSettings:
+        """The settings `serve` gave this process (defaults when it was not started by it)."""
+        raw = (os.environ if environ is None else environ).get(ENV)
+        if not raw:
+            return cls()
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
