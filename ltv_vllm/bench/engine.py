@@ -12,15 +12,13 @@ ICL with prefix caching pays for its demonstrations once per group, as a fresh s
 
 from __future__ import annotations
 
-import json
-import os
 import resource
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Self
+
+from ltv_vllm.serving.jobs import job_main
 
 KV_GAUGE = "vllm:kv_cache_usage_perc"
 
@@ -159,13 +157,5 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str]) -> None:
-    job = json.loads(Path(argv[0]).read_text())
-    out = run_job(job)
-    tmp = Path(argv[1] + ".tmp")
-    tmp.write_text(json.dumps(out))
-    os.replace(tmp, argv[1])
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    job_main(run_job)

@@ -31,6 +31,7 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
     from ltv_vllm.bench import report
     from ltv_vllm.bench.workload import machine
     from ltv_vllm.core.ridge import Factors, head_gram, truncate
+    from ltv_vllm.evaluation.sweep import Sweep
     from ltv_vllm.extraction.capture import Capturer, full_head, label_head
     from ltv_vllm.methods import Context, MethodOptions, score_methods
     from ltv_vllm.models.loading import load_model
@@ -43,44 +44,47 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
     lm = load_model(model_spec, dtype=dtype)
     cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=True)
     vocab = lm.identity.vocab_size
-    rows: list[dict[str, Any]] = []
-    for name in task_names:
-        task = get_task(name)
-        label_ids = label_token_ids(task, lm.tokenizer)
-        w_c, b_c = label_head(lm.model, label_ids)
-        hg = head_gram(full_head(lm.model)[0])
-        dataset = load_dataset(task)
-        h_zs_test = None
-        for run in range(runs):
-            ep = sample_episode(dataset, k=k, n=n, n_test=n_test, seed=seed + run)
-            if h_zs_test is None:  # the test subset is the same for every run
-                h_zs_test = capture_test_zero_shot(cap, task, ep)
-            c = capture_episode(cap, ep, h_zs_test=h_zs_test)
-            labels = episode_labels(ep)
-            # the full-rank LTV, fitted by the registry's method like every extraction
-            ctx = Context(cap, ep, label_ids, MethodOptions(lam=lam, batch_size=batch_size),
-                          identity=lm.identity, h_zs=c.h_zs, h_icl=c.h_icl)
-            full = score_methods(ctx, ["ltv"], c.h_zs_test, c.h_icl_test, labels,
-                                 head=(w_c, b_c))
-            tv = full.artifacts["ltv"]
-            f = Factors(tv.U, tv.V, str(tv.provenance.ridge_form), gram=tv.gram)
-            r_full = int(f.U.shape[1])
-            z_icl = full.logits["icl"]
-            scored = partial(_score, h=c.h_zs_test, w_c=w_c, b_c=b_c, labels=labels, z_icl=z_icl)
+    sweep = Sweep({"ranks": list(ranks)}, task_names, runs, desc="rank runs")
+    current = None
+    for name, run in sweep:
+        if name != current:  # per task: its label rows, data and (shared) test states
+            current, task = name, get_task(name)
+            label_ids = label_token_ids(task, lm.tokenizer)
+            w_c, b_c = label_head(lm.model, label_ids)
+            hg = head_gram(full_head(lm.model)[0])
+            dataset = load_dataset(task)
+            h_zs_test = None
+        ep = sample_episode(dataset, k=k, n=n, n_test=n_test, seed=seed + run)
+        if h_zs_test is None:  # the test subset is the same for every run
+            h_zs_test = capture_test_zero_shot(cap, task, ep)
+        c = capture_episode(cap, ep, h_zs_test=h_zs_test)
+        labels = episode_labels(ep)
+        # the full-rank LTV, fitted by the registry's method like every extraction
+        ctx = Context(cap, ep, label_ids, MethodOptions(lam=lam, batch_size=batch_size),
+                      identity=lm.identity, h_zs=c.h_zs, h_icl=c.h_icl)
+        full = score_methods(ctx, ["ltv"], c.h_zs_test, c.h_icl_test, labels, head=(w_c, b_c))
+        tv = full.artifacts["ltv"]
+        f = Factors(tv.U, tv.V, str(tv.provenance.ridge_form), gram=tv.gram)
+        r_full = int(f.U.shape[1])
+        z_icl = full.logits["icl"]
+        scored = partial(_score, h=c.h_zs_test, w_c=w_c, b_c=b_c, labels=labels, z_icl=z_icl)
 
-            base = {"task": name, "run": run, "seed": seed + run, "full_rank": r_full,
-                    "zero-shot": full.metrics["zero-shot"], "icl": full.metrics["icl"]}
-            for r in [*[x for x in ranks if x < r_full], r_full]:
-                lr = lora_rank(r) if r <= VLLM_LORA_RANKS[-1] else None
-                rows.append({
-                    **base, "rank": r, "rank_label": FULL if r == r_full else str(r),
-                    # what ships: weighted by the train states and the LM head
-                    "ltv": scored(truncate(f, r, head_gram=hg)),
-                    # a plain SVD of W, for comparison
-                    "ltv_plain": scored(truncate(Factors(f.U, f.V, f.form), r)),
-                    "lora_rank": lr, "lora_b_bytes_bf16": vocab * lr * 2 if lr else None})
-            log(f"{name} run {run}: full rank {r_full}, LTV "
-                f"{100 * full.metrics['ltv']['accuracy']:.1f}% at full rank")
+        base = {"task": name, "run": run, "seed": seed + run, "full_rank": r_full,
+                "zero-shot": full.metrics["zero-shot"], "icl": full.metrics["icl"]}
+        recs = []
+        for r in [*[x for x in ranks if x < r_full], r_full]:
+            lr = lora_rank(r) if r <= VLLM_LORA_RANKS[-1] else None
+            recs.append({
+                **base, "rank": r, "rank_label": FULL if r == r_full else str(r),
+                # what ships: weighted by the train states and the LM head
+                "ltv": scored(truncate(f, r, head_gram=hg)),
+                # a plain SVD of W, for comparison
+                "ltv_plain": scored(truncate(Factors(f.U, f.V, f.form), r)),
+                "lora_rank": lr, "lora_b_bytes_bf16": vocab * lr * 2 if lr else None})
+        sweep.finish(name, run, recs)
+        log(f"{name} run {run}: full rank {r_full}, LTV "
+            f"{100 * full.metrics['ltv']['accuracy']:.1f}% at full rank")
+    rows = sweep.records
     doc = {"command": command, "model": model_spec, "dtype": str(lm.model.dtype),
            "k": k, "n": n, "lam": lam, "n_test": n_test, "runs": runs, "vocab_size": vocab,
            "threads": torch.get_num_threads(), "machine": machine(),

@@ -10,9 +10,6 @@ how much two identical runs differ on this machine (the noise floor for every ra
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +20,7 @@ from ltv_vllm.bench import BenchError
 from ltv_vllm.bench.modes import DEFAULT_MODES, MODES, Engine, engines, known_mode
 from ltv_vllm.bench.report import derive_rates
 from ltv_vllm.bench.workload import EngineSettings, Query, Workload, icl_queries, interleave
+from ltv_vllm.serving.jobs import job_paths, run_job
 
 HOST = "127.0.0.1"
 NOISE_MODE = "zero-shot (again)"
@@ -45,10 +43,8 @@ def run_engine_job(engine: Engine, passes: list[dict[str, Any]], *, repeats: int
                    warmup: int, settings: EngineSettings, log_dir: Path,
                    resume: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """One offline job (`engine.py`) in a fresh process; its result dict."""
-    log_dir.mkdir(parents=True, exist_ok=True)
     stem = _stem(engine.label)
-    job_path, out_path, log_path = (log_dir / f"{stem}.job.json", log_dir / f"{stem}.result.json",
-                                    log_dir / f"{stem}.log")
+    job_path, out_path, _ = job_paths(log_dir, stem)
     job = json.dumps({"llm_kwargs": engine.llm_kwargs, "passes": passes, "repeats": repeats,
                       "gen_tokens": gen_tokens, "warmup": warmup})
     if resume and out_path.exists() and job_path.exists() and job_path.read_text() == job:
@@ -58,18 +54,10 @@ def run_engine_job(engine: Engine, passes: list[dict[str, Any]], *, repeats: int
             "%Y-%m-%d %H:%M:%S %Z", time.localtime(out_path.stat().st_mtime)))
         log(f"{engine.label}: reusing the result measured at {res['measured_at']}")
         return res
-    job_path.write_text(job)
-    out_path.unlink(missing_ok=True)
-    env = {**os.environ, **settings.env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    env = {**settings.env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "TOKENIZERS_PARALLELISM": "false"}
-    with open(log_path, "w") as logf:
-        rc = subprocess.run([sys.executable, "-m", "ltv_vllm.bench.engine", str(job_path),
-                             str(out_path)], check=False, stdout=logf, stderr=subprocess.STDOUT,
-                            env=env).returncode
-    if rc != 0 or not out_path.exists():
-        tail = log_path.read_text().strip().splitlines()[-1:] or ["(empty log)"]
-        raise BenchError(f"{engine.label}: engine job failed ({tail[0][:200]}); see {log_path}")
-    return json.loads(out_path.read_text())
+    return run_job("ltv_vllm.bench.engine", job, log_dir, stem, env=env,
+                   what=f"{engine.label}: engine job", error=BenchError)
 
 
 def _sum_runs(runs: list[list[float]]) -> list[float]:

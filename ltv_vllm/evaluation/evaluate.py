@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from ltv_vllm.core.fileio import atomic_write, save_figure
 from ltv_vllm.core.metrics import pearson, spearman
 from ltv_vllm.core.vector import VectorError, read_safetensors
 from ltv_vllm.errors import ArgumentError
+from ltv_vllm.evaluation.sweep import Sweep, config_key, read_checkpoint
 from ltv_vllm.extraction.capture import Capturer
 from ltv_vllm.methods import METHODS as TASK_VECTOR_METHODS
 from ltv_vllm.methods import Context, MethodOptions, MethodScores, inference_cost, score_methods
@@ -155,8 +155,6 @@ def evaluate(
     number of runs; its episodes that this evaluation also asks for are kept, not run again
     (`extension_state`), so a comparison can grow by a task or a run.
     """
-    from tqdm.auto import tqdm
-
     methods = resolve_methods(methods, transfer=source is not None)
     own = tuple(m for m in methods if m != TRANSFER_METHOD)
     keys = list(own)
@@ -183,83 +181,73 @@ def evaluate(
         **cfg.to_dict(),
         "k_per_task": {t.name: k_for(t) for t in tasks},
     }
-    state = _resume(checkpoint, config)
+    state = read_checkpoint(checkpoint, config)
     if extend is not None and not state["done"]:
         state = extension_state(extend, config)
-    records: list[dict[str, Any]] = state["records"]
-    costs: dict[str, dict[str, dict[str, float]]] = state["costs"]  # task → method → s/sample
-    done = {(t, r) for t, r in state["done"]}
+    sweep = Sweep(config, [t.name for t in tasks], cfg.runs, checkpoint=checkpoint, state=state,
+                  progress=progress)
+    costs: dict[str, dict[str, dict[str, float]]] = sweep.costs  # task → method → s/sample
     cap = Capturer(lm.model, lm.tokenizer, batch_size=cfg.batch_size, progress=progress)
-    started = time.perf_counter() - state["wall_seconds"]
-    bar = tqdm(total=len(tasks) * cfg.runs, initial=len(done), desc="episodes", unit="run",
-               disable=not progress)
-    for task in tasks:
-        label_ids = label_token_ids(task, lm.tokenizer)
-        h_zs_test = h_zs_test_source = None
-        for run in range(cfg.runs):
-            if (task.name, run) in done:
-                continue
-            seed = cfg.seed + run
-            episode = plan[task.name][run]
-            if source is None:
-                where = (_key(config), task.name, run)
-                c, scored = _load_episode(checkpoint, *where)
-                if run == 0 and cfg.cost_samples:
-                    scored = {}  # the cost table times each method's artifact: extract all
-                if c is None:
-                    if h_zs_test is None:  # the test subset is the same for every run
-                        h_zs_test = capture_test_zero_shot(cap, task, episode)
-                    c = capture_episode(cap, episode, h_zs_test=h_zs_test)
-                    _save_episode(checkpoint, *where, c, None)
-                ctx = Context(cap, episode, label_ids, cfg.method_options(seed, progress),
-                              identity=lm.identity, h_zs=c.h_zs, h_icl=c.h_icl,
-                              capture_seconds=c.capture_seconds)
-                sc = score_methods(ctx, own, c.h_zs_test, c.h_icl_test, episode_labels(episode),
-                                   done=scored, on_scored=lambda s, c=c, where=where:
-                                   _save_episode(checkpoint, *where, c, s))
-                metrics, ext, params = sc.metrics, sc.extraction_seconds, sc.params
-                if run == 0 and cfg.cost_samples:
-                    costs[task.name] = inference_cost(ctx, sc, own, cfg.cost_samples,
-                                                      cfg.batch_size)
-            else:
-                tr, ct, cs = run_transfer_episode(
-                    cap, source, episode, cfg.lam, pair_ids[task.name],
-                    h_zs_test_target=h_zs_test, h_zs_test_source=h_zs_test_source)
-                h_zs_test, h_zs_test_source = ct.h_zs_test, cs.h_zs_test
-                metrics = tr.metrics
-                ext = {**tr.target.extraction_seconds,
-                       **{SOURCE + m: v for m, v in tr.source.extraction_seconds.items()},
-                       TRANSFER_METHOD: tr.timings["extraction_seconds"]}
-                params = {}
-            for m in keys:
-                records.append(
-                    {
-                        "task": task.name,
-                        "run": run,
-                        "seed": seed,
-                        "method": m,
-                        "accuracy": metrics[m]["accuracy"],
-                        "d_ntp": metrics[m]["d_ntp"],
-                        "extraction_seconds": ext.get(m),
-                        "k_used": len(episode.demos),
-                        "n_test": len(episode.test),
-                        **({"params": params[m]} if m in params else {}),
-                    }
-                )
-            bar.set_postfix_str(
-                f"{task.name}: " + " ".join(f"{m}={metrics[m]['accuracy']:.3f}" for m in keys)
-            )
-            bar.update(1)
-            done.add((task.name, run))
-            if checkpoint is not None:
-                _save_checkpoint(checkpoint, config, records, costs, sorted(done),
-                                 time.perf_counter() - started)
-                episode_checkpoint(checkpoint).unlink(missing_ok=True)
-    bar.close()
+    by_name = {t.name: t for t in tasks}
+    current = None
+    for name, run in sweep:
+        task = by_name[name]
+        if name != current:  # a task's test subset is the same for every run
+            current, label_ids = name, label_token_ids(task, lm.tokenizer)
+            h_zs_test = h_zs_test_source = None
+        seed = cfg.seed + run
+        episode = plan[task.name][run]
+        if source is None:
+            where = (config_key(config), task.name, run)
+            c, scored = _load_episode(checkpoint, *where)
+            if run == 0 and cfg.cost_samples:
+                scored = {}  # the cost table times each method's artifact: extract all
+            if c is None:
+                if h_zs_test is None:  # the test subset is the same for every run
+                    h_zs_test = capture_test_zero_shot(cap, task, episode)
+                c = capture_episode(cap, episode, h_zs_test=h_zs_test)
+                _save_episode(checkpoint, *where, c, None)
+            ctx = Context(cap, episode, label_ids, cfg.method_options(seed, progress),
+                          identity=lm.identity, h_zs=c.h_zs, h_icl=c.h_icl,
+                          capture_seconds=c.capture_seconds)
+            sc = score_methods(ctx, own, c.h_zs_test, c.h_icl_test, episode_labels(episode),
+                               done=scored, on_scored=lambda s, c=c, where=where:
+                               _save_episode(checkpoint, *where, c, s))
+            metrics, ext, params = sc.metrics, sc.extraction_seconds, sc.params
+            if run == 0 and cfg.cost_samples:
+                costs[task.name] = inference_cost(ctx, sc, own, cfg.cost_samples,
+                                                  cfg.batch_size)
+        else:
+            tr, ct, cs = run_transfer_episode(
+                cap, source, episode, cfg.lam, pair_ids[task.name],
+                h_zs_test_target=h_zs_test, h_zs_test_source=h_zs_test_source)
+            h_zs_test, h_zs_test_source = ct.h_zs_test, cs.h_zs_test
+            metrics = tr.metrics
+            ext = {**tr.target.extraction_seconds,
+                   **{SOURCE + m: v for m, v in tr.source.extraction_seconds.items()},
+                   TRANSFER_METHOD: tr.timings["extraction_seconds"]}
+            params = {}
+        recs = [{
+            "task": task.name,
+            "run": run,
+            "seed": seed,
+            "method": m,
+            "accuracy": metrics[m]["accuracy"],
+            "d_ntp": metrics[m]["d_ntp"],
+            "extraction_seconds": ext.get(m),
+            "k_used": len(episode.demos),
+            "n_test": len(episode.test),
+            **({"params": params[m]} if m in params else {}),
+        } for m in keys]
+        sweep.finish(name, run, recs, f"{name}: " + " ".join(
+            f"{m}={metrics[m]['accuracy']:.3f}" for m in keys))
+        if checkpoint is not None:
+            episode_checkpoint(checkpoint).unlink(missing_ok=True)
+    records = sweep.records
     return {
         "config": config,
         "machine": {**hardware(), "ltv_vllm": __version__},
-        "wall_seconds": time.perf_counter() - started,
+        "wall_seconds": sweep.wall_seconds,
         "records": records,
         "summary": summarise(records, [t.name for t in tasks], keys),
         "correlation": correlations(records, [t.name for t in tasks]),
@@ -309,33 +297,6 @@ def extension_state(previous: dict[str, Any], config: dict[str, Any]) -> dict[st
     return {"records": keep, "costs": costs,
             "done": sorted({(r["task"], r["run"]) for r in keep}),
             "wall_seconds": float(previous.get("wall_seconds") or 0.0)}
-
-
-def _key(config: dict[str, Any]) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _resume(checkpoint: str | Path | None, config: dict[str, Any]) -> dict[str, Any]:
-    fresh = {"records": [], "costs": {}, "done": [], "wall_seconds": 0.0}
-    if checkpoint is None or not Path(checkpoint).is_file():
-        return fresh
-    try:
-        state = json.loads(Path(checkpoint).read_text())
-    except (OSError, json.JSONDecodeError):
-        raise ArgumentError(f"{checkpoint}: unreadable partial evaluation; remove it") from None
-    if state.get("key") != _key(config):
-        raise ArgumentError(f"{checkpoint} holds a partial evaluation of another configuration;"
-                            " remove it or choose another --out")
-    return {k: state[k] for k in fresh}
-
-
-def _save_checkpoint(path: str | Path, config: dict[str, Any], records: list[dict[str, Any]],
-                     costs: dict[str, Any], done: list[tuple[str, int]], wall: float) -> None:
-    doc = {"key": _key(config), "config": config, "records": records, "costs": costs,
-           "done": [list(d) for d in done], "wall_seconds": wall}
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(doc)))
 
 
 EPISODE_HEADER = "ltv_vllm_episode"

@@ -35,11 +35,10 @@ from ltv_vllm.errors import ArgumentError
 from ltv_vllm.evaluation import evaluate
 from ltv_vllm.evaluation.evaluate import (
     EvalConfig,
-    _resume,
-    _save_checkpoint,
     bars_per_task,
     method_label,
 )
+from ltv_vllm.evaluation.sweep import Sweep
 from ltv_vllm.extraction.capture import Capturer
 from ltv_vllm.extraction.generate import greedy, greedy_shared, greedy_states
 from ltv_vllm.methods import METHODS, Context, get_method
@@ -220,8 +219,6 @@ def evaluate_regression(
 
     `vllm_work`: also generate every answer vLLM serves (zero-shot, ICL, LTV, mean) through
     vLLM, with its job files there; each record gains `vllm` scores and agreement."""
-    from tqdm.auto import tqdm
-
     methods = resolve_regression_methods(methods)
     if max_new_tokens < 1:
         raise ArgumentError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -239,41 +236,29 @@ def evaluate_regression(
         **{key: v for key, v in cfg.to_dict().items() if key not in ("n_val", "cost_samples")},
         "k": k,
     }
-    state = _resume(checkpoint, config)
-    records: list[dict[str, Any]] = state["records"]
-    done = {(t, r) for t, r in state["done"]}
+    sweep = Sweep(config, [t.name for t in tasks], cfg.runs, checkpoint=checkpoint,
+                  progress=progress, desc="instances")
     cap = Capturer(lm.model, lm.tokenizer, batch_size=cfg.batch_size, progress=progress)
-    started = time.perf_counter() - state["wall_seconds"]
-    bar = tqdm(total=len(tasks) * cfg.runs, initial=len(done), desc="instances", unit="run",
-               disable=not progress)
-    for task in tasks:
-        for run in range(cfg.runs):
-            if (task.name, run) in done:
-                continue
-            seed = cfg.seed + run
-            ep = sample_regression_episode(task, k=k, n=cfg.n, n_test=cfg.n_test, seed=seed)
-            ctx = Context(cap, ep, [], cfg.method_options(seed, progress), identity=lm.identity)
-            scores, ext, arts = score_instance(ctx, methods, max_new_tokens)
-            served = (vllm_scores(lm, ctx, methods, arts, scores, max_new_tokens, vllm_work)
-                      if vllm_work is not None else {})
-            for m in methods:
-                records.append({"task": task.name, "run": run, "seed": seed, "method": m,
-                                **scores[m], "extraction_seconds": ext.get(m),
-                                "k_used": len(ep.demos),
-                                **({"vllm": served[m]} if m in served else {})})
-            bar.set_postfix_str(f"{task.name}: " + " ".join(
-                f"{m}={scores[m]['mse']:.2f}" for m in methods))
-            bar.update(1)
-            done.add((task.name, run))
-            if checkpoint is not None:
-                _save_checkpoint(checkpoint, config, records, {}, sorted(done),
-                                 time.perf_counter() - started)
-    bar.close()
+    by_name = {t.name: t for t in tasks}
+    for name, run in sweep:
+        task = by_name[name]
+        seed = cfg.seed + run
+        ep = sample_regression_episode(task, k=k, n=cfg.n, n_test=cfg.n_test, seed=seed)
+        ctx = Context(cap, ep, [], cfg.method_options(seed, progress), identity=lm.identity)
+        scores, ext, arts = score_instance(ctx, methods, max_new_tokens)
+        served = (vllm_scores(lm, ctx, methods, arts, scores, max_new_tokens, vllm_work)
+                  if vllm_work is not None else {})
+        recs = [{"task": task.name, "run": run, "seed": seed, "method": m, **scores[m],
+                 "extraction_seconds": ext.get(m), "k_used": len(ep.demos),
+                 **({"vllm": served[m]} if m in served else {})} for m in methods]
+        sweep.finish(name, run, recs, f"{name}: " + " ".join(
+            f"{m}={scores[m]['mse']:.2f}" for m in methods))
+    records = sweep.records
     names = [t.name for t in tasks]
     return {
         "config": config,
         "machine": {**hardware(), "ltv_vllm": __version__},
-        "wall_seconds": time.perf_counter() - started,
+        "wall_seconds": sweep.wall_seconds,
         "records": records,
         "summary": summarise_regression(records, names, methods),
         "references": references(config),

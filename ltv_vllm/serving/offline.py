@@ -8,11 +8,13 @@ greedy generation jobs in a fresh process (`python -m ltv_vllm.serving.offline J
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ltv_vllm.serving.client import Classification, classification
+from ltv_vllm.serving.jobs import job_main, run_job
 from ltv_vllm.tasks.specs import Task, label_token_ids
 
 
@@ -103,40 +105,12 @@ def generate_in_subprocess(job: dict[str, Any], work: Path, name: str,
                            kv_cache_gib: int = 2) -> dict[str, Any]:
     """`run_generation_job` in a fresh process (vLLM keeps global state per process; the
     engine runs in it: VLLM_ENABLE_V1_MULTIPROCESSING=0); its log beside the job file."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from ltv_vllm.errors import UserError
-
-    work.mkdir(parents=True, exist_ok=True)
-    job_path, out_path, log_path = (work / f"{name}.job.json", work / f"{name}.out.json",
-                                    work / f"{name}.log")
-    job_path.write_text(json.dumps(job))
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **os.environ,
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    with open(log_path, "w") as log:
-        rc = subprocess.run([sys.executable, "-m", "ltv_vllm.serving.offline", str(job_path),
-                             str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                            check=False).returncode
-    if rc != 0 or not out_path.is_file():
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        raise UserError(f"vLLM generation job {name} failed ({tail[0][:200]}); see {log_path}")
-    return json.loads(out_path.read_text())
-
-
-def _main(argv: list[str]) -> None:
-    import json
-    import os
-
-    out = run_generation_job(json.loads(Path(argv[0]).read_text()))
-    tmp = Path(argv[1] + ".tmp")
-    tmp.write_text(json.dumps(out))
-    os.replace(tmp, argv[1])
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    return run_job("ltv_vllm.serving.offline", job, work, name, env=env,
+                   what=f"vLLM generation job {name}")
 
 
 if __name__ == "__main__":
-    import sys
-
-    _main(sys.argv[1:])
+    job_main(run_generation_job)
