@@ -172,3 +172,43 @@ def test_the_readme_is_a_quick_start():
     assert ("bash scripts/setup.sh && .venv/bin/ltv-vllm extract --task trec -o trec.pt\n"
             ".venv/bin/python -m pytest -q\n") in readme  # its two commands
     assert ".venv/bin/python -m pytest -q\n" in (PKG.parent / ".ci" / "run").read_text()
+
+
+def _tables(text: str) -> list[list[str]]:
+    out, cur = [], []
+    for line in text.split("\n"):
+        if line.startswith("|"):
+            cur.append(line.strip())
+        elif cur:
+            out.append(cur)
+            cur = []
+    return out + ([cur] if cur else [])
+
+
+def test_numbers_copied_from_results_match_them():
+    """The quick start's printed table is the one the committed quick-start result holds, and
+    every docs table that copies a results.md table (its header and a row found there) has
+    every row there: a number edited by hand, or a result regenerated without the docs,
+    fails."""
+    root = PKG.parent
+    results = {p: p.read_text() for p in (root / "benchmarks" / "results").rglob("*.md")}
+    readme = (root / "README.md").read_text()
+    block = readme.split("```\ntrec on smollm2-135m", 1)[1].split("```", 1)[0]
+    quick = results[root / "benchmarks" / "results" / "quickstart" / "results.md"]
+    for line in block.strip().split("\n")[1:6]:  # the header and the four methods
+        assert line in quick, line
+    checked = 0
+    for page in sorted((root / "docs").glob("*.md")):
+        for table in _tables(page.read_text()):
+            header, rows = table[0], table[2:]
+            best, hits = None, 0  # the result this table copies: the most rows in common
+            for text in results.values():
+                lines = {x.strip() for x in text.split("\n")}
+                n = sum(r in lines for r in rows)
+                if header in lines and n > hits:
+                    best, hits = lines, n
+            if best is not None:
+                missing = [r for r in rows if r not in best]
+                assert not missing, f"{page.name}: {missing[0]} is not in its result"
+                checked += 1
+    assert checked >= 6  # the copied tables of docs/benchmarks.md
