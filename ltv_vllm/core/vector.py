@@ -15,17 +15,24 @@ Neither format can run code when loaded. Writes go to a temp file that is rename
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import numbers
-from dataclasses import dataclass, field, fields
+import pickle
+import pickletools
+import warnings
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from ltv_vllm.core.fileio import atomic_write
+from ltv_vllm.core.kernel import rbf_delta
+from ltv_vllm.core.ridge import Factors, head_gram, low_rank_delta, truncate
 from ltv_vllm.errors import UserError
+from ltv_vllm.tasks.specs import is_regression, label_token_ids, task_from_dict
 
 FORMAT = "ltv-vllm-task-vector"
 FORMAT_VERSION = 2  # 2: the optional nonlinear `map` (files without one are written as 1)
@@ -270,9 +277,6 @@ class TaskVector:
 
         The metrics in `provenance` stay those measured at extraction, at its `metrics_rank`.
         """
-        from dataclasses import replace
-
-        from ltv_vllm.core.ridge import Factors, head_gram, truncate
 
         if rank >= self.rank:
             return self
@@ -287,7 +291,6 @@ class TaskVector:
         """A copy whose U, V and bias live on `device` in `dtype` (as steering-vectors'
         `SteeringVector.to`): the one explicit point where a stored float32 CPU vector meets a
         model. `gram` stays as it is (float32, CPU: it only serves rank cuts)."""
-        from dataclasses import replace
 
         # Tensor.to returns the tensor itself when nothing changes: no copy then
         def cast(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -301,11 +304,8 @@ class TaskVector:
         h must share the vector's device and dtype: cast the vector once with `to`.
         """
         if self.map == "rbf":
-            from ltv_vllm.core.kernel import rbf_delta
-
             assert self.gamma is not None
             return rbf_delta(h, self.U, self.V, self.gamma, self.bias, rows)
-        from ltv_vllm.core.ridge import low_rank_delta
 
         return low_rank_delta(h, self.U, self.V, self.bias, rows)
 
@@ -329,7 +329,6 @@ class TaskVector:
 
     def check_tokenizer(self, tokenizer: Any) -> None:
         """The label words must still map to the token ids recorded at extraction."""
-        from ltv_vllm.tasks.specs import is_regression, label_token_ids, task_from_dict
 
         task = task_from_dict(self.provenance.task or {})
         if is_regression(task):
@@ -494,8 +493,6 @@ def sniff_suffix(data: bytes) -> str:
 def _refuse_plain_pickle(path: Path) -> None:
     """A .pt that is a plain pickle, not torch.save's zip: never ours. Say whether it would
     run code, from its opcodes alone (pickletools reads, never executes); not unpickled."""
-    import io
-    import pickletools
 
     try:
         with open(path, "rb") as f:
@@ -526,8 +523,6 @@ def _torch_load(path: Path) -> Any:
     rather than torch's paragraph on how to load it anyway. A plain (non-zip) pickle is
     refused before torch sees it (`_refuse_plain_pickle`).
     """
-    import pickle
-    import warnings
 
     _refuse_plain_pickle(path)
     try:

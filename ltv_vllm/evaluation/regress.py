@@ -44,6 +44,7 @@ from ltv_vllm.extraction.generate import greedy, greedy_shared, greedy_states
 from ltv_vllm.methods import METHODS, Context, get_method
 from ltv_vllm.methods.base import full_log_probs
 from ltv_vllm.models.hardware import hardware, machine_line
+from ltv_vllm.models.resolve import resolve_model
 from ltv_vllm.pipeline.extract import DEFAULT_K, ExtractOptions, LoadedModel
 from ltv_vllm.tasks.data import sample_regression_episode
 from ltv_vllm.tasks.specs import RegressionTask
@@ -165,7 +166,6 @@ def vllm_scores(lm: LoadedModel, ctx: Context, methods: Sequence[str], arts: dic
     on the plain model with prefix caching, LTV and the mean shift fused), scored alike, and
     their agreement with transformers': the fraction of queries with the same parsed number
     (both unparsed counts as the same) and with the identical text."""
-    from ltv_vllm.models.resolve import resolve_model
     from ltv_vllm.serving.offline import generate_in_subprocess
 
     ep, tok = ctx.episode, lm.tokenizer
@@ -518,8 +518,6 @@ def plot_regression(doc: dict[str, Any], out_dir: Path) -> Path:
 
 def write_regression_report(doc: dict[str, Any], out_dir: str | Path,
                             command: str) -> list[Path]:
-    import json
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc = {**doc, "command": command}

@@ -3,7 +3,6 @@
 A source model L (large, a good in-context learner) and a target model S (small) that share a
 tokenizer share the vocabulary as a coordinate system, so the regression target moves from
 hidden space to logit space:
-
     H  = [h_zs^S(x_j)]                      (d_S × N)   target's zero-shot post-norm states
     Y  = [z_icl^L(x_j) − z_zs^S(x_j)]       (V × N)     z = W_lm h (+ b), full vocabulary
     W̃ = argmin ‖Y − W̃ H‖²_F + λ‖W̃‖²_F     (V × d_S, rank ≤ N)   — `ridge.ridge_fit`
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ltv_vllm.core.ridge import Factors, ridge_fit
+from ltv_vllm.core.ridge import Factors, low_rank_delta, ridge_fit
 from ltv_vllm.errors import UserError
 
 
@@ -126,7 +125,6 @@ def transfer_label_logits(
 
     Only the K label rows of U are needed: W̃ h restricted to C is U[C] (Vᵀ h).
     """
-    from ltv_vllm.core.ridge import low_rank_delta
 
     idx = torch.tensor(list(label_ids), dtype=torch.long)
     h = h_zs.float()

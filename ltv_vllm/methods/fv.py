@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import torch
 from tqdm.auto import tqdm
 
+from ltv_vllm.core.vector import model_identity
 from ltv_vllm.methods.artifact import Artifact
 from ltv_vllm.methods.base import (
     Context,
@@ -180,8 +181,6 @@ class FV(Method):
 
     @contextmanager
     def applied(self, model, art: Artifact):
-        from ltv_vllm.core.vector import model_identity
-
         art.check_model(model_identity(model))
         n_layers = len(decoder_layers(model))
         fv = art.tensors["fv"].expand(n_layers, -1)

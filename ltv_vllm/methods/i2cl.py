@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ltv_vllm.core.vector import model_identity
 from ltv_vllm.extraction.capture import base_model, left_pad, lm_head, positions
 from ltv_vllm.methods.artifact import Artifact
 from ltv_vllm.methods.base import (
@@ -184,8 +185,6 @@ class I2CL(Method):
 
     @contextmanager
     def applied(self, model, art: Artifact):
-        from ltv_vllm.core.vector import model_identity
-
         art.check_model(model_identity(model))
         with injected(model, art.tensors["c_attn"], art.tensors["c_mlp"], self.coefficients(art)):
             yield model

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ltv_vllm.core.vector import model_identity
 from ltv_vllm.extraction.capture import lm_head
 from ltv_vllm.methods.artifact import Artifact
 from ltv_vllm.methods.base import Context, Method, Option
@@ -97,8 +98,6 @@ class MLP(Method):
 
     @contextmanager
     def applied(self, model, art: Artifact):
-        from ltv_vllm.core.vector import model_identity
-
         art.check_model(model_identity(model))
         head = lm_head(model)
         ws = [w.to(head.weight.device, head.weight.dtype) for w in self.weights(art)]

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ltv_vllm.core.vector import model_identity
 from ltv_vllm.methods.artifact import Artifact
 from ltv_vllm.methods.base import (
     Context,
@@ -110,8 +111,6 @@ class SV(Method):
 
     @contextmanager
     def applied(self, model, art: Artifact):
-        from ltv_vllm.core.vector import model_identity
-
         art.check_model(model_identity(model))
         with states_at_last(model, art.tensors["sv"], int(art.params["depth"]),
                             add=art.params.get("mode") == "add"):

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ltv_vllm.core.vector import model_identity
 from ltv_vllm.methods.artifact import Artifact
 from ltv_vllm.methods.base import (
     Context,
@@ -57,8 +58,6 @@ class TV(Method):
 
     @contextmanager
     def applied(self, model, art: Artifact):
-        from ltv_vllm.core.vector import model_identity
-
         art.check_model(model_identity(model))
         theta = art.tensors["theta"].to(next(model.parameters()).dtype)
         with at_last(model, theta, int(art.params["layer"])):

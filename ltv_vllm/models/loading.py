@@ -7,11 +7,15 @@ The precision comes from `hardware.resolve_dtype` (`auto`: what the device compu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ltv_vllm.core.vector import ModelIdentity, model_identity
+from ltv_vllm.models.cache import DEFAULT_MODEL, ModelError
+from ltv_vllm.models.hardware import checkpoint_dtype, resolve_dtype
+from ltv_vllm.models.resolve import resolve_model
 
 
 @dataclass
@@ -40,10 +44,6 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
-    from ltv_vllm.models.cache import DEFAULT_MODEL
-    from ltv_vllm.models.hardware import checkpoint_dtype, resolve_dtype
-    from ltv_vllm.models.resolve import resolve_model
-
     spec = spec or DEFAULT_MODEL
     path = resolve_model(spec)
     # a device map places weights where they fit: GPUs first when there are any
@@ -68,8 +68,6 @@ def load_tokenizer(spec: str | None) -> Any:
     """The tokenizer of a model spec, without its weights: enough to check label tokens."""
     from transformers import AutoTokenizer
 
-    from ltv_vllm.models.resolve import resolve_model
-
     return AutoTokenizer.from_pretrained(resolve_model(spec))
 
 
@@ -79,8 +77,6 @@ QUANTIZATIONS = ("8bit", "4bit")
 def check_quantization(quantization: str) -> None:
     """Refuse a quantisation this machine cannot run (cheap: no transformers import)."""
     import importlib.util
-
-    from ltv_vllm.models.cache import ModelError
 
     if quantization not in QUANTIZATIONS:
         raise ModelError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
@@ -101,10 +97,6 @@ def quantization_config(quantization: str) -> Any:
 
 def local_model_dir(spec: str) -> str:
     """A model spec as a local directory: hub ids go through the local hub cache/download."""
-    from pathlib import Path
-
-    from ltv_vllm.models.cache import ModelError
-    from ltv_vllm.models.resolve import resolve_model
 
     path = resolve_model(spec)
     if Path(path).is_dir():

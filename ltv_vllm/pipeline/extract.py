@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,14 @@ from ltv_vllm.core.ridge import Factors, truncate
 from ltv_vllm.core.vector import ModelIdentity, Provenance, TaskVector
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.extraction.capture import Capturer, full_head
+from ltv_vllm.extraction.store import StoredCapturer
+from ltv_vllm.extraction.transfer import (
+    TransferError,
+    check_same_tokenizer,
+    fit_transfer,
+    full_logits,
+    transfer_label_logits,
+)
 from ltv_vllm.methods import (
     Context,
     MethodOptions,
@@ -31,6 +40,9 @@ from ltv_vllm.methods import (
     get_method,
     score_methods,
 )
+from ltv_vllm.models.cache import cache_dir
+from ltv_vllm.models.checkpoint import identity_from_dir, read_lm_head, read_lm_head_bias
+from ltv_vllm.models.hardware import DTYPE_CHOICES, hardware, resolve_for_model
 from ltv_vllm.models.loading import (
     QUANTIZATIONS,
     LoadedModel,
@@ -38,7 +50,7 @@ from ltv_vllm.models.loading import (
     load_model,
     local_model_dir,
 )
-from ltv_vllm.tasks.data import Episode
+from ltv_vllm.tasks.data import Episode, load_dataset, sample_episode
 from ltv_vllm.tasks.specs import Task, label_token_ids
 
 METHODS = ("zero-shot", "icl", "ltv", "mean")  # what a transfer evaluation shows per model
@@ -102,7 +114,6 @@ class ExtractOptions:
 def plan_episode(task: Task, opts: ExtractOptions, *, transfer: bool = False) -> Episode:
     """The episode an extraction runs on (data loaded, k against the classes, N against the
     data): everything that can be refused without a model."""
-    from ltv_vllm.tasks.data import load_dataset, sample_episode
 
     return sample_episode(load_dataset(task), k=opts.k_for(task, transfer=transfer), n=opts.n,
                           n_test=opts.n_test, seed=opts.seed, n_val=opts.n_val)
@@ -214,7 +225,6 @@ def extract(
 def _transfer_provenance(lm: LoadedModel, episode: Episode, res: TransferResult,
                          opts: ExtractOptions, source: SourceModel) -> Provenance:
     """What a transferred vector's file records about its extraction."""
-    from ltv_vllm.models.hardware import hardware
 
     return Provenance(
         method=TRANSFER_METHOD,
@@ -263,8 +273,6 @@ class SourceModel:
         if self.cap.loaded:
             return full_head(self.cap.capturer.model)
         if self._head is None:
-            from ltv_vllm.models.checkpoint import read_lm_head, read_lm_head_bias
-
             self._head = (read_lm_head(self.path), read_lm_head_bias(self.path))
         return self._head
 
@@ -284,8 +292,6 @@ class SourceOptions:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        from ltv_vllm.models.hardware import DTYPE_CHOICES
-
         if self.chunk_size < 1:
             raise ArgumentError(f"--chunk-size must be at least 1, got {self.chunk_size}")
         if self.quantization not in (None, *QUANTIZATIONS):
@@ -303,14 +309,8 @@ def open_source(opts: SourceOptions) -> SourceModel:
 
     Nothing heavy: the model loads only when a capture chunk is missing.
     """
-    from pathlib import Path
 
     from transformers import AutoTokenizer
-
-    from ltv_vllm.extraction.store import StoredCapturer
-    from ltv_vllm.models.cache import cache_dir
-    from ltv_vllm.models.checkpoint import identity_from_dir
-    from ltv_vllm.models.hardware import resolve_for_model
 
     path = local_model_dir(opts.spec)
     ident = identity_from_dir(path, name=opts.spec)
@@ -336,7 +336,6 @@ def open_source(opts: SourceOptions) -> SourceModel:
 
 def check_pair(target: LoadedModel, source: SourceModel, episode: Episode) -> list[int]:
     """Same tokenizer on this episode's prompts and label words; returns the label ids."""
-    from ltv_vllm.extraction.transfer import TransferError, check_same_tokenizer
 
     task = episode.task
     prefix = episode.demo_prefix()
@@ -380,7 +379,6 @@ def run_transfer_episode(
     rank: int | None = None,
 ) -> tuple[TransferResult, Captures, Captures]:
     """Both models' passes, each model's own LTV, and the logit-space fit source → target."""
-    from ltv_vllm.extraction.transfer import fit_transfer, full_logits, transfer_label_logits
 
     labels = episode_labels(episode)
     ct = capture_episode(target_cap, episode, h_zs_test=h_zs_test_target)
