@@ -6,6 +6,7 @@ those inside functions too, since a lazy import is still a dependency."""
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,72 @@ def test_numbers_copied_from_results_match_them():
                 assert not missing, f"{page.name}: {missing[0]} is not in its result"
                 checked += 1
     assert checked >= 6  # the copied tables of docs/benchmarks.md
+
+
+def _cell(text: str) -> str:
+    return text.strip().strip("*").strip()
+
+
+def _label_to_method() -> dict[str, str]:
+    from ltv_vllm.evaluation.evaluate import all_methods, method_label
+
+    return {method_label(m): m for m in all_methods()}
+
+
+def test_the_docs_accuracy_tables_are_their_results():
+    """Every `| accuracy (%) | task ... |` table in the docs, after the command that wrote
+    its result (`--out benchmarks/results/NAME`), equals that result's summary: per-task
+    accuracy, the average and the average d_NTP, as rounded in the table."""
+    import re
+
+    root = PKG.parent
+    labels = _label_to_method()
+    short = {"hate": "hate_speech18"}
+    checked = 0
+    for page in sorted((root / "docs").glob("*.md")):
+        text = page.read_text()
+        for table in _tables(text):
+            head = [_cell(c) for c in table[0].strip("|").split("|")]
+            if head[0] != "accuracy (%)":
+                continue
+            before = text[: text.index(table[0])]
+            name = re.findall(r"--out benchmarks/results/([\w.\-]+)", before)[-1]
+            doc = json.loads((root / "benchmarks" / "results" / name / "results.json")
+                             .read_text())
+            per_task, avg = doc["summary"]["per_task"], doc["summary"]["average"]
+            for row in table[2:]:
+                cells = [_cell(c) for c in row.strip("|").split("|")]
+                m = labels[cells[0]]
+                for col, cell in zip(head[1:], cells[1:], strict=False):
+                    task = short.get(col, col)
+                    if task in per_task:
+                        want = f"{100 * per_task[task][m]['accuracy']:.1f}"
+                    elif col == "Avg.":
+                        want = f"{100 * avg[m]['accuracy']:.1f}"
+                    elif col == "d_NTP avg.":
+                        want = "0" if m == "icl" else f"{avg[m]['d_ntp']:.3f}"
+                    else:
+                        continue  # the paper's figures, quoted
+                    assert cell == want, f"{page.name} ({name}): {cells[0]} {col} {cell} ≠ {want}"
+                    checked += 1
+    assert checked >= 100
+
+
+def test_the_kernel_table_is_its_results():
+    """docs/methods.md's table of the maps beyond the paper: accuracy / d_NTP averaged over
+    every (task, run) of the two kernel results."""
+    root = PKG.parent
+    rows = {"zero-shot": "zero-shot", "ICL (k = 30)": "icl", "linear, λ = 5 (the paper)": "ltv",
+            "linear, λ by LOO": "ltv-auto", "kernel (RBF), γ and λ by LOO": "kernel",
+            "MLP mapping (2 layers, the paper's ablation)": "mlp"}
+    table = next(t for t in _tables((root / "docs" / "methods.md").read_text())
+                 if t[0].startswith("| map | SmolLM2-135M, 7 tasks × 3 runs"))
+    avgs = [json.loads((root / "benchmarks" / "results" / n / "results.json").read_text())
+            ["summary"]["average"] for n in ("kernel_smollm2-135m", "kernel_qwen2.5-coder-1.5b")]
+    for row in table[2:]:
+        cells = [_cell(c) for c in row.strip("|").split("|")]
+        m = rows[cells[0]]
+        for cell, avg in zip(cells[1:3], avgs, strict=True):
+            acc = f"{100 * avg[m]['accuracy']:.1f}"
+            want = f"{acc} / —" if m == "icl" else f"{acc} / {avg[m]['d_ntp']:.3f}"
+            assert cell.replace("*", "") == want, (cells[0], cell, want)
