@@ -282,3 +282,28 @@ def test_the_kernel_table_is_its_results():
             acc = f"{100 * avg[m]['accuracy']:.1f}"
             want = f"{acc} / —" if m == "icl" else f"{acc} / {avg[m]['d_ntp']:.3f}"
             assert cell.replace("*", "") == want, (cells[0], cell, want)
+
+
+def test_the_serving_table_is_its_result():
+    """docs/benchmarks.md's offline serving table equals benchmarks/results/serving."""
+    root = PKG.parent
+    off = json.loads((root / "benchmarks" / "results" / "serving" / "results.json")
+                     .read_text())["offline"]
+    modes = {"zero-shot": "zero-shot", "ICL k=30, prefix cache": "icl-prefix-cache",
+             "ICL k=30, no prefix cache": "icl-no-cache", "LTV fused": "ltv-fused",
+             "LTV folded": "ltv-folded", "LTV multi-task (LoRA, 4 tasks mixed)": "ltv-lora",
+             "zero-shot (again, last)": "zero-shot (again)"}
+    table = next(t for t in _tables((root / "docs" / "benchmarks.md").read_text())
+                 if t[0].startswith("| Mode (offline) | req/s"))
+    zs = off["zero-shot"]
+    for row in table[2:]:
+        c = [_cell(x) for x in row.strip("|").split("|")]
+        r = off[modes[c[0]]]
+        gen = r["output_tokens_per_s"]
+        want = [f"{r['requests_per_s']:.1f}", f"{r['requests_per_s'] / zs['requests_per_s']:.2f}×",
+                f"{gen:.0f}" if gen else "—",
+                f"{gen / zs['output_tokens_per_s']:.2f}×" if gen else "—",
+                f"{100 * r['accuracy']:.1f}%", f"{r['prompt_tokens_mean']:.0f}"]
+        got = c[1:7]
+        assert got == want, (c[0], got, want)
+        assert c[8] == f"{r['peak_rss_bytes'] / 2**30:.1f} GiB", (c[0], c[8])
