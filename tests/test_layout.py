@@ -307,3 +307,33 @@ def test_the_serving_table_is_its_result():
         got = c[1:7]
         assert got == want, (c[0], got, want)
         assert c[8] == f"{r['peak_rss_bytes'] / 2**30:.1f} GiB", (c[0], c[8])
+
+
+def test_the_online_and_extraction_cost_tables_are_their_results():
+    """docs/benchmarks.md's online serving table (req/s, p50, p99 at 1 / 8 / 32 in flight)
+    and its extraction-cost table (ours, naive, speed-up) equal their results."""
+    root = PKG.parent
+    res = root / "benchmarks" / "results"
+    text = (root / "docs" / "benchmarks.md").read_text()
+    online = json.loads((res / "serving" / "results.json").read_text())["online"]
+    modes = {"zero-shot": "zero-shot", "ICL, prefix cache": "icl-prefix-cache",
+             "ICL, no prefix cache": "icl-no-cache", "LTV fused": "ltv-fused",
+             "LTV multi-task (LoRA)": "ltv-lora"}
+    table = next(t for t in _tables(text) if t[0].startswith("| Online, 1 / 8 / 32"))
+    for row in table[2:]:
+        c = [_cell(x) for x in row.strip("|").split("|")]
+        levels = [online[modes[c[0]]][n] for n in ("1", "8", "32")]
+        want = [" / ".join(f"{x['requests_per_s']:.1f}" for x in levels),
+                " / ".join(f"{x['latency_p50_ms']:.0f}" for x in levels),
+                " / ".join(f"{x['latency_p99_ms']:.0f}" for x in levels)]
+        assert c[1:4] == want, (c[0], c[1:4], want)
+    rows = json.loads((res / "extraction_cost" / "results.json").read_text())["rows"]
+    table = next(t for t in _tables(text) if t[0].startswith("| k (demo tokens) | N |"))
+    for row in table[2:]:
+        c = [_cell(x) for x in row.strip("|").split("|")]
+        k, n = int(c[0].split()[0]), int(c[1])
+        r = next(x for x in rows if x["k"] == k and x["n"] == n)
+        want = [f"{k} ({r['prefix_tokens']})", str(n),
+                f"{r['ours_capture_seconds'] + r['fit_seconds']:.1f}",
+                f"{r['naive_capture_seconds'] + r['fit_seconds']:.1f}", f"{r['speedup']:.1f}×"]
+        assert c == want, (c, want)
