@@ -349,3 +349,32 @@ def test_the_online_and_extraction_cost_tables_are_their_results():
                 f"{r['ours_capture_seconds'] + r['fit_seconds']:.1f}",
                 f"{r['naive_capture_seconds'] + r['fit_seconds']:.1f}", f"{r['speedup']:.1f}×"]
         assert c == want, (c, want)
+
+
+def test_the_lora_rank_table_is_its_results():
+    """docs/benchmarks.md's serving-at-a-lower-rank table: speed from serving_lora_rank
+    (against the faster zero-shot run), d_NTP from rank_smollm2-135m, to the digits shown."""
+    root = PKG.parent
+    res = root / "benchmarks" / "results"
+    off = json.loads((res / "serving_lora_rank" / "results.json").read_text())["offline"]
+    summ = json.loads((res / "rank_smollm2-135m" / "results.json").read_text())["summary"]
+    zs = [off["zero-shot"], off["zero-shot (again)"]]
+    zc = max(z["requests_per_s"] for z in zs)
+    zg = max(z["output_tokens_per_s"] for z in zs)
+    table = next(t for t in _tables((root / "docs" / "benchmarks.md").read_text())
+                 if t[0].startswith("| LoRA rank | LoRA B per row"))
+    for row in table[2:]:
+        c = [_cell(x) for x in row.strip("|").split("|")]
+        if c[0].startswith("zero-shot"):
+            mode, ours, plain = None, summ["zero-shot"], summ["zero-shot"]
+        else:
+            rank = c[0].split()[0]
+            full = "full" in c[0]
+            mode = "ltv-lora" if full else f"ltv-lora-r{rank}"
+            ours = summ["LTV r=full" if full else f"LTV r={rank}"]
+            plain = summ["LTV r=full" if full else f"plain SVD r={rank}"]
+        r = off[mode] if mode else {"requests_per_s": zc, "output_tokens_per_s": zg}
+        assert _shown(c[2].rstrip("×"), r["requests_per_s"] / zc), (c[0], c[2])
+        assert _shown(c[3].rstrip("×"), r["output_tokens_per_s"] / zg), (c[0], c[3])
+        assert _shown(c[4], ours["avg"]["d_ntp"]), (c[0], c[4])
+        assert _shown(c[5], plain["avg"]["d_ntp"]), (c[0], c[5])
