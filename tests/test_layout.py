@@ -378,3 +378,35 @@ def test_the_lora_rank_table_is_its_results():
         assert _shown(c[3].rstrip("×"), r["output_tokens_per_s"] / zg), (c[0], c[3])
         assert _shown(c[4], ours["avg"]["d_ntp"]), (c[0], c[4])
         assert _shown(c[5], plain["avg"]["d_ntp"]), (c[0], c[5])
+
+
+def test_the_paired_kernel_table_is_its_results():
+    """docs/methods.md's "against λ = 5" table, recomputed from the kernel results' records:
+    how many (task, run) episodes have a lower d_NTP than linear λ = 5, the median d_NTP
+    ratio, and the mean accuracy difference in points."""
+    import statistics
+
+    root = PKG.parent
+    table = next(t for t in _tables((root / "docs" / "methods.md").read_text())
+                 if t[0].startswith("| against λ = 5 |"))
+    rows = {"λ by LOO": "ltv-auto", "kernel": "kernel", "MLP": "mlp"}
+    names = ("kernel_smollm2-135m", "kernel_qwen2.5-coder-1.5b")
+    for row in table[2:]:
+        c = [_cell(x) for x in row.strip("|").split("|")]
+        m = rows[c[0]]
+        for cell, name in zip(c[1:3], names, strict=True):
+            recs = json.loads((root / "benchmarks" / "results" / name / "results.json")
+                              .read_text())["records"]
+            by = {(r["task"], r["run"], r["method"]): r for r in recs}
+            eps = sorted({(r["task"], r["run"]) for r in recs})
+            lower = sum(by[(*e, m)]["d_ntp"] < by[(*e, "ltv")]["d_ntp"] for e in eps)
+            ratio = statistics.median(by[(*e, m)]["d_ntp"] / by[(*e, "ltv")]["d_ntp"]
+                                      for e in eps)
+            dacc = 100 * statistics.fmean(by[(*e, m)]["accuracy"] - by[(*e, "ltv")]["accuracy"]
+                                          for e in eps)
+            count, shown_ratio, shown_dacc = (x.strip().replace("*", "")
+                                              for x in cell.split(" / "))
+            assert count == f"{lower} of {len(eps)}", (c[0], name, count)
+            assert _shown(shown_ratio, ratio), (c[0], name, shown_ratio, ratio)
+            assert _shown(shown_dacc.replace("−", "-").removesuffix(" pts"), dacc), (
+                c[0], name, shown_dacc, dacc)
