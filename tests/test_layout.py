@@ -410,3 +410,47 @@ def test_the_paired_kernel_table_is_its_results():
             assert _shown(shown_ratio, ratio), (c[0], name, shown_ratio, ratio)
             assert _shown(shown_dacc.replace("−", "-").removesuffix(" pts"), dacc), (
                 c[0], name, shown_dacc, dacc)
+
+
+def test_the_regression_tables_are_their_results():
+    """docs/regression.md's two result tables: MSE on the model's own answers (and over all
+    answers), the answer counts (parsed / echoes of x / of a demo's y [/ exactly 0]), the KL
+    at the first token, and the demo-only references, from each result's summary."""
+    import re
+
+    root = PKG.parent
+    text = (root / "docs" / "regression.md").read_text()
+    rows = {"zero-shot": "zero-shot", "ICL (k = 30)": "icl", "LTV, every step (served)": "ltv",
+            "LTV, first step only": "ltv-first", "mean shift": "mean"}
+    refs = {"predict 0 (prior mean)": "zero", "predict the demos' mean y": "demo_mean",
+            "least squares on the 30 demos": "least_squares"}
+    tables = [t for t in _tables(text) if t[0].startswith("| | linear MSE, own answers")]
+    assert len(tables) == 2
+    for table in tables:
+        name = re.findall(r"--out benchmarks/results/([\w.\-]+)",
+                          text[: text.index(table[0])])[-1]
+        doc = json.loads((root / "benchmarks" / "results" / name / "results.json").read_text())
+        summ, ref = doc["summary"], doc["references"]
+        zeros = "exactly 0" in table[0]
+        for row in table[2:]:
+            c = [x.strip().replace("*", "") for x in row.strip("|").split("|")]
+            if c[0] in refs:
+                for cell, task in ((c[1], "linear"), (c[3], "relu")):
+                    assert _shown(cell, ref[task][refs[c[0]]][0]), (name, c[0], cell)
+                continue
+            m = rows[c[0]]
+            for mse, counts, task in ((c[1], c[2], "linear"), (c[3], c[4], "relu")):
+                s = summ[task][m]
+                want = [s["parsed_total"], s["echoes_x_total"], s["echoes_demo_total"]]
+                want += [s["zeros_total"]] if zeros else []
+                assert [int(x) for x in counts.split(" / ")] == want, (name, c[0], task)
+                if m != "ltv":  # every-step LTV's cell describes its few parsed answers
+                    own, overall = re.fullmatch(r"([\d.]+) \(([\d.]+)\)", mse).groups()
+                    assert _shown(own, s["mse_own"]) and _shown(overall, s["mse"]), (
+                        name, c[0], task, mse)
+            kl = c[5].split(" / ")
+            if m == "icl":
+                assert kl == ["0"]
+            else:
+                assert all(_shown(x, summ[t][m]["kl_first"])
+                           for x, t in zip(kl, ("linear", "relu"), strict=True)), (name, c[0])
