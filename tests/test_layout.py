@@ -454,3 +454,24 @@ def test_the_regression_tables_are_their_results():
             else:
                 assert all(_shown(x, summ[t][m]["kl_first"])
                            for x, t in zip(kl, ("linear", "relu"), strict=True)), (name, c[0])
+
+
+def test_the_step_policy_table_is_its_result():
+    """docs/regression.md's every-step vs first-step table (clean answers, labels repeated,
+    first line as ICL's) equals benchmarks/results/step_policy_smollm2-135m."""
+    root = PKG.parent
+    tasks = json.loads((root / "benchmarks" / "results" / "step_policy_smollm2-135m" /
+                        "results.json").read_text())["tasks"]
+    table = next(t for t in _tables((root / "docs" / "regression.md").read_text())
+                 if t[0].startswith("| task | policy | answer line is exactly a label"))
+    policies = {"ICL": "icl", "LTV every step": "ltv every step",
+                "LTV first step": "ltv first step"}
+    for row in table[2:]:
+        c = [x.strip() for x in row.strip("|").split("|")]
+        r = tasks[c[0]][policies[c[1]]]
+        cells = [c[2].split(" (")[0], c[3], c[4]]
+        for cell, key in zip(cells, ("clean_answer", "label_repeated", "first_line_as_icl"),
+                             strict=True):
+            if cell == "—":
+                continue
+            assert _shown(cell.removesuffix(" %"), 100 * r[key]), (c[0], c[1], key, cell)
