@@ -475,3 +475,21 @@ def test_the_step_policy_table_is_its_result():
             if cell == "—":
                 continue
             assert _shown(cell.removesuffix(" %"), 100 * r[key]), (c[0], c[1], key, cell)
+
+
+def test_the_icl_cost_table_is_its_result():
+    """docs/benchmarks.md's ICL-cost table (prompt tokens, ICL req/s with and without the
+    prefix cache, LTV fused's speed-up over each) equals benchmarks/results/icl_cost."""
+    root = PKG.parent
+    icl = json.loads((root / "benchmarks" / "results" / "icl_cost" / "results.json")
+                     .read_text())["icl_cost"]
+    fused = icl["ltv-fused"]["requests_per_s"]
+    table = next(t for t in _tables((root / "docs" / "benchmarks.md").read_text())
+                 if t[0].startswith("| k | prompt tokens/req | ICL + prefix cache"))
+    for row in table[2:]:
+        c = [_cell(x) for x in row.strip("|").split("|")]
+        cache, none = icl["icl-prefix-cache"][f"k={c[0]}"], icl["icl-no-cache"][f"k={c[0]}"]
+        assert _shown(c[1], cache["prompt_tokens_mean"]), c
+        assert _shown(c[2], cache["requests_per_s"]) and _shown(c[3], none["requests_per_s"]), c
+        assert _shown(c[4].rstrip("×"), fused / cache["requests_per_s"]), c
+        assert _shown(c[5].rstrip("×"), fused / none["requests_per_s"]), c
