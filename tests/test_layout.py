@@ -493,3 +493,36 @@ def test_the_icl_cost_table_is_its_result():
         assert _shown(c[2], cache["requests_per_s"]) and _shown(c[3], none["requests_per_s"]), c
         assert _shown(c[4].rstrip("×"), fused / cache["requests_per_s"]), c
         assert _shown(c[5].rstrip("×"), fused / none["requests_per_s"]), c
+
+
+def test_the_dtype_and_startup_tables_are_their_results():
+    """docs/benchmarks.md's serving-dtype table (float32 vs bfloat16 on an AVX2 CPU, and
+    their ratio) and serve start-up table equal their results."""
+    import re
+
+    root = PKG.parent
+    res = root / "benchmarks" / "results"
+    text = (root / "docs" / "benchmarks.md").read_text()
+    off = {dt: json.loads((res / "serving_dtype" / dt / "results.json").read_text())["offline"]
+           for dt in ("float32", "bfloat16")}
+    keys = [("zero-shot", "requests_per_s"), ("ltv-fused", "requests_per_s"),
+            ("zero-shot", "output_tokens_per_s"), ("ltv-fused", "output_tokens_per_s")]
+    table = next(t for t in _tables(text) if t[0].startswith("| engine dtype |"))
+    for row in table[2:]:
+        c = [_cell(x) for x in row.strip("|").split("|")]
+        for cell, (mode, key) in zip(c[1:], keys, strict=True):
+            f32, bf16 = off["float32"][mode][key], off["bfloat16"][mode][key]
+            label = c[0].replace("*", "")
+            want = f32 / bf16 if "÷" in label else f32 if label.startswith("float32") else bf16
+            assert _shown(cell.rstrip("×"), want), (c[0], mode, key, cell)
+    rows = json.loads((res / "startup" / "results.json").read_text())["rows"]
+    secs = {(r["config"], r["start"]): r["seconds"] for r in rows}
+    table = next(t for t in _tables(text) if t[0].startswith("| mode | eager"))
+    configs = {"fused": "fused", "folded (`--fold`)": "folded",
+               "multi-task (2 LoRA adapters)": "multi"}
+    for row in table[2:]:
+        c = [_cell(x) for x in row.strip("|").split("|")]
+        cfg = configs[c[0]]
+        assert _shown(c[1], secs[(cfg, 1)]), c
+        for n, shown in enumerate(re.findall(r"[\d.]+", c[2]), start=1):
+            assert _shown(shown, secs[(cfg + "-compiled", n)]), c
