@@ -6,6 +6,7 @@ import functools
 import json
 import shlex
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -288,8 +289,37 @@ DTYPE_HELP = ("auto: what the device computes natively (CPU: bfloat16 only with 
               "else float32; CUDA: bfloat16 where supported).")
 
 
+@dataclass(frozen=True)
+class SourceFlags:
+    """The --source-* flags of a transfer, as given; `options` checks them into the
+    pipeline's `SourceOptions` (inside the command, so a bad value is one line)."""
+
+    spec: str | None
+    dtype: str
+    device_map: str | None
+    quantization: str
+    work_dir: Path | None
+    chunk_size: int
+
+    def options(self, batch_size: int, quiet: bool) -> Any:
+        """SourceOptions (None without --source-model)."""
+        from ltv_vllm.pipeline.extract import SourceOptions
+
+        if self.spec is None:
+            return None
+        if self.work_dir is not None:
+            check_writable(self.work_dir, option="--work-dir", directory=True)
+        return SourceOptions(self.spec, dtype=self.dtype, device_map=self.device_map,
+                             quantization=None if self.quantization == "none"
+                             else self.quantization,
+                             work_dir=str(self.work_dir) if self.work_dir else None,
+                             chunk_size=self.chunk_size, batch_size=batch_size,
+                             progress=not quiet)
+
+
 def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Options of the large model in cross-model transfer (extract, evaluate)."""
+    """The large model of a cross-model transfer (extract, evaluate): six flags, handed to
+    the command as one `source: SourceFlags`."""
     opts = [
         click.option("--source-model", "source_spec", default=None,
                      help="Large model whose ICL the vector imitates (same tokenizer as --model): "
@@ -308,24 +338,18 @@ def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--chunk-size", default=64, show_default=True,
                      help="Source prompts per saved chunk."),
     ]
+
+    @functools.wraps(fn)
+    def grouped(*args: Any, source_spec: str | None, source_dtype: str,
+                source_device_map: str | None, source_quantization: str, work_dir: Path | None,
+                chunk_size: int, **kwargs: Any) -> Any:
+        flags = SourceFlags(source_spec, source_dtype, source_device_map, source_quantization,
+                            work_dir, chunk_size)
+        return fn(*args, source=flags, **kwargs)
+
     for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
-
-
-def _source(spec: str | None, dtype: str, device_map: str | None, quantization: str,
-            work_dir: Path | None, chunk_size: int, batch_size: int, quiet: bool) -> Any:
-    """SourceOptions from the --source-* options (None without --source-model)."""
-    from ltv_vllm.pipeline.extract import SourceOptions
-
-    if spec is None:
-        return None
-    if work_dir is not None:
-        check_writable(work_dir, option="--work-dir", directory=True)
-    return SourceOptions(spec, dtype=dtype, device_map=device_map,
-                         quantization=None if quantization == "none" else quantization,
-                         work_dir=str(work_dir) if work_dir else None, chunk_size=chunk_size,
-                         batch_size=batch_size, progress=not quiet)
+        grouped = opt(grouped)
+    return grouped
 
 
 @main.command(cls=MethodCommand, method_param=lambda: _method_option())
@@ -355,9 +379,8 @@ def _source(spec: str | None, dtype: str, device_map: str | None, quantization: 
 @friendly
 def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float | str, seed: int,
             n_test: int, batch_size: int, dtype: str, device: str, output: Path | None,
-            quiet: bool, n_val: int, method: str, source_spec: str | None,
-            source_dtype: str, source_device_map: str | None, source_quantization: str,
-            work_dir: Path | None, chunk_size: int, **method_flags: Any) -> None:
+            quiet: bool, n_val: int, method: str, source: SourceFlags,
+            **method_flags: Any) -> None:
     """Extract a task vector (or a baseline's artifact) and report zero-shot / ICL / the
     method's accuracy and d_NTP on held-out queries.
 
@@ -375,8 +398,7 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     opts = _extract_options(k=k, n=n, lam=lam, seed=seed, n_test=n_test, batch_size=batch_size,
                             progress=not quiet, n_val=n_val, method_flags=method_flags,
                             methods=[method])
-    source_opts = _source(source_spec, source_dtype, source_device_map, source_quantization,
-                          work_dir, chunk_size, batch_size, quiet)
+    source_opts = source.options(batch_size, quiet)
     m = get_method(method)
     t = get_task(task, regression=True)
     if t.kind == "regression":
@@ -393,16 +415,16 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     output = check_writable(output or default, option="--output", suffixes=suffixes)
     label_token_ids(t, load_tokenizer(model_spec))  # labels sharing a first token: refused
     episode = plan_episode(t, opts, transfer=source_opts is not None)  # reads the data
-    source = open_source(source_opts) if source_opts else None  # tokenizer and identity only
+    large = open_source(source_opts) if source_opts else None  # tokenizer and identity only
     lm = load_model(model_spec, dtype=dtype, device=device)
-    if source is None:
+    if large is None:
         r = run_extract(lm, t, method, opts, episode=episode)
         art, metrics, tm = r.artifact, r.metrics, r.timings
     else:
-        art, res = extract_transfer(lm, source, t, opts, episode=episode)
+        art, res = extract_transfer(lm, large, t, opts, episode=episode)
         metrics, tm = res.metrics, res.timings
     art.save(output)
-    src = f" from {source.spec}" if source else ""
+    src = f" from {large.spec}" if large else ""
     pv = art.provenance
     what = f"N={n}, λ={f'{pv.lam:.4g} (auto)' if lam == 'auto' else lam}" if m.uses_states \
         else method
@@ -410,12 +432,12 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
                f"{pv.n_test} test queries")
     _print_metrics(metrics)
     hw = f"{pv.dtype or '?'} on {device_line(device)}"
-    if source is not None:
+    if large is not None:
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s "
                    f"(source {tm['source_capture_seconds']:.1f} s, "
                    f"target {tm['target_capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s; "
-                   f"{hw}); rank {art.rank}; source captures in {source.cap.dir} "
-                   f"({source.cap.reused} chunks reused, {source.cap.computed} computed)")
+                   f"{hw}); rank {art.rank}; source captures in {large.cap.dir} "
+                   f"({large.cap.reused} chunks reused, {large.cap.computed} computed)")
     else:
         shown = {k_: v for k_, v in r.params.items() if k_ not in ("val_accuracy", "lam")}
         chosen = (f"; rank {art.rank}" if vector_file else "") + (f"; {shown}" if shown else "")
@@ -787,9 +809,7 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
              n: int, lam: float | str, n_test: int, seed: int, batch_size: int, dtype: str,
              device: str, out_dir: Path, quiet: bool, n_val: int, cost_samples: int,
              max_new_tokens: int,
-             with_vllm: bool, extend: bool, source_spec: str | None, source_dtype: str,
-             source_device_map: str | None, source_quantization: str, work_dir: Path | None,
-             chunk_size: int, **method_flags: Any) -> None:
+             with_vllm: bool, extend: bool, source: SourceFlags, **method_flags: Any) -> None:
     """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots.
 
     With --source-model LARGE it is the paper's transfer table: each method on the target
@@ -814,8 +834,7 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
 
     cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size,
                      n_val=n_val, cost_samples=cost_samples, options=MethodOptions(**method_flags))
-    source_opts = _source(source_spec, source_dtype, source_device_map, source_quantization,
-                          work_dir, chunk_size, batch_size, quiet)
+    source_opts = source.options(batch_size, quiet)
     tasks_ = get_tasks(task_list, regression=True)
     kinds = {t.kind for t in tasks_}
     if len(kinds) > 1:
@@ -843,10 +862,10 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     for t in tasks_:
         label_token_ids(t, tok)  # labels sharing a first token: refused before any pass
     episodes = plan_episodes(tasks_, cfg, transfer=source_opts is not None)  # reads the data
-    source = open_source(source_opts) if source_opts else None
+    large = open_source(source_opts) if source_opts else None
     lm = load_model(model_spec, dtype=dtype, device=device)
     partial = out_dir / "partial.json"  # rewritten after every episode; rerun to resume
-    doc = run_evaluate(lm, tasks_, ms, cfg, source=source, progress=not quiet, episodes=episodes,
+    doc = run_evaluate(lm, tasks_, ms, cfg, source=large, progress=not quiet, episodes=episodes,
                        checkpoint=partial, extend=previous)
     paths = write_report(doc, out_dir, _command_line())
     partial.unlink(missing_ok=True)
