@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ltv_vllm.errors import ArgumentError
-from ltv_vllm.methods.base import COMMON, Method, MethodOptions, declare
+from ltv_vllm.methods.base import COMMON, DECLARED, Method, MethodOptions, declare
 from ltv_vllm.methods.fv import FV
 from ltv_vllm.methods.i2cl import I2CL, I2CLCalibrated
 from ltv_vllm.methods.ltv import LTV, KernelLTV, LTVAuto, Mean
@@ -41,10 +41,8 @@ def check_options_apply(methods: list[str], opts: MethodOptions) -> None:
     common = {o.name for o in COMMON}
     own = {o.name for name in methods if name in METHODS for o in METHODS[name].options}
     for name, value in opts.to_dict().items():
-        if name in common or name in own:
+        if name in common or name in own or value == DECLARED[name].default:
             continue
         owner = [m.name for m in METHODS.values() if any(o.name == name for o in m.options)]
-        default = next(o.default for m in METHODS.values() for o in m.options if o.name == name)
-        if value != default:
-            raise ArgumentError(f"--{name.replace('_', '-')} is an option of "
-                                f"{', '.join(owner)}, not of {', '.join(methods)}")
+        raise ArgumentError(f"{DECLARED[name].flag} is an option of {', '.join(owner)}, "
+                            f"not of {', '.join(methods)}")

@@ -202,7 +202,7 @@ def extract(
     """
     opts = opts or ExtractOptions()
     m = get_method(method)
-    check_options_apply([method], opts.options)
+    check_options_apply([method], opts.method_options())  # `opts.rank` included
     label_ids = label_token_ids(task, lm.tokenizer)
     episode = episode or plan_episode(task, opts)
     cap = Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size, progress=opts.progress)
