@@ -174,6 +174,8 @@ def test_method_options_are_checked_and_defaulted_from_the_declarations():
     assert o.fv_trials == 3 and o.mlp_depth == 2 and o.replace(mlp_depth=4).mlp_depth == 4
     with pytest.raises(Exception, match="--mlp-depth must be an even number"):
         MethodOptions(mlp_depth=3)
+    with pytest.raises(Exception, match="--i2cl-lam must be a finite number"):
+        MethodOptions(i2cl_lam=float("nan"))
     with pytest.raises(Exception, match="unknown method option"):
         MethodOptions(nope=1)
     with pytest.raises(AttributeError):

@@ -23,6 +23,7 @@ one token per candidate instead of a whole prompt; tests check it equals the ful
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -74,6 +75,8 @@ class Option:
             if self.default is not None:
                 raise ArgumentError(f"{self.flag} needs a value")
             return
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ArgumentError(f"{self.flag} must be a finite number, got {value}")
         if self.minimum is not None and value < self.minimum:
             raise ArgumentError(f"{self.flag} must be at least {self.minimum:g}, got {value}")
         if self.positive and not value > 0:
