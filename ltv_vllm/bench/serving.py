@@ -20,7 +20,7 @@ from ltv_vllm.bench import BenchError
 from ltv_vllm.bench.modes import DEFAULT_MODES, MODES, Engine, engines, known_mode
 from ltv_vllm.bench.report import derive_rates
 from ltv_vllm.bench.workload import EngineSettings, Query, Workload, icl_queries, interleave
-from ltv_vllm.serving.jobs import job_paths, run_job
+from ltv_vllm.serving.jobs import job_paths, prestart, run_job
 
 HOST = "127.0.0.1"
 NOISE_MODE = "zero-shot (again)"
@@ -317,6 +317,8 @@ def bench_serving(b: ServingBench, *, command: str,
     from ltv_vllm.bench.workload import build_workload, kv_bytes_per_token, machine
 
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    if b.modes:
+        prestart()  # the job forkserver imports vLLM while the workload is built
     wanted = [*b.modes, *b.online_modes]
     with_kernel = "kernel-fused" in wanted
     needs_vectors = with_kernel or any(m.startswith("ltv") for m in wanted)
@@ -361,6 +363,7 @@ def bench_icl_cost(b: ServingBench, *, command: str,
 
     from ltv_vllm.bench.workload import build_workload, machine
 
+    prestart()
     # LTV's serving cost does not depend on the k its vector came from (`b.k`)
     wl = build_workload(b.model_spec, list(b.tasks), n_per_task=b.n_per_task, k=b.k, n=b.n,
                         lam=b.lam, seed=b.seed, vector_dir=b.work / "vectors")
