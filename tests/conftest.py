@@ -24,6 +24,19 @@ os.environ["PIP_NO_INDEX"] = "1"
 os.environ["PIP_CONFIG_FILE"] = os.devnull  # and no machine pip.conf adds an index back
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Longest files first. xdist (`--dist loadfile`) hands whole files to its workers in
+    collection order, so a long file collected last runs alone at the end while the other
+    worker idles; ordering by each file's `slow(seconds=...)` mark (a measured figure, only
+    used here) gives the longest-first schedule. The sort is stable: the files' own order,
+    and each file's tests, stay as they were."""
+    def cost(item) -> float:
+        mark = item.get_closest_marker("slow")
+        return -float(mark.kwargs.get("seconds", 0)) if mark else 0.0
+
+    items.sort(key=cost)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_model_cache(tmp_path_factory):
     """The suite's own empty model cache (a test may set another): the default model of a
@@ -172,6 +185,18 @@ def bench_model(tmp_path_factory, tokenizer):
     make_vllm_llama(tokenizer, seed=5).save_pretrained(d)
     tokenizer.save_pretrained(d)
     return d
+
+
+def run_worker(name: str, job, work: Path, env: dict[str, str] | None = None) -> dict:
+    """`vllm_workers/NAME.py` as a job of the project's own runner (`ltv_vllm.serving.jobs`):
+    a process of its own, forked from this pytest worker's job forkserver, which imported
+    vLLM once for every engine test it runs; its log beside the job under `work`."""
+    from ltv_vllm.serving.jobs import run_job
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           **(env or {})}
+    return run_job(f"vllm_workers.{name}", job, work, name, env=env, what=f"worker {name}")
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -16,6 +16,8 @@ from ltv_vllm.errors import UserError
 from ltv_vllm.serving.compile import CompileError, compile_task, parse_request
 from ltv_vllm.serving.taskstore import EntryExists, TaskStore
 
+pytestmark = pytest.mark.slow(seconds=35)  # see conftest's ordering
+
 TASK = {"in_prefix": "Review", "label_prefix": "Sentiment", "labels": ["negative", "positive"]}
 WORDS = ["the plot is dull", "a warm and funny film", "boring and slow", "great acting",
          "i loved it", "a waste of time", "fresh and bright", "flat and tired", "so good",

@@ -526,3 +526,59 @@ def test_the_dtype_and_startup_tables_are_their_results():
         assert _shown(c[1], secs[(cfg, 1)]), c
         for n, shown in enumerate(re.findall(r"[\d.]+", c[2]), start=1):
             assert _shown(shown, secs[(cfg + "-compiled", n)]), c
+
+
+def test_the_compile_serving_table_is_its_results():
+    """docs/serving.md's compile-on-a-busy-server table, and the prose range beside it, equal
+    the three committed compile_serving runs (busy with 1 worker thread, busy with 2, idle):
+    every time, ratio to the run's own offline extract, throughput ratio and latency."""
+    root = PKG.parent
+    res = {name: json.loads((root / "benchmarks" / "results" / f"compile_serving_{name}" /
+                             "results.json").read_text())
+           for name in ("smollm2-135m", "smollm2-135m_idle", "smollm2-135m_threads2")}
+    busy, idle, two = (res[k] for k in ("smollm2-135m", "smollm2-135m_idle",
+                                        "smollm2-135m_threads2"))
+    text = (root / "docs" / "serving.md").read_text()
+    table = next(t for t in _tables(text) if t[0].startswith("| | sst2 | trec |"))
+    rows = {_cell(r.strip("|").split("|")[0]): [_cell(x) for x in r.strip("|").split("|")[1:]]
+            for r in table[2:]}
+    assert len(rows) == 7
+
+    def window(run, name):
+        return next(w for w in run["windows"] if w["window"] == name)
+
+    def first_answer(run, t):
+        return run["compiles"][t]["post_to_first_answer_seconds"]
+
+    def offline(run, t):
+        return run["offline"][t]["extract_seconds"]
+
+    def row(prefix):
+        return next(v for k, v in rows.items() if k.startswith(prefix))
+
+    undisturbed = window(busy, "undisturbed")
+    assert f"(undisturbed {undisturbed['p50_ms']:.0f} / {undisturbed['p99_ms']:.0f} ms)" in \
+        next(k for k in rows if k.startswith("traffic p50"))
+    assert f"({undisturbed['throughput']:.2f} req/s)" in \
+        next(k for k in rows if k.startswith("traffic during that compile"))
+    assert f"(vs {window(two, 'undisturbed')['throughput']:.2f} req/s)" in \
+        next(k for k in rows if k.startswith("traffic during it, 2 threads"))
+    for i, t in enumerate(("sst2", "trec")):
+        assert row("offline `ltv-vllm extract`")[i] == f"{offline(busy, t):.1f} s"
+        a, o = first_answer(idle, t), offline(idle, t)
+        assert row("POST → first answer of the new task, idle")[i] == \
+            f"{a:.1f} s ({a / o:.1f}×; offline {o:.1f} s)"
+        for prefix, run in (("POST → first answer, busy server, worker 1", busy),
+                            ("POST → first answer, busy server, worker 2", two)):
+            a = first_answer(run, t)
+            assert row(prefix)[i] == f"{a:.1f} s ({a / offline(run, t):.1f}×)", (prefix, t)
+        during = window(busy, f"during {t}")
+        assert row("traffic during that compile")[i] == \
+            f"{during['throughput'] / undisturbed['throughput']:.2f}×"
+        assert row("traffic p50")[i] == f"{during['p50_ms']:.0f} / {during['p99_ms']:.0f} ms"
+        ratio = window(two, f"during {t}")["throughput"] / window(two, "undisturbed")["throughput"]
+        assert row("traffic during it, 2 threads")[i] == f"{ratio:.2f}×"
+    # "traffic is back to its undisturbed rate once the task is served (0.98–1.08×)"
+    after = [window(r, f"after {t}")["throughput"] / window(r, "undisturbed")["throughput"]
+             for r in (busy, two) for t in ("sst2", "trec")]
+    assert f"({min(after):.2f}–{max(after):.2f}×)" in " ".join(text.split())

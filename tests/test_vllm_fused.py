@@ -7,43 +7,30 @@ transformers + the reference hook within 1e-4.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import make_llama, reference_logprobs
+from conftest import make_llama, reference_logprobs, run_worker
 from ltv_vllm.core.vector import TaskVector, VectorError, model_identity
 from ltv_vllm.tasks.specs import BUILTIN_TASKS
+
+pytestmark = pytest.mark.slow(seconds=150)  # see conftest's ordering
 
 WORKERS = Path(__file__).parent / "vllm_workers"
 PROMPTS = ["Review: the plot is dull\nSentiment:", "News: the team wins the final game\nType:"]
 
 
 def run_batch(jobs: list[dict], tmp: Path, tp: int = 1) -> dict:
-    """Every job (`vllm_workers/batch.py`: generate or classify) in one fresh process, one
-    engine after another: {key: result}. tp > 1: every job at that tensor-parallel size."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc sends a function
-    # the engine core runs in this process (one process fewer per engine); at tp > 1 its
-    # workers are still one process per rank
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    """Every job (`vllm_workers/batch.py`: generate or classify) in one process of its own,
+    one engine after another: {key: result}. tp > 1: every job at that tensor-parallel size."""
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc sends a function
     if tp > 1:
         # the CPU backend wants one NUMA node per rank; on one node, bind a core per rank
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
-    path = tmp / f"jobs-tp{tp}.json"
-    path.write_text(json.dumps([{**j, **({"tp": tp} if j["kind"] == "generate" else {})}
-                                for j in jobs]))
-    p = subprocess.run([sys.executable, str(WORKERS / "batch.py"), str(path)],
-                       capture_output=True, text=True, env=env, timeout=1200, check=False)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, p.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = run_worker("batch", [{**j, **({"tp": tp} if j["kind"] == "generate" else {})}
+                               for j in jobs], tmp, env)
     assert sorted(out) == sorted(j["key"] for j in jobs)  # every engine answered
     return out
 

