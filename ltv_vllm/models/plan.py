@@ -1,0 +1,216 @@
+"""A memory plan for running a checkpoint on vLLM, from its `config.json` (and the weight
+index, when there is one) alone: no weights are read, so a plan for 8×80 GB GPUs can be
+printed on a laptop.
+
+What it counts (bytes, on each device):
+  weights   the decoder's parameters at the serving dtype. Tensor parallelism splits every
+            layer's matrices and the vocabulary rows of the embedding and LM head; pipeline
+            parallelism splits the layers (the first stage holds the embedding, the last the
+            final norm and the LM head). KV heads fewer than the TP size are replicated, as
+            vLLM does.
+  kv        the KV cache the capture needs: the demonstrations' prefix (kept once, shared by
+            the prefix cache) plus one batch of queries, at the model's KV width.
+  head      the label head the capture scores with (a few LM-head rows, float32), or the
+            whole LM head for a transfer source (its logits), held beside the engine.
+A device fits the plan when weights + kv fit `gpu_memory_utilization` of it; vLLM's own
+activations and CUDA graphs live in the remainder (the same rule vLLM applies at start-up).
+
+The parameter count is computed from the config (Llama / Qwen2 / Mistral-style decoders:
+q/k/v/o attention, optional q/k/v biases, a gated MLP, RMS norms) and checked against the
+index's `total_size` when the index gives one: a config this module misreads is refused,
+not planned.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ltv_vllm.errors import UserError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 1 << 30
+
+
+class PlanError(UserError):
+    """A plan that cannot be made, or cannot fit the devices."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The config fields a plan needs."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    checkpoint_dtype: str
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> Shape:
+        need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "vocab_size")
+        missing = [k for k in need if k not in cfg]
+        if missing:
+            raise PlanError(f"config.json has no {', '.join(missing)}: not a decoder this plan "
+                            "knows (Llama, Qwen2, Mistral)")
+        heads = int(cfg["num_attention_heads"])
+        model_type = str(cfg.get("model_type", ""))
+        return cls(
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            vocab_size=int(cfg["vocab_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases (its config has no flag for them)
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+        )
+
+    def layer_params(self) -> int:
+        d, hd = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        attn = d * q + 2 * d * kv + q * d + ((q + 2 * kv) if self.attention_bias else 0)
+        return attn + 3 * d * self.intermediate_size + 2 * d  # gated MLP, two RMS norms
+
+    def params(self) -> int:
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return embed + head + self.num_hidden_layers * self.layer_params() + self.hidden_size
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1, pp: int = 1) -> int:
+        """K and V of one token on one device: its KV heads (replicated below the TP size),
+        its share of the layers."""
+        kv_heads = math.ceil(self.num_key_value_heads / tp)
+        layers = math.ceil(self.num_hidden_layers / pp)
+        return 2 * layers * kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the run will do: the parallel layout, the devices, and the tokens it holds."""
+
+    tp: int = 1
+    pp: int = 1
+    dtype: str = "bfloat16"
+    devices: int = 1
+    device_gib: float = 80.0
+    gpu_memory_utilization: float = 0.9
+    prefix_tokens: int = 2048       # the demonstrations, held once by the prefix cache
+    query_tokens: int = 64          # one query, after the prefix
+    batch: int = 64                 # queries scheduled together
+    n_labels: int = 4
+    full_head: bool = False         # a transfer source: the whole LM head, not label rows
+    max_model_len: int = 4096
+
+
+@dataclass(frozen=True)
+class Plan:
+    params: int
+    param_bytes: int
+    weight_bytes_per_device: int
+    kv_bytes_per_token: int
+    kv_bytes_per_device: int
+    head_bytes: int
+    budget_bytes_per_device: int
+    fits: bool
+    engine_args: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read_shape(model_dir: str | Path) -> tuple[Shape, int | None]:
+    """The config's shape and the weight index's `total_size` (None without an index)."""
+    d = Path(model_dir)
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except FileNotFoundError:
+        raise PlanError(f"{d} has no config.json") from None
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{d / 'config.json'} is not JSON ({e.msg})") from None
+    total = None
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{index} is not JSON ({e.msg})") from None
+    return Shape.from_config(cfg), (int(total) if total is not None else None)
+
+
+def check_index(shape: Shape, total_size: int | None) -> None:
+    """The computed parameter count must be the checkpoint's (within 1 %: an index may hold a
+    few buffers besides); otherwise this plan misreads the architecture."""
+    if total_size is None:
+        return
+    want = shape.params() * DTYPE_BYTES.get(shape.checkpoint_dtype, 2)
+    if abs(total_size - want) > 0.01 * want:
+        raise PlanError(f"the weight index holds {total_size / GIB:.1f} GiB but the config "
+                        f"describes {want / GIB:.1f} GiB: an architecture this plan does not "
+                        "read (mixture of experts, extra modules?)")
+
+
+def make_plan(shape: Shape, req: PlanRequest) -> Plan:
+    """The per-device bytes of `req` on `shape` (pure arithmetic; see the module docstring)."""
+    if req.tp < 1 or req.pp < 1:
+        raise PlanError("--tensor-parallel-size and --pipeline-parallel-size must be ≥ 1")
+    if req.tp * req.pp > req.devices:
+        raise PlanError(f"TP {req.tp} × PP {req.pp} needs {req.tp * req.pp} devices; "
+                        f"{req.devices} given")
+    if shape.num_attention_heads % req.tp:
+        raise PlanError(f"{shape.num_attention_heads} attention heads do not split over "
+                        f"TP {req.tp}")
+    if req.pp > shape.num_hidden_layers:
+        raise PlanError(f"PP {req.pp} exceeds the {shape.num_hidden_layers} layers")
+    if req.dtype not in DTYPE_BYTES:
+        raise PlanError(f"dtype {req.dtype!r}: one of {', '.join(DTYPE_BYTES)}")
+    b = DTYPE_BYTES[req.dtype]
+    vocab_rows = math.ceil(shape.vocab_size / req.tp) * shape.hidden_size
+    embed = vocab_rows * b
+    head = 0 if shape.tie_word_embeddings else vocab_rows * b
+    layers = math.ceil(shape.num_hidden_layers / req.pp)
+    # the first stage holds the embedding, the last the LM head; with PP 1 both are one stage
+    # (the worst stage is the one planned: the first, or the last where the head is untied)
+    per_layer = _layer_bytes_per_rank(shape, req.tp, b)
+    stage_extra = embed + head if req.pp == 1 else max(embed, head + shape.hidden_size * b)
+    weights = layers * per_layer + stage_extra
+    kv_tok = shape.kv_bytes_per_token(b, req.tp, req.pp)
+    tokens = req.prefix_tokens + req.batch * req.query_tokens
+    kv = kv_tok * tokens
+    label_head = (shape.vocab_size if req.full_head else req.n_labels) * shape.hidden_size * 4
+    budget = int(req.gpu_memory_utilization * req.device_gib * GIB)
+    if req.prefix_tokens + req.query_tokens > req.max_model_len:
+        raise PlanError(f"a prompt of {req.prefix_tokens + req.query_tokens} tokens exceeds "
+                        f"--max-model-len {req.max_model_len}")
+    args = {"model": None, "runner": "pooling", "dtype": req.dtype,
+            "tensor_parallel_size": req.tp, "pipeline_parallel_size": req.pp,
+            "max_model_len": req.max_model_len, "enable_prefix_caching": True,
+            "gpu_memory_utilization": req.gpu_memory_utilization,
+            "pooler_config": {"pooling_type": "LAST", "use_activation": False}}
+    return Plan(params=shape.params(), param_bytes=shape.params() * b,
+                weight_bytes_per_device=weights, kv_bytes_per_token=kv_tok,
+                kv_bytes_per_device=kv, head_bytes=label_head,
+                budget_bytes_per_device=budget, fits=weights + kv <= budget, engine_args=args)
+
+
+def _layer_bytes_per_rank(shape: Shape, tp: int, b: int) -> int:
+    """One decoder layer's bytes on one TP rank: heads and the MLP's columns split, KV heads
+    replicated where fewer than the ranks, norms whole."""
+    d, hd = shape.hidden_size, shape.head_dim
+    q = shape.num_attention_heads // tp * hd
+    kv = math.ceil(shape.num_key_value_heads / tp) * hd
+    attn = d * q + 2 * d * kv + q * d + ((q + 2 * kv) if shape.attention_bias else 0)
+    mlp = 3 * d * math.ceil(shape.intermediate_size / tp)
+    return (attn + mlp + 2 * d) * b

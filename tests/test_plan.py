@@ -1,0 +1,113 @@
+"""The memory plan (`models/plan.py`) on the real configs of the four models the docs plan
+for (fields in tests/fixtures/configs): parameter counts against a hand count per tensor and
+the model cards' published totals, the TP split against the whole, KV bytes by hand, and
+the refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ltv_vllm.models.plan import (
+    DTYPE_BYTES,
+    PlanError,
+    PlanRequest,
+    Shape,
+    _layer_bytes_per_rank,
+    check_index,
+    make_plan,
+    read_shape,
+)
+
+CONFIGS = Path(__file__).parent / "fixtures" / "configs"
+
+
+def shape(name: str) -> Shape:
+    return Shape.from_config(json.loads((CONFIGS / f"{name}.json").read_text()))
+
+
+def hand_count(d, inter, layers, heads, kv, vocab, hd=128, bias=False) -> int:
+    """Tensor by tensor: embed, q, k, v, o (+ q/k/v biases), gate/up/down, two norms per
+    layer, the final norm, an untied LM head."""
+    per_layer = (d * heads * hd + 2 * d * kv * hd + heads * hd * d
+                 + (heads * hd + 2 * kv * hd if bias else 0) + 3 * d * inter + 2 * d)
+    return 2 * vocab * d + layers * per_layer + d
+
+
+# the model cards' "Number of Parameters" (Qwen) and the Llama 3.1 totals, as published
+@pytest.mark.parametrize("name, args, billions", [
+    ("qwen2.5-72b", (8192, 29568, 80, 64, 8, 152064), "72.7"),
+    ("qwen2.5-7b", (3584, 18944, 28, 28, 4, 152064), "7.61"),
+    ("llama-3.1-8b", (4096, 14336, 32, 32, 8, 128256), "8.03"),
+    ("llama-3.1-70b", (8192, 28672, 80, 64, 8, 128256), "70.6"),
+])
+def test_parameter_counts_are_the_models(name, args, billions):
+    s = shape(name)
+    want = hand_count(*args, bias=name.startswith("qwen"))
+    assert s.params() == want
+    # to the precision published (the cards round or truncate: 7,615,616,512 is "7.61B")
+    decimals = len(billions.split(".")[1])
+    assert abs(want / 1e9 - float(billions)) < 10 ** -decimals, want
+
+
+NAMES = ["qwen2.5-72b", "qwen2.5-7b", "llama-3.1-8b", "llama-3.1-70b"]
+
+
+@pytest.mark.parametrize("name, tp", [  # every layout whose heads split; 16 > 8 KV heads
+    (n, tp) for n in NAMES for tp in (1, 2, 4, 8, 16) if shape(n).num_attention_heads % tp == 0])
+def test_a_layer_split_over_tp_adds_up_to_the_layer(name, tp):
+    """Summed over the ranks, a layer is the whole layer, plus the KV heads replicated where
+    there are fewer than ranks, plus a norm per extra rank."""
+    s = shape(name)
+    b = DTYPE_BYTES["bfloat16"]
+    parts = tp * _layer_bytes_per_rank(s, tp, b)
+    whole = s.layer_params() * b
+    kv_copies = max(tp, s.num_key_value_heads) - s.num_key_value_heads  # replicated heads
+    kv_extra = 2 * kv_copies * s.head_dim * (s.hidden_size + (1 if s.attention_bias else 0))
+    assert parts == whole + (kv_extra + 2 * s.hidden_size * (tp - 1)) * b
+
+
+def test_kv_bytes_by_hand():
+    s = shape("qwen2.5-72b")  # 80 layers × 8 KV heads × 128 × (K, V) × 2 bytes
+    assert s.kv_bytes_per_token(2) == 80 * 8 * 128 * 2 * 2 == 327_680
+    assert s.kv_bytes_per_token(2, tp=2) == 327_680 // 2
+    assert s.kv_bytes_per_token(2, tp=16) == 80 * 1 * 128 * 2 * 2  # a KV head per rank at least
+    assert s.kv_bytes_per_token(2, pp=4) == 327_680 // 4
+    p = make_plan(s, PlanRequest(tp=2, devices=2, prefix_tokens=1000, query_tokens=50, batch=8))
+    assert p.kv_bytes_per_device == (327_680 // 2) * (1000 + 8 * 50)
+
+
+def test_what_fits_80_gb():
+    """72B in bf16 (145 GB) does not fit one 80 GB GPU and does fit two; the 8B fits one."""
+    big = shape("qwen2.5-72b")
+    assert not make_plan(big, PlanRequest(tp=1, devices=1)).fits
+    assert make_plan(big, PlanRequest(tp=2, devices=2)).fits
+    assert make_plan(big, PlanRequest(tp=4, devices=4)).fits
+    assert make_plan(shape("llama-3.1-8b"), PlanRequest()).fits
+    one = make_plan(big, PlanRequest(tp=1, devices=1))
+    assert one.param_bytes == big.params() * 2
+    # PP splits the layers: every stage is smaller than the whole
+    pp = make_plan(big, PlanRequest(pp=4, devices=4))
+    assert pp.weight_bytes_per_device < one.weight_bytes_per_device / 3
+
+
+def test_refusals_say_what_is_wrong(tmp_path):
+    s = shape("qwen2.5-7b")
+    with pytest.raises(PlanError, match="needs 4 devices; 2 given"):
+        make_plan(s, PlanRequest(tp=4, devices=2))
+    with pytest.raises(PlanError, match="28 attention heads do not split over TP 8"):
+        make_plan(s, PlanRequest(tp=8, devices=8))
+    with pytest.raises(PlanError, match="exceeds --max-model-len"):
+        make_plan(s, PlanRequest(prefix_tokens=5000, max_model_len=4096))
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(PlanError, match="no intermediate_size"):
+        read_shape(tmp_path)
+    (tmp_path / "config.json").write_text((CONFIGS / "llama-3.1-8b.json").read_text())
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 2 * 8_030_261_248}}))
+    got, total = read_shape(tmp_path)
+    check_index(got, total)  # the real 8B's bytes: the reading agrees
+    with pytest.raises(PlanError, match="does not read"):
+        check_index(got, 3 * total)
