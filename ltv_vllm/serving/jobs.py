@@ -12,9 +12,10 @@ server, reports its progress while it runs and can be stopped, so it keeps its o
 A fresh interpreter spends most of an engine job importing vLLM (about 17 s of a 24 s job on
 a 2-core AVX2 EPYC, tiny model), so jobs are forked from a multiprocessing *forkserver* that
 has imported vLLM once, ahead of the first job: each child is still a process of its own
-(its own engine, caches and peak RSS), it only skips the import. The forkserver imports vLLM
-and nothing else (no engine, no threads, no CUDA), which is what makes forking it safe; vLLM
-itself still spawns its own workers (tensor parallelism) as it always does.
+(its own engine, caches and peak RSS), it only skips the import. The forkserver only imports
+(no engine built, no CUDA context made, no parallel torch op run: what makes forking it safe,
+as forking a DataLoader worker after `import torch` is); vLLM itself still starts its own
+workers (tensor parallelism) as it always does.
 """
 
 from __future__ import annotations
