@@ -15,7 +15,6 @@ from ltv_vllm.models.plan import (
     PlanError,
     PlanRequest,
     Shape,
-    _layer_bytes_per_rank,
     check_index,
     make_plan,
     read_shape,
@@ -62,7 +61,7 @@ def test_a_layer_split_over_tp_adds_up_to_the_layer(name, tp):
     there are fewer than ranks, plus a norm per extra rank."""
     s = shape(name)
     b = DTYPE_BYTES["bfloat16"]
-    parts = tp * _layer_bytes_per_rank(s, tp, b)
+    parts = tp * s.layer_params(tp) * b
     whole = s.layer_params() * b
     kv_copies = max(tp, s.num_key_value_heads) - s.num_key_value_heads  # replicated heads
     kv_extra = 2 * kv_copies * s.head_dim * (s.hidden_size + (1 if s.attention_bias else 0))

@@ -5,6 +5,8 @@ parallelism 1 and 2 (on this CPU: two ranks, a core each)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -30,7 +32,7 @@ def capture(model_dir, prompts, work, tp: int = 1):
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     out = run_job("ltv_vllm.serving.capture",
                   {"model_dir": str(model_dir), "prompts": prompts,
-                   "engine": {k: v for k, v in engine.__dict__.items() if k != "extra"},
+                   "engine": asdict(engine),
                    "out": str(work / f"h-tp{tp}.safetensors")},
                   work, f"capture-tp{tp}", env=env)
     h = load_file(str(work / f"h-tp{tp}.safetensors"))["h"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +78,14 @@ class Shape:
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
         )
 
-    def layer_params(self) -> int:
+    def layer_params(self, tp: int = 1) -> int:
+        """One decoder layer's parameters on one of `tp` ranks: heads and the MLP's columns
+        split, KV heads replicated where fewer than the ranks, the norms whole."""
         d, hd = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        q = self.num_attention_heads // tp * hd
+        kv = math.ceil(self.num_key_value_heads / tp) * hd
         attn = d * q + 2 * d * kv + q * d + ((q + 2 * kv) if self.attention_bias else 0)
-        return attn + 3 * d * self.intermediate_size + 2 * d  # gated MLP, two RMS norms
+        return attn + 3 * d * math.ceil(self.intermediate_size / tp) + 2 * d
 
     def params(self) -> int:
         embed = self.vocab_size * self.hidden_size
@@ -126,9 +129,6 @@ class Plan:
     budget_bytes_per_device: int
     fits: bool
     engine_args: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def read_shape(model_dir: str | Path) -> tuple[Shape, int | None]:
@@ -176,6 +176,9 @@ def make_plan(shape: Shape, req: PlanRequest) -> Plan:
         raise PlanError(f"PP {req.pp} exceeds the {shape.num_hidden_layers} layers")
     if req.dtype not in DTYPE_BYTES:
         raise PlanError(f"dtype {req.dtype!r}: one of {', '.join(DTYPE_BYTES)}")
+    if req.prefix_tokens + req.query_tokens > req.max_model_len:
+        raise PlanError(f"a prompt of {req.prefix_tokens + req.query_tokens} tokens exceeds "
+                        f"--max-model-len {req.max_model_len}")
     b = DTYPE_BYTES[req.dtype]
     vocab_rows = math.ceil(shape.vocab_size / req.tp) * shape.hidden_size
     embed = vocab_rows * b
@@ -183,7 +186,7 @@ def make_plan(shape: Shape, req: PlanRequest) -> Plan:
     layers = math.ceil(shape.num_hidden_layers / req.pp)
     # the first stage holds the embedding, the last the LM head; with PP 1 both are one stage
     # (the worst stage is the one planned: the first, or the last where the head is untied)
-    per_layer = _layer_bytes_per_rank(shape, req.tp, b)
+    per_layer = shape.layer_params(req.tp) * b
     stage_extra = embed + head if req.pp == 1 else max(embed, head + shape.hidden_size * b)
     weights = layers * per_layer + stage_extra
     kv_tok = shape.kv_bytes_per_token(b, req.tp, req.pp)
@@ -191,10 +194,7 @@ def make_plan(shape: Shape, req: PlanRequest) -> Plan:
     kv = kv_tok * tokens
     label_head = (shape.vocab_size if req.full_head else req.n_labels) * shape.hidden_size * 4
     budget = int(req.gpu_memory_utilization * req.device_gib * GIB)
-    if req.prefix_tokens + req.query_tokens > req.max_model_len:
-        raise PlanError(f"a prompt of {req.prefix_tokens + req.query_tokens} tokens exceeds "
-                        f"--max-model-len {req.max_model_len}")
-    args = {"model": None, "runner": "pooling", "dtype": req.dtype,
+    args = {"runner": "pooling", "dtype": req.dtype,
             "tensor_parallel_size": req.tp, "pipeline_parallel_size": req.pp,
             "max_model_len": req.max_model_len, "enable_prefix_caching": True,
             "gpu_memory_utilization": req.gpu_memory_utilization,
@@ -204,13 +204,3 @@ def make_plan(shape: Shape, req: PlanRequest) -> Plan:
                 kv_bytes_per_device=kv, head_bytes=label_head,
                 budget_bytes_per_device=budget, fits=weights + kv <= budget, engine_args=args)
 
-
-def _layer_bytes_per_rank(shape: Shape, tp: int, b: int) -> int:
-    """One decoder layer's bytes on one TP rank: heads and the MLP's columns split, KV heads
-    replicated where fewer than the ranks, norms whole."""
-    d, hd = shape.hidden_size, shape.head_dim
-    q = shape.num_attention_heads // tp * hd
-    kv = math.ceil(shape.num_key_value_heads / tp) * hd
-    attn = d * q + 2 * d * kv + q * d + ((q + 2 * kv) if shape.attention_bias else 0)
-    mlp = 3 * d * math.ceil(shape.intermediate_size / tp)
-    return (attn + mlp + 2 * d) * b

@@ -21,14 +21,15 @@ workers (tensor parallelism) as it always does.
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import json
 import multiprocessing
 import os
 import runpy
 import sys
-import threading
 from collections.abc import Callable, Mapping
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
@@ -42,25 +43,18 @@ def job_paths(work: Path, name: str) -> tuple[Path, Path, Path]:
 
 # imported once by the forkserver, before any job forks from it
 PRELOAD = ("ltv_vllm.serving.jobs", "vllm.entrypoints.llm")
-_forkserver_lock = threading.Lock()
-_context: multiprocessing.context.BaseContext | None = None
 
 
+@functools.cache
 def _job_context() -> multiprocessing.context.BaseContext:
-    """The forkserver context, its server started (and vLLM imported) on first use."""
-    global _context
-    with _forkserver_lock:
-        if _context is None:
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(list(PRELOAD))
-            _context = ctx
-        return _context
+    """The forkserver context (the server itself starts, and imports vLLM, on first use)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
 
 
 def prestart() -> None:
     """Start the forkserver now, so its vLLM import overlaps the caller's own work."""
-    from multiprocessing import forkserver
-
     _job_context()
     forkserver.ensure_running()
 
