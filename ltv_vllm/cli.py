@@ -352,6 +352,90 @@ def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return grouped
 
 
+@dataclass(frozen=True)
+class CaptureFlags:
+    """--engine and vLLM's parallelism for the capture, as given; `engine` checks them into
+    `serving.capture.CaptureEngine` (inside the command, so a bad value is one line)."""
+
+    engine: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    distributed_executor_backend: str | None
+    engine_args: tuple[str, ...]
+    dry_run: bool
+    devices: int | None
+    device_gib: float | None
+
+    def capture_engine(self, dtype: str) -> Any:
+        from ltv_vllm.serving.capture import CaptureEngine
+
+        if self.engine != "vllm" and (self.tensor_parallel_size != 1 or self.engine_args
+                                      or self.pipeline_parallel_size != 1
+                                      or self.distributed_executor_backend):
+            raise ArgumentError("--tensor-parallel-size, --pipeline-parallel-size, "
+                                "--distributed-executor-backend and --engine-arg need "
+                                "--engine vllm")
+        extra: dict[str, Any] = {}
+        for arg in self.engine_args:
+            key, eq, value = arg.partition("=")
+            if not eq or not key.strip():
+                raise ArgumentError(f"--engine-arg {arg!r}: KEY=VALUE (a vllm.LLM argument)")
+            try:
+                extra[key.strip().replace("-", "_")] = json.loads(value)
+            except json.JSONDecodeError:
+                extra[key.strip().replace("-", "_")] = value
+        return CaptureEngine(dtype=dtype, tensor_parallel_size=self.tensor_parallel_size,
+                             pipeline_parallel_size=self.pipeline_parallel_size,
+                             distributed_executor_backend=self.distributed_executor_backend,
+                             extra=extra)
+
+
+def _capture_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """What captures the hidden states (transformers here, or vLLM's engine with its
+    parallelism) and the memory plan of a vLLM run: handed to the command as one
+    `capture: CaptureFlags`."""
+    opts = [
+        click.option("--engine", default="transformers", show_default=True,
+                     type=click.Choice(["transformers", "vllm"]),
+                     help="What captures the hidden states: transformers in this process, or "
+                          "vLLM's engine (pooling runner; tensor/pipeline parallelism, prefix "
+                          "cache) for the methods fitted on final states alone."),
+        click.option("--tensor-parallel-size", "-tp", default=1, show_default=True,
+                     help="vLLM tensor parallelism (--engine vllm)."),
+        click.option("--pipeline-parallel-size", "-pp", default=1, show_default=True,
+                     help="vLLM pipeline parallelism (--engine vllm)."),
+        click.option("--distributed-executor-backend", default=None,
+                     type=click.Choice(["mp", "ray", "uni", "external_launcher"]),
+                     help="vLLM's executor for TP/PP (ray across nodes) [default: vLLM's]."),
+        click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
+                     help="Any other vllm.LLM argument (VALUE read as JSON where it parses), "
+                          "e.g. --engine-arg max_model_len=4096; repeatable."),
+        click.option("--dry-run", is_flag=True,
+                     help="--engine vllm: print the memory plan from config.json alone and "
+                          "exit (refused when it does not fit); loads and writes nothing."),
+        click.option("--devices", type=int, default=None,
+                     help="Plan for this many GPUs [default: the ones visible; on a CPU, "
+                          "TP × PP ranks sharing its memory]."),
+        click.option("--device-gib", type=float, default=None,
+                     help="Memory of each planned device in GiB [default: the visible GPU's; "
+                          "on a CPU, its memory / (TP × PP)]."),
+    ]
+
+    @functools.wraps(fn)
+    def grouped(*args: Any, engine: str, tensor_parallel_size: int,
+                pipeline_parallel_size: int, distributed_executor_backend: str | None,
+                engine_args: tuple[str, ...], dry_run: bool, devices: int | None,
+                device_gib: float | None, **kwargs: Any) -> Any:
+        flags = CaptureFlags(engine, tensor_parallel_size, pipeline_parallel_size,
+                             distributed_executor_backend, engine_args, dry_run, devices,
+                             device_gib)
+        return fn(*args, capture=flags, **kwargs)
+
+    for opt in reversed(opts):
+        grouped = opt(grouped)
+    return grouped
+
+
 @main.command(cls=MethodCommand, method_param=lambda: _method_option())
 @click.option("--model", "model_spec", default=None,
               help="Packaged alias, local HF directory or hub id [default: smollm2-135m]. "
@@ -376,10 +460,11 @@ def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--n-val", default=32, show_default=True,
               help="Labelled validation examples (TV, FV, SV choose their layer on them).")
 @_source_options
+@_capture_options
 @friendly
 def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float | str, seed: int,
             n_test: int, batch_size: int, dtype: str, device: str, output: Path | None,
-            quiet: bool, n_val: int, method: str, source: SourceFlags,
+            quiet: bool, n_val: int, method: str, source: SourceFlags, capture: CaptureFlags,
             **method_flags: Any) -> None:
     """Extract a task vector (or a baseline's artifact) and report zero-shot / ICL / the
     method's accuracy and d_NTP on held-out queries.
@@ -391,7 +476,12 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     from ltv_vllm.models.hardware import device_line
     from ltv_vllm.models.loading import load_model, load_tokenizer
     from ltv_vllm.pipeline.extract import extract as run_extract
-    from ltv_vllm.pipeline.extract import extract_transfer, open_source, plan_episode
+    from ltv_vllm.pipeline.extract import (
+        check_engine,
+        extract_transfer,
+        open_source,
+        plan_episode,
+    )
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     # Everything a user can get wrong is refused here, before any model loads.
@@ -400,7 +490,18 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
                             methods=[method])
     source_opts = source.options(batch_size, quiet)
     m = get_method(method)
+    check_engine(method, capture.engine)  # an inner-layer method on vLLM: refused here
+    engine = capture.capture_engine(dtype)
+    on_vllm = capture.engine == "vllm"
+    if on_vllm and (source_opts or device != "cpu"):
+        raise ArgumentError("--engine vllm places the model itself (no --device) and does not "
+                            "run a --source-model transfer")
+    if capture.dry_run and not on_vllm:
+        raise ArgumentError("--dry-run plans an --engine vllm run")
     t = get_task(task, regression=True)
+    if t.kind == "regression" and on_vllm:
+        raise ArgumentError(f"{t.name} is a regression task: it is scored on generated answers "
+                            "(extract with --engine transformers)")
     if t.kind == "regression":
         if source_opts or opts.rank is not None or "regression" not in m.supports:
             raise ArgumentError(f"{t.name} is a regression task: extract --method ltv or mean, "
@@ -412,11 +513,19 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     suffixes = (".pt", ".safetensors") if vector_file else (".safetensors",)
     default = (f"{t.name}.transfer.pt" if source_opts else f"{t.name}.pt" if method == "ltv"
                else f"{t.name}.{method}{suffixes[0]}")
+    if on_vllm and capture.dry_run:
+        return _plan_vllm_extract(model_spec, t, opts, engine, capture)
     output = check_writable(output or default, option="--output", suffixes=suffixes)
     label_token_ids(t, load_tokenizer(model_spec))  # labels sharing a first token: refused
     episode = plan_episode(t, opts, transfer=source_opts is not None)  # reads the data
     large = open_source(source_opts) if source_opts else None  # tokenizer and identity only
-    lm = load_model(model_spec, dtype=dtype, device=device)
+    if on_vllm:
+        lm = _capture_on_vllm(model_spec, [episode], engine, capture, quiet)
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # where vLLM placed it
+    else:
+        lm = load_model(model_spec, dtype=dtype, device=device)
     if large is None:
         r = run_extract(lm, t, method, opts, episode=episode)
         art, metrics, tm = r.artifact, r.metrics, r.timings
@@ -431,7 +540,9 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     click.echo(f"\n{t.name} on {lm.spec}{src}: k={pv.k_used} demos, {what}, "
                f"{pv.n_test} test queries")
     _print_metrics(metrics)
-    hw = f"{pv.dtype or '?'} on {device_line(device)}"
+    hw = f"{pv.dtype or '?'} on {device_line(device)}" + (
+        f", vLLM TP {engine.tensor_parallel_size} × PP {engine.pipeline_parallel_size}"
+        if on_vllm else "")
     if large is not None:
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s "
                    f"(source {tm['source_capture_seconds']:.1f} s, "
@@ -443,8 +554,86 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
         chosen = (f"; rank {art.rank}" if vector_file else "") + (f"; {shown}" if shown else "")
         split = (f"capture {tm['capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s; "
                  if m.uses_states else "")
+        if on_vllm:  # one batch: the test prompts' capture is inside, the start is not
+            split = (f"vLLM start {tm['engine_start_seconds']:.1f} s, capture of train and "
+                     f"test {tm['capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s; ")
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s ({split}{hw}){chosen}")
     click.echo(f"wrote {output} ({f'{art.kind} vector' if vector_file else method})")
+
+
+def _vllm_engine(engine: Any, model_dir: str) -> Any:
+    """`engine` with `auto` resolved as `serve` resolves it, so the states and the served
+    answers come from one precision (float32 on a CPU without native bf16)."""
+    from dataclasses import replace
+
+    from ltv_vllm.models.hardware import resolve_for_model
+
+    return replace(engine, dtype=resolve_for_model(engine.dtype, model_dir))
+
+
+def _plan_vllm_extract(model_spec: str | None, t: Any, opts: Any, engine: Any,
+                       capture: CaptureFlags) -> None:
+    """`extract --engine vllm --dry-run`: the plan from config.json (and the index), printed;
+    refused in one line when it does not fit."""
+    from ltv_vllm.models.loading import local_model_dir
+    from ltv_vllm.models.plan import PlanError, describe
+    from ltv_vllm.pipeline.extract import plan_episode
+    from ltv_vllm.serving.capture import plan_capture
+
+    path = local_model_dir(model_spec or "smollm2-135m")
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):  # a config-only directory: token counts are estimated
+        tokenizer = None
+    episode = plan_episode(t, opts)
+    plan, req, estimated = plan_capture(path, [episode], engine, tokenizer=tokenizer,
+                                        devices=capture.devices, device_gib=capture.device_gib)
+    for line in describe(plan, req, name=model_spec or "smollm2-135m"):
+        click.echo(line)
+    if estimated:
+        click.echo("  (no tokenizer in the directory: token counts estimated at 4 characters "
+                   "a token)")
+    if not plan.fits:
+        raise PlanError(f"the plan does not fit: "
+                        f"{(plan.weight_bytes_per_device + plan.kv_bytes_per_device) / 2**30:.1f}"
+                        f" GiB per device, {plan.budget_bytes_per_device / 2**30:.1f} GiB usable; "
+                        "raise --tensor-parallel-size / --pipeline-parallel-size")
+    click.echo("(dry run: nothing loaded, nothing written)")
+
+
+def _capture_on_vllm(model_spec: str | None, episodes: list[Any], engine: Any,
+                     capture: CaptureFlags, quiet: bool) -> Any:
+    """Every prompt of `episodes` through vLLM's engine in one job: the CapturedModel the
+    pipeline extracts from. The plan is checked first (a run that cannot fit is refused
+    before the engine starts)."""
+    import tempfile
+
+    from ltv_vllm.models.loading import local_model_dir
+    from ltv_vllm.models.plan import PlanError
+    from ltv_vllm.serving.capture import captured_model, plan_capture
+
+    spec = model_spec or "smollm2-135m"
+    path = local_model_dir(spec)
+    engine = _vllm_engine(engine, path)
+    plan, _, _ = plan_capture(path, episodes, engine, devices=capture.devices,
+                              device_gib=capture.device_gib)
+    if not plan.fits:
+        raise PlanError("the capture does not fit the devices (see `--dry-run`)")
+    with tempfile.TemporaryDirectory(prefix="ltv-vllm-capture-") as work:
+        if not quiet:
+            click.echo(f"capturing on vLLM (TP {engine.tensor_parallel_size} × PP "
+                       f"{engine.pipeline_parallel_size}, {engine.dtype}); engine log in {work}",
+                       err=True)
+        lm, rep = captured_model(spec, path, episodes, engine, Path(work))
+    if not quiet and rep["icl_prompts"]:
+        held = rep["icl_cached_tokens"] / max(1, rep["icl_prompts"] * rep["prefix_tokens"])
+        click.echo(f"vLLM: {rep['shape'][0]} prompts in {rep['capture_seconds']:.1f} s (engine "
+                   f"start {rep['startup_seconds']:.1f} s); the prefix cache held "
+                   f"{100 * held:.0f} % of the demonstrations' tokens of the ICL prompts",
+                   err=True)
+    return lm
 
 
 def _extract_options(*, method_flags: dict[str, Any], methods: list[str], **fields: Any) -> Any:

@@ -113,7 +113,8 @@ def _num_layers(cfg: Any) -> int | None:
 
 _INT_FIELDS = ("k", "k_used", "n", "seed", "n_test", "metrics_rank")
 _STR_FIELDS = ("method", "episode", "ridge_form", "dtype", "package_version")
-_DICT_FIELDS = ("task", "hardware", "timings", "source_model", "source_load", "metrics")
+_DICT_FIELDS = ("task", "hardware", "timings", "source_model", "source_load", "metrics",
+                "engine")
 
 
 def _kind(v: Any) -> str:
@@ -159,6 +160,8 @@ class Provenance:
     timings: dict[str, float] | None = None
     source_model: dict[str, Any] | None = None  # transfer: the source's ModelIdentity
     source_load: dict[str, Any] | None = None   # transfer: how the source was loaded
+    engine: dict[str, Any] | None = None        # what captured the states: name, version,
+    #                                             dtype, tensor/pipeline parallel sizes
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -174,6 +174,7 @@ class Context:
     timings: dict[str, float] = field(default_factory=dict)
     head: torch.Tensor | None = None   # W_lm (V, d) when there is no model
     dtype: str | None = None           # the states' precision when there is no model
+    engine: dict[str, Any] | None = None  # what captured the states (default: transformers)
 
     def __post_init__(self) -> None:
         if self.identity is None:
@@ -194,10 +195,16 @@ class Context:
         """What an artifact records about how it was made (as a task-vector file does)."""
         ep = self.episode
         dtype = self.dtype or str(self.model.dtype)
+        engine = self.engine
+        if engine is None and self.cap is not None:  # captured here, by transformers
+            import transformers
+
+            engine = {"name": "transformers", "version": transformers.__version__,
+                      "device": str(self.cap.device)}
         return Provenance(method=method, task=ep.task.to_dict(), k_used=len(ep.demos),
                           n=len(ep.queries), lam=None,
                           seed=ep.seed, n_test=len(ep.test), episode=ep.fingerprint(),
-                          dtype=dtype.removeprefix("torch."),
+                          dtype=dtype.removeprefix("torch."), engine=engine,
                           hardware=hardware(), package_version=__version__, extra=extra)
 
     def states(self) -> tuple[torch.Tensor, torch.Tensor]:

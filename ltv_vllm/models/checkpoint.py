@@ -20,15 +20,40 @@ def read_lm_head(path: str | Path) -> torch.Tensor:
     shards without building the model (the input embedding when the head is tied to it)."""
 
     path = Path(path)
-    cfg = _read_config(path)
-    text_cfg = cfg.get("text_config", cfg)
-    tied = bool(text_cfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
-    wanted = ["lm_head.weight"] if not tied else []
-    wanted += ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight"]
+    wanted = ([] if _tied(_read_config(path)) else ["lm_head.weight"]) + _EMBED_KEYS
     weight = _read_first(path, wanted)
     if weight is None:
         raise VectorError(f"{path}: no LM-head weight found in its safetensors files")
     return weight
+
+
+def read_label_rows(path: str | Path,
+                    label_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head's rows (and bias) at `label_ids`, float32: W_C (K, d), b_C (K,), sliced
+    from the safetensors shards, so a 72B checkpoint's head (2.5 GB) is never read whole."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    tied = _tied(_read_config(path))
+    wanted = ([] if tied else ["lm_head.weight"]) + _EMBED_KEYS
+    rows: dict[str, torch.Tensor] = {}
+    for key, bias in ((wanted, False), (["lm_head.bias"], True)):
+        found = _find(path, key)
+        if found is None:
+            if not bias:
+                raise VectorError(f"{path}: no LM-head weight found in its safetensors files")
+            continue
+        shard, name = found
+        with safe_open(str(shard), framework="pt") as f:
+            sl = f.get_slice(name)
+            vocab = sl.get_shape()[0]
+            bad = [i for i in label_ids if not 0 <= i < vocab]
+            if bad:
+                raise VectorError(f"{path}: label token id {bad[0]} outside the vocabulary "
+                                  f"of {vocab}")
+            rows["b" if bias else "w"] = torch.cat([sl[i:i + 1] for i in label_ids]).float()
+    b = rows["b"].reshape(-1) if "b" in rows else torch.zeros(len(label_ids))
+    return rows["w"], b
 
 
 def read_lm_head_bias(path: str | Path) -> torch.Tensor | None:
@@ -36,17 +61,36 @@ def read_lm_head_bias(path: str | Path) -> torch.Tensor | None:
     return _read_first(Path(path), ["lm_head.bias"])
 
 
+_EMBED_KEYS = ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight"]
+
+
+def _tied(cfg: dict[str, Any]) -> bool:
+    text_cfg = cfg.get("text_config", cfg)
+    return bool(text_cfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
+
+
+def _find(path: Path, wanted: list[str]) -> tuple[Path, str] | None:
+    """The shard and name of the first of `wanted` found in the directory's safetensors
+    shards, in `wanted` order (a shard's header only is read)."""
+    from safetensors import safe_open
+
+    for key in wanted:
+        for shard in sorted(path.glob("*.safetensors")):
+            with safe_open(str(shard), framework="pt") as f:
+                if key in f.keys():
+                    return shard, key
+    return None
+
+
 def _read_first(path: Path, wanted: list[str]) -> torch.Tensor | None:
     """The first of `wanted` found in the directory's safetensors shards, in `wanted` order."""
     from safetensors import safe_open
 
-    for shard in sorted(path.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            keys = set(f.keys())
-            for key in wanted:
-                if key in keys:
-                    return f.get_tensor(key)
-    return None
+    found = _find(path, wanted)
+    if found is None:
+        return None
+    with safe_open(str(found[0]), framework="pt") as f:
+        return f.get_tensor(found[1])
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -204,3 +204,29 @@ def make_plan(shape: Shape, req: PlanRequest) -> Plan:
                 kv_bytes_per_device=kv, head_bytes=label_head,
                 budget_bytes_per_device=budget, fits=weights + kv <= budget, engine_args=args)
 
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def describe(plan: Plan, req: PlanRequest, name: str = "model") -> list[str]:
+    """The plan as the lines `extract --dry-run` prints."""
+    head = "LM head" if req.full_head else "label head"
+    rows = (f"{req.n_labels} rows" if not req.full_head else "all rows") + ", float32"
+    return [
+        f"plan for {name}: {plan.params / 1e9:.2f} B parameters, {gib(plan.param_bytes)} "
+        f"at {req.dtype}",
+        f"  layout      TP {req.tp} × PP {req.pp} on {req.devices} device(s) of "
+        f"{req.device_gib:.1f} GiB (budget {gib(plan.budget_bytes_per_device)} each at "
+        f"gpu_memory_utilization {req.gpu_memory_utilization:g})",
+        f"  weights     {gib(plan.weight_bytes_per_device)} per device",
+        f"  KV cache    {gib(plan.kv_bytes_per_device)} per device: "
+        f"{plan.kv_bytes_per_token} B/token × ({req.prefix_tokens} prefix + {req.batch} × "
+        f"{req.query_tokens} query tokens)",
+        f"  {head:<11} {gib(plan.head_bytes)} beside the engine ({rows})",
+        f"  fits        {'yes' if plan.fits else 'NO'} "
+        f"({gib(plan.weight_bytes_per_device + plan.kv_bytes_per_device)} of "
+        f"{gib(plan.budget_bytes_per_device)})",
+        "  vLLM        " + json.dumps(plan.engine_args, sort_keys=True),
+    ]

@@ -32,6 +32,7 @@ from ltv_vllm.extraction.transfer import (
     full_logits,
     transfer_label_logits,
 )
+from ltv_vllm.methods import METHODS as REGISTERED
 from ltv_vllm.methods import (
     Context,
     MethodOptions,
@@ -41,7 +42,13 @@ from ltv_vllm.methods import (
     score_methods,
 )
 from ltv_vllm.models.cache import cache_dir
-from ltv_vllm.models.checkpoint import identity_from_dir, read_lm_head, read_lm_head_bias
+from ltv_vllm.extraction.states import PromptStates
+from ltv_vllm.models.checkpoint import (
+    identity_from_dir,
+    read_label_rows,
+    read_lm_head,
+    read_lm_head_bias,
+)
 from ltv_vllm.models.hardware import DTYPE_CHOICES, hardware, resolve_for_model
 from ltv_vllm.models.loading import (
     QUANTIZATIONS,
@@ -54,7 +61,8 @@ from ltv_vllm.tasks.data import Episode, load_dataset, sample_episode
 from ltv_vllm.tasks.specs import Task, label_token_ids
 
 METHODS = ("zero-shot", "icl", "ltv", "mean")  # what a transfer evaluation shows per model
-OWN_METHODS = ("ltv", "mean")  # each model's own task vectors in a transfer
+OWN_METHODS = ("ltv", "mean")
+ENGINES = ("transformers", "vllm")  # what captures the states (`--engine`)  # each model's own task vectors in a transfer
 TRANSFER_METHOD = "ltv-transfer"
 DEFAULT_K = 30  # the paper's main setting
 TRANSFER_K = 10  # the paper's transfer setting: few demos, where a small model's ICL is weak
@@ -159,6 +167,15 @@ def capture_episode(
     return Captures(h_zs, h_icl, h_zs_test, h_icl_test, t1 - t0, t2 - t1)
 
 
+def episode_prompts(episode: Episode) -> list[str]:
+    """Every prompt `capture_episode` asks for (train and test, zero-shot and ICL), once each:
+    what an engine that captures ahead of the pipeline (`--engine vllm`) is sent."""
+    task = episode.task
+    prefix = episode.demo_prefix()
+    queries = [task.query(e.text) for e in (*episode.queries, *episode.test)]
+    return list(dict.fromkeys([*queries, *(prefix + q for q in queries)]))
+
+
 def episode_labels(episode: Episode) -> torch.Tensor:
     return torch.tensor([e.label for e in episode.test])
 
@@ -178,16 +195,60 @@ class Extraction:
     label_logits: dict[str, torch.Tensor]  # method → (n_test, K) restricted logits
 
 
-def method_context(lm: LoadedModel, cap: Capturer, episode: Episode, label_ids: list[int],
-                   opts: ExtractOptions, c: Captures | None = None) -> Context:
-    """The registry's view of one episode on `lm` (the captured train states, if any)."""
+@dataclass
+class CapturedModel:
+    """A model seen only through the states another engine captured (`--engine vllm`): its
+    tokenizer, identity and checkpoint directory (the LM-head rows are read from its shards),
+    the captured table, and what the vector file records about that engine. Nothing of the
+    model is loaded into transformers."""
+
+    spec: str
+    path: str
+    tokenizer: Any
+    identity: ModelIdentity
+    states: PromptStates
+    dtype: str                 # the precision the engine ran in
+    engine: dict[str, Any]     # `CaptureEngine.record()`: name, version, dtype, parallelism
+    # the engine's own seconds: its start, and the capture of every prompt at once (train
+    # and test: one batch, so they are not told apart)
+    capture_seconds: float = 0.0
+    startup_seconds: float = 0.0
+
+
+def check_engine(method: str, engine: str) -> None:
+    """`--engine vllm` captures the final hidden state only: a method that hooks inner layers
+    (TV, FV, SV, I2CL) is refused in one line, before anything loads."""
+    if engine not in ENGINES:
+        raise ArgumentError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    m = get_method(method)
+    if engine != "transformers" and not (m.hidden_space and m.uses_states):
+        raise ArgumentError(f"--method {method} hooks the model's inner layers; --engine "
+                            f"{engine} captures only the final hidden state (methods: "
+                            f"{', '.join(states_methods())}); use --engine transformers")
+
+
+def states_methods() -> list[str]:
+    """The methods fitted on the final hidden states alone (what `--engine vllm` runs)."""
+    return [n for n, m in REGISTERED.items() if m.hidden_space and m.uses_states]
+
+
+def method_context(lm: LoadedModel | CapturedModel, cap: Capturer | None, episode: Episode,
+                   label_ids: list[int], opts: ExtractOptions,
+                   c: Captures | None = None) -> Context:
+    """The registry's view of one episode on `lm` (the captured train states, if any). A
+    CapturedModel has no model to run: its context holds the states, its dtype and engine,
+    and (only for a fit cut to a rank, which needs it) the whole LM head from the shards."""
+    extra: dict[str, Any] = {}
+    if isinstance(lm, CapturedModel):
+        extra = {"dtype": lm.dtype, "engine": lm.engine,
+                 "head": read_lm_head(lm.path) if opts.rank is not None else None}
     return Context(cap, episode, label_ids, opts.method_options(), identity=lm.identity,
                    h_zs=c.h_zs if c else None, h_icl=c.h_icl if c else None,
-                   capture_seconds=c.capture_seconds if c else 0.0)
+                   capture_seconds=c.capture_seconds if c else 0.0, **extra)
 
 
 def extract(
-    lm: LoadedModel,
+    lm: LoadedModel | CapturedModel,
     task: Task,
     method: str = "ltv",
     opts: ExtractOptions | None = None,
@@ -195,7 +256,8 @@ def extract(
     episode: Episode | None = None,
 ) -> Extraction:
     """Extract `method`'s artifact for `task` on `lm` and score it on the held-out test subset
-    (beside zero-shot, ICL and the method's `compare_with` baselines).
+    (beside zero-shot, ICL and the method's `compare_with` baselines). `lm` is a loaded
+    transformers model, or a CapturedModel whose states vLLM captured (`episode_prompts`).
 
     `episode`: one already sampled (`plan_episode(task, opts)`), e.g. by a caller that checked
     it before loading the model. The artifact's provenance carries the metrics and timings.
@@ -205,15 +267,27 @@ def extract(
     check_options_apply([method], opts.method_options())  # `opts.rank` included
     label_ids = label_token_ids(task, lm.tokenizer)
     episode = episode or plan_episode(task, opts)
-    cap = Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size, progress=opts.progress)
-    c = capture_episode(cap, episode)
-    ctx = method_context(lm, cap, episode, label_ids, opts, c)
     names = [method, *(b for b in m.compare_with if b != method)]
-    sc = score_methods(ctx, names, c.h_zs_test, c.h_icl_test, episode_labels(episode))
+    if isinstance(lm, CapturedModel):
+        check_engine(method, lm.engine.get("name", "vllm"))
+        c = capture_episode(lm.states, episode)
+        c.capture_seconds, c.test_seconds = lm.capture_seconds, 0.0
+        ctx = method_context(lm, None, episode, label_ids, opts, c)
+        head = read_label_rows(lm.path, label_ids)
+    else:
+        cap = Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size,
+                       progress=opts.progress)
+        c = capture_episode(cap, episode)
+        ctx = method_context(lm, cap, episode, label_ids, opts, c)
+        head = None
+    sc = score_methods(ctx, names, c.h_zs_test, c.h_icl_test, episode_labels(episode),
+                       head=head)
     total = sc.extraction_seconds[method]
     capture = c.capture_seconds if m.uses_states else 0.0
     timings = {"capture_seconds": capture, "fit_seconds": total - capture,
                "extraction_seconds": total, "test_seconds": c.test_seconds}
+    if isinstance(lm, CapturedModel):
+        timings["engine_start_seconds"] = lm.startup_seconds
     art = sc.artifacts[method]
     prov = replace(art.provenance, k=opts.k_for(task), n=opts.n, metrics=sc.metrics,
                    timings=timings,
