@@ -384,10 +384,17 @@ class CaptureFlags:
                 extra[key.strip().replace("-", "_")] = json.loads(value)
             except json.JSONDecodeError:
                 extra[key.strip().replace("-", "_")] = value
+        own = ("dtype", "tensor_parallel_size", "pipeline_parallel_size",
+               "distributed_executor_backend", "model", "runner", "pooler_config")
+        if clash := [k for k in extra if k in own]:
+            raise ArgumentError(f"--engine-arg {clash[0]}: set by its own flag or by the "
+                                "capture itself")
+        named = {k: extra.pop(k) for k in ("max_model_len", "enforce_eager",
+                                            "enable_prefix_caching") if k in extra}
         return CaptureEngine(dtype=dtype, tensor_parallel_size=self.tensor_parallel_size,
                              pipeline_parallel_size=self.pipeline_parallel_size,
                              distributed_executor_backend=self.distributed_executor_backend,
-                             extra=extra)
+                             extra=extra, **named)
 
 
 def _capture_options(fn: Callable[..., Any]) -> Callable[..., Any]:

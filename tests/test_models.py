@@ -776,3 +776,34 @@ def test_models_derive_cli(tmp_path: Path, cache: Path, tokenizer) -> None:
     assert bad.exit_code == 1
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: keep_layers must be between 1 and 2")
+
+
+@pytest.mark.parametrize("tie, bias, shards", [(True, False, 1), (False, False, 1),
+                                                (False, True, 2)])
+def test_label_rows_from_the_shards_give_the_models_own_logits(tmp_path, tokenizer, tie, bias,
+                                                                shards):
+    """`read_label_rows` slices W_C (and b_C) from the checkpoint without building the model:
+    h @ W_Cᵀ + b_C is the model's own logits at the label ids (the head tied to the
+    embedding, untied, and untied with a bias, across two shards)."""
+    from ltv_vllm.core.vector import VectorError
+    from ltv_vllm.models.checkpoint import read_label_rows
+
+    model = make_llama(len(tokenizer), seed=2, tie=tie)
+    d = tmp_path / "m"
+    model.save_pretrained(d, max_shard_size="200KB" if shards > 1 else "50GB")
+    assert len(list(d.glob("*.safetensors"))) >= shards
+    b_full = None
+    if bias:  # Llama has no head bias: written beside the weights, and applied by hand
+        b_full = torch.randn(len(tokenizer))
+        save_file({"lm_head.bias": b_full}, d / "bias.safetensors")
+    ids = [7, 3, len(tokenizer) - 1]
+    enc = tokenizer("Review: a witty movie\nSentiment:", return_tensors="pt")
+    with torch.no_grad():
+        out = model(**enc, output_hidden_states=True)
+    want = out.logits[0, -1, ids] + (b_full[ids] if bias else 0)
+    w_c, b_c = read_label_rows(d, ids)
+    assert w_c.dtype == torch.float32 and w_c.shape == (3, model.config.hidden_size)
+    torch.testing.assert_close(out.hidden_states[-1][0, -1] @ w_c.T + b_c, want,
+                               atol=1e-4, rtol=1e-5)
+    with pytest.raises(VectorError, match="outside the vocabulary"):
+        read_label_rows(d, [len(tokenizer)])

@@ -1,0 +1,103 @@
+"""`extract --engine vllm`: the states vLLM's pooling runner captures give the same vectors,
+accuracy and d_NTP as the transformers path (float32, tiny random Llama), at TP 1 and TP 2;
+the vector file records the engine; inner-layer methods and impossible plans are refused
+before anything loads."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import make_vllm_llama, write_toy_task
+from ltv_vllm.cli import main
+from ltv_vllm.core.vector import load_task_vector
+from ltv_vllm.models.loading import load_model
+from ltv_vllm.pipeline.extract import ExtractOptions, extract, plan_episode
+from ltv_vllm.serving.capture import CaptureEngine, captured_model
+from ltv_vllm.tasks.specs import get_task
+
+pytestmark = pytest.mark.slow(seconds=60)  # see conftest's ordering
+
+WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "witty",
+         "seductive", "movie", "team", "wins", "final"]
+OPTS = ExtractOptions(k=6, n=24, lam=5.0, seed=3, n_test=20, batch_size=5, progress=False)
+METHODS = ("ltv", "kernel", "mean", "mlp")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    d = tmp_path_factory.mktemp("vllm-llama")
+    make_vllm_llama(tokenizer, seed=11, tie=False).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def task_file(tmp_path_factory):
+    return write_toy_task(tmp_path_factory.mktemp("task"), WORDS)
+
+
+@pytest.fixture(scope="module")
+def task(task_file):
+    return get_task(str(task_file))
+
+
+def on_vllm(model_dir, task, work, tp: int = 1):
+    engine = CaptureEngine(dtype="float32", tensor_parallel_size=tp, enforce_eager=True,
+                           max_model_len=1024)
+    return captured_model("m", str(model_dir), [plan_episode(task, OPTS)], engine, work)
+
+
+def test_vllm_states_give_the_transformers_vectors_and_scores(model_dir, task, tmp_path):
+    lm_t = load_model(str(model_dir), dtype="float32")
+    lm_v, report = on_vllm(model_dir, task, tmp_path / "tp1")
+    assert report["icl_prompts"] == 44 and report["shape"] == [88, 128]  # 24 + 20 queries
+    for method in METHODS:
+        t = extract(lm_t, task, method, OPTS)
+        v = extract(lm_v, task, method, OPTS)
+        for name, m in t.metrics.items():  # the method and its references (zero-shot, ICL)
+            assert v.metrics[name]["accuracy"] == m["accuracy"], (method, name)
+            assert v.metrics[name]["d_ntp"] == pytest.approx(m["d_ntp"], abs=1e-5), (method, name)
+        # the held-out logits themselves, not only what they sum to
+        for name, z in t.label_logits.items():
+            torch.testing.assert_close(v.label_logits[name], z, atol=2e-3, rtol=1e-4)
+        assert v.artifact.provenance.engine["name"] == "vllm"
+        assert t.artifact.provenance.engine["name"] == "transformers"
+    # LTV's map itself: the same ridge solution from either engine's states
+    a, b = extract(lm_t, task, "ltv", OPTS).artifact, extract(lm_v, task, "ltv", OPTS).artifact
+    torch.testing.assert_close(b.U @ b.V.T, a.U @ a.V.T, atol=1e-4, rtol=1e-3)
+    assert b.provenance.engine["tensor_parallel_size"] == 1
+    assert b.provenance.engine["dtype"] == "float32"
+    # a fit cut to a rank reads the whole LM head from the checkpoint (no model to ask)
+    cut = replace(OPTS, rank=3)
+    torch.testing.assert_close(extract(lm_v, task, "ltv", cut).label_logits["ltv"],
+                               extract(lm_t, task, "ltv", cut).label_logits["ltv"],
+                               atol=2e-3, rtol=1e-4)
+
+
+def test_tp2_gives_the_tp1_vector(model_dir, task, tmp_path):
+    lm1, _ = on_vllm(model_dir, task, tmp_path / "tp1")
+    lm2, _ = on_vllm(model_dir, task, tmp_path / "tp2", tp=2)
+    torch.testing.assert_close(lm2.states.h, lm1.states.h, atol=1e-5, rtol=1e-5)
+    a, b = extract(lm1, task, "ltv", OPTS), extract(lm2, task, "ltv", OPTS)
+    assert b.artifact.provenance.engine["tensor_parallel_size"] == 2
+    for name, m in a.metrics.items():
+        assert b.metrics[name]["accuracy"] == m["accuracy"], name
+        assert b.metrics[name]["d_ntp"] == pytest.approx(m["d_ntp"], abs=1e-5), name
+
+
+def test_cli_extract_on_vllm_writes_a_vector_that_says_so(model_dir, task_file, tmp_path):
+    out = tmp_path / "toy.pt"
+    r = CliRunner().invoke(main, [
+        "extract", "--model", str(model_dir), "--task", str(task_file), "--engine", "vllm",
+        "--dtype", "float32", "--k", "6", "--n", "24", "--n-test", "20", "--seed", "3",
+        "--engine-arg", "enforce_eager=true", "--engine-arg", "max_model_len=1024",
+        "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    pv = load_task_vector(out).provenance
+    assert pv.engine["name"] == "vllm" and pv.engine["dtype"] == "float32"
+    assert pv.timings["engine_start_seconds"] > 0 and pv.timings["capture_seconds"] > 0
+    assert "vLLM TP 1 × PP 1" in r.output and "the prefix cache held" in r.output
