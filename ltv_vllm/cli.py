@@ -582,18 +582,18 @@ def _plan_vllm_extract(model_spec: str | None, t: Any, opts: Any, engine: Any,
                        capture: CaptureFlags) -> None:
     """`extract --engine vllm --dry-run`: the plan from config.json (and the index), printed;
     refused in one line when it does not fit."""
-    from ltv_vllm.models.loading import local_model_dir
+    from ltv_vllm.models.loading import load_tokenizer, local_model_dir
     from ltv_vllm.models.plan import PlanError, describe
     from ltv_vllm.pipeline.extract import plan_episode
     from ltv_vllm.serving.capture import plan_capture
 
     path = local_model_dir(model_spec or "smollm2-135m")
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError):  # a config-only directory: token counts are estimated
-        tokenizer = None
+    tokenizer = None  # a config-only directory: token counts are estimated
+    if any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
+                                                 "vocab.json")):
+        # (transformers 5 builds an empty tokenizer from a config alone: asked only where
+        # there are tokenizer files)
+        tokenizer = load_tokenizer(path)
     episode = plan_episode(t, opts)
     plan, req, estimated = plan_capture(path, [episode], engine, tokenizer=tokenizer,
                                         devices=capture.devices, device_gib=capture.device_gib)

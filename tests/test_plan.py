@@ -6,6 +6,7 @@ the refusals."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,78 @@ def test_refusals_say_what_is_wrong(tmp_path):
     check_index(got, total)  # the real 8B's bytes: the reading agrees
     with pytest.raises(PlanError, match="does not read"):
         check_index(got, 3 * total)
+
+
+# -- `extract --engine vllm --dry-run`: the plan printed from config.json alone ---------------
+
+
+def dry_run(tmp_path, name, *args):
+    """The CLI's dry run on a directory holding only the model's config.json."""
+    from click.testing import CliRunner
+
+    from conftest import write_toy_task
+    from ltv_vllm.cli import main
+
+    d = tmp_path / name
+    d.mkdir(parents=True)
+    (d / "config.json").write_text((CONFIGS / f"{name}.json").read_text())
+    task = write_toy_task(d, ["a", "b", "c"])
+    return CliRunner().invoke(main, ["extract", "--model", str(d), "--task", str(task),
+                                     "--engine", "vllm", "--dry-run", "--k", "10", "--n", "64",
+                                     "--n-test", "32", *args])
+
+
+def gib_line(out: str, what: str) -> float:
+    line = next(x for x in out.splitlines() if x.strip().startswith(what))
+    return float(line.strip()[len(what):].split()[0])
+
+
+@pytest.mark.parametrize("name, d, inter, layers, heads, kv, vocab, bias", [
+    ("qwen2.5-7b", 3584, 18944, 28, 28, 4, 152064, True),
+    ("llama-3.1-8b", 4096, 14336, 32, 32, 8, 128256, False),
+])
+def test_dry_run_prints_hand_counted_bytes(tmp_path, name, d, inter, layers, heads, kv, vocab,
+                                           bias):
+    """TP 2 on 2 × 80 GiB in bf16: each rank holds half the heads, half the MLP columns, half
+    the vocabulary rows of the (untied) embedding and LM head, two whole norms per layer and
+    the final norm's share; K and V of its KV heads for each token."""
+    r = dry_run(tmp_path, name, "-tp", "2", "--devices", "2", "--device-gib", "80",
+                "--dtype", "bfloat16")
+    assert r.exit_code == 0, r.output
+    hd = 128
+    q, k = heads // 2 * hd, kv // 2 * hd
+    layer = d * q + 2 * d * k + q * d + (q + 2 * k if bias else 0) + 3 * d * (inter // 2) + 2 * d
+    weights = 2 * (layers * layer + 2 * (vocab // 2) * d)  # bytes, bf16
+    assert gib_line(r.output, "weights") == pytest.approx(weights / 2**30, abs=0.006)
+    kv_tok = 2 * layers * (kv // 2) * hd * 2
+    kv_line = next(x for x in r.output.splitlines() if "KV cache" in x)
+    assert f"{kv_tok} B/token" in kv_line
+    # the tokens it counted (no tokenizer here: estimated, and it says so)
+    prefix, batch, query = (int(x) for x in re.search(
+        r"\((\d+) prefix \+ (\d+) × (\d+) query", kv_line).groups())
+    assert gib_line(r.output, "KV cache") == pytest.approx(
+        kv_tok * (prefix + batch * query) / 2**30, abs=0.006)
+    assert "estimated" in r.output and "nothing loaded" in r.output
+    assert '"tensor_parallel_size": 2' in r.output and '"runner": "pooling"' in r.output
+    assert gib_line(r.output, "label head") == pytest.approx(2 * d * 4 / 2**30, abs=0.006)
+
+
+def test_dry_run_refuses_a_plan_that_does_not_fit(tmp_path):
+    r = dry_run(tmp_path, "qwen2.5-72b", "--devices", "1", "--device-gib", "80")
+    assert r.exit_code == 1 and "does not fit" in r.output.splitlines()[-1]
+    assert "raise --tensor-parallel-size" in r.output
+    r = dry_run(tmp_path / "x", "qwen2.5-72b", "-tp", "4", "--devices", "4", "--device-gib", "80")
+    assert r.exit_code == 0 and "fits        yes" in r.output, r.output
+
+
+@pytest.mark.parametrize("method", ["tv", "fv", "sv", "i2cl", "i2cl-cal"])
+def test_inner_layer_methods_refuse_vllm_before_any_load(tmp_path, method):
+    """Refused on the method alone: the model named does not even exist."""
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    r = CliRunner().invoke(main, ["extract", "--model", str(tmp_path / "none"), "--task", "sst2",
+                                  "--engine", "vllm", "--method", method])
+    assert r.exit_code == 1
+    assert f"--method {method} hooks the model's inner layers" in r.output, r.output
