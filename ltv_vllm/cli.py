@@ -1346,6 +1346,33 @@ def bench_extraction_cmd(model_spec: str, task_list: str, ks: str, ns: str, seed
 
 
 
+@bench.command("capture")
+@click.option("--models", default="smollm2-135m,qwen2.5-coder-1.5b", show_default=True)
+@click.option("--task", "task_name", default="sst2", show_default=True)
+@click.option("--k", default=30, show_default=True)
+@click.option("--n", default=256, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--batch-size", default=16, show_default=True, help="transformers' batch.")
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/capture_engines"), show_default=True)
+@friendly
+def bench_capture_cmd(models: str, task_name: str, k: int, n: int, seed: int, batch_size: int,
+                      dtype: str, out_dir: Path) -> None:
+    """Capture time of one episode's train states: vLLM (eager and compiled) against
+    transformers, side by side in one run, with peak memory and h's agreement."""
+    from ltv_vllm.bench.capture_engines import bench_capture_engines, markdown
+    from ltv_vllm.pipeline.extract import check_counts
+
+    _task_specs(task_name)
+    check_counts(k=k, n=n, batch_size=batch_size)
+    check_writable(out_dir, option="--out", directory=True)
+    doc = bench_capture_engines(_csv(models), task_name, k=k, n=n, seed=seed, dtype=dtype,
+                                batch_size=batch_size, out_dir=out_dir,
+                                command=_command_line(), log=lambda m: click.echo(m, err=True))
+    click.echo(markdown(doc))
+
+
 @bench.command("rank")
 @click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
 @click.option("--tasks", "task_list", default="sst2,subj,trec,agnews", show_default=True)

@@ -16,6 +16,7 @@ engine runs this in a job (`python -m ltv_vllm.serving.capture JOB OUT`, `servin
 from __future__ import annotations
 
 import os
+import resource
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -104,7 +105,9 @@ def run_capture_job(job: dict[str, Any]) -> dict[str, Any]:
     t2 = time.perf_counter()
     save_file({"h": h.contiguous()}, job["out"])
     return {"shape": list(h.shape), "cached_tokens": cached, "startup_seconds": t1 - t0,
-            "capture_seconds": t2 - t1}
+            "capture_seconds": t2 - t1,
+            # Linux reports KiB; the engine runs in this process (one rank; TP workers apart)
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 class CaptureJobError(UserError):
