@@ -521,7 +521,7 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     default = (f"{t.name}.transfer.pt" if source_opts else f"{t.name}.pt" if method == "ltv"
                else f"{t.name}.{method}{suffixes[0]}")
     if on_vllm and capture.dry_run:
-        return _plan_vllm_extract(model_spec, t, opts, engine, capture)
+        return _print_plan(model_spec, [plan_episode(t, opts)], engine, capture)
     output = check_writable(output or default, option="--output", suffixes=suffixes)
     label_token_ids(t, load_tokenizer(model_spec))  # labels sharing a first token: refused
     episode = plan_episode(t, opts, transfer=source_opts is not None)  # reads the data
@@ -561,9 +561,10 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
         chosen = (f"; rank {art.rank}" if vector_file else "") + (f"; {shown}" if shown else "")
         split = (f"capture {tm['capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s; "
                  if m.uses_states else "")
-        if on_vllm:  # one batch: the test prompts' capture is inside, the start is not
-            split = (f"vLLM start {tm['engine_start_seconds']:.1f} s, capture of train and "
-                     f"test {tm['capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s; ")
+        if on_vllm:  # one batch for train and test: the train prompts' share of it
+            split = (f"vLLM start {tm['engine_start_seconds']:.1f} s, capture "
+                     f"{tm['capture_seconds']:.1f} s (train prompts' share of one batch), fit "
+                     f"{tm['fit_seconds']:.2f} s; ")
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s ({split}{hw}){chosen}")
     click.echo(f"wrote {output} ({f'{art.kind} vector' if vector_file else method})")
 
@@ -578,13 +579,12 @@ def _vllm_engine(engine: Any, model_dir: str) -> Any:
     return replace(engine, dtype=resolve_for_model(engine.dtype, model_dir))
 
 
-def _plan_vllm_extract(model_spec: str | None, t: Any, opts: Any, engine: Any,
-                       capture: CaptureFlags) -> None:
-    """`extract --engine vllm --dry-run`: the plan from config.json (and the index), printed;
-    refused in one line when it does not fit."""
+def _print_plan(model_spec: str | None, episodes: list[Any], engine: Any,
+                capture: CaptureFlags) -> None:
+    """`--engine vllm --dry-run`: the plan from config.json (and the index) for capturing
+    `episodes`, printed; refused in one line when it does not fit."""
     from ltv_vllm.models.loading import load_tokenizer, local_model_dir
     from ltv_vllm.models.plan import PlanError, describe
-    from ltv_vllm.pipeline.extract import plan_episode
     from ltv_vllm.serving.capture import plan_capture
 
     path = local_model_dir(model_spec or "smollm2-135m")
@@ -594,8 +594,7 @@ def _plan_vllm_extract(model_spec: str | None, t: Any, opts: Any, engine: Any,
         # (transformers 5 builds an empty tokenizer from a config alone: asked only where
         # there are tokenizer files)
         tokenizer = load_tokenizer(path)
-    episode = plan_episode(t, opts)
-    plan, req, estimated = plan_capture(path, [episode], engine, tokenizer=tokenizer,
+    plan, req, estimated = plan_capture(path, episodes, engine, tokenizer=tokenizer,
                                         devices=capture.devices, device_gib=capture.device_gib)
     for line in describe(plan, req, name=model_spec or "smollm2-135m"):
         click.echo(line)
@@ -603,9 +602,8 @@ def _plan_vllm_extract(model_spec: str | None, t: Any, opts: Any, engine: Any,
         click.echo("  (no tokenizer in the directory: token counts estimated at 4 characters "
                    "a token)")
     if not plan.fits:
-        raise PlanError(f"the plan does not fit: "
-                        f"{(plan.weight_bytes_per_device + plan.kv_bytes_per_device) / 2**30:.1f}"
-                        f" GiB per device, {plan.budget_bytes_per_device / 2**30:.1f} GiB usable; "
+        raise PlanError(f"the plan does not fit: {plan.need_per_device / 2**30:.1f} GiB per "
+                        f"device, {plan.budget_bytes_per_device / 2**30:.1f} GiB usable; "
                         "raise --tensor-parallel-size / --pipeline-parallel-size")
     click.echo("(dry run: nothing loaded, nothing written)")
 
@@ -620,8 +618,10 @@ def _capture_on_vllm(model_spec: str | None, episodes: list[Any], engine: Any,
     from ltv_vllm.models.loading import local_model_dir
     from ltv_vllm.models.plan import PlanError
     from ltv_vllm.serving.capture import captured_model, plan_capture
+    from ltv_vllm.serving.serve import check_pipeline_parallel
 
     spec = model_spec or "smollm2-135m"
+    check_pipeline_parallel(engine.pipeline_parallel_size)
     path = local_model_dir(spec)
     engine = _vllm_engine(engine, path)
     plan, _, _ = plan_capture(path, episodes, engine, devices=capture.devices,
@@ -1000,12 +1000,14 @@ def _methods_option() -> click.Option:
               help="Grow the finished evaluation in --out by tasks or runs: its episodes are "
                    "kept (the same configuration otherwise) and only the new ones run.")
 @_source_options
+@_capture_options
 @friendly
 def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: int, k: int | None,
              n: int, lam: float | str, n_test: int, seed: int, batch_size: int, dtype: str,
              device: str, out_dir: Path, quiet: bool, n_val: int, cost_samples: int,
              max_new_tokens: int,
-             with_vllm: bool, extend: bool, source: SourceFlags, **method_flags: Any) -> None:
+             with_vllm: bool, extend: bool, source: SourceFlags, capture: CaptureFlags,
+             **method_flags: Any) -> None:
     """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots.
 
     With --source-model LARGE it is the paper's transfer table: each method on the target
@@ -1025,13 +1027,21 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     from ltv_vllm.evaluation.evaluate import evaluate as run_evaluate
     from ltv_vllm.methods import MethodOptions, check_options_apply
     from ltv_vllm.models.loading import load_model, load_tokenizer
-    from ltv_vllm.pipeline.extract import open_source
+    from ltv_vllm.pipeline.extract import check_engine, open_source
     from ltv_vllm.tasks.specs import get_tasks, label_token_ids
 
     cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size,
                      n_val=n_val, cost_samples=cost_samples, options=MethodOptions(**method_flags))
     source_opts = source.options(batch_size, quiet)
+    engine = capture.capture_engine(dtype)
+    on_vllm = capture.engine == "vllm"
+    if capture.dry_run and not on_vllm:
+        raise ArgumentError("--dry-run plans an --engine vllm run")
     tasks_ = get_tasks(task_list, regression=True)
+    if on_vllm and (source_opts or device != "cpu" or with_vllm
+                    or any(t.kind == "regression" for t in tasks_)):
+        raise ArgumentError("--engine vllm captures classification states for the target "
+                            "alone: no --source-model, --device, --vllm or regression task")
     kinds = {t.kind for t in tasks_}
     if len(kinds) > 1:
         raise ArgumentError("--tasks mixes classification and regression tasks; evaluate them "
@@ -1050,6 +1060,9 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
         raise ArgumentError("--vllm compares generated answers: regression tasks only "
                             "(classification through vLLM: `ltv-vllm bench serving`)")
     ms = resolve_methods(_csv(methods) if methods else None, transfer=source_opts is not None)
+    if on_vllm:
+        for m in ms:
+            check_engine(m, capture.engine)  # an inner-layer method: refused before any load
     check_options_apply(ms, cfg.options)  # a method flag no chosen method reads: refused
     check_writable(out_dir, option="--out", directory=True)
     previous = (_previous_evaluation(out_dir, model_spec, ms, cfg, dtype, device)
@@ -1059,7 +1072,16 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
         label_token_ids(t, tok)  # labels sharing a first token: refused before any pass
     episodes = plan_episodes(tasks_, cfg, transfer=source_opts is not None)  # reads the data
     large = open_source(source_opts) if source_opts else None
-    lm = load_model(model_spec, dtype=dtype, device=device)
+    every = [ep for eps in episodes.values() for ep in eps]
+    if on_vllm and capture.dry_run:
+        return _print_plan(model_spec, every, engine, capture)
+    if on_vllm:
+        if cost_samples and not quiet:
+            click.echo("(--engine vllm: no inference-cost table; it times forwards of the model "
+                       "in transformers)", err=True)
+        lm = _capture_on_vllm(model_spec, every, engine, capture, quiet)
+    else:
+        lm = load_model(model_spec, dtype=dtype, device=device)
     partial = out_dir / "partial.json"  # rewritten after every episode; rerun to resume
     doc = run_evaluate(lm, tasks_, ms, cfg, source=large, progress=not quiet, episodes=episodes,
                        checkpoint=partial, extend=previous)

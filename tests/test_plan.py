@@ -162,6 +162,12 @@ def test_dry_run_prints_hand_counted_bytes(tmp_path, name, d, inter, layers, hea
         r"\((\d+) prefix \+ (\d+) × (\d+) query", kv_line).groups())
     assert gib_line(r.output, "KV cache") == pytest.approx(
         kv_tok * (prefix + batch * query) / 2**30, abs=0.006)
+    # one engine step of 8192 tokens: two MLP halves, q/k/v and four hidden-size buffers
+    act = 8192 * (2 * (inter // 2) + q + 2 * k + 4 * d) * 2
+    assert gib_line(r.output, "activations") == pytest.approx(act / 2**30, abs=0.006)
+    need = gib_line(r.output, "fits        yes (")
+    assert need == pytest.approx(gib_line(r.output, "weights") + gib_line(r.output, "KV cache")
+                                 + gib_line(r.output, "activations"), abs=0.02)
     assert "estimated" in r.output and "nothing loaded" in r.output
     assert '"tensor_parallel_size": 2' in r.output and '"runner": "pooling"' in r.output
     assert gib_line(r.output, "label head") == pytest.approx(2 * d * 4 / 2**30, abs=0.006)

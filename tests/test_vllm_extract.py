@@ -101,3 +101,29 @@ def test_cli_extract_on_vllm_writes_a_vector_that_says_so(model_dir, task_file, 
     assert pv.engine["name"] == "vllm" and pv.engine["dtype"] == "float32"
     assert pv.timings["engine_start_seconds"] > 0 and pv.timings["capture_seconds"] > 0
     assert "vLLM TP 1 × PP 1" in r.output and "the prefix cache held" in r.output
+
+
+def test_evaluate_on_vllm_gives_the_transformers_records(model_dir, task, tmp_path):
+    """Two runs of three methods: every episode's states from one vLLM job, each record's
+    accuracy and d_NTP the transformers evaluation's."""
+    from ltv_vllm.evaluation.evaluate import EvalConfig, evaluate, plan_episodes
+
+    cfg = EvalConfig(k=6, n=24, lam=5.0, n_test=20, runs=2, seed=3, batch_size=5,
+                     cost_samples=0)
+    methods = ["ltv", "kernel", "mean"]
+    episodes = plan_episodes([task], cfg, transfer=False)
+    lm_v, report = captured_model("m", str(model_dir), episodes[task.name],
+                                  CaptureEngine(dtype="float32", enforce_eager=True,
+                                                max_model_len=1024), tmp_path)
+    # two episodes share the test subset's zero-shot prompts: each prompt captured once
+    assert report["shape"][0] == len(lm_v.states.row) < 2 * 88
+    v = evaluate(lm_v, [task], methods, cfg, progress=False, episodes=episodes)
+    t = evaluate(load_model(str(model_dir), dtype="float32"), [task], methods, cfg,
+                 progress=False, episodes=episodes)
+    assert v["config"]["engine"]["name"] == "vllm" and "engine" not in t["config"]
+    key = lambda r: (r["task"], r["run"], r["method"])  # noqa: E731
+    assert sorted(map(key, v["records"])) == sorted(map(key, t["records"]))
+    want = {key(r): r for r in t["records"]}
+    for r in v["records"]:
+        assert r["accuracy"] == want[key(r)]["accuracy"], key(r)
+        assert r["d_ntp"] == pytest.approx(want[key(r)]["d_ntp"], abs=1e-5), key(r)

@@ -68,7 +68,8 @@ def engines(served, logit_vector, kernel_vector, served_qwen2, soft, tmp_path_fa
             generate_job("qwen2", served_qwen2[0], str(served_qwen2[3]), 4),
             classify_job("classify", d, path, CLASSIFY_TEXTS),
             *(classify_job(f"bf16-{k}", soft[0], p, SOFT_TEXTS, "bfloat16")
-              for k, (_tv, p) in soft[3].items())]
+              for k, (_tv, p) in soft[3].items()),
+            {"key": "pp-fold", "kind": "pp_fold", "vector": str(path)}]
     return run_batch(jobs, tmp_path_factory.mktemp("jobs"))
 
 
@@ -196,6 +197,27 @@ def test_vllm_fused_matches_transformers(served, logit_vector, kernel_vector, to
                 and ranks[-1]["local_width"] == ranks[-1]["n"] + ranks[-1]["pad"])
         for r in ranks:
             assert r["max_err"] < 1e-4 and r["top_ok"], r
+
+
+def test_fold_leaves_a_pipeline_stage_without_the_head_alone(engines):
+    """--fold under pipeline parallelism: a stage before the last holds vLLM's PPMissingLayer
+    in place of the LM head; the fold skips it (the last stage folds, as the fold tests
+    show) instead of reading `lm_head.weight` there."""
+    r = engines["pp-fold"]
+    assert r["error"] is None, r["error"]
+    assert r["head_is_missing_layer"] and not r["shift_left"]
+
+
+def test_pipeline_parallel_is_refused_on_the_cpu_backend():
+    from ltv_vllm.errors import ArgumentError
+    from ltv_vllm.serving.serve import ServeOptions, check_pipeline_parallel
+
+    with pytest.raises(ArgumentError, match="does not run on vLLM's CPU backend"):
+        ServeOptions(None, ("v.pt",), vllm_args=("--pipeline-parallel-size", "2"))
+    with pytest.raises(ArgumentError, match="does not run on vLLM's CPU backend"):
+        ServeOptions(None, ("v.pt",), vllm_args=("-pp=2",))
+    ServeOptions(None, ("v.pt",), vllm_args=("-pp", "1"))
+    check_pipeline_parallel(4, cuda=True)  # on GPUs it is vLLM's to run
 
 
 def test_vector_for_another_model_refused_before_engine(served, logit_vector, tokenizer,

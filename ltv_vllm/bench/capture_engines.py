@@ -70,7 +70,10 @@ def compare(model_spec: str, task_name: str, *, k: int, n: int, seed: int, dtype
     ep = sample_episode(load_dataset(task), k=k, n=n, n_test=1, seed=seed)
     prefix = ep.demo_prefix()
     queries = [task.query(e.text) for e in ep.queries]
-    prefix_tokens = len(load_tokenizer(path)(prefix)["input_ids"])
+    tok = load_tokenizer(path)
+    prefix_tokens = len(tok(prefix)["input_ids"])
+    zs_tokens = sum(len(tok(q)["input_ids"]) for q in queries)
+    icl_tokens = [len(tok(prefix + q)["input_ids"]) for q in queries]
     rows: list[dict[str, Any]] = []
     ref: torch.Tensor | None = None
     for variant in variants:
@@ -82,17 +85,21 @@ def compare(model_spec: str, task_name: str, *, k: int, n: int, seed: int, dtype
                           work, variant, what="transformers capture job")
             h = load_file(str(out))["h"]
             cached = None
+            # the prefix once, then each query's own tokens after it (`Capturer.icl`)
+            computed = zs_tokens + prefix_tokens + sum(t - prefix_tokens for t in icl_tokens)
         else:
             engine = CaptureEngine(dtype=dtype, enforce_eager=variant == "vllm-eager",
                                    max_model_len=prefix_tokens + 512)
             h, rep = capture_states(path, [*queries, *(prefix + q for q in queries)],
                                     replace(engine), work / variant)
             cached = sum(rep["cached_tokens"][n:]) / (n * prefix_tokens)
+            computed = zs_tokens + sum(icl_tokens) - sum(rep["cached_tokens"])
         row = {"model": model_spec, "task": task_name, "k": k, "k_used": len(ep.demos),
                "n": n, "dtype": dtype, "prefix_tokens": prefix_tokens, "engine": variant,
                "startup_seconds": rep["startup_seconds"],
                "capture_seconds": rep["capture_seconds"],
-               "peak_rss_bytes": rep["peak_rss_bytes"], "prefix_cache_share": cached}
+               "peak_rss_bytes": rep["peak_rss_bytes"], "prefix_cache_share": cached,
+               "tokens_computed": computed}
         if ref is None:
             ref = h
         else:
@@ -131,11 +138,14 @@ def markdown(doc: dict[str, Any]) -> str:
         (f"{machine_line(doc['machine'])}, torch {doc['machine']['torch']}. One episode of "
          f"{r0['task']} (k={r0['k']}, N={r0['n']}): the N zero-shot and N ICL train prompts. "
          "Each engine in a process of its own; start = model load (+ vLLM's compilation); "
-         "prefix cache = share of the ICL prompts' demonstration tokens vLLM found cached; "
+         "prefix cache = share of the ICL prompts' demonstration tokens vLLM found cached "
+         "(it caches whole KV blocks only); tokens computed = prompt tokens run through the "
+         "model (transformers: the prefix once, then each query); "
          "diff = h against transformers' h, same dtype."), "",
         "| model | dtype | prefix tokens | engine | start (s) | capture (s) | start + capture "
-        "(s) | prefix cache | peak RSS (GiB) | max abs diff h | rel. diff h |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "(s) | prefix cache | tokens computed | ms / token | peak RSS (GiB) | max abs diff h | "
+        "rel. diff h |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         share = "—" if r["prefix_cache_share"] is None else f"{100 * r['prefix_cache_share']:.0f} %"
@@ -145,6 +155,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {r['model']} | {r['dtype']} | {r['prefix_tokens']} | {r['engine']} | "
             f"{r['startup_seconds']:.1f} | {r['capture_seconds']:.1f} | "
             f"{r['startup_seconds'] + r['capture_seconds']:.1f} | {share} | "
+            f"{r['tokens_computed']} | {1e3 * r['capture_seconds'] / r['tokens_computed']:.2f} | "
             f"{r['peak_rss_bytes'] / 2**30:.2f} | {diff} |")
     return "\n".join(lines) + "\n"
 

@@ -22,22 +22,26 @@ from ltv_vllm.core.metrics import pearson, spearman
 from ltv_vllm.core.vector import VectorError, read_safetensors
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.evaluation.sweep import Sweep, config_key, read_checkpoint
-from ltv_vllm.extraction.capture import Capturer
 from ltv_vllm.methods import METHODS as TASK_VECTOR_METHODS
-from ltv_vllm.methods import Context, MethodOptions, MethodScores, inference_cost, score_methods
+from ltv_vllm.methods import MethodOptions, MethodScores, inference_cost, score_methods
 from ltv_vllm.models.hardware import hardware, machine_line
 from ltv_vllm.pipeline.extract import (
     METHODS,
     TRANSFER_METHOD,
+    CapturedModel,
     Captures,
     ExtractOptions,
     LoadedModel,
     SourceModel,
     capture_episode,
     capture_test_zero_shot,
+    capturer_for,
     check_counts,
     check_pair,
     episode_labels,
+    label_rows,
+    method_context,
+    model_dtype,
     plan_episode,
     run_transfer_episode,
 )
@@ -174,7 +178,8 @@ def evaluate(
     config = {
         "model": lm.spec,
         "model_identity": lm.identity.to_dict(),
-        "dtype": str(lm.model.dtype).removeprefix("torch."),
+        "dtype": model_dtype(lm),
+        **({"engine": lm.engine} if isinstance(lm, CapturedModel) else {}),
         "tasks": [t.name for t in tasks],
         "methods": keys,
         **source_cfg,
@@ -187,34 +192,39 @@ def evaluate(
     sweep = Sweep(config, [t.name for t in tasks], cfg.runs, checkpoint=checkpoint, state=state,
                   progress=progress)
     costs: dict[str, dict[str, dict[str, float]]] = sweep.costs  # task → method → s/sample
-    cap = Capturer(lm.model, lm.tokenizer, batch_size=cfg.batch_size, progress=progress)
+    cap = capturer_for(lm, cfg.batch_size, progress)
+    on_states = isinstance(lm, CapturedModel)  # no model here: nothing to time a forward of
+    if on_states and source is not None:
+        raise ArgumentError("a transfer evaluation captures both models with transformers")
     by_name = {t.name: t for t in tasks}
     current = None
     for name, run in sweep:
         task = by_name[name]
         if name != current:  # a task's test subset is the same for every run
             current, label_ids = name, label_token_ids(task, lm.tokenizer)
+            head = label_rows(lm, label_ids)
             h_zs_test = h_zs_test_source = None
         seed = cfg.seed + run
         episode = plan[task.name][run]
         if source is None:
             where = (config_key(config), task.name, run)
             c, scored = _load_episode(checkpoint, *where)
-            if run == 0 and cfg.cost_samples:
+            if run == 0 and cfg.cost_samples and not on_states:
                 scored = {}  # the cost table times each method's artifact: extract all
             if c is None:
                 if h_zs_test is None:  # the test subset is the same for every run
                     h_zs_test = capture_test_zero_shot(cap, task, episode)
                 c = capture_episode(cap, episode, h_zs_test=h_zs_test)
+                if on_states:  # one engine run for every episode: its share of that time
+                    c.capture_seconds = lm.seconds_for(2 * len(episode.queries))
                 _save_episode(checkpoint, *where, c, None)
-            ctx = Context(cap, episode, label_ids, cfg.method_options(seed, progress),
-                          identity=lm.identity, h_zs=c.h_zs, h_icl=c.h_icl,
-                          capture_seconds=c.capture_seconds)
+            ctx = method_context(lm, cap, episode, label_ids,
+                                 cfg.method_options(seed, progress), c)
             sc = score_methods(ctx, own, c.h_zs_test, c.h_icl_test, episode_labels(episode),
                                done=scored, on_scored=lambda s, c=c, where=where:
-                               _save_episode(checkpoint, *where, c, s))
+                               _save_episode(checkpoint, *where, c, s), head=head)
             metrics, ext, params = sc.metrics, sc.extraction_seconds, sc.params
-            if run == 0 and cfg.cost_samples:
+            if run == 0 and cfg.cost_samples and not on_states:
                 costs[task.name] = inference_cost(ctx, sc, own, cfg.cost_samples,
                                                   cfg.batch_size)
         else:

@@ -12,8 +12,13 @@ What it counts (bytes, on each device):
             the prefix cache) plus one batch of queries, at the model's KV width.
   head      the label head the capture scores with (a few LM-head rows, float32), or the
             whole LM head for a transfer source (its logits), held beside the engine.
-A device fits the plan when weights + kv fit `gpu_memory_utilization` of it; vLLM's own
-activations and CUDA graphs live in the remainder (the same rule vLLM applies at start-up).
+  act       an estimate of the activations of one engine step (`step_tokens` tokens, vLLM's
+            `max_num_batched_tokens`): the gated MLP's two intermediate halves, the q/k/v
+            projections and a few hidden-size buffers per token, on this rank's share. vLLM
+            profiles the real peak at start-up; the pooling runner computes no logits.
+A device fits the plan when weights + kv + act fit `gpu_memory_utilization` of it (vLLM
+carves its KV cache out of that budget after weights and the profiled peak; CUDA graphs and
+the CUDA context live in the remainder).
 
 The parameter count is computed from the config (Llama / Qwen2 / Mistral-style decoders:
 q/k/v/o attention, optional q/k/v biases, a gated MLP, RMS norms) and checked against the
@@ -116,6 +121,7 @@ class PlanRequest:
     n_labels: int = 4
     full_head: bool = False         # a transfer source: the whole LM head, not label rows
     max_model_len: int = 4096
+    step_tokens: int = 8192         # tokens one engine step runs (max_num_batched_tokens)
 
 
 @dataclass(frozen=True)
@@ -126,9 +132,15 @@ class Plan:
     kv_bytes_per_token: int
     kv_bytes_per_device: int
     head_bytes: int
+    activation_bytes_per_device: int
     budget_bytes_per_device: int
     fits: bool
     engine_args: dict[str, Any]
+
+    @property
+    def need_per_device(self) -> int:
+        return (self.weight_bytes_per_device + self.kv_bytes_per_device
+                + self.activation_bytes_per_device)
 
 
 def read_shape(model_dir: str | Path) -> tuple[Shape, int | None]:
@@ -193,16 +205,22 @@ def make_plan(shape: Shape, req: PlanRequest) -> Plan:
     tokens = req.prefix_tokens + req.batch * req.query_tokens
     kv = kv_tok * tokens
     label_head = (shape.vocab_size if req.full_head else req.n_labels) * shape.hidden_size * 4
+    qkv = (shape.num_attention_heads // req.tp
+           + 2 * math.ceil(shape.num_key_value_heads / req.tp)) * shape.head_dim
+    act = req.step_tokens * (2 * math.ceil(shape.intermediate_size / req.tp) + qkv
+                             + 4 * shape.hidden_size) * b
     budget = int(req.gpu_memory_utilization * req.device_gib * GIB)
     args = {"runner": "pooling", "dtype": req.dtype,
             "tensor_parallel_size": req.tp, "pipeline_parallel_size": req.pp,
             "max_model_len": req.max_model_len, "enable_prefix_caching": True,
+            "max_num_batched_tokens": req.step_tokens,
             "gpu_memory_utilization": req.gpu_memory_utilization,
             "pooler_config": {"pooling_type": "LAST", "use_activation": False}}
     return Plan(params=shape.params(), param_bytes=shape.params() * b,
                 weight_bytes_per_device=weights, kv_bytes_per_token=kv_tok,
-                kv_bytes_per_device=kv, head_bytes=label_head,
-                budget_bytes_per_device=budget, fits=weights + kv <= budget, engine_args=args)
+                kv_bytes_per_device=kv, head_bytes=label_head, activation_bytes_per_device=act,
+                budget_bytes_per_device=budget, fits=weights + kv + act <= budget,
+                engine_args=args)
 
 
 
@@ -224,9 +242,42 @@ def describe(plan: Plan, req: PlanRequest, name: str = "model") -> list[str]:
         f"  KV cache    {gib(plan.kv_bytes_per_device)} per device: "
         f"{plan.kv_bytes_per_token} B/token × ({req.prefix_tokens} prefix + {req.batch} × "
         f"{req.query_tokens} query tokens)",
-        f"  {head:<11} {gib(plan.head_bytes)} beside the engine ({rows})",
-        f"  fits        {'yes' if plan.fits else 'NO'} "
-        f"({gib(plan.weight_bytes_per_device + plan.kv_bytes_per_device)} of "
+        f"  activations {gib(plan.activation_bytes_per_device)} per device (estimate: one step "
+        f"of {req.step_tokens} tokens)",
+        f"  {head:<11} {gib(plan.head_bytes)} on the host, beside the engine ({rows})",
+        f"  fits        {'yes' if plan.fits else 'NO'} ({gib(plan.need_per_device)} of "
         f"{gib(plan.budget_bytes_per_device)})",
         "  vLLM        " + json.dumps(plan.engine_args, sort_keys=True),
     ]
+
+
+def default_layout(shape: Shape, gpus: int) -> tuple[int, int]:
+    """TP × PP over `gpus`: the widest tensor parallelism the heads split over (TP stays
+    inside a node and costs no pipeline bubbles), the rest as pipeline stages."""
+    tp = max(t for t in range(1, gpus + 1)
+             if gpus % t == 0 and shape.num_attention_heads % t == 0)
+    return tp, gpus // tp
+
+
+def plan_table(shapes: dict[str, Shape], gpus: tuple[int, ...], req: PlanRequest) -> str:
+    """The docs' table: each model on each GPU count at its `default_layout` (markdown)."""
+    from dataclasses import replace
+
+    lines = ["| model | params | GPUs | TP × PP | weights / GPU | KV / GPU | activations / GPU "
+             "| needed / budget per GPU | label head (host) | full LM head (host; transfer "
+             "source) | fits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, shape in shapes.items():
+        for n in gpus:
+            tp, pp = default_layout(shape, n)
+            p = make_plan(shape, replace(req, tp=tp, pp=pp, devices=n))
+            full = make_plan(shape, replace(req, tp=tp, pp=pp, devices=n, full_head=True))
+            lines.append(
+                f"| {name} | {p.params / 1e9:.2f} B | {n} | {tp} × {pp} | "
+                f"{p.weight_bytes_per_device / GIB:.1f} GiB | "
+                f"{p.kv_bytes_per_device / GIB:.2f} GiB | "
+                f"{p.activation_bytes_per_device / GIB:.2f} GiB | "
+                f"{p.need_per_device / GIB:.1f} / {p.budget_bytes_per_device / GIB:.1f} GiB | "
+                f"{p.head_bytes / 2**10:.0f} KiB | "
+                f"{full.head_bytes / GIB:.2f} GiB | {'yes' if p.fits else 'no'} |")
+    return "\n".join(lines)

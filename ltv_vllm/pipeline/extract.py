@@ -214,6 +214,11 @@ class CapturedModel:
     capture_seconds: float = 0.0
     startup_seconds: float = 0.0
 
+    def seconds_for(self, prompts: int) -> float:
+        """The capture time of `prompts` of the engine's batch, apportioned by prompt count
+        (one batch has no per-prompt time)."""
+        return self.capture_seconds * prompts / max(1, len(self.states.row))
+
 
 def check_engine(method: str, engine: str) -> None:
     """`--engine vllm` captures the final hidden state only: a method that hooks inner layers
@@ -232,17 +237,37 @@ def states_methods() -> list[str]:
     return [n for n, m in REGISTERED.items() if m.hidden_space and m.uses_states]
 
 
-def method_context(lm: LoadedModel | CapturedModel, cap: Capturer | None, episode: Episode,
-                   label_ids: list[int], opts: ExtractOptions,
+def capturer_for(lm: LoadedModel | CapturedModel, batch_size: int, progress: bool) -> Any:
+    """What `capture_episode` reads states from: a Capturer over the loaded model, or the
+    table a CapturedModel's engine filled."""
+    if isinstance(lm, CapturedModel):
+        return lm.states
+    return Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=progress)
+
+
+def model_dtype(lm: LoadedModel | CapturedModel) -> str:
+    return lm.dtype if isinstance(lm, CapturedModel) else \
+        str(lm.model.dtype).removeprefix("torch.")
+
+
+def label_rows(lm: LoadedModel | CapturedModel,
+               label_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """W_C, b_C for `score_methods` when there is no model to ask (None: the model's own)."""
+    return read_label_rows(lm.path, label_ids) if isinstance(lm, CapturedModel) else None
+
+
+def method_context(lm: LoadedModel | CapturedModel, cap: Any, episode: Episode,
+                   label_ids: list[int], opts: MethodOptions,
                    c: Captures | None = None) -> Context:
     """The registry's view of one episode on `lm` (the captured train states, if any). A
     CapturedModel has no model to run: its context holds the states, its dtype and engine,
     and (only for a fit cut to a rank, which needs it) the whole LM head from the shards."""
     extra: dict[str, Any] = {}
     if isinstance(lm, CapturedModel):
+        cap = None
         extra = {"dtype": lm.dtype, "engine": lm.engine,
                  "head": read_lm_head(lm.path) if opts.rank is not None else None}
-    return Context(cap, episode, label_ids, opts.method_options(), identity=lm.identity,
+    return Context(cap, episode, label_ids, opts, identity=lm.identity,
                    h_zs=c.h_zs if c else None, h_icl=c.h_icl if c else None,
                    capture_seconds=c.capture_seconds if c else 0.0, **extra)
 
@@ -268,20 +293,16 @@ def extract(
     label_ids = label_token_ids(task, lm.tokenizer)
     episode = episode or plan_episode(task, opts)
     names = [method, *(b for b in m.compare_with if b != method)]
+    cap = capturer_for(lm, opts.batch_size, opts.progress)
+    c = capture_episode(cap, episode)
     if isinstance(lm, CapturedModel):
         check_engine(method, lm.engine.get("name", "vllm"))
-        c = capture_episode(lm.states, episode)
-        c.capture_seconds, c.test_seconds = lm.capture_seconds, 0.0
-        ctx = method_context(lm, None, episode, label_ids, opts, c)
-        head = read_label_rows(lm.path, label_ids)
-    else:
-        cap = Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size,
-                       progress=opts.progress)
-        c = capture_episode(cap, episode)
-        ctx = method_context(lm, cap, episode, label_ids, opts, c)
-        head = None
+        # the engine captured train and test in one batch: the train prompts' share
+        c.capture_seconds = lm.seconds_for(2 * len(episode.queries))
+        c.test_seconds = lm.seconds_for(2 * len(episode.test))
+    ctx = method_context(lm, cap, episode, label_ids, opts.method_options(), c)
     sc = score_methods(ctx, names, c.h_zs_test, c.h_icl_test, episode_labels(episode),
-                       head=head)
+                       head=label_rows(lm, label_ids))
     total = sc.extraction_seconds[method]
     capture = c.capture_seconds if m.uses_states else 0.0
     timings = {"capture_seconds": capture, "fit_seconds": total - capture,

@@ -123,8 +123,13 @@ def job_env(engine: CaptureEngine, kv_cache_gib: int = 2) -> dict[str, str]:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE",
                                                                  str(kv_cache_gib)))
         ranks = engine.tensor_parallel_size * engine.pipeline_parallel_size
+        cores = max(1, (os.cpu_count() or 1) // ranks)
+        # vLLM drops an engine process to one torch thread "for serving" unless
+        # OMP_NUM_THREADS says otherwise; a capture is all prefill, run on every core
+        # (measured: SmolLM2 and Qwen2.5-1.5B captures ~8 % faster on 2 cores)
+        if "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(cores)
         if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            cores = max(1, (os.cpu_count() or 1) // ranks)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
                 f"{r * cores}-{(r + 1) * cores - 1}" if cores > 1 else str(r)
                 for r in range(ranks))

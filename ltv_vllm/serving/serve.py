@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
+from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.checkpoint import identity_from_dir
 from ltv_vllm.serving.settings import ServerSettings
 
@@ -214,8 +215,6 @@ class ServeOptions:
     max_body_mib: int = ServerSettings.max_body >> 20  # any body but an upload or a compile
 
     def __post_init__(self) -> None:
-        from ltv_vllm.errors import ArgumentError
-
         if not self.vectors and self.task_store is None:
             raise ArgumentError("give at least one --task-vector, or a --task-store")
         if self.max_tasks < 1:
@@ -234,20 +233,38 @@ class ServeOptions:
         if self.task_store is not None and _api_servers(self.vllm_args) > 1:
             raise ArgumentError("a task store lives in one API-server process: drop "
                                 "--api-server-count (or set it to 1) with --task-store")
+        check_pipeline_parallel(_int_arg(self.vllm_args, ("--pipeline-parallel-size", "-pp")))
 
 
-def _api_servers(vllm_args: tuple[str, ...]) -> int:
-    """vLLM's --api-server-count / -asc as given (1 when absent or unreadable)."""
+def check_pipeline_parallel(pp: int, cuda: bool | None = None) -> None:
+    """Refuse pipeline parallelism on vLLM's CPU backend, where 0.32 cannot run it: a later
+    stage's buffer for the activations it receives is never allocated (AssertionError in
+    `sync_and_gather_intermediate_tensors` on the first step), for a bare model as for ours.
+    On GPUs only the last stage holds the LM head; the wrappers fold and shift only there."""
+    import torch
+
+    if pp > 1 and not (torch.cuda.is_available() if cuda is None else cuda):
+        raise ArgumentError(f"pipeline parallelism ({pp} stages) does not run on vLLM's CPU "
+                            "backend (0.32 fails its first step); use --tensor-parallel-size")
+
+
+def _int_arg(vllm_args: tuple[str, ...], flags: tuple[str, ...], default: int = 1) -> int:
+    """An integer vLLM flag as given (`default` when absent or unreadable)."""
     for i, a in enumerate(vllm_args):
-        for flag in ("--api-server-count", "-asc"):
+        for flag in flags:
             value = (vllm_args[i + 1] if a == flag and i + 1 < len(vllm_args)
                      else a.split("=", 1)[1] if a.startswith(flag + "=") else None)
             if value is not None:
                 try:
                     return int(value)
                 except ValueError:
-                    return 1
-    return 1
+                    return default
+    return default
+
+
+def _api_servers(vllm_args: tuple[str, ...]) -> int:
+    """vLLM's --api-server-count / -asc as given (1 when absent or unreadable)."""
+    return _int_arg(vllm_args, ("--api-server-count", "-asc"))
 
 
 @dataclass(frozen=True)

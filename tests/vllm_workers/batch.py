@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def run_all(jobs: list[dict]) -> dict:
     from offline_classify import classify
-    from offline_fused import generate
+    from offline_fused import generate, pp_stage_fold
 
-    run = {"generate": generate, "classify": classify}
+    run = {"generate": generate, "classify": classify, "pp_fold": pp_stage_fold}
     out = {}
     for job in jobs:
         key, kind = job.pop("key"), job.pop("kind")

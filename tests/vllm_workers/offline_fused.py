@@ -54,6 +54,30 @@ def fold_check(worker) -> dict:
             "moved": float((head - embed).abs().max())}
 
 
+def pp_stage_fold(vector: str) -> dict:
+    """The fold on a pipeline stage before the last, whose LM head is vLLM's PPMissingLayer:
+    it must leave that stage alone (no head to fold, no logits to shift) rather than fail.
+    (vLLM's CPU backend cannot run PP > 1, so the stage is built here, not by an engine.)"""
+    from torch import nn
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.serving.vllm_ext.models import LTVMixin
+
+    class Stage(LTVMixin, nn.Module):
+        pass
+
+    stage = Stage()
+    stage.lm_head = PPMissingLayer()
+    stage._ltv = load_task_vector(vector)
+    try:
+        stage._fold_into_lm_head()
+    except Exception as e:  # noqa: BLE001 - reported, the test names it
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None, "shift_left": stage._ltv is not None,
+            "head_is_missing_layer": isinstance(stage.lm_head, PPMissingLayer)}
+
+
 def generate(model_dir: str, vector: str, prompts: list[str], max_tokens: int, tp: int = 1,
              check: str = "") -> dict:
     """One engine: greedy logprobs of `prompts` (+ the `local` or `fold` per-rank checks)."""

@@ -10,6 +10,9 @@ Tensor parallelism: hidden states are replicated on every rank, so every rank ap
 shift before its vocab shard of the LM head — no communication is added. A logit-space delta
 is added once, to the gathered logits; on vLLM's vocab-local path (`compute_logits_local`)
 each rank adds the rows of U for its own vocab shard.
+
+Pipeline parallelism: only the last stage holds the LM head (earlier ones hold vLLM's
+`PPMissingLayer` and never compute logits), so only it shifts or folds.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vllm.model_executor.models.utils import PPMissingLayer
 
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
 
@@ -96,6 +100,9 @@ class LTVMixin:
         tv = self._ltv
         assert tv is not None
         head = self.lm_head  # type: ignore[attr-defined]
+        if isinstance(head, PPMissingLayer):  # a stage before the last: no head, no logits
+            self._ltv = None
+            return
         embed = getattr(getattr(self, "model", None), "embed_tokens", None)
         if head is embed or head.weight is getattr(embed, "weight", None):
             head = copy.copy(head)
