@@ -300,6 +300,7 @@ class SourceFlags:
     quantization: str
     work_dir: Path | None
     chunk_size: int
+    engine: str = "transformers"
 
     def options(self, batch_size: int, quiet: bool) -> Any:
         """SourceOptions (None without --source-model)."""
@@ -314,7 +315,7 @@ class SourceFlags:
                              else self.quantization,
                              work_dir=str(self.work_dir) if self.work_dir else None,
                              chunk_size=self.chunk_size, batch_size=batch_size,
-                             progress=not quiet)
+                             progress=not quiet, engine=self.engine)
 
 
 def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -337,14 +338,18 @@ def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                           "them [default: the ltv-vllm cache's captures/]."),
         click.option("--chunk-size", default=64, show_default=True,
                      help="Source prompts per saved chunk."),
+        click.option("--source-engine", default="transformers", show_default=True,
+                     type=click.Choice(["transformers", "vllm"]),
+                     help="What captures the source: transformers, or vLLM's engine with "
+                          "--tensor-parallel-size etc. (the missing chunks in one run)."),
     ]
 
     @functools.wraps(fn)
     def grouped(*args: Any, source_spec: str | None, source_dtype: str,
                 source_device_map: str | None, source_quantization: str, work_dir: Path | None,
-                chunk_size: int, **kwargs: Any) -> Any:
+                chunk_size: int, source_engine: str, **kwargs: Any) -> Any:
         flags = SourceFlags(source_spec, source_dtype, source_device_map, source_quantization,
-                            work_dir, chunk_size)
+                            work_dir, chunk_size, source_engine)
         return fn(*args, source=flags, **kwargs)
 
     for opt in reversed(opts):
@@ -366,15 +371,18 @@ class CaptureFlags:
     devices: int | None
     device_gib: float | None
 
-    def capture_engine(self, dtype: str) -> Any:
+    def capture_engine(self, dtype: str, source_engine: str = "transformers") -> Any:
+        """The CaptureEngine of whichever model runs on vLLM (`--engine vllm`, or the
+        transfer source with `--source-engine vllm`)."""
         from ltv_vllm.serving.capture import CaptureEngine
 
-        if self.engine != "vllm" and (self.tensor_parallel_size != 1 or self.engine_args
+        if "vllm" not in (self.engine, source_engine) and (
+                self.tensor_parallel_size != 1 or self.engine_args
                                       or self.pipeline_parallel_size != 1
                                       or self.distributed_executor_backend):
             raise ArgumentError("--tensor-parallel-size, --pipeline-parallel-size, "
                                 "--distributed-executor-backend and --engine-arg need "
-                                "--engine vllm")
+                                "--engine vllm or --source-engine vllm")
         extra: dict[str, Any] = {}
         for arg in self.engine_args:
             key, eq, value = arg.partition("=")
@@ -498,13 +506,16 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     source_opts = source.options(batch_size, quiet)
     m = get_method(method)
     check_engine(method, capture.engine)  # an inner-layer method on vLLM: refused here
-    engine = capture.capture_engine(dtype)
+    source_on_vllm = source_opts is not None and source_opts.engine == "vllm"
+    engine = capture.capture_engine(source_opts.dtype if source_on_vllm else dtype,
+                                    source.engine)
     on_vllm = capture.engine == "vllm"
     if on_vllm and (source_opts or device != "cpu"):
         raise ArgumentError("--engine vllm places the model itself (no --device) and does not "
-                            "run a --source-model transfer")
-    if capture.dry_run and not on_vllm:
-        raise ArgumentError("--dry-run plans an --engine vllm run")
+                            "capture a transfer's small target (--source-engine vllm runs its "
+                            "source on vLLM)")
+    if capture.dry_run and not (on_vllm or source_on_vllm):
+        raise ArgumentError("--dry-run plans an --engine vllm or --source-engine vllm run")
     t = get_task(task, regression=True)
     if t.kind == "regression" and on_vllm:
         raise ArgumentError(f"{t.name} is a regression task: it is scored on generated answers "
@@ -522,10 +533,15 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
                else f"{t.name}.{method}{suffixes[0]}")
     if on_vllm and capture.dry_run:
         return _print_plan(model_spec, [plan_episode(t, opts)], engine, capture)
+    if source_on_vllm and capture.dry_run:  # the source: its whole LM head on the host
+        return _print_plan(source_opts.spec, [plan_episode(t, opts, transfer=True)], engine,
+                           capture, full_head=True)
     output = check_writable(output or default, option="--output", suffixes=suffixes)
     label_token_ids(t, load_tokenizer(model_spec))  # labels sharing a first token: refused
     episode = plan_episode(t, opts, transfer=source_opts is not None)  # reads the data
     large = open_source(source_opts) if source_opts else None  # tokenizer and identity only
+    if source_on_vllm:
+        _source_on_vllm(large, [episode], engine, capture, quiet)
     if on_vllm:
         lm = _capture_on_vllm(model_spec, [episode], engine, capture, quiet)
         import torch
@@ -580,7 +596,7 @@ def _vllm_engine(engine: Any, model_dir: str) -> Any:
 
 
 def _print_plan(model_spec: str | None, episodes: list[Any], engine: Any,
-                capture: CaptureFlags) -> None:
+                capture: CaptureFlags, full_head: bool = False) -> None:
     """`--engine vllm --dry-run`: the plan from config.json (and the index) for capturing
     `episodes`, printed; refused in one line when it does not fit."""
     from ltv_vllm.models.loading import load_tokenizer, local_model_dir
@@ -595,7 +611,8 @@ def _print_plan(model_spec: str | None, episodes: list[Any], engine: Any,
         # there are tokenizer files)
         tokenizer = load_tokenizer(path)
     plan, req, estimated = plan_capture(path, episodes, engine, tokenizer=tokenizer,
-                                        devices=capture.devices, device_gib=capture.device_gib)
+                                        devices=capture.devices, device_gib=capture.device_gib,
+                                        full_head=full_head)
     for line in describe(plan, req, name=model_spec or "smollm2-135m"):
         click.echo(line)
     if estimated:
@@ -606,6 +623,35 @@ def _print_plan(model_spec: str | None, episodes: list[Any], engine: Any,
                         f"device, {plan.budget_bytes_per_device / 2**30:.1f} GiB usable; "
                         "raise --tensor-parallel-size / --pipeline-parallel-size")
     click.echo("(dry run: nothing loaded, nothing written)")
+
+
+def _source_on_vllm(source: Any, episodes: list[Any], engine: Any, capture: CaptureFlags,
+                    quiet: bool) -> None:
+    """The transfer source's missing capture chunks, all in one vLLM run (`prefetch_source`);
+    the plan (with the source's whole LM head on the host) checked first."""
+    import tempfile
+    from dataclasses import replace
+
+    from ltv_vllm.models.plan import PlanError
+    from ltv_vllm.pipeline.extract import prefetch_source
+    from ltv_vllm.serving.capture import capture_states, plan_capture
+    from ltv_vllm.serving.serve import check_pipeline_parallel
+
+    check_pipeline_parallel(engine.pipeline_parallel_size)
+    engine = replace(engine, dtype=source.load["dtype"])  # the store's key holds this dtype
+    plan, _, _ = plan_capture(source.path, episodes, engine, devices=capture.devices,
+                              device_gib=capture.device_gib, full_head=True)
+    if not plan.fits:
+        raise PlanError("the source's capture does not fit the devices (see `--dry-run`)")
+    with tempfile.TemporaryDirectory(prefix="ltv-vllm-capture-") as work:
+        if not quiet:
+            click.echo(f"capturing the source on vLLM (TP {engine.tensor_parallel_size} × PP "
+                       f"{engine.pipeline_parallel_size}, {engine.dtype}); engine log in {work}",
+                       err=True)
+        n = prefetch_source(source, episodes, lambda prompts: capture_states(
+            source.path, prompts, engine, Path(work))[0])
+    if not quiet:
+        click.echo(f"vLLM captured {n} source prompts into {source.cap.dir}", err=True)
 
 
 def _capture_on_vllm(model_spec: str | None, episodes: list[Any], engine: Any,
@@ -1033,10 +1079,11 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size,
                      n_val=n_val, cost_samples=cost_samples, options=MethodOptions(**method_flags))
     source_opts = source.options(batch_size, quiet)
-    engine = capture.capture_engine(dtype)
+    engine = capture.capture_engine(dtype, source.engine)
     on_vllm = capture.engine == "vllm"
-    if capture.dry_run and not on_vllm:
-        raise ArgumentError("--dry-run plans an --engine vllm run")
+    source_on_vllm = source_opts is not None and source_opts.engine == "vllm"
+    if capture.dry_run and not (on_vllm or source_on_vllm):
+        raise ArgumentError("--dry-run plans an --engine vllm or --source-engine vllm run")
     tasks_ = get_tasks(task_list, regression=True)
     if on_vllm and (source_opts or device != "cpu" or with_vllm
                     or any(t.kind == "regression" for t in tasks_)):
@@ -1075,6 +1122,10 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     every = [ep for eps in episodes.values() for ep in eps]
     if on_vllm and capture.dry_run:
         return _print_plan(model_spec, every, engine, capture)
+    if source_on_vllm and capture.dry_run:
+        return _print_plan(source_opts.spec, every, engine, capture, full_head=True)
+    if source_on_vllm:
+        _source_on_vllm(large, every, engine, capture, quiet)
     if on_vllm:
         if cost_samples and not quiet:
             click.echo("(--engine vllm: no inference-cost table; it times forwards of the model "

@@ -144,15 +144,15 @@ def gib_line(out: str, what: str) -> float:
 def test_dry_run_prints_hand_counted_bytes(tmp_path, name, d, inter, layers, heads, kv, vocab,
                                            bias):
     """TP 2 on 2 × 80 GiB in bf16: each rank holds half the heads, half the MLP columns, half
-    the vocabulary rows of the (untied) embedding and LM head, two whole norms per layer and
-    the final norm's share; K and V of its KV heads for each token."""
+    the embedding's vocabulary rows (no LM head: the pooling runner builds none), two whole
+    norms per layer and the final norm; K and V of its KV heads for each token."""
     r = dry_run(tmp_path, name, "-tp", "2", "--devices", "2", "--device-gib", "80",
                 "--dtype", "bfloat16")
     assert r.exit_code == 0, r.output
     hd = 128
     q, k = heads // 2 * hd, kv // 2 * hd
     layer = d * q + 2 * d * k + q * d + (q + 2 * k if bias else 0) + 3 * d * (inter // 2) + 2 * d
-    weights = 2 * (layers * layer + 2 * (vocab // 2) * d)  # bytes, bf16
+    weights = 2 * (layers * layer + (vocab // 2) * d + d)  # bytes, bf16
     assert gib_line(r.output, "weights") == pytest.approx(weights / 2**30, abs=0.006)
     kv_tok = 2 * layers * (kv // 2) * hd * 2
     kv_line = next(x for x in r.output.splitlines() if "KV cache" in x)
@@ -192,3 +192,46 @@ def test_inner_layer_methods_refuse_vllm_before_any_load(tmp_path, method):
                                   "--engine", "vllm", "--method", method])
     assert r.exit_code == 1
     assert f"--method {method} hooks the model's inner layers" in r.output, r.output
+
+
+def test_the_docs_plan_table_is_the_codes():
+    """docs/scale.md's table of the four models on 1, 2, 4, 8 GPUs is `plan_table`'s output
+    for the request it states (a 1500-token prefix, 256 queries of 64 tokens, bf16)."""
+    from ltv_vllm.models.plan import plan_table
+
+    shapes = {n: shape(n) for n in ["qwen2.5-72b", "llama-3.1-70b", "qwen2.5-7b",
+                                    "llama-3.1-8b"]}
+    table = plan_table(shapes, (1, 2, 4, 8), PlanRequest(prefix_tokens=1500, query_tokens=64,
+                                                          batch=256, n_labels=4,
+                                                          max_model_len=4096))
+    doc = (Path(__file__).parents[1] / "docs" / "scale.md").read_text()
+    assert table in doc
+    # and the layouts are vLLM-valid: heads split over TP, TP × PP the GPUs
+    for line in table.splitlines()[2:]:
+        name, _, gpus, layout = (c.strip() for c in line.strip("|").split("|")[:4])
+        tp, pp = (int(x) for x in layout.split("×"))
+        assert tp * pp == int(gpus) and shapes[name].num_attention_heads % tp == 0
+
+
+def test_a_transfer_sources_dry_run_plans_its_whole_head_on_the_host(tmp_path):
+    """`--source-engine vllm --dry-run` plans the source (its config alone), with the whole LM
+    head in float32 on the host for the logit fit: 152064 × 8192 × 4 bytes for the 72B."""
+    from click.testing import CliRunner
+
+    from conftest import write_toy_task
+    from ltv_vllm.cli import main
+
+    d = tmp_path / "qwen2.5-72b"
+    d.mkdir()
+    (d / "config.json").write_text((CONFIGS / "qwen2.5-72b.json").read_text())
+    task = write_toy_task(tmp_path, ["a", "b", "c"])
+    r = CliRunner().invoke(main, ["extract", "--source-model", str(d), "--task", str(task),
+                                  "--source-engine", "vllm", "--dry-run", "-tp", "4",
+                                  "--devices", "4", "--device-gib", "80", "--n", "64",
+                                  "--n-test", "32"])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"plan for {d}: 72.71 B parameters")
+    assert gib_line(r.output, "LM head") == pytest.approx(152064 * 8192 * 4 / 2**30, abs=0.006)
+    assert "all rows, float32" in r.output and '"tensor_parallel_size": 4' in r.output
+    r = CliRunner().invoke(main, ["extract", "--task", str(task), "--dry-run"])
+    assert r.exit_code == 1 and "--dry-run plans an --engine vllm" in r.output

@@ -127,3 +127,40 @@ def test_evaluate_on_vllm_gives_the_transformers_records(model_dir, task, tmp_pa
     for r in v["records"]:
         assert r["accuracy"] == want[key(r)]["accuracy"], key(r)
         assert r["d_ntp"] == pytest.approx(want[key(r)]["d_ntp"], abs=1e-5), key(r)
+
+
+def test_transfer_source_on_vllm_gives_the_transformers_vector(tokenizer, task_file, tmp_path):
+    """`--source-engine vllm`: the source's missing capture chunks filled by one vLLM run,
+    then the same transfer fit as with the source in transformers (float32); a rerun finds
+    every chunk and runs no engine; the store's key keeps the two engines' chunks apart."""
+    from conftest import make_llama
+
+    make_vllm_llama(tokenizer, seed=13, tie=False).save_pretrained(tmp_path / "source")
+    tokenizer.save_pretrained(tmp_path / "source")
+    make_llama(len(tokenizer), hidden=64, layers=2, seed=12).save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+
+    def run(engine: str) -> tuple:
+        out = tmp_path / f"{engine}.pt"
+        r = CliRunner().invoke(main, [
+            "extract", "--model", str(tmp_path / "target"), "--source-model",
+            str(tmp_path / "source"), "--task", str(task_file), "--n", "24", "--n-test", "20",
+            "--dtype", "float32", "--source-dtype", "float32", "--source-engine", engine,
+            "--work-dir", str(tmp_path / "work"), "--chunk-size", "8", "-o", str(out),
+            *(["--engine-arg", "enforce_eager=true", "--engine-arg", "max_model_len=1024"]
+              if engine == "vllm" else [])])
+        assert r.exit_code == 0, r.output
+        return load_task_vector(out), r.output
+
+    t, _ = run("transformers")
+    v, out = run("vllm")
+    # every prompt of the passes (24 + 20 queries, zero-shot and ICL) came from vLLM, into
+    # chunks of its own (none of transformers' reused)
+    assert "vLLM captured 88 source prompts" in out and "0 chunks reused" in out
+    assert v.provenance.source_load["engine"] == "vllm"
+    torch.testing.assert_close(v.U @ v.V.T, t.U @ t.V.T, atol=1e-3, rtol=1e-3)
+    for name, m in t.provenance.metrics.items():
+        assert v.provenance.metrics[name]["accuracy"] == m["accuracy"], name
+        assert v.provenance.metrics[name]["d_ntp"] == pytest.approx(m["d_ntp"], abs=1e-4), name
+    _, again = run("vllm")
+    assert "vLLM captured 0 source prompts" in again and "0 computed" in again

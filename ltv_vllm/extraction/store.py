@@ -62,7 +62,8 @@ class StoredCapturer:
         self.chunk_size = chunk_size
         self.progress = progress
         self.computed = 0  # chunks computed (not found) by this object
-        self.reused = 0
+        self.reused = 0    # chunks found from an earlier run
+        self._filled: set[Path] = set()  # computed ahead by `fill`, read back by the passes
 
     @property
     def loaded(self) -> bool:
@@ -83,6 +84,37 @@ class StoredCapturer:
             "icl", prefix, prompts, lambda ps, d: self.capturer.icl(prefix, ps, d), desc
         )
 
+    def _chunk_path(self, kind: str, context: str, chunk: Sequence[str]) -> Path:
+        return self.dir / f"{kind}-{_digest(kind, context, *chunk)[:24]}.safetensors"
+
+    def missing(self, calls: Sequence[tuple[str, str, Sequence[str]]]
+                ) -> list[tuple[Path, list[str]]]:
+        """The chunks that `hidden` / `icl` calls (kind, context, prompts) would compute, as
+        (file, full prompts) — what an engine that captures ahead fills with `fill`."""
+        out: dict[Path, list[str]] = {}
+        for kind, context, prompts in calls:
+            for start in range(0, len(prompts), self.chunk_size):
+                chunk = list(prompts[start : start + self.chunk_size])
+                path = self._chunk_path(kind, context, chunk)
+                if not path.is_file():
+                    out[path] = [context + p for p in chunk]
+        return list(out.items())
+
+    def fill(self, chunks: Sequence[tuple[Path, list[str]]], h: torch.Tensor) -> None:
+        """Write the states of `missing`'s chunks (their prompts' rows of `h`, in order),
+        each file through a rename as `_run` writes them."""
+        from safetensors.torch import save_file
+
+        start = 0
+        for path, prompts in chunks:
+            t = h[start : start + len(prompts)].float().contiguous()
+            if t.shape[0] != len(prompts):
+                raise ValueError(f"{h.shape[0]} states for the chunks' prompts")
+            atomic_write(path, lambda tmp, t=t: save_file({"h": t}, tmp))
+            self.computed += 1
+            self._filled.add(path)
+            start += len(prompts)
+
     def _run(
         self,
         kind: str,
@@ -99,11 +131,10 @@ class StoredCapturer:
                    leave=False)
         for start in starts:
             chunk = list(prompts[start : start + self.chunk_size])
-            digest = _digest(kind, context, *chunk)
-            path = self.dir / f"{kind}-{digest[:24]}.safetensors"
+            path = self._chunk_path(kind, context, chunk)
             if path.is_file():
                 h = load_file(str(path))["h"]
-                self.reused += 1
+                self.reused += path not in self._filled
             else:
                 h = fn(chunk, f"{desc} [{start // self.chunk_size + 1}/{len(starts)}]")
                 t = h.float().contiguous()
@@ -115,3 +146,20 @@ class StoredCapturer:
             bar.update(len(chunk))
         bar.close()
         return torch.cat(parts) if parts else torch.empty(0, 0)
+
+
+class CallRecorder:
+    """`hidden` / `icl` that only record what they were asked, as a StoredCapturer keys it
+    (kind, context, prompts), and return zeros: run a pass against it to learn which chunks
+    that pass will need (`StoredCapturer.missing`)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, list[str]]] = []
+
+    def hidden(self, prompts: Sequence[str], desc: str = "") -> torch.Tensor:
+        self.calls.append(("hidden", "", list(prompts)))
+        return torch.zeros(len(prompts), 1)
+
+    def icl(self, prefix: str, prompts: Sequence[str], desc: str = "") -> torch.Tensor:
+        self.calls.append(("icl", prefix, list(prompts)))
+        return torch.zeros(len(prompts), 1)

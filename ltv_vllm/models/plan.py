@@ -3,11 +3,12 @@ index, when there is one) alone: no weights are read, so a plan for 8×80 GB GPU
 printed on a laptop.
 
 What it counts (bytes, on each device):
-  weights   the decoder's parameters at the serving dtype. Tensor parallelism splits every
-            layer's matrices and the vocabulary rows of the embedding and LM head; pipeline
+  weights   the decoder's parameters at the run's dtype, as the capture's pooling runner
+            holds them: no LM head (vLLM's pooling adapter builds none). Tensor parallelism
+            splits every layer's matrices and the embedding's vocabulary rows; pipeline
             parallelism splits the layers (the first stage holds the embedding, the last the
-            final norm and the LM head). KV heads fewer than the TP size are replicated, as
-            vLLM does.
+            final norm; the plan is the first's). KV heads fewer than the TP size are
+            replicated, as vLLM does.
   kv        the KV cache the capture needs: the demonstrations' prefix (kept once, shared by
             the prefix cache) plus one batch of queries, at the model's KV width.
   head      the label head the capture scores with (a few LM-head rows, float32), or the
@@ -192,15 +193,13 @@ def make_plan(shape: Shape, req: PlanRequest) -> Plan:
         raise PlanError(f"a prompt of {req.prefix_tokens + req.query_tokens} tokens exceeds "
                         f"--max-model-len {req.max_model_len}")
     b = DTYPE_BYTES[req.dtype]
-    vocab_rows = math.ceil(shape.vocab_size / req.tp) * shape.hidden_size
-    embed = vocab_rows * b
-    head = 0 if shape.tie_word_embeddings else vocab_rows * b
+    # the embedding's vocabulary rows split over TP, on the first stage; the pooling runner
+    # builds no LM head (vLLM's pooling adapter leaves it out: no logits), so its rows are
+    # read on the host instead (`head_bytes`); the last stage adds the final norm
+    embed = math.ceil(shape.vocab_size / req.tp) * shape.hidden_size * b
     layers = math.ceil(shape.num_hidden_layers / req.pp)
-    # the first stage holds the embedding, the last the LM head; with PP 1 both are one stage
-    # (the worst stage is the one planned: the first, or the last where the head is untied)
     per_layer = shape.layer_params(req.tp) * b
-    stage_extra = embed + head if req.pp == 1 else max(embed, head + shape.hidden_size * b)
-    weights = layers * per_layer + stage_extra
+    weights = layers * per_layer + embed + shape.hidden_size * b
     kv_tok = shape.kv_bytes_per_token(b, req.tp, req.pp)
     tokens = req.prefix_tokens + req.batch * req.query_tokens
     kv = kv_tok * tokens

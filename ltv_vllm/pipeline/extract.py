@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from ltv_vllm.core.ridge import Factors, truncate
 from ltv_vllm.core.vector import ModelIdentity, Provenance, TaskVector
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.extraction.capture import Capturer, full_head
-from ltv_vllm.extraction.store import StoredCapturer
+from ltv_vllm.extraction.store import CallRecorder, StoredCapturer
 from ltv_vllm.extraction.transfer import (
     TransferError,
     check_same_tokenizer,
@@ -385,6 +386,7 @@ class SourceOptions:
     chunk_size: int = 64
     batch_size: int = 16
     progress: bool = True
+    engine: str = "transformers"  # or "vllm": the chunks filled ahead by `prefetch_source`
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -397,6 +399,12 @@ class SourceOptions:
         if self.dtype not in DTYPE_CHOICES:
             raise ArgumentError(f"--source-dtype must be one of {', '.join(DTYPE_CHOICES)}, "
                                 f"got {self.dtype!r}")
+        if self.engine not in ENGINES:
+            raise ArgumentError(f"--source-engine must be one of {', '.join(ENGINES)}, "
+                                f"got {self.engine!r}")
+        if self.engine == "vllm" and (self.device_map or self.quantization):
+            raise ArgumentError("--source-engine vllm places the source itself: no "
+                                "--source-device-map or --source-quantization")
 
 
 def open_source(opts: SourceOptions) -> SourceModel:
@@ -409,7 +417,8 @@ def open_source(opts: SourceOptions) -> SourceModel:
 
     path = local_model_dir(opts.spec)
     ident = identity_from_dir(path, name=opts.spec)
-    spread = (opts.device_map or opts.quantization) and torch.cuda.is_available()
+    spread = (opts.device_map or opts.quantization or opts.engine == "vllm") \
+        and torch.cuda.is_available()
     # resolved here: the capture store's key must hold the precision the states came from
     dtype = resolve_for_model(opts.dtype, path, "cuda" if spread else opts.device)
     load = {"dtype": dtype, "device": opts.device, "device_map": opts.device_map,
@@ -423,10 +432,29 @@ def open_source(opts: SourceOptions) -> SourceModel:
     # Not the spec: the same weights reached by another path or alias reuse the captures.
     key = {"model": {k_: v for k_, v in ident.to_dict().items() if k_ != "name"}, "dtype": dtype,
            "quantization": opts.quantization, "capture": "post-norm last token, v1"}
+    if opts.engine != "transformers":  # another engine's kernels: chunks never mixed
+        key["engine"] = opts.engine
+        load["engine"] = opts.engine
     root = Path(opts.work_dir) if opts.work_dir else cache_dir() / "captures"
     store = StoredCapturer(root, key, make, chunk_size=opts.chunk_size, progress=opts.progress)
     return SourceModel(spec=opts.spec, path=path, tokenizer=AutoTokenizer.from_pretrained(path),
                        identity=ident, cap=store, load=load)
+
+
+def prefetch_source(source: SourceModel, episodes: list[Episode],
+                    capture: Callable[[list[str]], torch.Tensor]) -> int:
+    """Fill the source's capture store ahead of the passes: every chunk the episodes' passes
+    will ask for and the store lacks, captured by `capture` (an engine that takes every
+    prompt at once: `--source-engine vllm`) in one call. The passes then find every chunk
+    and never load the source into transformers. Returns the prompts captured."""
+    rec = CallRecorder()
+    for ep in episodes:
+        capture_episode(rec, ep)
+    chunks = source.cap.missing(rec.calls)
+    prompts = [p for _, ps in chunks for p in ps]
+    if prompts:
+        source.cap.fill(chunks, capture(prompts))
+    return len(prompts)
 
 
 def check_pair(target: LoadedModel, source: SourceModel, episode: Episode) -> list[int]:
