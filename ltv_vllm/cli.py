@@ -490,13 +490,13 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     from ltv_vllm.methods import get_method
     from ltv_vllm.models.hardware import device_line
     from ltv_vllm.models.loading import load_model, load_tokenizer
-    from ltv_vllm.pipeline.extract import extract as run_extract
     from ltv_vllm.pipeline.extract import (
         check_engine,
         extract_transfer,
         open_source,
         plan_episode,
     )
+    from ltv_vllm.pipeline.extract import extract as run_extract
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     # Everything a user can get wrong is refused here, before any model loads.
@@ -1443,6 +1443,41 @@ def bench_capture_cmd(models: str, task_name: str, k: int, n: int, seed: int, ba
     doc = bench_capture_engines(_csv(models), task_name, k=k, n=n, seed=seed, dtype=dtype,
                                 batch_size=batch_size, out_dir=out_dir,
                                 command=_command_line(), log=lambda m: click.echo(m, err=True))
+    click.echo(markdown(doc))
+
+
+@bench.command("real-width")
+@click.option("--config", "config_name", default="qwen2.5-72b", show_default=True,
+              help="A config of tests/fixtures/configs whose width is built.")
+@click.option("--layers", default=1, show_default=True, help="Decoder layers built.")
+@click.option("--tokenizer-model", default="qwen2.5-coder-1.5b", show_default=True,
+              help="Packaged model whose tokenizer the built model gets.")
+@click.option("--tps", default="1,2", show_default=True, help="Tensor-parallel sizes run.")
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the model is built (several GB) [default: a temporary directory].")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/real_width"), show_default=True)
+@friendly
+def bench_real_width_cmd(config_name: str, layers: int, tokenizer_model: str, tps: str,
+                         dtype: str, work_dir: Path | None, out_dir: Path) -> None:
+    """The vLLM capture at a large model's real width (few layers), against the plan and
+    transformers."""
+    import tempfile
+
+    from ltv_vllm.bench.real_width import CONFIGS, bench_real_width, markdown
+
+    if not (CONFIGS / f"{config_name}.json").is_file():
+        raise ArgumentError(f"--config {config_name}: one of "
+                            f"{', '.join(sorted(p.stem for p in CONFIGS.glob('*.json')))}")
+    if layers < 1:
+        raise ArgumentError(f"--layers must be at least 1, got {layers}")
+    check_writable(out_dir, option="--out", directory=True)
+    with tempfile.TemporaryDirectory(prefix="ltv-vllm-real-width-",
+                                     dir=work_dir) as work:
+        doc = bench_real_width(config_name, layers, tokenizer_model, tps=_ints(tps),
+                               dtype=dtype, work=Path(work), out_dir=out_dir,
+                               command=_command_line(), log=lambda m: click.echo(m, err=True))
     click.echo(markdown(doc))
 
 

@@ -156,10 +156,11 @@ class CallRecorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, list[str]]] = []
 
-    def hidden(self, prompts: Sequence[str], desc: str = "") -> torch.Tensor:
+    def hidden(self, prompts: Sequence[str], desc: str = "") -> torch.Tensor:  # noqa: ARG002
         self.calls.append(("hidden", "", list(prompts)))
         return torch.zeros(len(prompts), 1)
 
-    def icl(self, prefix: str, prompts: Sequence[str], desc: str = "") -> torch.Tensor:
+    def icl(self, prefix: str, prompts: Sequence[str],
+            desc: str = "") -> torch.Tensor:  # noqa: ARG002 - Capturer's interface
         self.calls.append(("icl", prefix, list(prompts)))
         return torch.zeros(len(prompts), 1)

@@ -25,6 +25,7 @@ from ltv_vllm.core.ridge import Factors, truncate
 from ltv_vllm.core.vector import ModelIdentity, Provenance, TaskVector
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.extraction.capture import Capturer, full_head
+from ltv_vllm.extraction.states import PromptStates
 from ltv_vllm.extraction.store import CallRecorder, StoredCapturer
 from ltv_vllm.extraction.transfer import (
     TransferError,
@@ -43,7 +44,6 @@ from ltv_vllm.methods import (
     score_methods,
 )
 from ltv_vllm.models.cache import cache_dir
-from ltv_vllm.extraction.states import PromptStates
 from ltv_vllm.models.checkpoint import (
     identity_from_dir,
     read_label_rows,
@@ -62,8 +62,8 @@ from ltv_vllm.tasks.data import Episode, load_dataset, sample_episode
 from ltv_vllm.tasks.specs import Task, label_token_ids
 
 METHODS = ("zero-shot", "icl", "ltv", "mean")  # what a transfer evaluation shows per model
-OWN_METHODS = ("ltv", "mean")
-ENGINES = ("transformers", "vllm")  # what captures the states (`--engine`)  # each model's own task vectors in a transfer
+OWN_METHODS = ("ltv", "mean")  # each model's own task vectors in a transfer
+ENGINES = ("transformers", "vllm")  # what captures the states (`--engine`)
 TRANSFER_METHOD = "ltv-transfer"
 DEFAULT_K = 30  # the paper's main setting
 TRANSFER_K = 10  # the paper's transfer setting: few demos, where a small model's ICL is weak

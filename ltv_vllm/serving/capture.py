@@ -99,15 +99,35 @@ def run_capture_job(job: dict[str, Any]) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     t0 = time.perf_counter()
+    at_start = _memory(os.getpid())
     llm = capture_llm(job["model_dir"], CaptureEngine(**job.get("engine", {})))
     t1 = time.perf_counter()
     h, cached = final_hidden(llm, job["prompts"], progress=job.get("progress", False))
     t2 = time.perf_counter()
+    import psutil
+
+    # before the engine (and its TP workers) shuts down: each process's memory now
+    memory = [_memory(os.getpid()), *(_memory(c.pid) for c in
+                                        psutil.Process().children(recursive=True))]
     save_file({"h": h.contiguous()}, job["out"])
     return {"shape": list(h.shape), "cached_tokens": cached, "startup_seconds": t1 - t0,
             "capture_seconds": t2 - t1,
-            # Linux reports KiB; the engine runs in this process (one rank; TP workers apart)
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            # Linux reports KiB; the engine runs in this process (at TP 1 the one rank)
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            # this process (first) and the ones it started (vLLM's TP workers)
+            "memory_at_start": at_start, "memory": [m for m in memory if m]}
+
+
+def _memory(pid: int) -> dict[str, int]:
+    """A process's memory from /proc, in bytes: anonymous (its heap, weights, KV cache) and
+    file-backed pages resident now (a read checkpoint's mapped pages), and its peak RSS."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    fields_ = {"RssAnon:": "anon", "RssFile:": "file", "VmHWM:": "peak"}
+    return {fields_[line.split()[0]]: int(line.split()[1]) * 1024
+            for line in status.splitlines() if line.split()[:1] and line.split()[0] in fields_}
 
 
 class CaptureJobError(UserError):
