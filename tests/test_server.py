@@ -206,6 +206,10 @@ def test_multi_task_server(assets, tokenizer, tmp_path):
                                       extra_body={"prompt_logprobs": 1})
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="alpha", prompt="word " * 400, max_tokens=1)
+        # LoRA adapters shift every step: a per-request step policy is refused, not ignored
+        with pytest.raises(openai.BadRequestError, match="ltv_steps needs one fused"):
+            client.completions.create(model="alpha", prompt=PROMPTS[0], max_tokens=2,
+                                      extra_body={"vllm_xargs": {"ltv_steps": "first"}})
         # still up and still right after the bad requests
         check_mixed(url, {"beta": vecs["beta"][0]}, model, tokenizer)
         # label-restricted classification through the server = transformers' restricted softmax
@@ -227,6 +231,28 @@ def test_fused_server(assets, tokenizer, tmp_path):
     try:
         # fused: every request is shifted, whichever served name it uses
         check_mixed(url, {"alpha": tv, str(d): tv}, model, tokenizer)
+        # a request's step policy through the OpenAI API (`vllm_xargs`), streamed or not:
+        # shifted at exactly its first n steps
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        n_prompt = len(tokenizer(PROMPTS[0])["input_ids"])
+        for steps, n, stream in (("first", 1, False), (2, 2, True), (0, 0, False)):
+            kw = dict(model="alpha", prompt=PROMPTS[0], max_tokens=3, temperature=0.0,
+                      logprobs=5, extra_body={"return_tokens_as_token_ids": True,
+                                              "vllm_xargs": {"ltv_steps": steps}})
+            chunks = (list(client.completions.create(**kw, stream=True)) if stream
+                      else [client.completions.create(**kw)])
+            tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+            tops = [t for c in chunks for t in c.choices[0].logprobs.top_logprobs]
+            toks = [int(t.split(":", 1)[1]) for t in tokens]
+            shifted = reference_logprobs(model, tokenizer, PROMPTS[0], toks, tv)
+            plain = reference_logprobs(model, tokenizer, PROMPTS[0], toks, None)
+            for step, top in enumerate(tops):
+                row = (shifted if step < n else plain)[n_prompt - 1 + step]
+                for key, v in top.items():
+                    assert abs(v - float(row[int(key.split(":", 1)[1])])) < 1e-4, (steps, step)
+        with pytest.raises(openai.BadRequestError, match="ltv_steps must be"):
+            client.completions.create(model="alpha", prompt=PROMPTS[0], max_tokens=2,
+                                      extra_body={"vllm_xargs": {"ltv_steps": "most"}})
     finally:
         stop(proc, log)
 

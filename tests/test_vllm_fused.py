@@ -69,7 +69,8 @@ def engines(served, logit_vector, kernel_vector, served_qwen2, soft, tmp_path_fa
             classify_job("classify", d, path, CLASSIFY_TEXTS),
             *(classify_job(f"bf16-{k}", soft[0], p, SOFT_TEXTS, "bfloat16")
               for k, (_tv, p) in soft[3].items()),
-            {"key": "pp-fold", "kind": "pp_fold", "vector": str(path)}]
+            {"key": "pp-fold", "kind": "pp_fold", "vector": str(path)},
+            {**generate_job("steps", d, str(path), 4), "steps": STEP_POLICIES}]
     return run_batch(jobs, tmp_path_factory.mktemp("jobs"))
 
 
@@ -197,6 +198,38 @@ def test_vllm_fused_matches_transformers(served, logit_vector, kernel_vector, to
                 and ranks[-1]["local_width"] == ranks[-1]["n"] + ranks[-1]["pad"])
         for r in ranks:
             assert r["max_err"] < 1e-4 and r["top_ok"], r
+
+
+STEP_POLICIES = [None, "all", "first", 2, 0]  # None: the request sets no policy
+
+
+def test_step_policy_per_request_shifts_exactly_its_steps(served, tokenizer, engines):
+    """One batch: each prompt under every policy (`ltv_steps` in `extra_args`). Each request's
+    greedy tokens and logprobs are a greedy loop's that shifts exactly the policy's steps: the
+    vector's distribution at a shifted step, the bare model's at the others (the shift touches
+    the LM head's input only, so earlier steps never change a later step's states)."""
+    from ltv_vllm.serving.vllm_ext.steps import parse_steps
+
+    _d, model, tv, _path = served
+    out = engines["steps"]["outputs"]
+    assert len(out) == len(PROMPTS) * len(STEP_POLICIES)
+    for i, res in enumerate(out):
+        prompt, policy = PROMPTS[i // len(STEP_POLICIES)], STEP_POLICIES[i % len(STEP_POLICIES)]
+        n = None if policy is None else parse_steps(policy)
+        n_prompt = len(tokenizer(prompt)["input_ids"])
+        shifted = reference_logprobs(model, tokenizer, prompt, res["token_ids"], tv)
+        plain = reference_logprobs(model, tokenizer, prompt, res["token_ids"], None)
+        for step, lp in enumerate(res["logprobs"]):
+            row = (shifted if n is None or step < n else plain)[n_prompt - 1 + step]
+            assert int(row.argmax()) == res["token_ids"][step], (policy, step)
+            for tok, v in lp.items():
+                assert abs(v - float(row[int(tok)])) < 1e-4, (policy, step, tok)
+    # the policies really differ here: at every step the shifted and bare distributions of
+    # the first prompt are told apart (so a mask on the wrong rows or steps fails above)
+    first = {STEP_POLICIES[i]: r for i, r in enumerate(out[:len(STEP_POLICIES)])}
+    for step in range(4):
+        a, b = first["all"]["logprobs"][step], first[0]["logprobs"][step]
+        assert max(abs(v - b[t]) for t, v in a.items() if t in b) > 1e-2, step
 
 
 def test_fold_leaves_a_pipeline_stage_without_the_head_alone(engines):

@@ -78,7 +78,15 @@ def engine_kwargs(
     """Keyword arguments for `vllm.LLM` / `EngineArgs` serving `model_dir` with the vector
     fused (or, with `fold`, folded into the LM-head weight at load)."""
     overrides, _ = _fused_overrides(model_dir, vector_path, fold)
-    return {"model": str(model_dir), "hf_overrides": overrides}
+    return {"model": str(model_dir), "hf_overrides": overrides,
+            "logits_processors": [step_processor(per_request=not fold)]}
+
+
+def step_processor(per_request: bool) -> str:
+    """The per-request step policy's logits processor (`vllm_ext.steps`), by name: the engine
+    process imports it (this one need not import vLLM)."""
+    module = "ltv_vllm.serving.vllm_ext.steps"
+    return f"{module}:{'LTVStepPolicy' if per_request else 'LTVStepsRefused'}"
 
 
 # -- the OpenAI-compatible server -------------------------------------------------------------
@@ -338,6 +346,9 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     env = {}
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB; read by the CPU backend only
+    # the per-request step policy's processor (`vllm_ext.steps`) has the V1 runner's
+    # interface: what the CPU backend runs, and what a GPU build runs when told to
+    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     if store is not None and lora is not None:
         settings = replace(settings, task_store=str(Path(opts.task_store).absolute()),
                            max_tasks=opts.max_tasks, task_rank=lora.max_rank,
@@ -395,6 +406,7 @@ def server_args(
                               "not to one fused vector")
         overrides, tv = _fused_overrides(model_dir, vectors[""], fold)
         args += ["--hf-overrides", json.dumps(overrides),
+                 "--logits-processors", step_processor(per_request=not fold),
                  "--served-model-name", tv.task_name, served_name,
                  # the key on every route (vLLM's own included) and body limits
                  "--middleware", "ltv_vllm.serving.vllm_ext.middleware.Gate"]
@@ -408,7 +420,9 @@ def server_args(
         "min_rank": store_rank(model_dir)}
     plan = plan_lora(model_dir, vectors, lora_dir=lora_dir, rank_cap=lora_rank_cap,
                      store=store, **room)
-    return [*args, "--served-model-name", served_name, *plan.server_args()], plan
+    return [*args, "--served-model-name", served_name,
+            "--logits-processors", step_processor(per_request=False),
+            *plan.server_args()], plan
 
 
 # -- a task store behind the server (compiled / uploaded tasks, added at runtime) ------------

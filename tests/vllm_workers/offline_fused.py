@@ -79,7 +79,7 @@ def pp_stage_fold(vector: str) -> dict:
 
 
 def generate(model_dir: str, vector: str, prompts: list[str], max_tokens: int, tp: int = 1,
-             check: str = "") -> dict:
+             check: str = "", steps: list | None = None) -> dict:
     """One engine: greedy logprobs of `prompts` (+ the `local` or `fold` per-rank checks)."""
     from vllm import LLM, SamplingParams
 
@@ -94,6 +94,11 @@ def generate(model_dir: str, vector: str, prompts: list[str], max_tokens: int, t
               gpu_memory_utilization=0.5, seed=0, tensor_parallel_size=tp)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5,
                             prompt_logprobs=1)
+    if steps is not None:  # one request per (prompt, ltv_steps), all in one batch
+        prompts = [p for p in prompts for _ in steps]
+        params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5,
+                                 extra_args=None if s is None else {"ltv_steps": s})
+                  for _ in range(len(prompts) // len(steps)) for s in steps]
     outs = llm.generate(prompts, params)
     result = []
     for o in outs:
@@ -102,7 +107,7 @@ def generate(model_dir: str, vector: str, prompts: list[str], max_tokens: int, t
             "token_ids": list(c.token_ids),
             "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in c.logprobs],
             "prompt_logprobs": [None if s is None else {str(k): v.logprob for k, v in s.items()}
-                                for s in o.prompt_logprobs],
+                                for s in (o.prompt_logprobs or [])],
         })
     local = llm.collective_rpc(local_check) if check == "local" else None
     folded = llm.collective_rpc(fold_check) if check == "fold" else None

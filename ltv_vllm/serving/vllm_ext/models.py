@@ -29,6 +29,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import PPMissingLayer
 
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
+from ltv_vllm.serving.vllm_ext.steps import take_step_mask
 
 CONFIG_KEY = "ltv_task_vector"
 FOLD_KEY = "ltv_fold"
@@ -80,10 +81,13 @@ class LTVMixin:
             cast = self._ltv_cast = self._ltv.to(h.device, torch.float32)
         return cast.delta(h.float(), part)  # (n, d_out): rank-r, never a dense d×d
 
-    def _ltv_hidden(self, h: torch.Tensor) -> torch.Tensor:
+    def _ltv_hidden(self, h: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if self._ltv is None or self._ltv.kind != "hidden" or h.shape[0] == 0:
             return h
-        return (h.float() + self._ltv_delta(h)).to(h.dtype)
+        delta = self._ltv_delta(h)
+        if mask is not None:  # the rows whose request's step policy shifts this step
+            delta = delta * mask
+        return (h.float() + delta).to(h.dtype)
 
     def load_weights(self, weights):
         loaded = super().load_weights(weights)  # type: ignore[misc]
@@ -116,9 +120,15 @@ class LTVMixin:
         self._ltv = None  # nothing left to do at run time
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = super().compute_logits(self._ltv_hidden(hidden_states))  # type: ignore[misc]
+        # this step's per-request step policy (`steps`), taken on the main call only
+        mask = (take_step_mask(hidden_states.shape[0], hidden_states.device)
+                if self._ltv is not None else None)
+        logits = super().compute_logits(  # type: ignore[misc]
+            self._ltv_hidden(hidden_states, mask))
         if logits is not None and self._ltv is not None and self._ltv.kind == "logit":
             delta = self._ltv_delta(hidden_states)
+            if mask is not None:
+                delta = delta * mask
             logits[..., : delta.shape[-1]] += delta.to(logits.dtype)
         return logits
 
