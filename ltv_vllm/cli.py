@@ -802,6 +802,10 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
 @click.option("--lora-rank", type=int, default=None,
               help="Multi-task mode: cut every adapter to rank R (cheaper LoRA serving; "
                    "see export-lora --rank) [default: full rank].")
+@click.option("--shift-steps", default=None,
+              help="Fused mode: which generated tokens are shifted when a request names none "
+                   "(its vllm_xargs ltv_steps): all, first, or the first N [default: the "
+                   "vector's meta.shift_steps (extract records first), else all].")
 @click.option("--dry-run", is_flag=True,
               help="Check everything, print the vLLM command and exit; writes nothing.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
@@ -809,8 +813,9 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
 def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | None,
           max_tasks: int, compile_threads: int, max_body_mib: int, host: str, port: int,
           dtype: str,
-          max_model_len: int | None, fold: bool, lora_rank: int | None, dry_run: bool,
-          vllm_args: tuple[str, ...]) -> None:
+          max_model_len: int | None, fold: bool, lora_rank: int | None,
+          shift_steps: str | None,
+          dry_run: bool, vllm_args: tuple[str, ...]) -> None:
     """Start vLLM's OpenAI-compatible server with task vectors (extra args go to vLLM).
 
     On the CPU backend the engine runs eager (--enforce-eager) unless you pass a compilation
@@ -822,6 +827,7 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | No
         task_store = str(default_store(model_spec))
     plan = plan_server(ServeOptions(model_spec, vectors, host=host, port=port, dtype=dtype,
                                     max_model_len=max_model_len, fold=fold, lora_rank=lora_rank,
+                                    shift_steps=shift_steps,
                                     vllm_args=vllm_args, task_store=task_store,
                                     max_tasks=max_tasks, compile_threads=compile_threads,
                                     max_body_mib=max_body_mib))

@@ -109,6 +109,7 @@ def test_cli_extract_inspect_evaluate(tmp_path, model_dir, task_file):
     assert tv.meta["task"]["name"] == "toy" and tv.meta["seed"] == 0
     pv = tv.provenance  # typed: what ran, in which precision, on which hardware
     assert (pv.k_used, pv.n, pv.seed, pv.method) == (4, 16, 0, "ltv")
+    assert pv.shift_steps == "first"  # what a server shifts by default (docs/serving.md)
     assert pv.dtype == "float32"  # a float32 checkpoint stays float32 under --dtype auto
     assert pv.hardware["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert "float32 on CPU" in r.output  # the timing line names the dtype and the hardware

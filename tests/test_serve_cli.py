@@ -162,3 +162,45 @@ def test_server_settings_travel_whole_and_default_in_one_place():
     o = ServeOptions(None, ("v.pt",))
     assert (o.max_tasks, o.compile_threads, o.max_body_mib << 20) == (
         ServerSettings.max_tasks, ServerSettings.compile_threads, ServerSettings.max_body)
+
+
+def test_shift_steps_default_and_its_refusals(setup, monkeypatch):
+    """`--shift-steps first`: the fused engine gets the default through its overrides and the
+    step-policy processor; where no policy can apply (folded, multi-task) or the value is
+    not a policy, one line and exit 1."""
+    tmp, good, _ = setup
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    base = ["serve", "--model", str(tmp / "m"), "--dry-run"]
+    r = CliRunner().invoke(main, [*base, "--task-vector", str(good), "--shift-steps", "first"])
+    assert r.exit_code == 0, r.output
+    overrides = json.loads(r.output.split("--hf-overrides ")[1].split("' ")[0].strip("'"))
+    assert overrides["ltv_shift_steps"] == "first"
+    assert "--logits-processors ltv_vllm.serving.vllm_ext.steps:LTVStepPolicy" in r.output
+    r = CliRunner().invoke(main, [*base, "--task-vector", str(good)])
+    assert "ltv_shift_steps" not in r.output  # "all", as before
+    for extra, message in ((["--task-vector", str(good), "--fold", "--shift-steps", "1"],
+                            "needs one fused task vector"),
+                           (["--task-vector", f"a={good}", "--shift-steps", "first"],
+                            "needs one fused task vector"),
+                           (["--task-vector", str(good), "--shift-steps", "most"],
+                            "--shift-steps must be")):
+        r = CliRunner().invoke(main, [*base, *extra])
+        assert r.exit_code == 1 and message in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1
+    r = CliRunner().invoke(main, [*base, "--task-vector", f"a={good}"])
+    assert "--logits-processors ltv_vllm.serving.vllm_ext.steps:LTVStepsRefused" in r.output
+    # the vector's own recommendation (what `extract` records) is the default; the flag wins
+    from dataclasses import replace
+
+    from ltv_vllm.core.vector import load_task_vector
+
+    tv = load_task_vector(good)
+    first = replace(tv, provenance=replace(tv.provenance, shift_steps="first")).save(
+        tmp / "first.pt")
+    r = CliRunner().invoke(main, [*base, "--task-vector", str(first)])
+    assert r.exit_code == 0 and '"ltv_shift_steps": "first"' in r.output, r.output
+    r = CliRunner().invoke(main, [*base, "--task-vector", str(first), "--shift-steps", "all"])
+    assert r.exit_code == 0 and "ltv_shift_steps" not in r.output
+    bad = replace(tv, provenance=replace(tv.provenance, shift_steps="most")).save(tmp / "bad.pt")
+    r = CliRunner().invoke(main, [*base, "--task-vector", str(bad)])
+    assert r.exit_code == 1 and "meta.shift_steps 'most' is not a step policy" in r.output

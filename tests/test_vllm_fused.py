@@ -70,7 +70,9 @@ def engines(served, logit_vector, kernel_vector, served_qwen2, soft, tmp_path_fa
             *(classify_job(f"bf16-{k}", soft[0], p, SOFT_TEXTS, "bfloat16")
               for k, (_tv, p) in soft[3].items()),
             {"key": "pp-fold", "kind": "pp_fold", "vector": str(path)},
-            {**generate_job("steps", d, str(path), 4), "steps": STEP_POLICIES}]
+            {**generate_job("steps", d, str(path), 4), "steps": STEP_POLICIES},
+            {**generate_job("steps-default", d, str(path), 4), "steps": [None, "all", 0],
+             "shift_steps": "first"}]
     return run_batch(jobs, tmp_path_factory.mktemp("jobs"))
 
 
@@ -208,14 +210,30 @@ def test_step_policy_per_request_shifts_exactly_its_steps(served, tokenizer, eng
     greedy tokens and logprobs are a greedy loop's that shifts exactly the policy's steps: the
     vector's distribution at a shifted step, the bare model's at the others (the shift touches
     the LM head's input only, so earlier steps never change a later step's states)."""
-    from ltv_vllm.serving.vllm_ext.steps import parse_steps
-
     _d, model, tv, _path = served
-    out = engines["steps"]["outputs"]
-    assert len(out) == len(PROMPTS) * len(STEP_POLICIES)
+    check_step_policies(engines["steps"]["outputs"], STEP_POLICIES, "all", model, tokenizer, tv)
+
+
+def test_server_default_step_policy_applies_where_a_request_names_none(served, tokenizer,
+                                                                       engines):
+    """An engine started with `shift_steps="first"` (`serve --shift-steps first`): a request
+    without `ltv_steps` is shifted at its first token only; one that names a policy gets its
+    own."""
+    _d, model, tv, _path = served
+    check_step_policies(engines["steps-default"]["outputs"], [None, "all", 0], "first", model,
+                        tokenizer, tv)
+
+
+def check_step_policies(out, policies, default, model, tokenizer, tv) -> None:
+    from ltv_vllm.serving.step_policy import parse_steps
+
+    """The batch holds each prompt under each of `policies` (None: the request names none,
+    so `default` applies); each request is checked against the greedy loop that shifts
+    exactly its steps."""
+    assert len(out) == len(PROMPTS) * len(policies)
     for i, res in enumerate(out):
-        prompt, policy = PROMPTS[i // len(STEP_POLICIES)], STEP_POLICIES[i % len(STEP_POLICIES)]
-        n = None if policy is None else parse_steps(policy)
+        prompt, policy = PROMPTS[i // len(policies)], policies[i % len(policies)]
+        n = parse_steps(default if policy is None else policy)
         n_prompt = len(tokenizer(prompt)["input_ids"])
         shifted = reference_logprobs(model, tokenizer, prompt, res["token_ids"], tv)
         plain = reference_logprobs(model, tokenizer, prompt, res["token_ids"], None)
@@ -226,7 +244,8 @@ def test_step_policy_per_request_shifts_exactly_its_steps(served, tokenizer, eng
                 assert abs(v - float(row[int(tok)])) < 1e-4, (policy, step, tok)
     # the policies really differ here: at every step the shifted and bare distributions of
     # the first prompt are told apart (so a mask on the wrong rows or steps fails above)
-    first = {STEP_POLICIES[i]: r for i, r in enumerate(out[:len(STEP_POLICIES)])}
+    first = {policies[i]: r for i, r in enumerate(out[:len(policies)])}
+    assert len(first["all"]["logprobs"]) == 4
     for step in range(4):
         a, b = first["all"]["logprobs"][step], first[0]["logprobs"][step]
         assert max(abs(v - b[t]) for t, v in a.items() if t in b) > 1e-2, step

@@ -97,7 +97,10 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
                                       max_model_len=settings.max_model_len, fold=fold)
                 return [*args, *flags]
 
-            out.append(Engine(f"{mode}[{task}]", {**engine_kwargs(model, vec, fold=fold), **common},
+            # every generated token shifted in every mode (the folded head can do no other):
+            # the modes' costs and answers stay comparable
+            out.append(Engine(f"{mode}[{task}]", {**engine_kwargs(model, vec, fold=fold,
+                                                                  shift_steps="all"), **common},
                               fused, [[request(wl, q, icl=False, model=task) for q in qs]]))
         return out
 

@@ -112,7 +112,14 @@ def _num_layers(cfg: Any) -> int | None:
 
 
 _INT_FIELDS = ("k", "k_used", "n", "seed", "n_test", "metrics_rank")
-_STR_FIELDS = ("method", "episode", "ridge_form", "dtype", "package_version")
+_STR_FIELDS = ("method", "episode", "ridge_form", "dtype", "package_version", "shift_steps")
+
+# What an extracted vector recommends its server shift: the first generated token only. At
+# every token a classification vector turns free text into label runs (trec " Ab Ab Ab ...")
+# and a regression vector into dash or digit runs; at the first it answers like ICL and then
+# writes on as the model would (benchmarks/results/step_policy_smollm2-135m: 84-99 % clean
+# answers; docs/regression.md: every answer parses).
+DEFAULT_SHIFT_STEPS = "first"
 _DICT_FIELDS = ("task", "hardware", "timings", "source_model", "source_load", "metrics",
                 "engine")
 
@@ -162,6 +169,8 @@ class Provenance:
     source_load: dict[str, Any] | None = None   # transfer: how the source was loaded
     engine: dict[str, Any] | None = None        # what captured the states: name, version,
     #                                             dtype, tensor/pipeline parallel sizes
+    shift_steps: str | None = None  # the generated tokens a server shifts by default:
+    #                                 "first" | "all" | "N" (None: older files, "all")
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -31,6 +31,7 @@ import torch
 from ltv_vllm import __version__
 from ltv_vllm.core.fileio import atomic_write
 from ltv_vllm.core.metrics import parse_number, pearson, regression_scores, spearman
+from ltv_vllm.core.vector import DEFAULT_SHIFT_STEPS
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.evaluation import evaluate
 from ltv_vllm.evaluation.evaluate import (
@@ -280,7 +281,8 @@ def extract_regression(lm: LoadedModel, task: RegressionTask, opts: ExtractOptio
     tv, secs = arts[method], ext[method]  # extracted once, by the scoring
     metrics = {m: {key: v for key, v in sc.items() if key != "texts"} for m, sc in scores.items()}
     tv = replace(tv, provenance=replace(tv.provenance, k=k, metrics=metrics,
-                                        timings={"extraction_seconds": secs}))
+                                        timings={"extraction_seconds": secs},
+                                        shift_steps=DEFAULT_SHIFT_STEPS))
     return tv, metrics
 
 

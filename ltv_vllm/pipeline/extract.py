@@ -22,7 +22,7 @@ import torch
 from ltv_vllm import __version__
 from ltv_vllm.core.metrics import accuracy, d_ntp
 from ltv_vllm.core.ridge import Factors, truncate
-from ltv_vllm.core.vector import ModelIdentity, Provenance, TaskVector
+from ltv_vllm.core.vector import DEFAULT_SHIFT_STEPS, ModelIdentity, Provenance, TaskVector
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.extraction.capture import Capturer, full_head
 from ltv_vllm.extraction.states import PromptStates
@@ -311,9 +311,10 @@ def extract(
     if isinstance(lm, CapturedModel):
         timings["engine_start_seconds"] = lm.startup_seconds
     art = sc.artifacts[method]
+    vector = isinstance(art, TaskVector)
     prov = replace(art.provenance, k=opts.k_for(task), n=opts.n, metrics=sc.metrics,
-                   timings=timings,
-                   metrics_rank=art.rank if isinstance(art, TaskVector) else None)
+                   timings=timings, metrics_rank=art.rank if vector else None,
+                   shift_steps=DEFAULT_SHIFT_STEPS if vector else None)
     return Extraction(method, replace(art, provenance=prov), sc.metrics, timings,
                       dict(sc.params.get(method, {})), episode, sc.logits)
 
@@ -341,6 +342,7 @@ def _transfer_provenance(lm: LoadedModel, episode: Episode, res: TransferResult,
         timings=res.timings,
         source_model=source.identity.to_dict(),
         source_load={k: v for k, v in source.load.items() if v is not None},
+        shift_steps=DEFAULT_SHIFT_STEPS,
         extra={"lam_loo": res.factors.loo.to_dict()} if res.factors.loo is not None else {},
     )
 

@@ -89,7 +89,8 @@ def run_generation_job(job: dict[str, Any]) -> dict[str, Any]:
 
     from ltv_vllm.serving.serve import engine_kwargs
 
-    kwargs = (engine_kwargs(job["model"], job["vector"]) if job.get("vector")
+    # every generated token shifted, as the transformers generation it is compared with
+    kwargs = (engine_kwargs(job["model"], job["vector"], shift_steps="all") if job.get("vector")
               else {"model": job["model"]})
     t0 = time.perf_counter()
     llm = LLM(**kwargs, dtype=job["dtype"], max_model_len=job["max_model_len"],

@@ -19,6 +19,7 @@ from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.checkpoint import identity_from_dir
 from ltv_vllm.serving.settings import ServerSettings
+from ltv_vllm.serving.step_policy import DEFAULT_KEY, parse_steps
 
 
 def base_architecture(model_dir: str | Path) -> str:
@@ -48,7 +49,7 @@ def wrapper_architecture(model_dir: str | Path) -> str:
 
 
 def _fused_overrides(
-    model_dir: str | Path, vector_path: str | Path, fold: bool
+    model_dir: str | Path, vector_path: str | Path, fold: bool, shift_steps: str | None = None
 ) -> tuple[dict[str, Any], TaskVector]:
     vector_path = Path(vector_path).resolve()
     if vector_path.suffix == ".safetensors" and vector_path.parent == Path(model_dir).resolve():
@@ -69,17 +70,44 @@ def _fused_overrides(
     }
     if fold:
         overrides["ltv_fold"] = True
+    if shift_steps is None and not fold:  # the vector's own recommendation (older: all)
+        shift_steps = tv.provenance.shift_steps or "all"
+        try:
+            parse_steps(shift_steps)
+        except ValueError:
+            raise VectorError(f"{vector_path.name}: meta.shift_steps {shift_steps!r} is not a "
+                              "step policy (all, first or a count)") from None
+    if shift_steps not in (None, "all"):  # the policy of requests that name none (`steps`)
+        overrides[DEFAULT_KEY] = shift_steps
     return overrides, tv
 
 
 def engine_kwargs(
-    model_dir: str | Path, vector_path: str | Path, *, fold: bool = False
+    model_dir: str | Path, vector_path: str | Path, *, fold: bool = False,
+    shift_steps: str | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` / `EngineArgs` serving `model_dir` with the vector
-    fused (or, with `fold`, folded into the LM-head weight at load)."""
-    overrides, _ = _fused_overrides(model_dir, vector_path, fold)
+    fused (or, with `fold`, folded into the LM-head weight at load); `shift_steps`: the step
+    policy of requests that name none (None: the vector's `meta.shift_steps`, else all)."""
+    check_shift_steps(shift_steps, fused=not fold)
+    overrides, _ = _fused_overrides(model_dir, vector_path, fold, shift_steps)
     return {"model": str(model_dir), "hf_overrides": overrides,
             "logits_processors": [step_processor(per_request=not fold)]}
+
+
+def check_shift_steps(shift_steps: str | None, *, fused: bool) -> None:
+    """`--shift-steps`: a policy the server can apply (one fused vector, not folded); None
+    (not given) leaves it to the vector file."""
+    if shift_steps is None:
+        return
+    try:
+        parse_steps(shift_steps)
+    except ValueError:
+        raise ArgumentError(f"--shift-steps must be all, first or a count ≥ 0, got "
+                            f"{shift_steps!r}") from None
+    if shift_steps != "all" and not fused:
+        raise ArgumentError("--shift-steps needs one fused task vector served without --fold "
+                            "(a folded head and LoRA adapters shift every token)")
 
 
 def step_processor(per_request: bool) -> str:
@@ -215,6 +243,7 @@ class ServeOptions:
     max_model_len: int | None = None
     fold: bool = False
     lora_rank: int | None = None
+    shift_steps: str | None = None  # requests naming no policy (fused; None: the vector's)
     vllm_args: tuple[str, ...] = ()
     task_store: str | None = None       # serve its entries; compile / upload more at runtime
     # the server's own settings: defaults in one place (`settings.ServerSettings`)
@@ -242,6 +271,9 @@ class ServeOptions:
             raise ArgumentError("a task store lives in one API-server process: drop "
                                 "--api-server-count (or set it to 1) with --task-store")
         check_pipeline_parallel(_int_arg(self.vllm_args, ("--pipeline-parallel-size", "-pp")))
+        fused = (len(self.vectors) == 1 and "=" not in self.vectors[0]
+                 and self.task_store is None and not self.fold)
+        check_shift_steps(self.shift_steps, fused=fused)
 
 
 def check_pipeline_parallel(pp: int, cuda: bool | None = None) -> None:
@@ -333,6 +365,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     args, lora = server_args(model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest,
                              served_name=spec, host=opts.host, port=opts.port, dtype=opts.dtype,
                              max_model_len=opts.max_model_len, fold=opts.fold,
+                             shift_steps=opts.shift_steps,
                              lora_rank_cap=opts.lora_rank, store=store,
                              max_tasks=opts.max_tasks)
     extra = list(opts.vllm_args)
@@ -371,6 +404,7 @@ def server_args(
     dtype: str = "auto",
     max_model_len: int | None = None,
     fold: bool = False,
+    shift_steps: str | None = None,
     lora_rank_cap: int | None = None,
     store: dict[str, Path] | None = None,
     max_tasks: int = 8,
@@ -404,7 +438,7 @@ def server_args(
         if lora_rank_cap is not None:
             raise VectorError("a LoRA rank applies to multi-task serving (name=path vectors), "
                               "not to one fused vector")
-        overrides, tv = _fused_overrides(model_dir, vectors[""], fold)
+        overrides, tv = _fused_overrides(model_dir, vectors[""], fold, shift_steps)
         args += ["--hf-overrides", json.dumps(overrides),
                  "--logits-processors", step_processor(per_request=not fold),
                  "--served-model-name", tv.task_name, served_name,

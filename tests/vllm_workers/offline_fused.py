@@ -79,7 +79,8 @@ def pp_stage_fold(vector: str) -> dict:
 
 
 def generate(model_dir: str, vector: str, prompts: list[str], max_tokens: int, tp: int = 1,
-             check: str = "", steps: list | None = None) -> dict:
+             check: str = "", steps: list | None = None,
+             shift_steps: str | None = None) -> dict:
     """One engine: greedy logprobs of `prompts` (+ the `local` or `fold` per-rank checks)."""
     from vllm import LLM, SamplingParams
 
@@ -89,7 +90,8 @@ def generate(model_dir: str, vector: str, prompts: list[str], max_tokens: int, t
         kwargs = {"model": model_dir}
     else:
         fold = vector.startswith("fold:")
-        kwargs = engine_kwargs(model_dir, vector.removeprefix("fold:"), fold=fold)
+        kwargs = engine_kwargs(model_dir, vector.removeprefix("fold:"), fold=fold,
+                               shift_steps=shift_steps)
     llm = LLM(**kwargs, dtype="float32", enforce_eager=True, max_model_len=512,
               gpu_memory_utilization=0.5, seed=0, tensor_parallel_size=tp)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5,

@@ -2,7 +2,7 @@
 
 A request sets it with `vllm_xargs` (`SamplingParams.extra_args`):
 
-    {"ltv_steps": "all"}     every generated token (the default: what fused serving always did)
+    {"ltv_steps": "all"}     every generated token (the default unless `serve --shift-steps`)
     {"ltv_steps": "first"}   the first generated token only (same as 1)
     {"ltv_steps": n}         the first n generated tokens (0: none, the bare model)
 
@@ -33,21 +33,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-STEPS_KEY = "ltv_steps"
-ALL = None  # the policy "every step"
-
-
-def parse_steps(value: Any) -> int | None:
-    """`ltv_steps` → the number of leading generated tokens shifted (None: all)."""
-    if value == "all":
-        return ALL
-    if value == "first":
-        return 1
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{STEPS_KEY} must be 'all', 'first' or a count ≥ 0, got {value!r}")
-    return value
+from ltv_vllm.serving.step_policy import ALL, DEFAULT_KEY, STEPS_KEY, parse_steps
 
 
 class _Plan:
@@ -90,6 +76,9 @@ class LTVStepPolicy(LogitsProcessor):
                  is_pin_memory: bool) -> None:  # noqa: ARG002 - signature
         self.rows: dict[int, tuple[int | None, list[int]]] = {}  # slot → (n, output ids)
         self.batch_size = 0
+        # the server's default for requests that name none (`serve --shift-steps`)
+        hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+        self.default = parse_steps(getattr(hf, DEFAULT_KEY, "all"))
         PLAN.source = self  # one input batch per worker process
 
     def is_argmax_invariant(self) -> bool:
@@ -101,7 +90,8 @@ class LTVStepPolicy(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         def policy(params: SamplingParams, _prompt: Any, out: list[int]) -> Any:
             args = params.extra_args or {}
-            return (parse_steps(args[STEPS_KEY]), out) if STEPS_KEY in args else None
+            n = parse_steps(args[STEPS_KEY]) if STEPS_KEY in args else self.default
+            return None if n is ALL else (n, out)  # no entry: every step
 
         process_dict_updates(self.rows, batch_update, policy)
         if batch_update is not None:
