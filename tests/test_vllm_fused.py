@@ -85,6 +85,8 @@ def engines_tp2(served, logit_vector, kernel_vector, tmp_path_factory):
     code, and every TP=2 kind already runs the bare model under its shift."""
     jobs = [j for j in fused_jobs(served, logit_vector, kernel_vector)
             if j["key"] not in ("plain", "kernel")]
+    # the step policy: each rank's processor tracks the same requests and masks the same rows
+    jobs.append({**generate_job("steps", served[0], str(served[3]), 4), "steps": STEP_POLICIES})
     return run_batch(jobs, tmp_path_factory.mktemp("jobs-tp2"), tp=2)
 
 
@@ -212,6 +214,16 @@ def test_step_policy_per_request_shifts_exactly_its_steps(served, tokenizer, eng
     the LM head's input only, so earlier steps never change a later step's states)."""
     _d, model, tv, _path = served
     check_step_policies(engines["steps"]["outputs"], STEP_POLICIES, "all", model, tokenizer, tv)
+
+
+def test_step_policy_at_tp2_equals_tp1(served, tokenizer, engines, engines_tp2):
+    """Tensor parallelism 2: the same policies, the same tokens as TP 1, each step checked
+    against the greedy loop as at TP 1."""
+    _d, model, tv, _path = served
+    out = engines_tp2["steps"]["outputs"]
+    check_step_policies(out, STEP_POLICIES, "all", model, tokenizer, tv)
+    assert [r["token_ids"] for r in out] == [r["token_ids"]
+                                             for r in engines["steps"]["outputs"]]
 
 
 def test_server_default_step_policy_applies_where_a_request_names_none(served, tokenizer,
