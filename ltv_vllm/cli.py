@@ -399,6 +399,10 @@ class CaptureFlags:
                                 "capture itself")
         named = {k: extra.pop(k) for k in ("max_model_len", "enforce_eager",
                                             "enable_prefix_caching") if k in extra}
+        if not self.dry_run:  # a plan may name GPUs this machine lacks; a run may not
+            from ltv_vllm.serving.serve import check_pipeline_parallel
+
+            check_pipeline_parallel(self.pipeline_parallel_size)
         return CaptureEngine(dtype=dtype, tensor_parallel_size=self.tensor_parallel_size,
                              pipeline_parallel_size=self.pipeline_parallel_size,
                              distributed_executor_backend=self.distributed_executor_backend,
@@ -600,7 +604,7 @@ def _print_plan(model_spec: str | None, episodes: list[Any], engine: Any,
     """`--engine vllm --dry-run`: the plan from config.json (and the index) for capturing
     `episodes`, printed; refused in one line when it does not fit."""
     from ltv_vllm.models.loading import load_tokenizer, local_model_dir
-    from ltv_vllm.models.plan import PlanError, describe
+    from ltv_vllm.models.plan import describe, require_fit
     from ltv_vllm.serving.capture import plan_capture
 
     path = local_model_dir(model_spec or "smollm2-135m")
@@ -618,11 +622,15 @@ def _print_plan(model_spec: str | None, episodes: list[Any], engine: Any,
     if estimated:
         click.echo("  (no tokenizer in the directory: token counts estimated at 4 characters "
                    "a token)")
-    if not plan.fits:
-        raise PlanError(f"the plan does not fit: {plan.need_per_device / 2**30:.1f} GiB per "
-                        f"device, {plan.budget_bytes_per_device / 2**30:.1f} GiB usable; "
-                        "raise --tensor-parallel-size / --pipeline-parallel-size")
+    require_fit(plan)
     click.echo("(dry run: nothing loaded, nothing written)")
+
+
+def _announce(what: str, engine: Any, work: str, quiet: bool) -> None:
+    if not quiet:
+        click.echo(f"capturing {what} on vLLM (TP {engine.tensor_parallel_size} × PP "
+                   f"{engine.pipeline_parallel_size}, {engine.dtype}); engine log in {work}",
+                   err=True)
 
 
 def _source_on_vllm(source: Any, episodes: list[Any], engine: Any, capture: CaptureFlags,
@@ -632,22 +640,14 @@ def _source_on_vllm(source: Any, episodes: list[Any], engine: Any, capture: Capt
     import tempfile
     from dataclasses import replace
 
-    from ltv_vllm.models.plan import PlanError
     from ltv_vllm.pipeline.extract import prefetch_source
-    from ltv_vllm.serving.capture import capture_states, plan_capture
-    from ltv_vllm.serving.serve import check_pipeline_parallel
+    from ltv_vllm.serving.capture import capture_states, check_run
 
-    check_pipeline_parallel(engine.pipeline_parallel_size)
     engine = replace(engine, dtype=source.load["dtype"])  # the store's key holds this dtype
-    plan, _, _ = plan_capture(source.path, episodes, engine, devices=capture.devices,
-                              device_gib=capture.device_gib, full_head=True)
-    if not plan.fits:
-        raise PlanError("the source's capture does not fit the devices (see `--dry-run`)")
+    check_run(source.path, episodes, engine, devices=capture.devices,
+              device_gib=capture.device_gib, full_head=True)
     with tempfile.TemporaryDirectory(prefix="ltv-vllm-capture-") as work:
-        if not quiet:
-            click.echo(f"capturing the source on vLLM (TP {engine.tensor_parallel_size} × PP "
-                       f"{engine.pipeline_parallel_size}, {engine.dtype}); engine log in {work}",
-                       err=True)
+        _announce("the source", engine, work, quiet)
         n = prefetch_source(source, episodes, lambda prompts: capture_states(
             source.path, prompts, engine, Path(work))[0])
     if not quiet:
@@ -662,23 +662,14 @@ def _capture_on_vllm(model_spec: str | None, episodes: list[Any], engine: Any,
     import tempfile
 
     from ltv_vllm.models.loading import local_model_dir
-    from ltv_vllm.models.plan import PlanError
-    from ltv_vllm.serving.capture import captured_model, plan_capture
-    from ltv_vllm.serving.serve import check_pipeline_parallel
+    from ltv_vllm.serving.capture import captured_model, check_run
 
     spec = model_spec or "smollm2-135m"
-    check_pipeline_parallel(engine.pipeline_parallel_size)
     path = local_model_dir(spec)
     engine = _vllm_engine(engine, path)
-    plan, _, _ = plan_capture(path, episodes, engine, devices=capture.devices,
-                              device_gib=capture.device_gib)
-    if not plan.fits:
-        raise PlanError("the capture does not fit the devices (see `--dry-run`)")
+    check_run(path, episodes, engine, devices=capture.devices, device_gib=capture.device_gib)
     with tempfile.TemporaryDirectory(prefix="ltv-vllm-capture-") as work:
-        if not quiet:
-            click.echo(f"capturing on vLLM (TP {engine.tensor_parallel_size} × PP "
-                       f"{engine.pipeline_parallel_size}, {engine.dtype}); engine log in {work}",
-                       err=True)
+        _announce("the model", engine, work, quiet)
         lm, rep = captured_model(spec, path, episodes, engine, Path(work))
     if not quiet and rep["icl_prompts"]:
         held = rep["icl_cached_tokens"] / max(1, rep["icl_prompts"] * rep["prefix_tokens"])

@@ -235,3 +235,27 @@ def test_a_transfer_sources_dry_run_plans_its_whole_head_on_the_host(tmp_path):
     assert "all rows, float32" in r.output and '"tensor_parallel_size": 4' in r.output
     r = CliRunner().invoke(main, ["extract", "--task", str(task), "--dry-run"])
     assert r.exit_code == 1 and "--dry-run plans an --engine vllm" in r.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "vllm", "-pp", "2"], "does not run on vLLM's CPU backend"),
+    (["--engine", "vllm", "-tp", "0"], "--tensor-parallel-size must be at least 1"),
+    (["--engine", "vllm", "--engine-arg", "enforce_eager"], "KEY=VALUE"),
+    (["--engine", "vllm", "--engine-arg", "runner=generate"], "set by its own flag"),
+    (["-tp", "2"], "need --engine vllm or --source-engine vllm"),
+    (["--engine", "vllm", "--device", "cuda"], "places the model itself"),
+])
+def test_bad_vllm_engine_arguments_are_one_line_before_any_load(tmp_path, monkeypatch, args,
+                                                                message):
+    """Refused on the arguments alone: the model named does not even exist. (As on a CPU
+    machine: on GPUs pipeline parallelism is vLLM's to run.)"""
+    import torch
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = CliRunner().invoke(main, ["extract", "--model", str(tmp_path / "none"), "--task",
+                                  "sst2", *args])
+    assert r.exit_code == 1 and message in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1

@@ -280,3 +280,11 @@ def plan_table(shapes: dict[str, Shape], gpus: tuple[int, ...], req: PlanRequest
                 f"{p.head_bytes / 2**10:.0f} KiB | "
                 f"{full.head_bytes / GIB:.2f} GiB | {'yes' if p.fits else 'no'} |")
     return "\n".join(lines)
+
+
+def require_fit(plan: Plan) -> None:
+    """Refuse, in one line, a plan whose devices cannot hold it."""
+    if not plan.fits:
+        raise PlanError(f"the plan does not fit: {plan.need_per_device / GIB:.1f} GiB per "
+                        f"device, {plan.budget_bytes_per_device / GIB:.1f} GiB usable; raise "
+                        "--tensor-parallel-size / --pipeline-parallel-size (see --dry-run)")

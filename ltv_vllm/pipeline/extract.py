@@ -169,12 +169,13 @@ def capture_episode(
 
 
 def episode_prompts(episode: Episode) -> list[str]:
-    """Every prompt `capture_episode` asks for (train and test, zero-shot and ICL), once each:
-    what an engine that captures ahead of the pipeline (`--engine vllm`) is sent."""
-    task = episode.task
-    prefix = episode.demo_prefix()
-    queries = [task.query(e.text) for e in (*episode.queries, *episode.test)]
-    return list(dict.fromkeys([*queries, *(prefix + q for q in queries)]))
+    """Every prompt `capture_episode` asks for (train and test, zero-shot and ICL), once each,
+    learnt by running it against a recorder: what an engine that captures ahead of the
+    pipeline (`--engine vllm`) is sent."""
+    rec = CallRecorder()
+    capture_episode(rec, episode)
+    return list(dict.fromkeys(context + p for _, context, prompts in rec.calls
+                              for p in prompts))
 
 
 def episode_labels(episode: Episode) -> torch.Tensor:

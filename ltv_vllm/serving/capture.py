@@ -28,7 +28,15 @@ from ltv_vllm.errors import UserError
 from ltv_vllm.extraction.states import PromptStates
 from ltv_vllm.models.checkpoint import identity_from_dir
 from ltv_vllm.models.hardware import resolve_for_model
-from ltv_vllm.models.plan import GIB, Plan, PlanRequest, check_index, make_plan, read_shape
+from ltv_vllm.models.plan import (
+    GIB,
+    Plan,
+    PlanRequest,
+    check_index,
+    make_plan,
+    read_shape,
+    require_fit,
+)
 from ltv_vllm.pipeline.extract import CapturedModel, episode_prompts
 from ltv_vllm.serving.jobs import job_main, run_job
 from ltv_vllm.tasks.data import Episode
@@ -221,6 +229,18 @@ def plan_capture(model_dir: str, episodes: Sequence[Episode], engine: CaptureEng
                       max_model_len=engine.max_model_len or prefix + longest)
     plan = make_plan(shape, req)
     return plan, req, tokenizer is None
+
+
+def check_run(model_dir: str, episodes: Sequence[Episode], engine: CaptureEngine, *,
+              devices: int | None = None, device_gib: float | None = None,
+              full_head: bool = False) -> None:
+    """Before a capture's engine starts: a layout vLLM can run here and a plan that fits."""
+    from ltv_vllm.serving.serve import check_pipeline_parallel
+
+    check_pipeline_parallel(engine.pipeline_parallel_size)
+    plan, _, _ = plan_capture(model_dir, episodes, engine, devices=devices,
+                              device_gib=device_gib, full_head=full_head)
+    require_fit(plan)
 
 
 def _ram_gib() -> float:
