@@ -790,13 +790,18 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--fold", is_flag=True,
               help="Fused mode: fold the shift into the LM-head weight at load (zero cost).")
+@click.option("--multi-task", type=click.Choice(["shift", "lora"]), default=None,
+              help="Multi-task mode: shift each request's rows with its task's vector inside "
+                   "the engine (shift), or serve every task as an lm_head LoRA adapter any "
+                   "stock vLLM can load (lora) [default: shift; lora with --task-store].")
 @click.option("--lora-rank", type=int, default=None,
-              help="Multi-task mode: cut every adapter to rank R (cheaper LoRA serving; "
+              help="--multi-task lora: cut every adapter to rank R (cheaper LoRA serving; "
                    "see export-lora --rank) [default: full rank].")
 @click.option("--shift-steps", default=None,
-              help="Fused mode: which generated tokens are shifted when a request names none "
-                   "(its vllm_xargs ltv_steps): all, first, or the first N [default: the "
-                   "vector's meta.shift_steps (extract records first), else all].")
+              help="Which generated tokens are shifted when a request names none (its "
+                   "vllm_xargs ltv_steps): all, first, or the first N; not with --fold or "
+                   "LoRA [default: each vector's meta.shift_steps (extract records first), "
+                   "else all].")
 @click.option("--dry-run", is_flag=True,
               help="Check everything, print the vLLM command and exit; writes nothing.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
@@ -804,8 +809,8 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
 def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | None,
           max_tasks: int, compile_threads: int, max_body_mib: int, host: str, port: int,
           dtype: str,
-          max_model_len: int | None, fold: bool, lora_rank: int | None,
-          shift_steps: str | None,
+          max_model_len: int | None, fold: bool, multi_task: str | None,
+          lora_rank: int | None, shift_steps: str | None,
           dry_run: bool, vllm_args: tuple[str, ...]) -> None:
     """Start vLLM's OpenAI-compatible server with task vectors (extra args go to vLLM).
 
@@ -818,7 +823,7 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | No
         task_store = str(default_store(model_spec))
     plan = plan_server(ServeOptions(model_spec, vectors, host=host, port=port, dtype=dtype,
                                     max_model_len=max_model_len, fold=fold, lora_rank=lora_rank,
-                                    shift_steps=shift_steps,
+                                    shift_steps=shift_steps, multi_task=multi_task,
                                     vllm_args=vllm_args, task_store=task_store,
                                     max_tasks=max_tasks, compile_threads=compile_threads,
                                     max_body_mib=max_body_mib))

@@ -41,8 +41,23 @@ def test_dry_run_commands(setup, monkeypatch):
         r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
                                       str(good), "--dry-run"])
         assert r.exit_code == 0 and "--enforce-eager" in r.output, r.output
+    # named vectors: per-request tasks by default (every vector in the engine, the task names
+    # served names of the one model, the gate that maps them, the names in the environment)
     r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
                                   f"a={good}", "--task-vector", f"b={good}", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "--enable-lora" not in r.output
+    overrides = json.loads(r.output.split("--hf-overrides ")[1].split("' ")[0].strip("'"))
+    assert json.loads(overrides["ltv_tasks"]) == {
+        n: {"path": str(good.resolve()), "steps": "all"} for n in "ab"}
+    assert f"--served-model-name {tmp / 'm'} a b" in r.output
+    assert "--middleware ltv_vllm.serving.vllm_ext.middleware.TaskGate" in r.output
+    assert "--logits-processors ltv_vllm.serving.vllm_ext.steps:LTVStepPolicy" in r.output
+    assert "LTV_VLLM_TASKS='[\"a\", \"b\"]'" in r.output
+    # --multi-task lora: each vector an lm_head adapter
+    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
+                                  f"a={good}", "--task-vector", f"b={good}", "--dry-run",
+                                  "--multi-task", "lora"])
     assert r.exit_code == 0, r.output
     assert "--enable-lora" in r.output and "--max-loras 3" in r.output
     assert "--middleware ltv_vllm.serving.vllm_ext.middleware.LoraGate" in r.output
@@ -50,7 +65,7 @@ def test_dry_run_commands(setup, monkeypatch):
     # --lora-rank cuts every adapter (W = 2·11ᵀ here has rank 1): a smaller LoRA rank
     r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
                                   f"a={good}", "--task-vector", f"b={good}", "--dry-run",
-                                  "--lora-rank", "1"])
+                                  "--multi-task", "lora", "--lora-rank", "1"])
     assert r.exit_code == 0, r.output
     assert "--max-lora-rank 1" in r.output
     adapter = Path(r.output.split("--lora-modules ")[1].split()[0].split("=", 1)[1])
@@ -61,10 +76,13 @@ def test_dry_run_commands(setup, monkeypatch):
     plan.write()
     assert plan.adapters["a"] == adapter
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 1
-    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector", str(good),
-                                  "--dry-run", "--lora-rank", "4"])
-    assert r.exit_code == 1 and "applies to multi-task serving" in r.output
-    assert len(r.output.strip().splitlines()) == 1
+    for extra, message in (([str(good), "--lora-rank", "4"], "give it with --multi-task lora"),
+                           ([f"a={good}", "--lora-rank", "4"], "give it with --multi-task lora"),
+                           ([f"{tmp / 'm'}={good}"], "has the served model's name")):
+        r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--dry-run",
+                                      "--task-vector", *extra])
+        assert r.exit_code != 0 and message in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output
 
 
 @pytest.mark.parametrize("which,message", [("bad", "was extracted from other"),
@@ -179,16 +197,20 @@ def test_shift_steps_default_and_its_refusals(setup, monkeypatch):
     r = CliRunner().invoke(main, [*base, "--task-vector", str(good)])
     assert "ltv_shift_steps" not in r.output  # "all", as before
     for extra, message in ((["--task-vector", str(good), "--fold", "--shift-steps", "1"],
-                            "needs one fused task vector"),
-                           (["--task-vector", f"a={good}", "--shift-steps", "first"],
-                            "needs one fused task vector"),
+                            "needs per-request shifts"),
+                           (["--task-vector", f"a={good}", "--multi-task", "lora",
+                             "--shift-steps", "first"], "needs per-request shifts"),
                            (["--task-vector", str(good), "--shift-steps", "most"],
                             "--shift-steps must be")):
         r = CliRunner().invoke(main, [*base, *extra])
         assert r.exit_code == 1 and message in r.output, r.output
         assert len(r.output.strip().splitlines()) == 1
-    r = CliRunner().invoke(main, [*base, "--task-vector", f"a={good}"])
+    r = CliRunner().invoke(main, [*base, "--task-vector", f"a={good}", "--multi-task", "lora"])
     assert "--logits-processors ltv_vllm.serving.vllm_ext.steps:LTVStepsRefused" in r.output
+    # per-request tasks: --shift-steps is every task's default; without it each vector's own
+    r = CliRunner().invoke(main, [*base, "--task-vector", f"a={good}", "--shift-steps", "2"])
+    assert r.exit_code == 0, r.output
+    assert '\\"steps\\": \\"2\\"' in r.output.replace('\\\\', '\\'), r.output
     # the vector's own recommendation (what `extract` records) is the default; the flag wins
     from dataclasses import replace
 
@@ -199,6 +221,11 @@ def test_shift_steps_default_and_its_refusals(setup, monkeypatch):
         tmp / "first.pt")
     r = CliRunner().invoke(main, [*base, "--task-vector", str(first)])
     assert r.exit_code == 0 and '"ltv_shift_steps": "first"' in r.output, r.output
+    r = CliRunner().invoke(main, [*base, "--task-vector", f"a={first}", "--task-vector",
+                                  f"b={good}"])
+    overrides = json.loads(r.output.split("--hf-overrides ")[1].split("' ")[0].strip("'"))
+    assert {n: t["steps"] for n, t in json.loads(overrides["ltv_tasks"]).items()} == {
+        "a": "first", "b": "all"}
     r = CliRunner().invoke(main, [*base, "--task-vector", str(first), "--shift-steps", "all"])
     assert r.exit_code == 0 and "ltv_shift_steps" not in r.output
     bad = replace(tv, provenance=replace(tv.provenance, shift_steps="most")).save(tmp / "bad.pt")

@@ -188,7 +188,42 @@ def check_mixed(url: str, served: dict, model, tokenizer) -> None:
                 assert abs(v - float(row[int(key.split(":", 1)[1])])) < 1e-4, (name, step, key)
 
 
+def check_policies(client, model_name: str, tv, model, tokenizer, cases,
+                   xargs: dict | None = None) -> None:
+    """Each (steps, n, stream) of `cases` through the OpenAI client: the request's tokens and
+    logprobs are the greedy loop's that shifts exactly its first n steps with `tv`, streamed
+    or not."""
+    n_prompt = len(tokenizer(PROMPTS[0])["input_ids"])
+    for steps, n, stream in cases:
+        kw = dict(model=model_name, prompt=PROMPTS[0], max_tokens=3, temperature=0.0,
+                  logprobs=5, extra_body={"return_tokens_as_token_ids": True,
+                                          "vllm_xargs": {**(xargs or {}), "ltv_steps": steps}})
+        chunks = (list(client.completions.create(**kw, stream=True)) if stream
+                  else [client.completions.create(**kw)])
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+        tops = [t for c in chunks for t in c.choices[0].logprobs.top_logprobs]
+        assert len(tops) == 3
+        toks = [int(t.split(":", 1)[1]) for t in tokens]
+        shifted = reference_logprobs(model, tokenizer, PROMPTS[0], toks, tv)
+        plain = reference_logprobs(model, tokenizer, PROMPTS[0], toks, None)
+        for step, top in enumerate(tops):
+            row = (shifted if step < n else plain)[n_prompt - 1 + step]
+            for key, v in top.items():
+                assert abs(v - float(row[int(key.split(":", 1)[1])])) < 1e-4, (steps, step)
+
+
+def prefix_hits(url: str) -> float:
+    """vLLM's prefix-cache hit counter (tokens), from /metrics."""
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer x"}).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
 def test_multi_task_server(assets, tokenizer, tmp_path):
+    """Named vectors, per-request tasks (the default): the `model` name chooses the task
+    (or `vllm_xargs.ltv_task` beside the base model's name); each request is shifted by its
+    own vector at its own steps, with the three tasks and the bare model in flight together;
+    tasks share prefix-cache blocks; bad requests are 4xx and the server stays right."""
     d, model, vecs = assets
     proc, url, log = start_server(d, [f"{n}={p}" for n, (_, p) in vecs.items()], tmp_path)
     try:
@@ -199,17 +234,39 @@ def test_multi_task_server(assets, tokenizer, tmp_path):
                  - reference_logprobs(model, tokenizer, PROMPTS[0], [], None))
         assert moved.abs().max() > 1e-2
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        # a step policy per request, per task, streamed or not
+        check_policies(client, "alpha", vecs["alpha"][0], model, tokenizer,
+                       [("first", 1, True), (2, 2, False)])
+        check_policies(client, "gamma", vecs["gamma"][0], model, tokenizer,
+                       [("first", 1, False), (0, 0, True)])
+        # the task as a request field beside the base model's name
+        check_policies(client, str(d), vecs["beta"][0], model, tokenizer, [("all", 3, False)],
+                       xargs={"ltv_task": "beta"})
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="omega", prompt=PROMPTS[0], max_tokens=1)
-        with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
-            client.completions.create(model="alpha", prompt=PROMPTS[0], max_tokens=1,
-                                      extra_body={"prompt_logprobs": 1})
+        for kw, words in (
+                ({"model": "alpha", "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+                ({"model": "alpha", "extra_body": {"vllm_xargs": {"ltv_task": "beta"}}},
+                 "name two tasks"),
+                ({"model": str(d), "extra_body": {"vllm_xargs": {"ltv_task": "omega"}}},
+                 "unknown ltv_task 'omega'"),
+                ({"model": "alpha", "extra_body": {"vllm_xargs": {"ltv_steps": "most"}}},
+                 "ltv_steps must be")):
+            with pytest.raises(openai.BadRequestError, match=words):
+                client.completions.create(prompt=PROMPTS[0], max_tokens=1, **kw)
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="alpha", prompt="word " * 400, max_tokens=1)
-        # LoRA adapters shift every step: a per-request step policy is refused, not ignored
-        with pytest.raises(openai.BadRequestError, match="ltv_steps needs one fused"):
-            client.completions.create(model="alpha", prompt=PROMPTS[0], max_tokens=2,
-                                      extra_body={"vllm_xargs": {"ltv_steps": "first"}})
+        # a route that would answer a task's name with the bare model refuses it
+        r = httpx.post(f"{url}/v1/responses", json={"model": "alpha", "input": "hi"},
+                       headers={"Authorization": "Bearer x"})
+        assert r.status_code == 400 and "is served on /v1/completions" in r.text, r.text
+        # one prompt, two tasks: the second finds the first's KV blocks (LoRA adapters could
+        # not share them: vLLM's prefix-cache key holds the adapter's name)
+        long = "Review: " + "word " * 60 + "\nSentiment:"  # 186 tokens: a whole block
+        client.completions.create(model="alpha", prompt=long, max_tokens=1)
+        before = prefix_hits(url)
+        client.completions.create(model="beta", prompt=long, max_tokens=1)
+        assert prefix_hits(url) - before >= 64, prefix_hits(url) - before
         # still up and still right after the bad requests
         check_mixed(url, {"beta": vecs["beta"][0]}, model, tokenizer)
         # label-restricted classification through the server = transformers' restricted softmax
@@ -234,22 +291,8 @@ def test_fused_server(assets, tokenizer, tmp_path):
         # a request's step policy through the OpenAI API (`vllm_xargs`), streamed or not:
         # shifted at exactly its first n steps
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-        n_prompt = len(tokenizer(PROMPTS[0])["input_ids"])
-        for steps, n, stream in (("first", 1, False), (2, 2, True), (0, 0, False)):
-            kw = dict(model="alpha", prompt=PROMPTS[0], max_tokens=3, temperature=0.0,
-                      logprobs=5, extra_body={"return_tokens_as_token_ids": True,
-                                              "vllm_xargs": {"ltv_steps": steps}})
-            chunks = (list(client.completions.create(**kw, stream=True)) if stream
-                      else [client.completions.create(**kw)])
-            tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
-            tops = [t for c in chunks for t in c.choices[0].logprobs.top_logprobs]
-            toks = [int(t.split(":", 1)[1]) for t in tokens]
-            shifted = reference_logprobs(model, tokenizer, PROMPTS[0], toks, tv)
-            plain = reference_logprobs(model, tokenizer, PROMPTS[0], toks, None)
-            for step, top in enumerate(tops):
-                row = (shifted if step < n else plain)[n_prompt - 1 + step]
-                for key, v in top.items():
-                    assert abs(v - float(row[int(key.split(":", 1)[1])])) < 1e-4, (steps, step)
+        check_policies(client, "alpha", tv, model, tokenizer,
+                       [("first", 1, False), (2, 2, True), (0, 0, False)])
         with pytest.raises(openai.BadRequestError, match="ltv_steps must be"):
             client.completions.create(model="alpha", prompt=PROMPTS[0], max_tokens=2,
                                       extra_body={"vllm_xargs": {"ltv_steps": "most"}})

@@ -173,6 +173,12 @@ def test_task_store_server(assets, tokenizer, tmp_path):
         no_paths(httpx.get(tasks), store.root, d)
         served = {"alpha": store.get("alpha").vector(), "beta": vecs["beta"][0]}
         check_mixed(url, served, model, tokenizer)
+        # LoRA adapters shift every step, chosen by `model`: a per-request policy or task is
+        # refused, not ignored
+        for xargs in ({"ltv_steps": "first"}, {"ltv_task": "beta"}):
+            r = httpx.post(f"{url}/v1/completions", json={
+                "model": "alpha", "prompt": "x", "max_tokens": 1, "vllm_xargs": xargs})
+            assert r.status_code == 400 and "needs the per-request shift" in r.text, r.text
         g = post("gamma", vecs["beta"][1])  # a .pt file (a zip; loaded with weights_only)
         assert g.status_code == 201, g.text
         assert g.json()["name"] == "gamma" and g.json()["served"]

@@ -72,8 +72,44 @@ def engines(served, logit_vector, kernel_vector, served_qwen2, soft, tmp_path_fa
             {"key": "pp-fold", "kind": "pp_fold", "vector": str(path)},
             {**generate_job("steps", d, str(path), 4), "steps": STEP_POLICIES},
             {**generate_job("steps-default", d, str(path), 4), "steps": [None, "all", 0],
-             "shift_steps": "first"}]
+             "shift_steps": "first"},
+            tasks_job(served, logit_vector, kernel_vector, tmp_path_factory)]
     return run_batch(jobs, tmp_path_factory.mktemp("jobs"))
+
+
+# One batch mixing tasks, policies and the bare model on one multi-task engine: each request's
+# `vllm_xargs` (None: the bare model). "lin-first" is the linear vector recording
+# meta.shift_steps "first", so a request naming no policy gets that default.
+TASK_XARGS = [None, {"ltv_task": "lin"}, {"ltv_task": "logit", "ltv_steps": "first"},
+              {"ltv_task": "rbf", "ltv_steps": 2}, {"ltv_task": "lin-first"},
+              {"ltv_task": "lin", "ltv_steps": 0}, {"ltv_task": "logit"}]
+
+
+def tasks_job(served, logit_vector, kernel_vector, tmp_path_factory) -> dict:
+    _d, _model, tv, path = served
+    first = TaskVector(tv.kind, tv.U, tv.V, tv.bias, tv.model, tv.label_token_ids,
+                       {**tv.meta, "shift_steps": "first"})
+    first_path = first.save(tmp_path_factory.mktemp("first") / "first.safetensors")
+    vectors = {"lin": str(path), "logit": str(logit_vector[1]), "rbf": str(kernel_vector[1]),
+               "lin-first": str(first_path)}
+    return {**generate_job("tasks", served[0], "", 4), "vector": vectors, "xargs": TASK_XARGS}
+
+
+def task_expectations(served, logit_vector, kernel_vector) -> list[tuple]:
+    """(vector or None, steps shifted or None for all) of each TASK_XARGS request."""
+    from ltv_vllm.serving.step_policy import parse_steps
+
+    tv = served[2]
+    vecs = {"lin": tv, "logit": logit_vector[0], "rbf": kernel_vector[0], "lin-first": tv}
+    default = {"lin": "all", "logit": "all", "rbf": "all", "lin-first": "first"}
+    out = []
+    for x in TASK_XARGS:
+        if x is None:
+            out.append((None, 0))
+        else:
+            out.append((vecs[x["ltv_task"]],
+                        parse_steps(x.get("ltv_steps", default[x["ltv_task"]]))))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +123,7 @@ def engines_tp2(served, logit_vector, kernel_vector, tmp_path_factory):
             if j["key"] not in ("plain", "kernel")]
     # the step policy: each rank's processor tracks the same requests and masks the same rows
     jobs.append({**generate_job("steps", served[0], str(served[3]), 4), "steps": STEP_POLICIES})
+    jobs.append(tasks_job(served, logit_vector, kernel_vector, tmp_path_factory))
     return run_batch(jobs, tmp_path_factory.mktemp("jobs-tp2"), tp=2)
 
 
@@ -226,6 +263,34 @@ def test_step_policy_at_tp2_equals_tp1(served, tokenizer, engines, engines_tp2):
                                              for r in engines["steps"]["outputs"]]
 
 
+def test_per_request_tasks_in_one_batch(served, logit_vector, kernel_vector, tokenizer,
+                                        engines):
+    """One multi-task engine (`serve.task_engine`: linear, logit-space and kernel vectors),
+    one batch mixing tasks, step policies and the bare model: each request equals the greedy
+    loop that shifts exactly its policy's steps with its own task's vector; a request naming
+    no policy gets its task's default (the vector's meta.shift_steps)."""
+    model = served[1]
+    expected = task_expectations(served, logit_vector, kernel_vector)
+    check_requests(engines["tasks"]["outputs"], expected, model, tokenizer)
+    # the tasks really differ: at the first step each task's distribution is told apart from
+    # the others' (so a row shifted with another task's vector fails above)
+    first = engines["tasks"]["outputs"][: len(TASK_XARGS)]
+    for a, b in ((1, 2), (1, 3), (2, 3), (0, 1)):
+        la, lb = first[a]["logprobs"][0], first[b]["logprobs"][0]
+        # top-5 sets that differ, or a shared token's logprob that does
+        assert set(la) != set(lb) or max(abs(v - lb[t]) for t, v in la.items()) > 1e-2, (a, b)
+
+
+def test_per_request_tasks_at_tp2_equal_tp1(served, logit_vector, kernel_vector, tokenizer,
+                                            engines, engines_tp2):
+    model = served[1]
+    out = engines_tp2["tasks"]["outputs"]
+    check_requests(out, task_expectations(served, logit_vector, kernel_vector), model,
+                   tokenizer)
+    assert [r["token_ids"] for r in out] == [r["token_ids"]
+                                             for r in engines["tasks"]["outputs"]]
+
+
 def test_server_default_step_policy_applies_where_a_request_names_none(served, tokenizer,
                                                                        engines):
     """An engine started with `shift_steps="first"` (`serve --shift-steps first`): a request
@@ -237,23 +302,35 @@ def test_server_default_step_policy_applies_where_a_request_names_none(served, t
 
 
 def check_step_policies(out, policies, default, model, tokenizer, tv) -> None:
-    from ltv_vllm.serving.step_policy import parse_steps
-
     """The batch holds each prompt under each of `policies` (None: the request names none,
     so `default` applies); each request is checked against the greedy loop that shifts
     exactly its steps."""
-    assert len(out) == len(PROMPTS) * len(policies)
+    from ltv_vllm.serving.step_policy import parse_steps
+
+    check_requests(out, [(tv, parse_steps(default if p is None else p)) for p in policies],
+                   model, tokenizer)
+    _check_policies_differ(out, policies)
+
+
+def check_requests(out, expected, model, tokenizer) -> None:
+    """The batch holds each prompt under each entry of `expected`, (vector or None, n: the
+    leading steps it shifts, None: all); each request's greedy tokens and logprobs are the
+    greedy loop's that shifts exactly those steps with that vector."""
+    assert len(out) == len(PROMPTS) * len(expected)
     for i, res in enumerate(out):
-        prompt, policy = PROMPTS[i // len(policies)], policies[i % len(policies)]
-        n = parse_steps(default if policy is None else policy)
+        prompt, (tv, n) = PROMPTS[i // len(expected)], expected[i % len(expected)]
         n_prompt = len(tokenizer(prompt)["input_ids"])
         shifted = reference_logprobs(model, tokenizer, prompt, res["token_ids"], tv)
         plain = reference_logprobs(model, tokenizer, prompt, res["token_ids"], None)
+        assert len(res["logprobs"]) == 4
         for step, lp in enumerate(res["logprobs"]):
             row = (shifted if n is None or step < n else plain)[n_prompt - 1 + step]
-            assert int(row.argmax()) == res["token_ids"][step], (policy, step)
+            assert int(row.argmax()) == res["token_ids"][step], (i, step)
             for tok, v in lp.items():
-                assert abs(v - float(row[int(tok)])) < 1e-4, (policy, step, tok)
+                assert abs(v - float(row[int(tok)])) < 1e-4, (i, step, tok)
+
+
+def _check_policies_differ(out, policies) -> None:
     # the policies really differ here: at every step the shifted and bare distributions of
     # the first prompt are told apart (so a mask on the wrong rows or steps fails above)
     first = {policies[i]: r for i, r in enumerate(out[:len(policies)])}

@@ -63,11 +63,12 @@ def _inputs(group: list[dict[str, Any]], gen_tokens: int | None) -> tuple[list, 
 
     prompts = [r["prompt"] for r in group]
     if gen_tokens:  # free generation: the shift's cost at every decoding step
-        params = [
-            SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
-        ] * len(group)
+        params = [SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True,
+                                 extra_args=r.get("xargs")) for r in group]
     else:
         params = [classification_params(r["label_ids"]) for r in group]
+        for p, r in zip(params, group, strict=True):
+            p.extra_args = r.get("xargs")  # a per-request task (`ltv-shift`)
     loras = [LoRARequest(*r["lora"]) if r["lora"] else None for r in group]
     return prompts, params, loras if any(loras) else None
 

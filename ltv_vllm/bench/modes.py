@@ -7,21 +7,27 @@ task from one engine with the tasks mixed in one batch; `ltv-lora-rR` does the s
 every adapter cut to rank R (`TaskVector.truncated`; vLLM's CPU LoRA kernel gathers a
 vocab × rank matrix per sampled row, so its cost grows with the rank). `kernel-fused` serves
 the kernel LTV (`extract --method kernel`) fused, the only way a nonlinear map is served.
+`ltv-shift` serves every task from one engine too, with each request's task chosen per
+request inside the engine (`serve.task_engine`, what `ltv-vllm serve` does with named vectors
+by default). Every LTV mode shifts every generated token, as the folded head and LoRA can only
+do, so their costs compare; `ltv-fused-first` shifts the first generated token only (the step
+policy `first`, what classification vectors record), the cost of free text served cleanly.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ltv_vllm.bench.workload import EngineSettings, Query, Workload
 
-MODES = ("zero-shot", "icl-prefix-cache", "icl-no-cache", "ltv-fused", "ltv-folded", "ltv-lora",
-         "kernel-fused")
-DEFAULT_MODES = MODES[:-1]  # the kernel map is compared on request (`--modes ...,kernel-fused`)
+MODES = ("zero-shot", "icl-prefix-cache", "icl-no-cache", "ltv-fused", "ltv-folded",
+         "ltv-shift", "ltv-lora", "ltv-fused-first", "kernel-fused")
+# the kernel map and the first-step policy are compared on request (`--modes ...`)
+DEFAULT_MODES = MODES[:-2]
 BASE_NAME = "base"  # served model name of the bare model
 _LORA_MODE = re.compile(r"ltv-lora(?:-r([1-9][0-9]*))?")
 
@@ -44,14 +50,17 @@ class Engine:
     llm_kwargs: dict[str, Any]                 # for vllm.LLM (offline)
     server_args: Callable[[str, int], list[str]]  # (host, port) → argv after `-m SERVER_MODULE`
     groups: list[list[dict[str, Any]]]
+    env: dict[str, str] = field(default_factory=dict)  # for the engine's (or server's) process
 
 
 def request(wl: Workload, q: Query, *, icl: bool, model: str,
-            lora: tuple[str, int, str] | None = None) -> dict[str, Any]:
+            lora: tuple[str, int, str] | None = None,
+            xargs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"qid": q.qid, "prompt": q.icl if icl else q.zs, "task": q.task, "gold": q.gold,
             "label_ids": wl.label_ids[q.task], "labels": list(wl.tasks[q.task].labels),
             "model": model,
-            "lora": list(lora) if lora else None}
+            "lora": list(lora) if lora else None,
+            "xargs": xargs}  # the request's `vllm_xargs` (offline: SamplingParams.extra_args)
 
 
 def per_task(queries: list[Query]) -> dict[str, list[Query]]:
@@ -64,7 +73,7 @@ def per_task(queries: list[Query]) -> dict[str, list[Query]]:
 def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Query],
             lora_dir: Path) -> list[Engine]:
     """The engine(s) a mode needs for `queries` (a subset of the workload's)."""
-    from ltv_vllm.serving.serve import engine_kwargs, plan_lora, server_args
+    from ltv_vllm.serving.serve import engine_kwargs, plan_lora, server_args, task_engine
 
     model = str(wl.model_dir)
     caching = mode != "icl-no-cache"
@@ -85,24 +94,41 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
                        [[request(wl, q, icl=icl, model=BASE_NAME) for q in qs]
                         for qs in groups.values()])]
 
-    if mode in ("ltv-fused", "ltv-folded", "kernel-fused"):
+    if mode in ("ltv-fused", "ltv-folded", "kernel-fused", "ltv-fused-first"):
         fold = mode == "ltv-folded"
+        # every generated token shifted (the folded head can do no other), so the modes'
+        # costs and answers compare; the first-step mode shifts the first only
+        steps = "first" if mode == "ltv-fused-first" else "all"
         out = []
         for task, qs in groups.items():
             vec = (wl.kernel_vectors if mode == "kernel-fused" else wl.vectors)[task]
 
             def fused(host: str, port: int, vec: Path = vec) -> list[str]:
-                args, _ = server_args(model, {"": vec}, lora_dir=lora_dir, served_name=BASE_NAME,
-                                      host=host, port=port, dtype=settings.dtype,
-                                      max_model_len=settings.max_model_len, fold=fold)
+                args, _, _ = server_args(model, {"": vec}, lora_dir=lora_dir,
+                                         served_name=BASE_NAME, host=host, port=port,
+                                         dtype=settings.dtype,
+                                         max_model_len=settings.max_model_len, fold=fold,
+                                         shift_steps=None if fold else steps)
                 return [*args, *flags]
 
-            # every generated token shifted in every mode (the folded head can do no other):
-            # the modes' costs and answers stay comparable
-            out.append(Engine(f"{mode}[{task}]", {**engine_kwargs(model, vec, fold=fold,
-                                                                  shift_steps="all"), **common},
-                              fused, [[request(wl, q, icl=False, model=task) for q in qs]]))
+            kwargs = engine_kwargs(model, vec, fold=fold, shift_steps=None if fold else steps)
+            out.append(Engine(f"{mode}[{task}]", {**kwargs, **common}, fused,
+                              [[request(wl, q, icl=False, model=task) for q in qs]]))
         return out
+
+    if mode == "ltv-shift":
+        vectors = {t: wl.vectors[t] for t in groups}
+        engine = task_engine(model, vectors, shift_steps="all")
+
+        def shift(host: str, port: int) -> list[str]:
+            args, _, _ = server_args(model, vectors, lora_dir=lora_dir, served_name=BASE_NAME,
+                                     host=host, port=port, dtype=settings.dtype,
+                                     max_model_len=settings.max_model_len, shift_steps="all")
+            return [*args, *flags]
+
+        mixed = [request(wl, q, icl=False, model=q.task, xargs={"ltv_task": q.task})
+                 for q in queries]
+        return [Engine(mode, {**engine.kwargs, **common}, shift, [mixed], engine.env)]
 
     is_lora, cap = lora_mode_rank(mode)
     if is_lora:
@@ -115,10 +141,11 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
         kwargs = {"model": model, **common, **plan.engine_kwargs()}
 
         def multi(host: str, port: int) -> list[str]:
-            args, _ = server_args(model, {t: wl.vectors[t] for t in names}, lora_dir=lora_dir,
-                                  served_name=BASE_NAME, host=host, port=port,
-                                  dtype=settings.dtype, max_model_len=settings.max_model_len,
-                                  lora_rank_cap=cap)
+            args, _, _ = server_args(model, {t: wl.vectors[t] for t in names},
+                                     lora_dir=lora_dir, served_name=BASE_NAME, host=host,
+                                     port=port, dtype=settings.dtype,
+                                     max_model_len=settings.max_model_len, lora_rank_cap=cap,
+                                     lora=True)
             return [*args, *flags]
 
         mixed = [request(wl, q, icl=False, model=q.task, lora=loras[q.task]) for q in queries]

@@ -55,7 +55,7 @@ def run_engine_job(engine: Engine, passes: list[dict[str, Any]], *, repeats: int
         log(f"{engine.label}: reusing the result measured at {res['measured_at']}")
         return res
     env = {**settings.env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", **engine.env}
     return run_job("ltv_vllm.bench.engine", job, log_dir, stem, env=env,
                    what=f"{engine.label}: engine job", error=BenchError)
 
@@ -105,26 +105,63 @@ def _per_task_accuracy(preds: list[dict[str, Any]]) -> dict[str, float]:
 def run_offline(wl: Workload, modes: Sequence[str], settings: EngineSettings, *, repeats: int,
                 gen_tokens: int, warmup: int, work_dir: Path, log: Callable[[str], None],
                 resume: bool = False) -> dict[str, Any]:
+    """Every mode's engines, `repeats` rounds interleaved: round 1 runs each mode once, then
+    round 2 ..., each engine fresh and timed once, so slow drift of the machine spreads over
+    every mode alike rather than landing on the modes measured last. Each mode's result
+    holds its rounds' times (`classify_seconds`, one per round) and, per round, its rate
+    over zero-shot's in the same round (`paired`): the spread a ratio really has here."""
+    rounds: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in modes}
+    for rnd in range(repeats):
+        for mode in modes:
+            base = MODES[0] if mode == NOISE_MODE else mode
+            # ICL without a prefix cache re-encodes every demonstration for every query: one
+            # timed classification pass (many times slower than the noise), no generation
+            if base == "icl-no-cache" and rnd > 0:
+                continue
+            gen = 0 if base == "icl-no-cache" else gen_tokens
+            results = []
+            for eng in engines(base, wl, settings, wl.queries, work_dir / "adapters"):
+                if mode == NOISE_MODE:
+                    eng.label = "zero-shot-again"
+                if repeats > 1:
+                    eng.label += f"#{rnd + 1}"
+                log(f"offline {eng.label}: {sum(map(len, eng.groups))} requests")
+                t0 = time.time()
+                results.append(run_engine_job(eng, [{"name": "main", "groups": eng.groups}],
+                                              repeats=1, gen_tokens=gen, warmup=warmup,
+                                              settings=settings, log_dir=work_dir / "logs",
+                                              resume=resume, log=log))
+                log(f"  done in {time.time() - t0:.0f} s")
+            rounds[mode].append(results)
     out: dict[str, Any] = {}
-    for mode in modes:
-        base = MODES[0] if mode == NOISE_MODE else mode
-        # ICL without a prefix cache re-encodes every demonstration for every query: one timed
-        # classification pass (it is many times slower than the noise), no generation pass.
-        reps, gen = (1, 0) if base == "icl-no-cache" else (repeats, gen_tokens)
-        results = []
-        for eng in engines(base, wl, settings, wl.queries, work_dir / "adapters"):
-            if mode == NOISE_MODE:
-                eng.label = "zero-shot-again"
-            log(f"offline {eng.label}: {sum(map(len, eng.groups))} requests")
-            t0 = time.time()
-            results.append(run_engine_job(eng, [{"name": "main", "groups": eng.groups}],
-                                          repeats=reps, gen_tokens=gen, warmup=warmup,
-                                          settings=settings, log_dir=work_dir / "logs",
-                                          resume=resume, log=log))
-            log(f"  done in {time.time() - t0:.0f} s")
-        out[mode] = {**combine_offline(results), "repeats": reps, "gen_tokens": gen}
+    for mode, rs in rounds.items():
+        # one engine's rounds as one result with a time per round (what combine_offline sums
+        # across a mode's engines); answers, memory and start-up from the first round
+        merged = []
+        for e, first in enumerate(rs[0]):
+            main = {**first["passes"]["main"]}
+            for key in ("classify_seconds", "generate_seconds"):
+                main[key] = [t for r in rs for t in r[e]["passes"]["main"][key]]
+            merged.append({**first, "passes": {"main": main},
+                           "peak_rss_bytes": max(r[e]["peak_rss_bytes"] for r in rs)})
+        out[mode] = {**combine_offline(merged), "repeats": len(rs),
+                     "gen_tokens": 0 if mode == "icl-no-cache" else gen_tokens}
         log(f"  {mode}: {out[mode]['requests_per_s']:.1f} req/s, "
             f"accuracy {100 * out[mode]['accuracy']:.1f}%")
+    if "zero-shot" in out:
+        zs = out["zero-shot"]
+        for r in out.values():
+            r["paired"] = paired_ratios(r, zs)
+    return out
+
+
+def paired_ratios(r: dict[str, Any], zs: dict[str, Any]) -> dict[str, list[float]]:
+    """Per round: this mode's rate over zero-shot's in the same round (the time ratio)."""
+    out = {}
+    for key, what in (("classify_seconds", "requests_per_s"),
+                      ("generate_seconds", "output_tokens_per_s")):
+        a, b = r.get(key) or [], zs.get(key) or []
+        out[what] = [tz / t for t, tz in zip(a, b, strict=False) if t]
     return out
 
 
@@ -155,7 +192,8 @@ def run_online(wl: Workload, modes: Sequence[str], settings: EngineSettings, *,
                 done = {"key": key, "levels": {}}
                 port = _free_port()
                 log(f"online {eng.label}: starting server")
-                with Server(eng.server_args(HOST, port), url=f"http://{HOST}:{port}", env=env,
+                with Server(eng.server_args(HOST, port), url=f"http://{HOST}:{port}",
+                            env={**env, **eng.env},
                             log_path=work_dir / "logs" / f"server-{stem}.log") as srv:
                     done["startup"] = srv.startup_s
                     if warmup:

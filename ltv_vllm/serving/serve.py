@@ -19,7 +19,12 @@ from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.checkpoint import identity_from_dir
 from ltv_vllm.serving.settings import ServerSettings
-from ltv_vllm.serving.step_policy import DEFAULT_KEY, parse_steps
+from ltv_vllm.serving.step_policy import (
+    DEFAULT_KEY,
+    TASKS_CONFIG_KEY,
+    parse_steps,
+    tasks_env,
+)
 
 
 def base_architecture(model_dir: str | Path) -> str:
@@ -70,16 +75,22 @@ def _fused_overrides(
     }
     if fold:
         overrides["ltv_fold"] = True
-    if shift_steps is None and not fold:  # the vector's own recommendation (older: all)
-        shift_steps = tv.provenance.shift_steps or "all"
-        try:
-            parse_steps(shift_steps)
-        except ValueError:
-            raise VectorError(f"{vector_path.name}: meta.shift_steps {shift_steps!r} is not a "
-                              "step policy (all, first or a count)") from None
+    if shift_steps is None and not fold:
+        shift_steps = vector_steps(tv, vector_path)
     if shift_steps not in (None, "all"):  # the policy of requests that name none (`steps`)
         overrides[DEFAULT_KEY] = shift_steps
     return overrides, tv
+
+
+def vector_steps(tv: TaskVector, path: Path) -> str:
+    """The step policy a vector recommends (`meta.shift_steps`; older vectors: all)."""
+    steps = tv.provenance.shift_steps or "all"
+    try:
+        parse_steps(steps)
+    except ValueError:
+        raise VectorError(f"{path.name}: meta.shift_steps {steps!r} is not a step policy "
+                          "(all, first or a count)") from None
+    return str(steps)
 
 
 def engine_kwargs(
@@ -89,15 +100,59 @@ def engine_kwargs(
     """Keyword arguments for `vllm.LLM` / `EngineArgs` serving `model_dir` with the vector
     fused (or, with `fold`, folded into the LM-head weight at load); `shift_steps`: the step
     policy of requests that name none (None: the vector's `meta.shift_steps`, else all)."""
-    check_shift_steps(shift_steps, fused=not fold)
+    check_shift_steps(shift_steps, per_request=not fold)
     overrides, _ = _fused_overrides(model_dir, vector_path, fold, shift_steps)
     return {"model": str(model_dir), "hf_overrides": overrides,
             "logits_processors": [step_processor(per_request=not fold)]}
 
 
-def check_shift_steps(shift_steps: str | None, *, fused: bool) -> None:
-    """`--shift-steps`: a policy the server can apply (one fused vector, not folded); None
-    (not given) leaves it to the vector file."""
+@dataclass(frozen=True)
+class TaskEngine:
+    """Multi-task serving with per-request tasks: every vector held by the engine, each
+    request shifted by its own task's vector on its own rows (`vllm_ext.steps`).
+
+    `kwargs` are for `vllm.LLM` / EngineArgs; `env` must be in the environment of the process
+    that admits requests (the `vllm.LLM` caller, the API server) before the engine starts: it
+    names the tasks a request may choose (`step_policy.tasks_env`). A request chooses its
+    task with `SamplingParams(extra_args={"ltv_task": NAME})`; through `ltv-vllm serve` the
+    OpenAI `model` name does it."""
+
+    vectors: dict[str, TaskVector]  # task name → vector, checked against the model
+    overrides: dict[str, Any]      # hf_overrides
+    model_dir: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        return tasks_env(list(self.vectors))
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return {"model": str(self.model_dir), "hf_overrides": self.overrides,
+                "logits_processors": [step_processor(per_request=True)]}
+
+
+def task_engine(model_dir: str | Path, vectors: dict[str, Path], *,
+                shift_steps: str | None = None) -> TaskEngine:
+    """Check every vector against the model and lay out a per-request multi-task engine;
+    `shift_steps`: every task's policy for requests that name none (None: each vector's
+    `meta.shift_steps`)."""
+    check_shift_steps(shift_steps, per_request=True)
+    model_dir = Path(model_dir)
+    arch = wrapper_architecture(model_dir)
+    tasks, checked = {}, {}
+    for name, path in vectors.items():
+        if not name:
+            raise VectorError("multi-task serving names every vector (NAME=PATH)")
+        path = Path(path).resolve()
+        checked[name] = tv = checked_vector(model_dir, path)
+        tasks[name] = {"path": str(path), "steps": shift_steps or vector_steps(tv, path)}
+    overrides = {"architectures": [arch], TASKS_CONFIG_KEY: json.dumps(tasks)}
+    return TaskEngine(checked, overrides, model_dir)
+
+
+def check_shift_steps(shift_steps: str | None, *, per_request: bool) -> None:
+    """`--shift-steps`: a policy the server can apply (per-request shifts: not folded, not
+    LoRA); None (not given) leaves it to the vector files."""
     if shift_steps is None:
         return
     try:
@@ -105,9 +160,10 @@ def check_shift_steps(shift_steps: str | None, *, fused: bool) -> None:
     except ValueError:
         raise ArgumentError(f"--shift-steps must be all, first or a count ≥ 0, got "
                             f"{shift_steps!r}") from None
-    if shift_steps != "all" and not fused:
-        raise ArgumentError("--shift-steps needs one fused task vector served without --fold "
-                            "(a folded head and LoRA adapters shift every token)")
+    if shift_steps != "all" and not per_request:
+        raise ArgumentError("--shift-steps needs per-request shifts: not --fold, not "
+                            "--multi-task lora (a folded head and LoRA adapters shift every "
+                            "token)")
 
 
 def step_processor(per_request: bool) -> str:
@@ -231,6 +287,9 @@ def user_chose_compilation(vllm_args: list[str] | tuple[str, ...]) -> bool:
                for a in vllm_args for f in COMPILATION_FLAGS)
 
 
+MULTI_TASK_MODES = ("shift", "lora")  # `serve --multi-task`: the first is the default
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """`ltv-vllm serve`: the model, its task vectors and vLLM's own arguments."""
@@ -243,7 +302,8 @@ class ServeOptions:
     max_model_len: int | None = None
     fold: bool = False
     lora_rank: int | None = None
-    shift_steps: str | None = None  # requests naming no policy (fused; None: the vector's)
+    shift_steps: str | None = None  # requests naming no policy (None: each vector's)
+    multi_task: str | None = None   # named vectors: "shift" (default) or "lora" adapters
     vllm_args: tuple[str, ...] = ()
     task_store: str | None = None       # serve its entries; compile / upload more at runtime
     # the server's own settings: defaults in one place (`settings.ServerSettings`)
@@ -271,9 +331,22 @@ class ServeOptions:
             raise ArgumentError("a task store lives in one API-server process: drop "
                                 "--api-server-count (or set it to 1) with --task-store")
         check_pipeline_parallel(_int_arg(self.vllm_args, ("--pipeline-parallel-size", "-pp")))
-        fused = (len(self.vectors) == 1 and "=" not in self.vectors[0]
-                 and self.task_store is None and not self.fold)
-        check_shift_steps(self.shift_steps, fused=fused)
+        if self.multi_task not in (None, *MULTI_TASK_MODES):
+            raise ArgumentError(f"--multi-task must be one of {', '.join(MULTI_TASK_MODES)}, "
+                                f"got {self.multi_task!r}")
+        if self.task_store is not None and self.multi_task == "shift":
+            raise ArgumentError("a task store serves its tasks as LoRA adapters (vLLM's runtime "
+                                "LoRA loading): drop --multi-task shift with --task-store")
+        if self.lora_rank is not None and not self.lora:
+            raise ArgumentError("--lora-rank cuts LoRA adapters: give it with --multi-task lora "
+                                "(or --task-store)")
+        fused = len(self.vectors) == 1 and "=" not in self.vectors[0] and not self.task_store
+        check_shift_steps(self.shift_steps, per_request=not self.fold and (fused or not self.lora))
+
+    @property
+    def lora(self) -> bool:
+        """Named tasks served as LoRA adapters (asked for, or a task store's)."""
+        return self.multi_task == "lora" or self.task_store is not None
 
 
 def check_pipeline_parallel(pp: int, cuda: bool | None = None) -> None:
@@ -362,12 +435,11 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         f"{n}={p.resolve()}:{p.stat().st_mtime_ns}"
         for n, p in sorted({**parsed, **(store or {})}.items())
         if p.exists())).encode()).hexdigest()[:12]
-    args, lora = server_args(model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest,
-                             served_name=spec, host=opts.host, port=opts.port, dtype=opts.dtype,
-                             max_model_len=opts.max_model_len, fold=opts.fold,
-                             shift_steps=opts.shift_steps,
-                             lora_rank_cap=opts.lora_rank, store=store,
-                             max_tasks=opts.max_tasks)
+    args, lora, task_env = server_args(
+        model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest, served_name=spec,
+        host=opts.host, port=opts.port, dtype=opts.dtype, max_model_len=opts.max_model_len,
+        fold=opts.fold, shift_steps=opts.shift_steps, lora_rank_cap=opts.lora_rank, store=store,
+        max_tasks=opts.max_tasks, lora=opts.lora)
     extra = list(opts.vllm_args)
     if engine_device() == "cpu" and not user_chose_compilation(extra):
         # vLLM's compile warm-up costs the CPU backend over a minute per start (and per
@@ -376,7 +448,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         # Any compilation flag of the user's wins.
         extra.insert(0, "--enforce-eager")
     settings = ServerSettings(max_body=opts.max_body_mib << 20)
-    env = {}
+    env = dict(task_env)
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB; read by the CPU backend only
     # the per-request step policy's processor (`vllm_ext.steps`) has the V1 runner's
@@ -408,17 +480,20 @@ def server_args(
     lora_rank_cap: int | None = None,
     store: dict[str, Path] | None = None,
     max_tasks: int = 8,
-) -> tuple[list[str], LoraPlan | None]:
-    """argv for vLLM's OpenAI server (after `-m SERVER_MODULE`) and, for multi-task serving,
-    the LoRA plan whose adapters must be written before it starts; every vector is checked
-    against the model first.
+    lora: bool = False,
+) -> tuple[list[str], LoraPlan | None, dict[str, str]]:
+    """argv for vLLM's OpenAI server (after `-m SERVER_MODULE`), for LoRA multi-task
+    serving the plan whose adapters must be written before it starts, and what the server's
+    environment needs; every vector is checked against the model first.
 
     One unnamed vector → fused: the LTV wrapper shifts every request (folded into the LM head
-    with `fold=True`). Named vectors → multi-task: each becomes an lm_head LoRA adapter that a
-    request selects with its `model` field; requests for `served_name` get no shift;
-    `lora_rank_cap` cuts each adapter to rank R (`TaskVector.truncated`; cheaper to serve).
-    `store` (task-store entries, name → directory): multi-task with room for `max_tasks` tasks
-    and the rank a compiled task needs, so tasks can be added while the server runs.
+    with `fold=True`). Named vectors → multi-task, a request choosing its task with its
+    `model` field (requests for `served_name` get no shift): by default the engine holds every
+    vector and shifts each request's rows with its own (`task_engine`); with `lora=True` each
+    becomes an lm_head LoRA adapter, which any stock vLLM can load; `lora_rank_cap` cuts each
+    adapter to rank R (`TaskVector.truncated`; cheaper to serve).
+    `store` (task-store entries, name → directory): LoRA multi-task with room for `max_tasks`
+    tasks and the rank a compiled task needs, so tasks can be added while the server runs.
     """
     from ltv_vllm.models.hardware import resolve_for_model
 
@@ -444,9 +519,21 @@ def server_args(
                  "--served-model-name", tv.task_name, served_name,
                  # the key on every route (vLLM's own included) and body limits
                  "--middleware", "ltv_vllm.serving.vllm_ext.middleware.Gate"]
-        return args, None
+        return args, None, {}
     if fold:
-        raise VectorError("--fold applies to one fused vector, not to multi-task (LoRA) serving")
+        raise VectorError("--fold applies to one fused vector, not to multi-task serving")
+    if lora_rank_cap is not None and not lora and store is None:
+        raise VectorError("a LoRA rank applies to LoRA multi-task serving (--multi-task lora)")
+    if served_name in vectors:
+        raise VectorError(f"task {served_name!r} has the served model's name; rename it")
+    if not lora and store is None:
+        engine = task_engine(model_dir, vectors, shift_steps=shift_steps)
+        return [*args, "--hf-overrides", json.dumps(engine.overrides),
+                "--logits-processors", step_processor(per_request=True),
+                # every task is a served name of the one model; the gate sets a request's
+                # task (`vllm_xargs.ltv_task`) from its `model`
+                "--served-model-name", served_name, *vectors,
+                "--middleware", "ltv_vllm.serving.vllm_ext.middleware.TaskGate"], None, engine.env
     # a task-store server holds its command-line tasks and up to max_tasks store tasks at
     # once (more when the store already holds more): a LoRA slot for each
     room = {} if store is None else {
@@ -456,7 +543,7 @@ def server_args(
                      store=store, **room)
     return [*args, "--served-model-name", served_name,
             "--logits-processors", step_processor(per_request=False),
-            *plan.server_args()], plan
+            *plan.server_args()], plan, {}
 
 
 # -- a task store behind the server (compiled / uploaded tasks, added at runtime) ------------

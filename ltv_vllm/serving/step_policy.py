@@ -1,13 +1,20 @@
-"""A step policy — which generated tokens a task vector shifts — as requests and `serve`
-spell it. Pure (no vLLM import): the CLI checks `--shift-steps` with it before any engine
-starts; the engine side is `vllm_ext.steps`."""
+"""A request's shift — which task vector, and which generated tokens it shifts — as requests
+and `serve` spell it. Pure (no vLLM import): the CLI checks `--shift-steps` with it before any
+engine starts, the gate middleware and the engine's request check (`vllm_ext.steps`) read the
+served task names with it; the engine side is `vllm_ext.steps`."""
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Mapping
 from typing import Any
 
-STEPS_KEY = "ltv_steps"            # a request's `vllm_xargs` key
+STEPS_KEY = "ltv_steps"            # a request's `vllm_xargs` key: its step policy
+TASK_KEY = "ltv_task"              # a request's `vllm_xargs` key: its task (multi-task serving)
 DEFAULT_KEY = "ltv_shift_steps"    # the server's default, carried in `hf_overrides`
+TASKS_CONFIG_KEY = "ltv_tasks"     # hf_overrides: JSON {task: {"path", "steps"}} (multi-task)
+TASKS_ENV = "LTV_VLLM_TASKS"       # the served task names, for the frontend's request check
 ALL = None                         # the policy "every step"
 
 
@@ -22,3 +29,34 @@ def parse_steps(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{STEPS_KEY} must be 'all', 'first' or a count ≥ 0, got {value!r}")
     return value
+
+
+def tasks_env(names: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """The environment a multi-task engine's frontend needs: the task names a request may
+    name. vLLM checks a request's parameters (`validate_params`) with a class method that sees
+    only the request, in the process that admits it, so the names travel by environment."""
+    return {TASKS_ENV: json.dumps(sorted(names))}
+
+
+def served_tasks(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The task names this process's engine serves (empty: none, so any `ltv_task` is refused)."""
+    raw = (os.environ if environ is None else environ).get(TASKS_ENV)
+    return frozenset(json.loads(raw)) if raw else frozenset()
+
+
+def check_request(args: Mapping[str, Any], *, prompt_logprobs: bool,
+                  tasks: frozenset[str]) -> None:
+    """A request's `vllm_xargs` as the engine admits them (ValueError: an HTTP 400)."""
+    if STEPS_KEY in args:
+        parse_steps(args[STEPS_KEY])
+    if TASK_KEY not in args:
+        return
+    task = args[TASK_KEY]
+    if not isinstance(task, str) or task not in tasks:
+        known = ", ".join(sorted(tasks)) or "none (this server serves no named tasks)"
+        raise ValueError(f"unknown {TASK_KEY} {task!r}; served tasks: {known}")
+    if prompt_logprobs:
+        # vLLM computes prompt logprobs one request at a time after sampling, through a call
+        # the engine cannot tell apart: with a per-request task they would be the bare model's
+        raise ValueError(f"prompt_logprobs cannot be combined with {TASK_KEY}; serve the task "
+                         "alone (one fused vector) for prompt logprobs")

@@ -78,15 +78,24 @@ def pp_stage_fold(vector: str) -> dict:
             "head_is_missing_layer": isinstance(stage.lm_head, PPMissingLayer)}
 
 
-def generate(model_dir: str, vector: str, prompts: list[str], max_tokens: int, tp: int = 1,
-             check: str = "", steps: list | None = None,
-             shift_steps: str | None = None) -> dict:
-    """One engine: greedy logprobs of `prompts` (+ the `local` or `fold` per-rank checks)."""
+def generate(model_dir: str, vector: str | dict, prompts: list[str], max_tokens: int,
+             tp: int = 1, check: str = "", steps: list | None = None,
+             shift_steps: str | None = None, xargs: list | None = None) -> dict:
+    """One engine: greedy logprobs of `prompts` (+ the `local` or `fold` per-rank checks).
+    `vector`: a path, `fold:PATH`, `-` (none) or {task: path} (per-request tasks); `steps`
+    or `xargs`: one request per prompt and entry (an `ltv_steps` value, or whole
+    `vllm_xargs`), all in one batch."""
+    import os
+
     from vllm import LLM, SamplingParams
 
-    from ltv_vllm.serving.serve import engine_kwargs
+    from ltv_vllm.serving.serve import engine_kwargs, task_engine
 
-    if vector == "-":
+    if isinstance(vector, dict):
+        engine = task_engine(model_dir, vector, shift_steps=shift_steps)
+        os.environ.update(engine.env)  # the task names this process admits
+        kwargs = engine.kwargs
+    elif vector == "-":
         kwargs = {"model": model_dir}
     else:
         fold = vector.startswith("fold:")
@@ -96,11 +105,13 @@ def generate(model_dir: str, vector: str, prompts: list[str], max_tokens: int, t
               gpu_memory_utilization=0.5, seed=0, tensor_parallel_size=tp)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5,
                             prompt_logprobs=1)
-    if steps is not None:  # one request per (prompt, ltv_steps), all in one batch
-        prompts = [p for p in prompts for _ in steps]
+    if steps is not None:
+        xargs = [None if s is None else {"ltv_steps": s} for s in steps]
+    if xargs is not None:  # one request per (prompt, xargs), all in one batch
+        prompts = [p for p in prompts for _ in xargs]
         params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5,
-                                 extra_args=None if s is None else {"ltv_steps": s})
-                  for _ in range(len(prompts) // len(steps)) for s in steps]
+                                 extra_args=x)
+                  for _ in range(len(prompts) // len(xargs)) for x in xargs]
     outs = llm.generate(prompts, params)
     result = []
     for o in outs:

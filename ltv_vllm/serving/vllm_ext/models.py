@@ -1,10 +1,12 @@
 """LTV-capable subclasses of vLLM's own model classes.
 
 Each wrapper is the stock class plus one change where the hidden states meet the LM head:
-every row that reaches `compute_logits` (sampled tokens, prompt-logprob rows, speculative
-rows) is shifted, h ← h + U (Vᵀ h) for a hidden-space vector; a logit-space vector adds
-U (Vᵀ h) to the logits instead. The vector file is named by the HF config attribute
-`ltv_task_vector` (set through `hf_overrides`, see `ltv_vllm.serving.serve.engine_kwargs`).
+rows that reach `compute_logits` are shifted, h ← h + U (Vᵀ h) for a hidden-space vector; a
+logit-space vector adds U (Vᵀ h) to the logits instead. Which rows, and with which vector,
+is each request's choice (`steps`: its task and step policy); without one, the engine's own
+vector shifts every row (prompt-logprob rows included). The engine's vector is named by the HF
+config attribute `ltv_task_vector`, a multi-task engine's vectors by `ltv_tasks` (set through
+`hf_overrides`, see `ltv_vllm.serving.serve.engine_kwargs` / `task_engine_kwargs`).
 
 Tensor parallelism: hidden states are replicated on every rank, so every rank applies the same
 shift before its vocab shard of the LM head — no communication is added. A logit-space delta
@@ -18,6 +20,7 @@ Pipeline parallelism: only the last stage holds the LM head (earlier ones hold v
 from __future__ import annotations
 
 import copy
+import json
 from typing import ClassVar
 
 import torch
@@ -29,7 +32,8 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import PPMissingLayer
 
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
-from ltv_vllm.serving.vllm_ext.steps import take_step_mask
+from ltv_vllm.serving.step_policy import TASKS_CONFIG_KEY
+from ltv_vllm.serving.vllm_ext.steps import FUSED, take_plan
 
 CONFIG_KEY = "ltv_task_vector"
 FOLD_KEY = "ltv_fold"
@@ -38,35 +42,38 @@ FOLD_KEY = "ltv_fold"
 class LTVMixin:
     """Shared by every wrapper; expects the host class's `compute_logits` and `config`."""
 
-    _ltv: TaskVector | None
-    _ltv_cast: TaskVector | None  # _ltv on the engine's device, float32
+    _ltv: TaskVector | None                # the engine's own (fused) vector
+    _vectors: dict[str, TaskVector]        # task key → vector ("" = _ltv; names: multi-task)
+    _casts: dict[str, TaskVector]          # the same on the engine's device, float32
 
     def _ltv_init(self, config: object) -> None:
         path = getattr(config, CONFIG_KEY, None)
         self._ltv = load_task_vector(path) if path else None
-        self._ltv_cast = None
+        self._vectors = {FUSED: self._ltv} if self._ltv is not None else {}
+        for name, spec in json.loads(getattr(config, TASKS_CONFIG_KEY, None) or "{}").items():
+            self._vectors[name] = load_task_vector(spec["path"])
+        self._casts = {}
         self._ltv_fold = bool(getattr(config, FOLD_KEY, False)) and self._ltv is not None
         if self._ltv_fold and (self._ltv.kind != "hidden" or self._ltv.bias is not None
                                or self._ltv.map != "linear"):
             raise VectorError("only a linear hidden-space vector without a bias can be folded")
-        if self._ltv is not None:
-            d = int(config.hidden_size)
-            if self._ltv.V.shape[0] != d:
-                raise VectorError(
-                    f"task vector {path} is for hidden size {self._ltv.V.shape[0]}, model has {d}"
-                )
-            vocab = int(config.vocab_size)
-            if self._ltv.kind == "logit" and self._ltv.U.shape[0] != vocab:
+        if self._ltv_fold and len(self._vectors) > 1:
+            raise VectorError("a folded head serves one task; per-request tasks need it unfolded")
+        d, vocab = int(config.hidden_size), int(config.vocab_size)
+        for name, tv in self._vectors.items():
+            what = f"task vector {name or path}"
+            if tv.V.shape[0] != d:
+                raise VectorError(f"{what} is for hidden size {tv.V.shape[0]}, model has {d}")
+            if tv.kind == "logit" and tv.U.shape[0] != vocab:
                 # compute_logits adds U's rows to the first columns: a mismatch would shift
                 # the wrong tokens rather than fail
-                raise VectorError(
-                    f"logit vector {path} is for vocabulary {self._ltv.U.shape[0]}, model has "
-                    f"{vocab}"
-                )
+                raise VectorError(f"logit {what} is for vocabulary {tv.U.shape[0]}, model has "
+                                  f"{vocab}")
 
-    def _ltv_delta(self, h: torch.Tensor, part: slice | None = None) -> torch.Tensor:
-        """U (Vᵀ h) (+ bias) in float32, only the outputs in `part` (a vocab shard for a
-        logit vector).
+    def _ltv_delta(self, h: torch.Tensor, part: slice | None = None,
+                   task: str = FUSED) -> torch.Tensor:
+        """U (Vᵀ h) (+ bias) of `task`'s vector in float32, only the outputs in `part` (a
+        vocab shard for a logit vector).
 
         Always float32, whatever the engine's dtype: in bf16 an RBF map's distances
         ‖h‖² + ‖v‖² − 2h·v cancel catastrophically (at ‖h‖² ≈ 128 a bf16 step is 1, the
@@ -75,19 +82,37 @@ class LTVMixin:
         small; only its sum with h is rounded back to the engine's dtype."""
         # One cast to the engine's device, on first use (vLLM may build the module on the
         # meta device and move it; the hidden states tell us where we really run).
-        cast = self._ltv_cast
+        cast = self._casts.get(task)
         if cast is None or cast.U.device != h.device:
-            assert self._ltv is not None
-            cast = self._ltv_cast = self._ltv.to(h.device, torch.float32)
+            cast = self._casts[task] = self._vectors[task].to(h.device, torch.float32)
         return cast.delta(h.float(), part)  # (n, d_out): rank-r, never a dense d×d
 
-    def _ltv_hidden(self, h: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _ltv_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """h shifted by the engine's own vector, every row (the paths without a row plan)."""
         if self._ltv is None or self._ltv.kind != "hidden" or h.shape[0] == 0:
             return h
-        delta = self._ltv_delta(h)
-        if mask is not None:  # the rows whose request's step policy shifts this step
-            delta = delta * mask
-        return (h.float() + delta).to(h.dtype)
+        return (h.float() + self._ltv_delta(h)).to(h.dtype)
+
+    def _shifted(self, h: torch.Tensor, plan: dict[str, list[int] | None], kind: str,
+                 out: torch.Tensor) -> torch.Tensor:
+        """`out` plus, for every task of `kind` in the plan, its delta on its own rows (a
+        hidden vector's delta is added to h, a logit vector's to the logits' first columns).
+        Rows of one task are gathered and shifted together: one rank-r product per task."""
+        for task, rows in plan.items():
+            tv = self._vectors.get(task)
+            if tv is None or tv.kind != kind:
+                continue  # FUSED in multi-task serving: the bare model
+            if out is h or out.dtype != torch.float32:
+                # a float32 copy: h itself is vLLM's buffer, and the sum is taken in float32
+                out = out.float() if out.dtype != torch.float32 else out.clone()
+            if rows is None:
+                delta = self._ltv_delta(h, task=task)
+                out[..., : delta.shape[-1]] += delta
+            else:
+                idx = torch.tensor(rows, device=h.device)
+                delta = self._ltv_delta(h.index_select(0, idx), task=task)
+                out[idx, : delta.shape[-1]] += delta
+        return out
 
     def load_weights(self, weights):
         loaded = super().load_weights(weights)  # type: ignore[misc]
@@ -105,7 +130,7 @@ class LTVMixin:
         assert tv is not None
         head = self.lm_head  # type: ignore[attr-defined]
         if isinstance(head, PPMissingLayer):  # a stage before the last: no head, no logits
-            self._ltv = None
+            self._ltv, self._vectors = None, {}
             return
         embed = getattr(getattr(self, "model", None), "embed_tokens", None)
         if head is embed or head.weight is getattr(embed, "weight", None):
@@ -117,21 +142,29 @@ class LTVMixin:
         f32 = tv.to(w.device, torch.float32)
         w32 = w.float()
         w.copy_((w32 + (w32 @ f32.U) @ f32.V.T).to(w.dtype))
-        self._ltv = None  # nothing left to do at run time
+        self._ltv, self._vectors = None, {}  # nothing left to do at run time
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        # this step's per-request step policy (`steps`), taken on the main call only
-        mask = (take_step_mask(hidden_states.shape[0], hidden_states.device)
-                if self._ltv is not None else None)
-        logits = super().compute_logits(  # type: ignore[misc]
-            self._ltv_hidden(hidden_states, mask))
-        if logits is not None and self._ltv is not None and self._ltv.kind == "logit":
-            delta = self._ltv_delta(hidden_states)
-            if mask is not None:
-                delta = delta * mask
-            logits[..., : delta.shape[-1]] += delta.to(logits.dtype)
+        if not self._vectors or hidden_states.shape[0] == 0:
+            return super().compute_logits(hidden_states)  # type: ignore[misc]
+        # this step's per-request shifts (`steps`), taken on the main call only; without a
+        # plan the engine's own vector (if any) shifts every row
+        plan = take_plan(hidden_states.shape[0])
+        if plan is None:
+            plan = {FUSED: None}
+        h = self._shifted(hidden_states, plan, "hidden", hidden_states)
+        logits = super().compute_logits(h.to(hidden_states.dtype))  # type: ignore[misc]
+        if logits is not None:
+            shifted = self._shifted(hidden_states, plan, "logit", logits)
+            if shifted is not logits:
+                logits = shifted.to(logits.dtype)
         return logits
 
+    def _single_task(self, what: str) -> None:
+        if set(self._vectors) - {FUSED}:
+            # these entry points have no row plan: they would shift no request's task
+            raise VectorError(f"{what} cannot apply per-request tasks (vLLM's V2 runner and "
+                              "draft models are not supported in multi-task serving)")
 
 
 class LTVLocalMixin(LTVMixin):
@@ -145,6 +178,7 @@ class LTVLocalMixin(LTVMixin):
     """
 
     def compute_logits_local(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self._single_task("compute_logits_local")
         logits = super().compute_logits_local(self._ltv_hidden(hidden_states))  # type: ignore[misc]
         if self._ltv is not None and self._ltv.kind == "logit" and hidden_states.shape[0]:
             # This rank's logits are the columns [org_vocab_start, org_vocab_end) of the real
@@ -156,6 +190,7 @@ class LTVLocalMixin(LTVMixin):
         return logits
 
     def get_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self._single_task("get_top_tokens")
         if self._ltv is not None and self._ltv.kind == "logit":
             # The stock reduction projects through the LM head itself, past any hook of ours.
             # Argmax of the full (all-gathered on every rank) shifted logits is the same token;

@@ -1,31 +1,42 @@
-"""Which generated tokens a request's task vector shifts: a per-request step policy.
+"""Per-request shifts inside vLLM's engine: each request's task and step policy.
 
-A request sets it with `vllm_xargs` (`SamplingParams.extra_args`):
+A request sets them with `vllm_xargs` (`SamplingParams.extra_args`):
 
-    {"ltv_steps": "all"}     every generated token (the default unless `serve --shift-steps`)
+    {"ltv_steps": "all"}     every generated token
     {"ltv_steps": "first"}   the first generated token only (same as 1)
     {"ltv_steps": n}         the first n generated tokens (0: none, the bare model)
+    {"ltv_task": "sst2"}     the task vector (multi-task serving; the gate middleware sets it
+                             from the OpenAI `model` name, so clients rarely name it)
 
-A vector shifted at every token ruins free text; shifted at the first token only it answers
-like ICL and then writes on as the model would (`benchmarks/step_policy.py`).
+A request naming no policy gets its task's default: `serve --shift-steps`, else the vector's
+`meta.shift_steps` (classification vectors record "first"), else every step. A vector shifted
+at every token ruins free text; shifted at the first token only it answers like ICL and then
+writes on as the model would (`benchmarks/step_policy.py`).
 
-How the wrapper learns each row's policy: `compute_logits(h)` sees rows, not requests, so a
+How the wrapper learns each row's shift: `compute_logits(h)` sees rows, not requests, so a
 logits processor (`LTVStepPolicy`, registered with the engine's `logits_processors`) keeps,
-per slot of the persistent batch, the request's policy and a live reference to its output
-tokens (vLLM's V1 `BatchUpdate`); its `update_state`, which vLLM calls before every forward
-pass, arms a row plan, and the wrapper's next `compute_logits` takes it (once: later calls
-in the same step, e.g. prompt logprobs, shift every row as before). In V1 the main call's
-rows are the batch's slots in order (`logits_indices`, one per request), which is what the
-plan is checked against (row count). The processor never changes the logits.
+per slot of the persistent batch, the request's task, policy and a live reference to its
+output tokens (vLLM's V1 `BatchUpdate`). Its `update_state`, which vLLM calls before every
+forward pass, arms a row plan; the wrapper's next `compute_logits` takes it once (`take_plan`:
+rows grouped by task) and shifts each group with its own vector. Later calls in the same step
+(prompt logprobs, refused with a task) shift as an engine without a plan does. In V1 the main
+call's rows are the batch's slots in order (`logits_indices`, one per request without
+speculative decoding, which vLLM refuses beside a custom processor), which is what the plan is
+checked against (row count). The processor never changes the logits.
 
-Relies on vLLM 0.32's V1 model runner (what its CPU backend runs). The GPU build's V2 runner
-has another processor interface and is not wired yet: there the class is not loaded and a
-request with `ltv_steps` is refused by `validate_params` only where this processor is
-registered (`serve.step_processor`).
+Since the shift happens at the LM head only, requests for different tasks share the KV of a
+common prefix (vLLM's prefix-cache key holds no `extra_args`), unlike LoRA adapters, whose
+names are part of that key.
+
+Relies on vLLM 0.32's V1 model runner (what its CPU backend runs; `serve` sets
+VLLM_USE_V2_MODEL_RUNNER=0 so a GPU build runs it too). The V2 runner has another processor
+interface and is not wired: there this class is not loaded, the engine fails to start rather
+than shift wrongly.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -33,7 +44,18 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from ltv_vllm.serving.step_policy import ALL, DEFAULT_KEY, STEPS_KEY, parse_steps
+from ltv_vllm.serving.step_policy import (
+    ALL,
+    DEFAULT_KEY,
+    STEPS_KEY,
+    TASK_KEY,
+    TASKS_CONFIG_KEY,
+    check_request,
+    parse_steps,
+    served_tasks,
+)
+
+FUSED = ""  # the task key of the engine's own (fused) vector
 
 
 class _Plan:
@@ -47,38 +69,48 @@ class _Plan:
 PLAN = _Plan()
 
 
-def take_step_mask(rows: int, device: torch.device) -> torch.Tensor | None:
-    """(rows, 1) float mask of the rows to shift in this step's main `compute_logits` call,
-    or None: shift every row (no processor, no request with a policy, or not the main call)."""
+def take_plan(rows: int) -> dict[str, list[int] | None] | None:
+    """This step's shift for the main `compute_logits` call: task key → the rows it shifts
+    (None: every row), or None: no plan (no processor, or not the main call), so the engine's
+    own vector shifts every row as before."""
     src = PLAN.source
     if src is None or not PLAN.armed:
         return None
     PLAN.armed = False
-    if not src.rows or rows != src.batch_size:
+    if rows != src.batch_size:
         return None
-    keep = [1.0] * rows
-    for i, (n, out) in src.rows.items():
-        if i < rows and n is not ALL and len(out) >= n:
-            keep[i] = 0.0
-    return torch.tensor(keep, device=device)[:, None]
+    groups: dict[str, list[int]] = {}
+    for i in range(rows):
+        task, n, out = src.rows.get(i, (FUSED, src.defaults.get(FUSED), ()))
+        if n is ALL or len(out) < n:
+            groups.setdefault(task, []).append(i)
+    if len(groups) == 1:
+        (task, members), = groups.items()
+        if len(members) == rows:
+            return {task: None}  # the common case: one task, every row
+    return dict(groups)
 
 
 class LTVStepPolicy(LogitsProcessor):
-    """Tracks each request's `ltv_steps` for the wrapper (see the module docstring)."""
+    """Tracks each request's task and `ltv_steps` for the wrapper (module docstring)."""
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        args = sampling_params.extra_args or {}
-        if STEPS_KEY in args:
-            parse_steps(args[STEPS_KEY])  # a bad value: ValueError, an HTTP 400 online
+        # in the process that admits the request: a bad value is a ValueError, an HTTP 400
+        check_request(sampling_params.extra_args or {},
+                      prompt_logprobs=bool(sampling_params.prompt_logprobs),
+                      tasks=served_tasks())
 
     def __init__(self, vllm_config: Any, device: torch.device,  # noqa: ARG002 - vLLM's
                  is_pin_memory: bool) -> None:  # noqa: ARG002 - signature
-        self.rows: dict[int, tuple[int | None, list[int]]] = {}  # slot → (n, output ids)
+        self.rows: dict[int, tuple[str, int | None, Any]] = {}  # slot → (task, n, output ids)
         self.batch_size = 0
-        # the server's default for requests that name none (`serve --shift-steps`)
+        # each task's policy for requests that name none
         hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-        self.default = parse_steps(getattr(hf, DEFAULT_KEY, "all"))
+        self.defaults: dict[str, int | None] = {
+            FUSED: parse_steps(getattr(hf, DEFAULT_KEY, "all"))}
+        for name, spec in json.loads(getattr(hf, TASKS_CONFIG_KEY, None) or "{}").items():
+            self.defaults[name] = parse_steps(spec.get("steps", "all"))
         PLAN.source = self  # one input batch per worker process
 
     def is_argmax_invariant(self) -> bool:
@@ -88,27 +120,35 @@ class LTVStepPolicy(LogitsProcessor):
         return logits
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        def policy(params: SamplingParams, _prompt: Any, out: list[int]) -> Any:
+        def entry(params: SamplingParams, _prompt: Any, out: list[int]) -> Any:
             args = params.extra_args or {}
-            n = parse_steps(args[STEPS_KEY]) if STEPS_KEY in args else self.default
-            return None if n is ALL else (n, out)  # no entry: every step
+            task = args.get(TASK_KEY, FUSED)
+            if task not in self.defaults:  # the frontend admitted a task the workers lack:
+                # fail the engine loudly rather than answer with another shift
+                raise RuntimeError(f"a request names {TASK_KEY} {task!r}, which this engine's "
+                                   f"workers do not hold ({TASKS_CONFIG_KEY})")
+            n = parse_steps(args[STEPS_KEY]) if STEPS_KEY in args else self.defaults[task]
+            return task, n, out
 
-        process_dict_updates(self.rows, batch_update, policy)
+        process_dict_updates(self.rows, batch_update, entry)
         if batch_update is not None:
             self.batch_size = batch_update.batch_size
         PLAN.armed = True
 
 
 class LTVStepsRefused(LTVStepPolicy):
-    """Where no per-request policy can work (a vector folded into the LM head shifts every
-    token; multi-task LoRA adapters apply at every step): a request that sets `ltv_steps` is
-    refused (HTTP 400) rather than silently shifted at every step."""
+    """Where no per-request shift can work (a vector folded into the LM head shifts every
+    token; LoRA adapters apply at every step and are chosen by `model`): a request that sets
+    `ltv_steps` or `ltv_task` is refused (HTTP 400) rather than silently shifted otherwise."""
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        if STEPS_KEY in (sampling_params.extra_args or {}):
-            raise ValueError(f"{STEPS_KEY} needs one fused task vector served without --fold; "
-                             "this server shifts every generated token")
+        args = sampling_params.extra_args or {}
+        for key in (STEPS_KEY, TASK_KEY):
+            if key in args:
+                raise ValueError(f"{key} needs the per-request shift (a fused vector without "
+                                 "--fold, or multi-task serving without --multi-task lora); "
+                                 "this server shifts every generated token")
 
     def __init__(self, vllm_config: Any, device: torch.device,  # noqa: ARG002 - vLLM's
                  is_pin_memory: bool) -> None:  # noqa: ARG002 - signature
@@ -116,5 +156,4 @@ class LTVStepsRefused(LTVStepPolicy):
         self.batch_size = 0
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:  # noqa: ARG002
-        return None  # no request here can carry a policy (validate_params refused it)
-
+        return None  # no request here can carry a shift of its own (validate_params)
