@@ -1256,7 +1256,9 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="VLLM_CPU_KVCACHE_SPACE for the CPU backend."),
         click.option("--max-num-seqs", type=int, default=None, help="[default: vLLM's]"),
         click.option("--repeats", default=3, show_default=True,
-                     help="Timed passes; the fastest is reported, the median kept."),
+                     help="Timed passes (bench serving: interleaved rounds, every mode's "
+                          "engines started afresh in each, ratios paired per round); the "
+                          "fastest is reported, the median kept."),
         click.option("--warmup", default=16, show_default=True,
                      help="Untimed warm-up requests per engine."),
         click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -1302,12 +1304,14 @@ def bench() -> None:
 @click.option("--tasks", "task_list", default="sst2,subj,trec,agnews", show_default=True)
 @click.option("--n-per-task", default=125, show_default=True, help="Test queries per task.")
 @click.option("--modes",
-              default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-folded,ltv-lora",
+              default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-folded,ltv-shift,"
+                      "ltv-lora",
               show_default=True,
               help="Offline modes ('' for none); also ltv-lora-rR: LoRA adapters cut to rank R; "
+                   "ltv-fused-first: fused, the first generated token shifted only; "
                    "kernel-fused: the kernel LTV (RBF) served fused.")
 @click.option("--online-modes",
-              default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-lora",
+              default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-shift,ltv-lora",
               show_default=True, help="Modes served through the OpenAI server ('' for none).")
 @click.option("--concurrency", default="1,8,32", show_default=True)
 @click.option("--online-requests", default=100, show_default=True,

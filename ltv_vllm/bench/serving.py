@@ -279,7 +279,8 @@ def run_icl_cost(wl: Workload, ks: Sequence[int], settings: EngineSettings, *, n
     return out
 
 
-ONLINE_MODES = ("zero-shot", "icl-prefix-cache", "icl-no-cache", "ltv-fused", "ltv-lora")
+ONLINE_MODES = ("zero-shot", "icl-prefix-cache", "icl-no-cache", "ltv-fused", "ltv-shift",
+                "ltv-lora")
 
 
 @dataclass(frozen=True)
