@@ -14,7 +14,13 @@ degeneration every-step shifting causes), and how often the first line equals IC
 The regression families need the shift at every step; `evaluate --tasks linear,relu` reports
 `ltv` against `ltv-first` there.
 
-    python benchmarks/step_policy.py --model smollm2-135m --tasks trec,sst2 \
+With `--server`, the same vectors are then served by `ltv-vllm serve` (one multi-task server,
+per-request tasks, the same dtype) and every test query is sent under the request step
+policies `first`, `all`, `2` and `0` (`vllm_xargs.ltv_steps`, one request each, all in
+flight together); each answer is compared with transformers' greedy answer under the same
+policy (shift at exactly those steps), and the server's own answers are scored as above.
+
+    python benchmarks/step_policy.py --model smollm2-135m --tasks trec,sst2 --server \
         --out benchmarks/results/step_policy_smollm2-135m
 """
 
@@ -35,6 +41,9 @@ from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
 from ltv_vllm.tasks.specs import get_task, label_token_ids
 
 POLICIES = ("zero-shot", "icl", "ltv every step", "ltv first step")
+# a request's ltv_steps → the transformers answers it must reproduce
+SERVER_POLICIES = {"first": "ltv first step", "all": "ltv every step", 2: "ltv first 2 steps",
+                   0: "zero-shot"}
 
 
 def _words(text: str) -> list[str]:
@@ -63,12 +72,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/step_policy"))
+    ap.add_argument("--server", action="store_true",
+                    help="also through `ltv-vllm serve`, policies first/all/2/0 per request")
     a = ap.parse_args()
     lm = load_model(a.model, dtype=a.dtype)
     cap = Capturer(lm.model, lm.tokenizer, progress=True)
     ltv = get_method("ltv")
     res: dict = {"model": a.model, "dtype": str(lm.model.dtype), "n_test": a.n_test,
                  "max_new_tokens": a.max_new_tokens, "machine": hardware(), "tasks": {}}
+    served: dict = {}
     for name in a.tasks.split(","):
         task = get_task(name)
         ep = plan_episode(task, ExtractOptions(n_test=a.n_test, seed=a.seed, n_val=0))
@@ -87,10 +99,18 @@ def main() -> None:
                                      desc=f"{name} ltv-first", **gen)}
         res["tasks"][name] = {p: scores(texts[p], gold, task.labels, texts["icl"])
                               for p in POLICIES}
+        if a.server:
+            texts["ltv first 2 steps"] = greedy(cap, queries, mapping=shift, steps=2,
+                                                desc=f"{name} ltv-first-2", **gen)
+            a.out.mkdir(parents=True, exist_ok=True)
+            served[name] = (art.save(a.out / f"{name}.safetensors"), queries, gold, task, texts)
+    if a.server:
+        res["server"] = through_server(a, served, str(lm.model.dtype).removeprefix("torch."))
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps(res, indent=1, ensure_ascii=False))
     cmd = (f"python benchmarks/step_policy.py --model {a.model} --tasks {a.tasks} "
-           f"--n-test {a.n_test} --max-new-tokens {a.max_new_tokens} --out {a.out}")
+           f"--n-test {a.n_test} --max-new-tokens {a.max_new_tokens}"
+           f"{' --server' if a.server else ''} --out {a.out}")
     md = ["# Every step or first step: a classification vector in free generation\n",
           f"```\n{cmd}\n```\n", f"{machine_line(res['machine'])}; {res['dtype']}; greedy, "
           f"{a.max_new_tokens} new tokens, {a.n_test} test queries per task, k = 30 demos.\n",
@@ -105,8 +125,92 @@ def main() -> None:
     for name, per in res["tasks"].items():
         for p in POLICIES:
             md.append(f"- {name}, {p}: " + ", ".join(repr(t) for t in per[p]["examples"][:3]))
+    if a.server:
+        srv = res["server"]
+        md += ["", "## Through the server", "",
+               (f"`ltv-vllm serve` with both vectors (multi-task, per-request tasks, "
+                f"{srv['dtype']}), every query under each request policy (`vllm_xargs."
+                "ltv_steps`), all in flight together; the answer against transformers' greedy "
+                "answer with the shift at exactly the same steps. Started in "
+                f"{srv['startup_seconds']:.0f} s."), "",
+               "| task | ltv_steps | same answer as transformers | clean answer | label "
+               "accuracy (first word) | a label word repeated |", "|---|---|---|---|---|---|"]
+        for name, per in srv["tasks"].items():
+            for pol, sc in per.items():
+                md.append(f"| {name} | {pol} | {sc['same_as_transformers']:.2f} | "
+                          f"{sc['clean_answer']:.2f} | {sc['label_accuracy']:.2f} | "
+                          f"{sc['label_repeated']:.2f} |")
+        md.append("\nServer answers, first query per policy (repr):\n")
+        for name, per in srv["tasks"].items():
+            for pol, sc in per.items():
+                md.append(f"- {name}, {pol}: {sc['examples'][0]!r}")
     (a.out / "results.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
+
+
+def through_server(a, served: dict, dtype: str) -> dict:
+    """Start one multi-task server with every task's vector; each query under each request
+    policy; scores and agreement with transformers' answers under the same policy."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from ltv_vllm.serving.client import generate
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", a.model, "--port", str(port),
+           "--dtype", dtype, *[x for name, (path, *_r) in served.items()
+                               for x in ("--task-vector", f"{name}={path}")]]
+    log = open(a.out / "server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    t0 = time.time()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit("server exited; see server.log")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        startup = time.time() - t0
+        jobs = [(name, pol, i) for name, (_p, queries, *_r) in served.items()
+                for pol in SERVER_POLICIES for i in range(len(queries))]
+
+        def one(job):
+            name, pol, i = job
+            return generate(url, served[name][1][i], model=name, steps=pol,
+                            max_tokens=a.max_new_tokens).text
+
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(one, jobs))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+    got: dict = {}
+    for (name, pol, _i), text in zip(jobs, answers, strict=True):
+        got.setdefault(name, {}).setdefault(pol, []).append(text)
+    out = {"dtype": dtype, "startup_seconds": startup, "tasks": {}}
+    for name, (_p, _q, gold, task, texts) in served.items():
+        out["tasks"][name] = {}
+        for pol, ref_name in SERVER_POLICIES.items():
+            mine, ref = got[name][pol], texts[ref_name]
+            sc = scores(mine, gold, task.labels, texts["icl"])
+            same = sum(x == y for x, y in zip(mine, ref, strict=True))
+            sc["same_as_transformers"] = same / len(ref)
+            out["tasks"][name][str(pol)] = sc
+    return out
 
 
 if __name__ == "__main__":

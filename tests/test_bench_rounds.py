@@ -4,6 +4,8 @@ mode's rounds merge, and the paired ratios and noise floor the report prints fro
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from ltv_vllm.bench import report, serving
@@ -27,22 +29,26 @@ def test_rounds_interleave_and_pair(monkeypatch, tmp_path):
              "zero-shot-again": [1.02, 1.2, 1.33]}
 
     def fake_engines(mode, *_a, **_k):
-        return [Engine(mode, {}, lambda h, p: [], [[{}]])]
+        return [Engine(mode, {}, lambda *_a: [], [[{}]])]
 
     def fake_job(engine, _passes, *, repeats, **_k):
-        assert repeats == 1  # each round times each engine once
+        assert repeats == serving.INNER_PASSES  # back-to-back passes in each engine
         ran.append(engine.label)
         name, rnd = engine.label.split("#")
         t = times[name][int(rnd) - 1]
-        return fake_result(t, 2 * t)
+        res = fake_result(t, 2 * t)
+        # slower passes beside the fastest: the round keeps the fastest
+        for key in ("classify_seconds", "generate_seconds"):
+            best = res["passes"]["main"][key][0]
+            res["passes"]["main"][key] = [1.5 * best, best, 1.2 * best][:repeats]
+        return res
 
     monkeypatch.setattr(serving, "engines", fake_engines)
     monkeypatch.setattr(serving, "run_engine_job", fake_job)
-    from types import SimpleNamespace
 
-    out = serving.run_offline(SimpleNamespace(queries=[]), ["zero-shot", "ltv-shift", serving.NOISE_MODE], None,
-                              repeats=3, gen_tokens=4, warmup=0, work_dir=tmp_path,
-                              log=lambda _m: None)
+    modes = ["zero-shot", "ltv-shift", serving.NOISE_MODE]
+    out = serving.run_offline(SimpleNamespace(queries=[]), modes, None, repeats=3,
+                              gen_tokens=4, warmup=0, work_dir=tmp_path, log=lambda _m: None)
     assert ran == [f"{m}#{r}" for r in (1, 2, 3)
                    for m in ("zero-shot", "ltv-shift", "zero-shot-again")]
     shift = out["ltv-shift"]

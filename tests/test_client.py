@@ -136,19 +136,23 @@ class _Server:
 def test_classify_and_first_step_send_the_key(api_key):
     with _Server() as srv:
         [r] = classify(srv.url, TASK, ["a fine film"], api_key=api_key, concurrency=1)
-        g = first_step_only(srv.url, "p", vector="v", base="b", max_tokens=3, api_key=api_key)
+        seen = len(srv.seen)
+        g = first_step_only(srv.url, "p", vector="v", max_tokens=3, api_key=api_key)
+    # one request: the step policy travels with it (no second request re-prefilling the
+    # prompt with the bare model)
+    assert [(path, body["vllm_xargs"], body["max_tokens"]) for path, _, body in srv.seen[seen:]
+            ] == [("/v1/completions", {"ltv_steps": "first"}, 3)]
     # every request, the httpx ones and the openai ones, carried the key; without one, the
     # httpx calls send none and openai its placeholder
     auth = {path: a for path, a, _ in srv.seen}
     bearer = f"Bearer {api_key}" if api_key else None
-    assert auth == {"/tokenize": bearer, "/detokenize": bearer,
-                    "/v1/completions": f"Bearer {api_key or 'ltv-vllm'}"}
+    assert auth == {"/tokenize": bearer, "/v1/completions": f"Bearer {api_key or 'ltv-vllm'}"}
     # the restricted distribution, renormalised over the two labels, computed here directly
     z = sum(math.exp(v) for v in _Server.LOGPROBS.values())
     want = {lab: math.exp(v) / z
             for lab, v in zip(TASK.labels, _Server.LOGPROBS.values(), strict=True)}
     assert r.probs == pytest.approx(want) and r.label == max(want, key=want.__getitem__)
-    assert g.token_ids == [101, 101] and g.text == "101|101"
+    assert g.token_ids == [101] and g.text == "x"
 
 
 def test_unreachable_server_is_a_client_error():

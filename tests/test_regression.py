@@ -234,15 +234,16 @@ def test_classification_only_commands_refuse_regression_tasks_in_one_line():
 
 
 def _hand_greedy(model, tokenizer, prompt: str, w: torch.Tensor | None, n_new: int,
-                 first_only: bool = False) -> list[int]:
+                 shifted: int | None = None) -> list[int]:
     """No cache, no batching, no hooks: run the whole sequence each step, take h at the last
-    position, add W h by hand (at every step, or the first only), project, argmax."""
+    position, add W h by hand (at the first `shifted` steps, all by default), project, argmax."""
+    shifted = n_new if shifted is None else shifted
     ids = tokenizer(prompt)["input_ids"]
     out = []
     with torch.no_grad():
         for t in range(n_new):
             h = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
-            if w is not None and (t == 0 or not first_only):
+            if w is not None and t < shifted:
                 h = h + w @ h
             nxt = int(model.lm_head(h).argmax())
             out.append(nxt)
@@ -267,7 +268,7 @@ def planted_w(tiny_model):
     return torch.randn(d, d, generator=g) / d ** 0.5
 
 
-@pytest.mark.parametrize("steps", ["every", "first"])
+@pytest.mark.parametrize("steps", ["every", "first", 3])
 def test_greedy_shift_equals_a_hand_written_loop(tiny_model, tokenizer, planted_w, steps):
     from ltv_vllm.extraction.capture import Capturer
     from ltv_vllm.extraction.generate import greedy
@@ -277,7 +278,8 @@ def test_greedy_shift_equals_a_hand_written_loop(tiny_model, tokenizer, planted_
                  steps=steps)
     plain = greedy(cap, PROMPTS, max_new_tokens=6)
     for p, text, base in zip(PROMPTS, got, plain, strict=True):
-        want = _hand_greedy(tiny_model, tokenizer, p, planted_w, 6, first_only=steps == "first")
+        n = {"every": 6, "first": 1}.get(steps, steps)
+        want = _hand_greedy(tiny_model, tokenizer, p, planted_w, 6, shifted=n)
         assert tokenizer.decode(want, skip_special_tokens=True) == text
         assert tokenizer.decode(_hand_greedy(tiny_model, tokenizer, p, None, 6),
                                 skip_special_tokens=True) == base
@@ -400,7 +402,8 @@ def test_cli_evaluate_regression_end_to_end_against_hand_computation(tmp_path, t
                            h_zs.T @ y).T.float()  # ridge: W (d, d), h ↦ W h
 
     def by_hand(prompts: list[str], w=None, first_only=False) -> dict[str, Any]:
-        texts = [tokenizer.decode(_hand_greedy(model, tokenizer, p, w, 4, first_only),
+        n = 1 if first_only else None
+        texts = [tokenizer.decode(_hand_greedy(model, tokenizer, p, w, 4, n),
                                   skip_special_tokens=True) for p in prompts]
         answers = [parse_number(t) for t in texts]
         targets = [e.label for e in ep.test]

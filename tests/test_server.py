@@ -303,7 +303,8 @@ def test_fused_server(assets, tokenizer, tmp_path):
 def test_regression_vector_server(tokenizer, tmp_path):
     """A regression LTV (`extract --task relu`) served by name beside the bare model: the
     completion's greedy tokens, over several generated tokens, are transformers' with the
-    shift at every position (the reference hook), and their log-probs agree within 1e-4."""
+    shift at every position (the reference hook; `ltv_steps: all`), and their log-probs agree
+    within 1e-4; a request naming no policy gets the vector's recorded one (first)."""
     from click.testing import CliRunner
 
     from ltv_vllm.cli import main
@@ -321,6 +322,7 @@ def test_regression_vector_server(tokenizer, tmp_path):
         "--n-test", "3", "--seed", "2", "--dtype", "float32", "-o", str(vec), "--quiet"])
     assert r.exit_code == 0, r.output
     tv = load_task_vector(vec)
+    assert tv.provenance.shift_steps == "first"  # what extract records
     task = get_task("relu", regression=True)
     prompts = [task.query(e.text) for e in sample_regression_episode(
         task, k=3, n=12, n_test=3, seed=2).test]
@@ -332,7 +334,8 @@ def test_regression_vector_server(tokenizer, tmp_path):
             for p in prompts:
                 c = client.completions.create(
                     model=name, prompt=p, max_tokens=8, temperature=0.0, logprobs=1,
-                    extra_body={"return_tokens_as_token_ids": True}).choices[0]
+                    extra_body={"return_tokens_as_token_ids": True,
+                                "vllm_xargs": {"ltv_steps": "all"}}).choices[0]
                 toks = [int(t.split(":", 1)[1]) for t in c.logprobs.tokens]
                 ref = reference_logprobs(model, tokenizer, p, toks, shift)
                 n_prompt = len(tokenizer(p)["input_ids"])
@@ -343,9 +346,14 @@ def test_regression_vector_server(tokenizer, tmp_path):
                     assert abs(c.logprobs.token_logprobs[step] - float(row[tok])) < 1e-4
                 got[name, p] = toks
         assert any(got["relu", p] != got[str(tmp_path / "m"), p] for p in prompts)
-        # first step only (client side): the vector's first token, then the bare model
+        # first step only: the vector's first token, then the bare model; the vector's
+        # default (no ltv_steps) is the same
         for p in prompts:
-            g = first_step_only(url, p, vector="relu", base=str(tmp_path / "m"), max_tokens=8)
+            g = first_step_only(url, p, vector="relu", max_tokens=8)
+            default = client.completions.create(
+                model="relu", prompt=p, max_tokens=8, temperature=0.0, logprobs=0,
+                extra_body={"return_tokens_as_token_ids": True}).choices[0]
+            assert [int(t.split(":", 1)[1]) for t in default.logprobs.tokens] == g.token_ids
             n_prompt = len(tokenizer(p)["input_ids"])
             shifted = reference_logprobs(model, tokenizer, p, g.token_ids, tv)
             plain = reference_logprobs(model, tokenizer, p, g.token_ids, None)
@@ -355,9 +363,8 @@ def test_regression_vector_server(tokenizer, tmp_path):
                 assert int(plain[n_prompt - 1 + step].argmax()) == tok, (p, step)
             assert g.text == tokenizer.decode(g.token_ids)
         with pytest.raises(ClientError, match="server refused \\(404\\)"):
-            first_step_only(url, prompts[0], vector="nope", base=str(tmp_path / "m"))
+            first_step_only(url, prompts[0], vector="nope")
         with pytest.raises(ClientError, match="at least 1"):
-            first_step_only(url, prompts[0], vector="relu", base=str(tmp_path / "m"),
-                            max_tokens=0)
+            first_step_only(url, prompts[0], vector="relu", max_tokens=0)
     finally:
         stop(proc, log)

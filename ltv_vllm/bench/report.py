@@ -101,7 +101,8 @@ def markdown(doc: dict[str, Any]) -> str:
         kv_tok = doc["kv_bytes_per_token"]
         lines += [
             (f"## Offline (`LLM.generate` over all queries; fastest of {doc['repeats']} "
-             "interleaved rounds, a fresh engine each)"),
+             "interleaved rounds, a fresh engine each, a round counting its engine's fastest "
+             "of back-to-back passes)"),
             "",
             ("Classification: one label-restricted token per query. Generation: "
             f"{doc['gen_tokens']} free tokens per query (ignore_eos), where the shift runs at "

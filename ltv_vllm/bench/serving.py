@@ -24,6 +24,7 @@ from ltv_vllm.serving.jobs import job_paths, prestart, run_job
 
 HOST = "127.0.0.1"
 NOISE_MODE = "zero-shot (again)"
+INNER_PASSES = 3  # timed passes per engine and round (the fastest counts)
 
 
 def _free_port() -> int:
@@ -106,7 +107,9 @@ def run_offline(wl: Workload, modes: Sequence[str], settings: EngineSettings, *,
                 gen_tokens: int, warmup: int, work_dir: Path, log: Callable[[str], None],
                 resume: bool = False) -> dict[str, Any]:
     """Every mode's engines, `repeats` rounds interleaved: round 1 runs each mode once, then
-    round 2 ..., each engine fresh and timed once, so slow drift of the machine spreads over
+    round 2 ..., each engine fresh and timed `INNER_PASSES` times back to back (the round
+    keeps the fastest pass: a one-second pass is easily slowed by anything else on the
+    machine), so slow drift of the machine spreads over
     every mode alike rather than landing on the modes measured last. Each mode's result
     holds its rounds' times (`classify_seconds`, one per round) and, per round, its rate
     over zero-shot's in the same round (`paired`): the spread a ratio really has here."""
@@ -128,7 +131,8 @@ def run_offline(wl: Workload, modes: Sequence[str], settings: EngineSettings, *,
                 log(f"offline {eng.label}: {sum(map(len, eng.groups))} requests")
                 t0 = time.time()
                 results.append(run_engine_job(eng, [{"name": "main", "groups": eng.groups}],
-                                              repeats=1, gen_tokens=gen, warmup=warmup,
+                                              repeats=INNER_PASSES, gen_tokens=gen,
+                                              warmup=warmup,
                                               settings=settings, log_dir=work_dir / "logs",
                                               resume=resume, log=log))
                 log(f"  done in {time.time() - t0:.0f} s")
@@ -141,7 +145,10 @@ def run_offline(wl: Workload, modes: Sequence[str], settings: EngineSettings, *,
         for e, first in enumerate(rs[0]):
             main = {**first["passes"]["main"]}
             for key in ("classify_seconds", "generate_seconds"):
-                main[key] = [t for r in rs for t in r[e]["passes"]["main"][key]]
+                # a round's time: the fastest of its engine's passes (as timeit reports)
+                runs = [r[e]["passes"]["main"][key] for r in rs]
+                main[key] = [min(x) for x in runs if x]
+                main[f"{key}_passes"] = runs
             merged.append({**first, "passes": {"main": main},
                            "peak_rss_bytes": max(r[e]["peak_rss_bytes"] for r in rs)})
         out[mode] = {**combine_offline(merged), "repeats": len(rs),

@@ -8,7 +8,8 @@ LM head sees, e.g. a hidden-space method's `shift`) is applied by `greedy` itsel
   steps="every": at every generated token (the paper's regression setting, and what serving
                  does);
   steps="first": at the first generated token only (what the paper's reference code did: it
-                 injected at prefill), an ablation.
+                 injected at prefill), an ablation;
+  steps=n:       at the first n generated tokens (the serving step policy's reference).
 
 With `prefix` (the demos), the prefix's KV cache is computed once and shared by every
 batch as `[prefix | pads | query]` (the pads masked out, positions counting real tokens
@@ -42,17 +43,25 @@ class GenerateError(UserError):
     """Generation that cannot run as asked."""
 
 
+def leading_steps(steps: str | int) -> int | None:
+    """`every` | `first` | n ≥ 0 → how many leading generated tokens are mapped (None: all)."""
+    if steps in STEPS:
+        return None if steps == "every" else 1
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0:
+        return steps
+    raise GenerateError(f"steps must be one of {', '.join(STEPS)} or a count ≥ 0, got {steps!r}")
+
+
 @contextmanager
 def mapped_head(model, mapping: Callable[[torch.Tensor], torch.Tensor] | None,
-                steps: str = "every", record: list[torch.Tensor] | None = None
+                steps: str | int = "every", record: list[torch.Tensor] | None = None
                 ) -> Iterator[Callable[[], None]]:
     """h → mapping(h) at the LM head's input (computed in float32 on h's device; None: h
     as it is). Yields `restart()`: call it before each `generate`, so that with steps="first"
     the next LM-head call (the prefill's) is shifted and the later ones (one per generated
     token) are not. `record`: each prefill's state at the last position, before the mapping,
     is appended to it, (B, d) float32 on the CPU."""
-    if steps not in STEPS:
-        raise GenerateError(f"steps must be one of {', '.join(STEPS)}, got {steps!r}")
+    n = leading_steps(steps)
     head = lm_head(model)
     calls = [0]
 
@@ -61,7 +70,7 @@ def mapped_head(model, mapping: Callable[[torch.Tensor], torch.Tensor] | None,
         h = args[0]
         if calls[0] == 1 and record is not None:
             record.append(h[:, -1].float().cpu())
-        if mapping is None or (steps == "first" and calls[0] > 1):
+        if mapping is None or (n is not None and calls[0] > n):
             return None
         return (mapping(h.float()).to(h.dtype), *args[1:])
 
@@ -128,7 +137,7 @@ def greedy_states(
     prefix: str | None = None,
     max_new_tokens: int = 12,
     mapping: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    steps: str = "every",
+    steps: str | int = "every",
     desc: str = "generate",
 ) -> tuple[list[str], torch.Tensor]:
     """`greedy`, and each prompt's final state at its last token, (n, d) float32 on the CPU:

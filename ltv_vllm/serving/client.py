@@ -1,4 +1,4 @@
-"""Classification, first-step-only generation and the task store of a running server.
+"""Classification, generation under a step policy and the task store of a running server.
 
 The server runs with `--logprobs-mode processed_logprobs`, so a completion request with
 `allowed_token_ids` = the label tokens returns log-probabilities renormalised over the label
@@ -119,48 +119,36 @@ class Generation:
     token_ids: list[int]
 
 
-def first_step_only(base_url: str, prompt: str, *, vector: str, base: str,
-                    max_tokens: int = 16, api_key: str | None = None) -> Generation:
-    """Greedy generation with a task vector on the first generated token only, from a server
-    that serves the vector (`vector`) and the bare model (`base`) by name (multi-task mode).
-
-    The engine shifts every token a vector's request generates: `compute_logits` sees neither
-    the request nor its step. So the first token comes from the vector's request
-    (max_tokens = 1) and the rest from the bare model continuing the prompt's own token ids
-    plus that token (no re-tokenisation of the text)."""
-    import httpx
+def generate(base_url: str, prompt: str, *, model: str, steps: str | int | None = "first",
+             max_tokens: int = 16, api_key: str | None = None) -> Generation:
+    """Greedy generation from a served task `model`, shifted at the generated tokens `steps`
+    names (`first`, `all` or a count; None: the server's default for the task). One request:
+    the engine applies the step policy itself (`vllm_xargs.ltv_steps`), so the prompt is
+    prefilled once."""
     import openai
 
-    base_url = base_url.rstrip("/")
     if max_tokens < 1:
         raise ClientError(f"max_tokens must be at least 1, got {max_tokens}")
-    client = _openai(base_url, api_key)
-    ids_only = {"return_tokens_as_token_ids": True}
+    client = _openai(base_url.rstrip("/"), api_key)
+    body: dict[str, Any] = {"return_tokens_as_token_ids": True}
+    if steps is not None:
+        body["vllm_xargs"] = {"ltv_steps": steps}
     try:
-        r = httpx.post(f"{base_url}/tokenize", json={"model": base, "prompt": prompt},
-                       headers=_auth(api_key), timeout=30)
-        if r.status_code != 200:
-            raise ClientError(f"/tokenize failed ({r.status_code}): {r.text[:200]}")
-        first = client.completions.create(model=vector, prompt=prompt, max_tokens=1,
-                                          temperature=0.0, logprobs=0,
-                                          extra_body=ids_only).choices[0]
-        toks = [int(t.split(":", 1)[1]) for t in first.logprobs.tokens]  # type: ignore[union-attr]
-        if max_tokens > 1 and first.finish_reason == "length":
-            rest = client.completions.create(model=base, prompt=list(r.json()["tokens"]) + toks,
-                                             max_tokens=max_tokens - 1, temperature=0.0,
-                                             logprobs=0, extra_body=ids_only).choices[0]
-            toks += [int(t.split(":", 1)[1]) for t in rest.logprobs.tokens]  # type: ignore[union-attr]
-        # decoded whole: two texts joined could split a character's bytes between them
-        d = httpx.post(f"{base_url}/detokenize", json={"model": base, "tokens": toks},
-                       headers=_auth(api_key), timeout=30)
-        if d.status_code != 200:
-            raise ClientError(f"/detokenize failed ({d.status_code}): {d.text[:200]}")
-        text = d.json()["prompt"]
+        c = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                      temperature=0.0, logprobs=0, extra_body=body).choices[0]
     except openai.APIStatusError as e:
         raise ClientError(f"server refused ({e.status_code}): {_message(e)}") from None
-    except (openai.APIConnectionError, httpx.HTTPError):
+    except openai.APIConnectionError:
         raise ClientError(f"cannot reach {base_url}") from None
-    return Generation(text=text, token_ids=toks)
+    toks = [int(t.split(":", 1)[1]) for t in c.logprobs.tokens]  # type: ignore[union-attr]
+    return Generation(text=c.text, token_ids=toks)
+
+
+def first_step_only(base_url: str, prompt: str, *, vector: str, max_tokens: int = 16,
+                    api_key: str | None = None) -> Generation:
+    """`generate` with the task vector on the first generated token only."""
+    return generate(base_url, prompt, model=vector, steps="first", max_tokens=max_tokens,
+                    api_key=api_key)
 
 
 # -- the server's task store (/v1/ltv/tasks) -------------------------------------------------
