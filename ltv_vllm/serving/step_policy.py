@@ -15,6 +15,10 @@ TASK_KEY = "ltv_task"              # a request's `vllm_xargs` key: its task (mul
 DEFAULT_KEY = "ltv_shift_steps"    # the server's default, carried in `hf_overrides`
 TASKS_CONFIG_KEY = "ltv_tasks"     # hf_overrides: JSON {task: {"path", "steps"}} (multi-task)
 TASKS_ENV = "LTV_VLLM_TASKS"       # the served task names, for the frontend's request check
+CHAT_KEY = "ltv_chat"              # a request's `vllm_xargs` key: "allow" a shifted chat request
+CHAT_PATH = "/v1/chat/completions"
+# routes that render a chat template around the request's text (each vLLM's own)
+CHAT_PATHS = (CHAT_PATH, "/v1/responses", "/v1/messages")
 ALL = None                         # the policy "every step"
 
 
@@ -60,3 +64,20 @@ def check_request(args: Mapping[str, Any], *, prompt_logprobs: bool,
         # the engine cannot tell apart: with a per-request task they would be the bare model's
         raise ValueError(f"prompt_logprobs cannot be combined with {TASK_KEY}; serve the task "
                          "alone (one fused vector) for prompt logprobs")
+
+
+def chat_refusal(task: str) -> str:
+    """Why a chat request that a vector would shift is refused (measured in
+    `benchmarks/chat_classify.py`)."""
+    return (f"task {task!r}: its vector was fitted on the task's completion prompt, and a chat "
+            "template changes the state it shifts (measured on SmolLM2: 15-90 % of labels "
+            "kept, accuracy moved either way); send the prompt to /v1/completions, or set "
+            f'vllm_xargs.{CHAT_KEY} to "allow" to shift the chat request anyway')
+
+
+def shifts_chat(xargs: Any) -> bool:
+    """Whether a chat request with these `vllm_xargs` would be shifted without consent: not
+    when it opts in (`ltv_chat: "allow"`) or asks for no shifted step (`ltv_steps: 0`)."""
+    if not isinstance(xargs, dict):
+        return True
+    return xargs.get(CHAT_KEY) != "allow" and xargs.get(STEPS_KEY) not in (0, "0")

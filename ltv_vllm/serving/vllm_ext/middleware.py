@@ -37,7 +37,14 @@ from collections import Counter
 from typing import Any
 
 from ltv_vllm.serving.settings import ServerSettings
-from ltv_vllm.serving.step_policy import TASK_KEY, served_tasks
+from ltv_vllm.serving.step_policy import (
+    CHAT_PATH,
+    CHAT_PATHS,
+    TASK_KEY,
+    chat_refusal,
+    served_tasks,
+    shifts_chat,
+)
 
 OPEN_PATHS = ("/health", "/ping")  # liveness probes: answer without the key
 TASKS_PATH = "/v1/ltv/tasks"
@@ -61,6 +68,13 @@ async def _respond(send: Any, status: int, body: bytes, headers: list | None = N
 
 class TooLarge(Exception):
     pass
+
+
+def base_names(scope: dict[str, Any]) -> set[str]:
+    """The served base model's names (vLLM's `--served-model-name`, else `--model`)."""
+    args = getattr(getattr(scope.get("app"), "state", None), "args", None)
+    names = getattr(args, "served_model_name", None) or [getattr(args, "model", None)]
+    return {n for n in names if n}
 
 
 class Gate:
@@ -183,7 +197,8 @@ class Gate:
             await _respond(send, 413, too_large, [(b"connection", b"close")])
             return
         model = None
-        if self.multi_task and scope.get("method") == "POST" and body and \
+        chat = self.path(scope).rstrip("/") in CHAT_PATHS
+        if (self.multi_task or chat) and scope.get("method") == "POST" and body and \
                 self.content_type(scope).startswith("application/json"):
             try:
                 payload = json.loads(body)
@@ -229,9 +244,11 @@ class Gate:
     # -- 3. multi-task serving ----------------------------------------------------------------
     multi_task = False  # parse JSON bodies, count requests in flight per `model`
 
-    def refuse(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
-               payload: dict[str, Any]) -> tuple[str, ...] | None:  # noqa: ARG002
-        """(message, type, param) of a 400 for this request, or None."""
+    def refuse(self, scope: dict[str, Any], payload: dict[str, Any]) -> tuple[str, ...] | None:
+        """(message, type, param) of a 400 for this request, or None. Here: a chat request
+        the fused vector would shift (every request of a fused server is shifted)."""
+        if self.path(scope).rstrip("/") in CHAT_PATHS and shifts_chat(payload.get("vllm_xargs")):
+            return chat_refusal(str(payload.get("model"))), "BadRequestError", "messages"
         return None
 
     def rewrite(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
@@ -246,6 +263,10 @@ class LoraGate(Gate):
     multi_task = True
 
     def refuse(self, scope: dict[str, Any], payload: dict[str, Any]) -> tuple[str, ...] | None:
+        model = payload.get("model")
+        if (self.path(scope).rstrip("/") in CHAT_PATHS and isinstance(model, str)
+                and model not in base_names(scope) and shifts_chat(payload.get("vllm_xargs"))):
+            return chat_refusal(model), "BadRequestError", "messages"
         if payload.get("prompt_logprobs") and self.path(scope).endswith("completions"):
             return ("prompt_logprobs is not available in multi-task (LoRA) mode; serve a "
                     "single task vector (fused) for prompt logprobs", "BadRequestError",
@@ -274,12 +295,17 @@ class TaskGate(Gate):
 
     def refuse(self, scope: dict[str, Any], payload: dict[str, Any]) -> tuple[str, ...] | None:
         model, path = payload.get("model"), self.path(scope).rstrip("/")
+        xargs = payload.get("vllm_xargs")
+        named = xargs.get(TASK_KEY) if isinstance(xargs, dict) else None
+        if path in CHAT_PATHS and isinstance(named, str) and shifts_chat(xargs):
+            return chat_refusal(named), "BadRequestError", "messages"
         if not isinstance(model, str) or model not in self.tasks:
             return None
         if path not in SHIFT_PATHS and path not in NO_SHIFT_PATHS:
             return (f"task {model!r} is served on {' and '.join(SHIFT_PATHS)} only",
                     "BadRequestError", "model")
-        xargs = payload.get("vllm_xargs")
+        if path == CHAT_PATH and shifts_chat(xargs):
+            return chat_refusal(model), "BadRequestError", "messages"
         if isinstance(xargs, dict) and xargs.get(TASK_KEY, model) != model:
             return (f"model {model!r} and vllm_xargs.{TASK_KEY} {xargs[TASK_KEY]!r} name two "
                     "tasks; name one", "BadRequestError", "vllm_xargs")
