@@ -144,7 +144,7 @@ def test_serve_refuses_to_fold_or_lora_a_kernel_vector_in_one_line(tmp_path, tok
             (["serve", *model, "--task-vector", "kern.pt", "--fold", "--dry-run"],
              "cannot be folded into the LM head"),
             (["serve", *model, "--task-vector", "a=kern.pt", "--task-vector", f"b={good}",
-              "--dry-run"], "cannot be carried as a LoRA"),
+              "--multi-task", "lora", "--dry-run"], "cannot be carried as a LoRA"),
             (["export-lora", "kern.pt", "-o", "lora", *model], "cannot be carried as a LoRA")):
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 1, r.output
@@ -152,3 +152,7 @@ def test_serve_refuses_to_fold_or_lora_a_kernel_vector_in_one_line(tmp_path, tok
         assert len(errors) == 1 and words in errors[0], r.output
     r = CliRunner().invoke(main, ["serve", *model, "--task-vector", "kern.pt", "--dry-run"])
     assert r.exit_code == 0, r.output  # fused: served
+    # multi-task with per-request tasks (the default) serves any map, as fused does
+    r = CliRunner().invoke(main, ["serve", *model, "--task-vector", "a=kern.pt",
+                                  "--task-vector", f"b={good}", "--dry-run"])
+    assert r.exit_code == 0 and "TaskGate" in r.output, r.output
