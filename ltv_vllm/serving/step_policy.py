@@ -15,11 +15,22 @@ TASK_KEY = "ltv_task"              # a request's `vllm_xargs` key: its task (mul
 DEFAULT_KEY = "ltv_shift_steps"    # the server's default, carried in `hf_overrides`
 TASKS_CONFIG_KEY = "ltv_tasks"     # hf_overrides: JSON {task: {"path", "steps"}} (multi-task)
 TASKS_ENV = "LTV_VLLM_TASKS"       # the served task names, for the frontend's request check
+STORE_CONFIG_KEY = "ltv_task_store"  # hf_overrides: the task store's root (its tasks by key)
 CHAT_KEY = "ltv_chat"              # a request's `vllm_xargs` key: "allow" a shifted chat request
 CHAT_PATH = "/v1/chat/completions"
 # routes that render a chat template around the request's text (each vLLM's own)
 CHAT_PATHS = (CHAT_PATH, "/v1/responses", "/v1/messages")
 ALL = None                         # the policy "every step"
+
+# This process's task-store tasks: name → engine key "NAME@DIGEST" (the task endpoints add
+# and remove them; the gate maps a request's task to its key; the request check admits the
+# keys). The digest names the vector file's content, so a name deleted and added again with
+# another vector is another key: an engine never answers it with the old vector.
+RUNTIME: dict[str, str] = {}
+
+
+def task_key(name: str, digest: str) -> str:
+    return f"{name}@{digest}"
 
 
 def parse_steps(value: Any) -> int | None:
@@ -43,9 +54,11 @@ def tasks_env(names: list[str] | tuple[str, ...]) -> dict[str, str]:
 
 
 def served_tasks(environ: Mapping[str, str] | None = None) -> frozenset[str]:
-    """The task names this process's engine serves (empty: none, so any `ltv_task` is refused)."""
+    """The task names this process's engine serves, and its task-store tasks' keys (empty:
+    none, so any `ltv_task` is refused)."""
     raw = (os.environ if environ is None else environ).get(TASKS_ENV)
-    return frozenset(json.loads(raw)) if raw else frozenset()
+    static = frozenset(json.loads(raw)) if raw else frozenset()
+    return static | frozenset(RUNTIME.values())
 
 
 def check_request(args: Mapping[str, Any], *, prompt_logprobs: bool,

@@ -51,6 +51,7 @@ from fastapi import APIRouter, Request
 
 from ltv_vllm.serving.compile import ENTRY
 from ltv_vllm.serving.settings import ServerSettings
+from ltv_vllm.serving.step_policy import RUNTIME, served_tasks, task_key
 from ltv_vllm.serving.vllm_ext.middleware import drained
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class TaskEndpoints:
         self.max_tasks = 8
         self.max_rank = 256
         self.lock = asyncio.Lock()  # one store change at a time
+        self.lora = False  # store tasks as LoRA adapters (else by key, `step_policy.RUNTIME`)
         self.jobs: dict[str, dict[str, Any]] = {}  # name → compile job (until it is served)
         self.deleting: set[str] = set()  # names being drained and removed (taken meanwhile)
         self.worker = asyncio.Semaphore(1)  # one compile at a time
@@ -96,6 +98,7 @@ class TaskEndpoints:
         self.engine = engine_client
         self.max_tasks = settings.max_tasks
         self.max_rank = settings.task_rank
+        self.lora = settings.store_lora
         self.threads = settings.compile_threads
         self.max_model_len = int(self.models.model_config.max_model_len)
         from transformers import AutoTokenizer
@@ -104,6 +107,9 @@ class TaskEndpoints:
         # compiles do not outlive their server: what a previous one left is dropped
         shutil.rmtree(self.store.root / ".jobs", ignore_errors=True)
         (self.store.root / ".jobs").mkdir()
+        if not self.lora:  # per-request tasks: the entries `serve` kept are served by key
+            for entry in self.store.entries():
+                RUNTIME[entry.name] = task_key(entry.name, _digest(entry.vector_path))
 
     def attach_router(self, app: Any) -> None:
         router = APIRouter()
@@ -142,6 +148,12 @@ class TaskEndpoints:
         app.include_router(router)
 
     # -- helpers -----------------------------------------------------------------------------
+    def _served(self, name: str) -> bool:
+        """Whether requests for `name` get its task now (a store task or a command-line one)."""
+        if self.lora:
+            return name in self.models.lora_requests
+        return name in RUNTIME or name in served_tasks()
+
     def _off(self, name: str | None = None) -> Any:
         from ltv_vllm.errors import UserError
         from ltv_vllm.serving.taskstore import check_name
@@ -176,7 +188,7 @@ class TaskEndpoints:
             record["model"] = {**record["model"],
                                "name": self._public(str(record["model"].get("name")))}
         return {**record, "object": "ltv.task", "status": "ready",
-                "served": entry.name in self.models.lora_requests}
+                "served": self._served(entry.name)}
 
     def _job_view(self, name: str) -> dict[str, Any]:
         job = self.jobs[name]
@@ -208,7 +220,7 @@ class TaskEndpoints:
         if self.models.is_base_model(name):
             return _error(409, f"{name!r} is the served base model's name; choose another",
                           "ConflictError", "name")
-        if (name in self.models.lora_requests or name in self.jobs or name in self.deleting
+        if (self._served(name) or name in self.jobs or name in self.deleting
                 or (self.store.root / name).exists()):
             return _error(409, f"task {name!r} exists; DELETE it first", "ConflictError",
                           "name")
@@ -237,19 +249,24 @@ class TaskEndpoints:
             try:
                 await asyncio.to_thread(self.store.get, name)
             except StoreError as e:
-                served = name in self.models.lora_requests
+                served = self._served(name)
                 why = (f"task {name!r} was given on the command line (--task-vector), not "
                        "compiled into the task store; restart without it" if served else e)
                 return self._fail(409 if served else 404, why,
                                   "ConflictError" if served else "NotFoundError", "name")
-            lora = self.models.lora_requests.get(name)
+            lora = self.models.lora_requests.get(name) if self.lora else None
             if lora is not None:  # no new request gets the task from here on
                 await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+            had_key = RUNTIME.pop(name, None) is not None  # per-request tasks: likewise
             self.deleting.add(name)
         try:
             # vLLM's unload only forgets the name: the engine keeps the adapter. Remove it
             # there once no request that was admitted with it is in flight (a request whose
             # adapter is gone from the engine and from disk would fail the engine's step).
+            if had_key:
+                # the files go once no request admitted with the key is in flight (an engine
+                # process may load it on first use until then, `vllm_ext.steps.STORE`)
+                await drained(name, DRAIN_SECONDS)
             if lora is not None and await drained(name, DRAIN_SECONDS):
                 try:
                     await self.engine.remove_lora(lora.lora_int_id)
@@ -342,10 +359,20 @@ class TaskEndpoints:
         return JSONResponse(status_code=201 if created else 200, content=view)
 
     async def _serve(self, entry: Any) -> Any:
-        """Load the entry's adapter into the engine; on failure the entry is removed again
-        (call under the lock)."""
+        """Serve the entry: by key (per-request tasks; the engine loads it on first use), or
+        its adapter loaded into the engine; on failure the entry is removed again (call under
+        the lock)."""
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
+        if not self.lora:
+            try:
+                digest = await asyncio.to_thread(_digest, entry.vector_path)
+            except OSError as e:
+                await asyncio.to_thread(self.store.remove, entry.name)
+                return self._fail(500, f"task {entry.name!r} does not read: {e}",
+                                  "InternalServerError")
+            RUNTIME[entry.name] = task_key(entry.name, digest)
+            return None
         try:
             res = await self.models.load_lora_adapter(
                 LoadLoRAAdapterRequest(lora_name=entry.name, lora_path=str(entry.path)))
@@ -440,6 +467,13 @@ class TaskEndpoints:
                 return
             del self.jobs[name]
         shutil.rmtree(job["dir"], ignore_errors=True)
+
+
+def _digest(path: Path) -> str:
+    """A vector file's content, named (`step_policy.task_key`; the engine checks it)."""
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def _read_status(job_dir: Path) -> dict[str, Any]:

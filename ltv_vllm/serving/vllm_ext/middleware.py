@@ -40,6 +40,7 @@ from ltv_vllm.serving.settings import ServerSettings
 from ltv_vllm.serving.step_policy import (
     CHAT_PATH,
     CHAT_PATHS,
+    RUNTIME,
     TASK_KEY,
     chat_refusal,
     served_tasks,
@@ -68,6 +69,13 @@ async def _respond(send: Any, status: int, body: bytes, headers: list | None = N
 
 class TooLarge(Exception):
     pass
+
+
+def base_name(scope: dict[str, Any]) -> str:
+    """The served base model's first name (what vLLM answers as the response's `model`)."""
+    args = getattr(getattr(scope.get("app"), "state", None), "args", None)
+    names = getattr(args, "served_model_name", None) or [getattr(args, "model", "")]
+    return str(names[0])
 
 
 def base_names(scope: dict[str, Any]) -> set[str]:
@@ -213,8 +221,8 @@ class Gate:
                 if refused is not None:
                     await _respond(send, 400, _json_error(400, *refused))
                     return
-                if isinstance(payload.get("model"), str):
-                    model = payload["model"]
+                if isinstance(counted := self.counted(payload), str):
+                    model = counted
                 new_body = self.rewrite(scope, payload)
                 if new_body is not None:
                     body = new_body
@@ -256,6 +264,10 @@ class Gate:
         """The body to hand on instead of the one received, or None (unchanged)."""
         return None
 
+    def counted(self, payload: dict[str, Any]) -> Any:
+        """The name a request is counted under while in flight (`in_flight`)."""
+        return payload.get("model")
+
 
 class LoraGate(Gate):
     """Steps 1, 2 and 3, for multi-task serving with LoRA adapters."""
@@ -293,13 +305,22 @@ class TaskGate(Gate):
         super().__init__(app)
         self.tasks = served_tasks()
 
+    def is_task(self, name: Any) -> bool:
+        """A command-line task's name, or a task-store task served now."""
+        return isinstance(name, str) and (name in self.tasks or name in RUNTIME)
+
+    def counted(self, payload: dict[str, Any]) -> Any:
+        xargs = payload.get("vllm_xargs")
+        named = xargs.get(TASK_KEY) if isinstance(xargs, dict) else None
+        return named if self.is_task(named) else payload.get("model")
+
     def refuse(self, scope: dict[str, Any], payload: dict[str, Any]) -> tuple[str, ...] | None:
         model, path = payload.get("model"), self.path(scope).rstrip("/")
         xargs = payload.get("vllm_xargs")
         named = xargs.get(TASK_KEY) if isinstance(xargs, dict) else None
         if path in CHAT_PATHS and isinstance(named, str) and shifts_chat(xargs):
             return chat_refusal(named), "BadRequestError", "messages"
-        if not isinstance(model, str) or model not in self.tasks:
+        if not self.is_task(model):
             return None
         if path not in SHIFT_PATHS and path not in NO_SHIFT_PATHS:
             return (f"task {model!r} is served on {' and '.join(SHIFT_PATHS)} only",
@@ -312,16 +333,26 @@ class TaskGate(Gate):
         return None
 
     def rewrite(self, scope: dict[str, Any], payload: dict[str, Any]) -> bytes | None:
-        model = payload.get("model")
-        if (not isinstance(model, str) or model not in self.tasks
-                or self.path(scope).rstrip("/") not in SHIFT_PATHS):
+        model, xargs = payload.get("model"), payload.get("vllm_xargs")
+        path = self.path(scope).rstrip("/")
+        if path in NO_SHIFT_PATHS and isinstance(model, str) and model in RUNTIME:
+            payload["model"] = base_name(scope)  # a store task's tokenizer is the model's
+            return json.dumps(payload).encode()
+        if path not in SHIFT_PATHS:
             return None
-        xargs = payload.get("vllm_xargs")
         if xargs is None:
             xargs = {}
         if not isinstance(xargs, dict):
             return None  # vLLM refuses it (400)
-        payload["vllm_xargs"] = {**xargs, TASK_KEY: model}
+        task = model if self.is_task(model) else xargs.get(TASK_KEY)
+        if not self.is_task(task):
+            return None  # the bare model, or a task the engine's request check refuses
+        if task in RUNTIME:
+            # a task-store task: its engine key, and the base model's name (store tasks are
+            # not served model names of vLLM's)
+            payload["model"] = base_name(scope)
+            task = RUNTIME[task]
+        payload["vllm_xargs"] = {**xargs, TASK_KEY: task}
         return json.dumps(payload).encode()
 
 

@@ -32,8 +32,8 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import PPMissingLayer
 
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
-from ltv_vllm.serving.step_policy import TASKS_CONFIG_KEY
-from ltv_vllm.serving.vllm_ext.steps import FUSED, take_plan
+from ltv_vllm.serving.step_policy import STORE_CONFIG_KEY, TASKS_CONFIG_KEY
+from ltv_vllm.serving.vllm_ext.steps import FUSED, STORE, take_plan
 
 CONFIG_KEY = "ltv_task_vector"
 FOLD_KEY = "ltv_fold"
@@ -53,22 +53,37 @@ class LTVMixin:
         for name, spec in json.loads(getattr(config, TASKS_CONFIG_KEY, None) or "{}").items():
             self._vectors[name] = load_task_vector(spec["path"])
         self._casts = {}
+        self._store = getattr(config, STORE_CONFIG_KEY, None)  # runtime tasks (`StoreVectors`)
+        if self._store:
+            STORE.root = self._store
         self._ltv_fold = bool(getattr(config, FOLD_KEY, False)) and self._ltv is not None
         if self._ltv_fold and (self._ltv.kind != "hidden" or self._ltv.bias is not None
                                or self._ltv.map != "linear"):
             raise VectorError("only a linear hidden-space vector without a bias can be folded")
         if self._ltv_fold and len(self._vectors) > 1:
             raise VectorError("a folded head serves one task; per-request tasks need it unfolded")
-        d, vocab = int(config.hidden_size), int(config.vocab_size)
+        self._sizes = int(config.hidden_size), int(config.vocab_size)
         for name, tv in self._vectors.items():
-            what = f"task vector {name or path}"
-            if tv.V.shape[0] != d:
-                raise VectorError(f"{what} is for hidden size {tv.V.shape[0]}, model has {d}")
-            if tv.kind == "logit" and tv.U.shape[0] != vocab:
-                # compute_logits adds U's rows to the first columns: a mismatch would shift
-                # the wrong tokens rather than fail
-                raise VectorError(f"logit {what} is for vocabulary {tv.U.shape[0]}, model has "
-                                  f"{vocab}")
+            self._check_sizes(tv, f"task vector {name or path}")
+
+    def _check_sizes(self, tv: TaskVector, what: str) -> None:
+        d, vocab = self._sizes
+        if tv.V.shape[0] != d:
+            raise VectorError(f"{what} is for hidden size {tv.V.shape[0]}, model has {d}")
+        if tv.kind == "logit" and tv.U.shape[0] != vocab:
+            # compute_logits adds U's rows to the first columns: a mismatch would shift the
+            # wrong tokens rather than fail
+            raise VectorError(f"logit {what} is for vocabulary {tv.U.shape[0]}, model has "
+                              f"{vocab}")
+
+    def _vector(self, task: str) -> TaskVector | None:
+        """A task's vector: the engine's own, a named one, or a task-store key's (loaded on
+        first use, checked against the model; None: FUSED in multi-task serving)."""
+        tv = self._vectors.get(task)
+        if tv is None and task != FUSED and self._store:
+            tv = STORE.get(task)
+            self._check_sizes(tv, f"task store vector {task}")
+        return tv
 
     def _ltv_delta(self, h: torch.Tensor, part: slice | None = None,
                    task: str = FUSED) -> torch.Tensor:
@@ -84,7 +99,9 @@ class LTVMixin:
         # meta device and move it; the hidden states tell us where we really run).
         cast = self._casts.get(task)
         if cast is None or cast.U.device != h.device:
-            cast = self._casts[task] = self._vectors[task].to(h.device, torch.float32)
+            if len(self._casts) > 2 * STORE.keep:  # store keys come and go
+                self._casts.clear()
+            cast = self._casts[task] = self._vector(task).to(h.device, torch.float32)
         return cast.delta(h.float(), part)  # (n, d_out): rank-r, never a dense d×d
 
     def _ltv_hidden(self, h: torch.Tensor) -> torch.Tensor:
@@ -99,7 +116,7 @@ class LTVMixin:
         hidden vector's delta is added to h, a logit vector's to the logits' first columns).
         Rows of one task are gathered and shifted together: one rank-r product per task."""
         for task, rows in plan.items():
-            tv = self._vectors.get(task)
+            tv = self._vector(task)
             if tv is None or tv.kind != kind:
                 continue  # FUSED in multi-task serving: the bare model
             if out is h or out.dtype != torch.float32:
@@ -145,7 +162,7 @@ class LTVMixin:
         self._ltv, self._vectors = None, {}  # nothing left to do at run time
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        if not self._vectors or hidden_states.shape[0] == 0:
+        if (not self._vectors and not self._store) or hidden_states.shape[0] == 0:
             return super().compute_logits(hidden_states)  # type: ignore[misc]
         # this step's per-request shifts (`steps`), taken on the main call only; without a
         # plan the engine's own vector (if any) shifts every row
@@ -161,7 +178,7 @@ class LTVMixin:
         return logits
 
     def _single_task(self, what: str) -> None:
-        if set(self._vectors) - {FUSED}:
+        if set(self._vectors) - {FUSED} or self._store:
             # these entry points have no row plan: they would shift no request's task
             raise VectorError(f"{what} cannot apply per-request tasks (vLLM's V2 runner and "
                               "draft models are not supported in multi-task serving)")

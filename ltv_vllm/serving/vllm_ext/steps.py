@@ -48,6 +48,7 @@ from ltv_vllm.serving.step_policy import (
     ALL,
     DEFAULT_KEY,
     STEPS_KEY,
+    STORE_CONFIG_KEY,
     TASK_KEY,
     TASKS_CONFIG_KEY,
     check_request,
@@ -56,6 +57,44 @@ from ltv_vllm.serving.step_policy import (
 )
 
 FUSED = ""  # the task key of the engine's own (fused) vector
+
+
+class StoreVectors:
+    """Task-store vectors in an engine process, by key "NAME@DIGEST", loaded on first use
+    from ROOT/NAME (the server admits a key only while the entry is served, and removes an
+    entry's files only after its requests are done) and checked against the digest, so a
+    key always means the vector it was made from. Least recently used ones are dropped."""
+
+    def __init__(self, root: str | None, keep: int = 64) -> None:
+        from collections import OrderedDict
+
+        self.root, self.keep = root, keep
+        self.cache: OrderedDict[str, Any] = OrderedDict()
+
+    def get(self, key: str) -> Any:
+        import hashlib
+        from pathlib import Path
+
+        from ltv_vllm.core.vector import load_task_vector
+        from ltv_vllm.serving.taskstore import VECTOR, check_name
+
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            return self.cache[key]
+        name, sep, digest = key.partition("@")
+        if self.root is None or not sep:
+            raise RuntimeError(f"{TASK_KEY} {key!r} is not a task this engine holds")
+        path = Path(self.root) / check_name(name) / VECTOR
+        if hashlib.sha256(path.read_bytes()).hexdigest()[: len(digest)] != digest:
+            # fail the engine loudly rather than answer with another vector
+            raise RuntimeError(f"task store entry {name!r} changed under key {key!r}")
+        tv = self.cache[key] = load_task_vector(path)
+        while len(self.cache) > self.keep:
+            self.cache.popitem(last=False)
+        return tv
+
+
+STORE = StoreVectors(None)  # this process's; the wrapper sets its root from the config
 
 
 class _Plan:
@@ -111,6 +150,9 @@ class LTVStepPolicy(LogitsProcessor):
             FUSED: parse_steps(getattr(hf, DEFAULT_KEY, "all"))}
         for name, spec in json.loads(getattr(hf, TASKS_CONFIG_KEY, None) or "{}").items():
             self.defaults[name] = parse_steps(spec.get("steps", "all"))
+        # task-store tasks: the server's --shift-steps, else each vector's own
+        self.store_default = getattr(hf, DEFAULT_KEY, None)
+        STORE.root = STORE.root or getattr(hf, STORE_CONFIG_KEY, None)
         PLAN.source = self  # one input batch per worker process
 
     def is_argmax_invariant(self) -> bool:
@@ -123,11 +165,13 @@ class LTVStepPolicy(LogitsProcessor):
         def entry(params: SamplingParams, _prompt: Any, out: list[int]) -> Any:
             args = params.extra_args or {}
             task = args.get(TASK_KEY, FUSED)
-            if task not in self.defaults:  # the frontend admitted a task the workers lack:
-                # fail the engine loudly rather than answer with another shift
-                raise RuntimeError(f"a request names {TASK_KEY} {task!r}, which this engine's "
-                                   f"workers do not hold ({TASKS_CONFIG_KEY})")
-            n = parse_steps(args[STEPS_KEY]) if STEPS_KEY in args else self.defaults[task]
+            if STEPS_KEY in args:
+                n = parse_steps(args[STEPS_KEY])
+            elif task in self.defaults:
+                n = self.defaults[task]
+            else:  # a task-store key (or a task the workers lack: StoreVectors fails loudly)
+                tv = STORE.get(task)
+                n = parse_steps(self.store_default or tv.provenance.shift_steps or "all")
             return task, n, out
 
         process_dict_updates(self.rows, batch_update, entry)
