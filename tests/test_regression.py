@@ -499,8 +499,9 @@ def test_cli_extract_regression_writes_the_instance_ltv(tmp_path, tokenizer):
 
 def test_evaluate_regression_through_vllm_equals_transformers(tmp_path, tokenizer):
     """`evaluate --tasks linear --vllm` on a tiny model in float32: vLLM's greedy answers —
-    zero-shot and ICL on the plain engine (prefix caching), LTV and the mean shift fused —
-    are transformers' token for token (the shift at every step in both engines)."""
+    zero-shot and ICL on the plain engine (prefix caching), LTV and the mean shift fused, LTV
+    at the first step only by the request step policy in LTV's engine — are transformers'
+    token for token (the shift at exactly the same steps in both engines)."""
     from click.testing import CliRunner
 
     from conftest import make_vllm_llama
@@ -511,13 +512,14 @@ def test_evaluate_regression_through_vllm_equals_transformers(tmp_path, tokenize
     tokenizer.save_pretrained(tmp_path / "m")
     r = CliRunner().invoke(main, [
         "evaluate", "--model", str(tmp_path / "m"), "--tasks", "linear", "--methods",
-        "zero-shot,icl,ltv,mean", "--runs", "1", "--k", "3", "--n", "12", "--n-test", "6",
-        "--max-new-tokens", "5", "--dtype", "float32", "--vllm", "--out", str(tmp_path / "ev"),
-        "--quiet"])
+        "zero-shot,icl,ltv,ltv-first,mean", "--runs", "1", "--k", "3", "--n", "12",
+        "--n-test", "6", "--max-new-tokens", "5", "--dtype", "float32", "--vllm", "--out",
+        str(tmp_path / "ev"), "--quiet"])
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "ev" / "results.json").read_text())
     recs = {x["method"]: x for x in doc["records"]}
-    assert set(recs) == {"zero-shot", "icl", "ltv", "mean"}
+    assert set(recs) == {"zero-shot", "icl", "ltv", "ltv-first", "mean"}
+    assert recs["ltv-first"]["texts"] != recs["ltv"]["texts"]  # the policies differ here
     for m, x in recs.items():
         assert x["vllm"]["texts"] == x["texts"], m
         assert x["vllm"]["identical_text"] == 1.0 and x["vllm"]["agreement"] == 1.0, m

@@ -89,15 +89,24 @@ def run_generation_job(job: dict[str, Any]) -> dict[str, Any]:
 
     from ltv_vllm.serving.serve import engine_kwargs
 
-    # every generated token shifted, as the transformers generation it is compared with
+    # every generated token shifted, as the transformers generation it is compared with,
+    # unless the job names step policies: then every prompt once per policy (the request's
+    # `ltv_steps`), in one batch, policy after policy in the output
     kwargs = (engine_kwargs(job["model"], job["vector"], shift_steps="all") if job.get("vector")
               else {"model": job["model"]})
     t0 = time.perf_counter()
     llm = LLM(**kwargs, dtype=job["dtype"], max_model_len=job["max_model_len"],
               enforce_eager=True, enable_prefix_caching=True, seed=0)
     start = time.perf_counter() - t0
+    steps = job.get("steps") or [None]
+    params = []
+    for s in steps:
+        p = generation_params(job["max_new_tokens"])
+        if s is not None:
+            p.extra_args = {"ltv_steps": s}
+        params += [p] * len(job["prompts"])
     t0 = time.perf_counter()
-    outs = llm.generate(job["prompts"], generation_params(job["max_new_tokens"]), use_tqdm=False)
+    outs = llm.generate(list(job["prompts"]) * len(steps), params, use_tqdm=False)
     return {"token_ids": [list(o.outputs[0].token_ids) for o in outs],
             "startup_seconds": start, "generate_seconds": time.perf_counter() - t0}
 
