@@ -493,9 +493,10 @@ def regression_table(doc: dict[str, Any]) -> str:
           "regression analogue of d_NTP)", "kl_first", "{:.3f}".format, skip=("icl",))
     if cfg.get("vllm"):
         lines += ["", "**Through vLLM** (the same greedy answers from `vllm.LLM`: zero-shot and "
-                  "ICL on the plain model with prefix caching, LTV and the mean shift fused): "
-                  "MSE / parse rate / queries with the same parsed number as transformers / "
-                  "identical text", "", head, sep]
+                  "ICL on the plain model with prefix caching, LTV and the mean shift fused, "
+                  "LTV's first step only by the request step policy `first` in LTV's engine, "
+                  "where run): MSE over parsed answers / parse rate / queries with the same "
+                  "parsed number as transformers / identical text", "", head, sep]
         for m in methods:
             if not all("vllm" in summ[t][m] for t in tasks):
                 continue
