@@ -200,7 +200,7 @@ def check_policies(client, model_name: str, tv, model, tokenizer, cases,
                    xargs: dict | None = None) -> None:
     """Each (steps, n, stream) of `cases` through the OpenAI client: the request's tokens and
     logprobs are the greedy loop's that shifts exactly its first n steps with `tv`, streamed
-    or not."""
+    or not; the response (every streamed chunk) names the task it got as its `model`."""
     n_prompt = len(tokenizer(PROMPTS[0])["input_ids"])
     for steps, n, stream in cases:
         kw = dict(model=model_name, prompt=PROMPTS[0], max_tokens=3, temperature=0.0,
@@ -208,6 +208,7 @@ def check_policies(client, model_name: str, tv, model, tokenizer, cases,
                                           "vllm_xargs": {**(xargs or {}), "ltv_steps": steps}})
         chunks = (list(client.completions.create(**kw, stream=True)) if stream
                   else [client.completions.create(**kw)])
+        assert {c.model for c in chunks} == {(xargs or {}).get("ltv_task", model_name)}
         tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
         tops = [t for c in chunks for t in c.choices[0].logprobs.top_logprobs]
         assert len(tops) == 3

@@ -71,6 +71,44 @@ class TooLarge(Exception):
     pass
 
 
+def renamed(send: Any, base: str, task: str) -> Any:
+    """`send` with the response's `"model":"BASE"` written as the task's name: a JSON body
+    is held until whole (its length changes), a stream (server-sent events, one JSON per
+    event as vLLM sends them) is renamed event by event. vLLM's JSON is compact
+    (`"model":"..."`), as Starlette's JSONResponse and pydantic's model_dump_json write it."""
+    old = b'"model":' + json.dumps(base).encode()
+    new = b'"model":' + json.dumps(task).encode()
+    held: dict[str, Any] = {}
+    chunks: list[bytes] = []
+
+    async def send_renamed(msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.start":
+            kind = dict(msg.get("headers") or []).get(b"content-type", b"")
+            if kind.startswith(b"text/event-stream"):
+                held["stream"] = True
+                await send(msg)
+            else:
+                held["start"] = msg  # sent with the body, its length corrected
+            return
+        if msg["type"] != "http.response.body":
+            await send(msg)
+            return
+        if held.get("stream"):
+            await send({**msg, "body": msg.get("body", b"").replace(old, new)})
+            return
+        chunks.append(msg.get("body", b""))
+        if msg.get("more_body", False):
+            return
+        body = b"".join(chunks).replace(old, new, 1)
+        start = held.pop("start")
+        await send({**start, "headers": [
+            *((k, v) for k, v in start.get("headers") or [] if k != b"content-length"),
+            (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    return send_renamed
+
+
 def base_name(scope: dict[str, Any]) -> str:
     """The served base model's first name (what vLLM answers as the response's `model`)."""
     args = getattr(getattr(scope.get("app"), "state", None), "args", None)
@@ -205,6 +243,7 @@ class Gate:
             await _respond(send, 413, too_large, [(b"connection", b"close")])
             return
         model = None
+        shown: str | None = None  # the task a response should name as its `model`
         chat = self.path(scope).rstrip("/") in CHAT_PATHS
         if (self.multi_task or chat) and scope.get("method") == "POST" and body and \
                 self.content_type(scope).startswith("application/json"):
@@ -223,6 +262,7 @@ class Gate:
                     return
                 if isinstance(counted := self.counted(payload), str):
                     model = counted
+                shown = self.shown(scope, payload)
                 new_body = self.rewrite(scope, payload)
                 if new_body is not None:
                     body = new_body
@@ -237,6 +277,8 @@ class Gate:
                 return replay.pop(0)
             return await receive()
 
+        if shown is not None:
+            send = renamed(send, base_name(scope), shown)
         if model is None:
             await self.app(scope, replayed, send)
             return
@@ -267,6 +309,12 @@ class Gate:
     def counted(self, payload: dict[str, Any]) -> Any:
         """The name a request is counted under while in flight (`in_flight`)."""
         return payload.get("model")
+
+    def shown(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
+              payload: dict[str, Any]) -> str | None:  # noqa: ARG002
+        """The name the response's `model` should carry where vLLM would name the base model
+        (None: as vLLM answers)."""
+        return None
 
 
 class LoraGate(Gate):
@@ -331,6 +379,16 @@ class TaskGate(Gate):
             return (f"model {model!r} and vllm_xargs.{TASK_KEY} {xargs[TASK_KEY]!r} name two "
                     "tasks; name one", "BadRequestError", "vllm_xargs")
         return None
+
+    def shown(self, scope: dict[str, Any], payload: dict[str, Any]) -> str | None:
+        # vLLM answers every request with its first served name; a task's request names
+        # the task it got (by `model`, or by `vllm_xargs.ltv_task` beside the base name)
+        if self.path(scope).rstrip("/") not in SHIFT_PATHS:
+            return None
+        model, xargs = payload.get("model"), payload.get("vllm_xargs")
+        named = xargs.get(TASK_KEY) if isinstance(xargs, dict) else None
+        task = model if self.is_task(model) else named if self.is_task(named) else None
+        return task if task is not None and task != base_name(scope) else None
 
     def rewrite(self, scope: dict[str, Any], payload: dict[str, Any]) -> bytes | None:
         model, xargs = payload.get("model"), payload.get("vllm_xargs")
