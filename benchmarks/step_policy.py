@@ -128,7 +128,7 @@ def main() -> None:
     if a.server:
         srv = res["server"]
         md += ["", "## Through the server", "",
-               (f"`ltv-vllm serve` with both vectors (multi-task, per-request tasks, "
+               (f"`ltv-vllm serve` with the tasks' vectors (multi-task, per-request tasks, "
                 f"{srv['dtype']}), every query under each request policy (`vllm_xargs."
                 "ltv_steps`), all in flight together; the answer against transformers' greedy "
                 "answer with the shift at exactly the same steps. Started in "
@@ -151,53 +151,33 @@ def main() -> None:
 def through_server(a, served: dict, dtype: str) -> dict:
     """Start one multi-task server with every task's vector; each query under each request
     policy; scores and agreement with transformers' answers under the same policy."""
-    import os
     import socket
-    import subprocess
-    import sys
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
-    import httpx
-
+    from ltv_vllm.bench.online import Server
     from ltv_vllm.serving.client import generate
+    from ltv_vllm.serving.serve import ServeOptions, plan_server
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", a.model, "--port", str(port),
-           "--dtype", dtype, *[x for name, (path, *_r) in served.items()
-                               for x in ("--task-vector", f"{name}={path}")]]
-    log = open(a.out / "server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    t0 = time.time()
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit("server exited; see server.log")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        startup = time.time() - t0
-        jobs = [(name, pol, i) for name, (_p, queries, *_r) in served.items()
-                for pol in SERVER_POLICIES for i in range(len(queries))]
+    # the command `ltv-vllm serve` would run (nothing to write: per-request tasks)
+    plan = plan_server(ServeOptions(a.model, tuple(f"{name}={path}" for name, (path, *_r)
+                                                   in served.items()), port=port, dtype=dtype))
+    jobs = [(name, pol, i) for name, (_p, queries, *_r) in served.items()
+            for pol in SERVER_POLICIES for i in range(len(queries))]
+    with Server(plan.argv[3:], url=f"http://127.0.0.1:{port}",
+                env={**plan.env, "TOKENIZERS_PARALLELISM": "false"},
+                log_path=a.out / "server.log") as srv:
+        startup = srv.startup_s
 
         def one(job):
             name, pol, i = job
-            return generate(url, served[name][1][i], model=name, steps=pol,
+            return generate(srv.url, served[name][1][i], model=name, steps=pol,
                             max_tokens=a.max_new_tokens).text
 
         with ThreadPoolExecutor(16) as pool:
             answers = list(pool.map(one, jobs))
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
     got: dict = {}
     for (name, pol, _i), text in zip(jobs, answers, strict=True):
         got.setdefault(name, {}).setdefault(pol, []).append(text)

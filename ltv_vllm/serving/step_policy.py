@@ -5,6 +5,7 @@ served task names with it; the engine side is `vllm_ext.steps`."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -57,8 +58,14 @@ def served_tasks(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     """The task names this process's engine serves, and its task-store tasks' keys (empty:
     none, so any `ltv_task` is refused)."""
     raw = (os.environ if environ is None else environ).get(TASKS_ENV)
-    static = frozenset(json.loads(raw)) if raw else frozenset()
-    return static | frozenset(RUNTIME.values())
+    static = _names(raw) if raw else frozenset()
+    return static | frozenset(RUNTIME.values()) if RUNTIME else static
+
+
+@functools.lru_cache(maxsize=4)
+def _names(raw: str) -> frozenset[str]:
+    # parsed once: every request's check reads it
+    return frozenset(json.loads(raw))
 
 
 def check_request(args: Mapping[str, Any], *, prompt_logprobs: bool,

@@ -78,6 +78,14 @@ def full_disk(e: BaseException, what: str, root: Path) -> StoreFull | None:
                      "space or DELETE tasks, then retry")
 
 
+def vector_digest(path: str | Path) -> str:
+    """A vector file's content, named: the first 16 hex digits of its sha256 (a served store
+    task's engine key, `step_policy.task_key`, which the engine checks when it loads it)."""
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise StoreError(f"task name {name!r}: use 1-64 letters, digits, '_', '.', '-', "

@@ -86,7 +86,7 @@ class TaskEndpoints:
         self.max_model_len = 0
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        from ltv_vllm.serving.taskstore import TaskStore
+        from ltv_vllm.serving.taskstore import TaskStore, vector_digest
 
         settings = ServerSettings.from_env()
         root = settings.task_store
@@ -109,7 +109,7 @@ class TaskEndpoints:
         (self.store.root / ".jobs").mkdir()
         if not self.lora:  # per-request tasks: the entries `serve` kept are served by key
             for entry in self.store.entries():
-                RUNTIME[entry.name] = task_key(entry.name, _digest(entry.vector_path))
+                RUNTIME[entry.name] = task_key(entry.name, vector_digest(entry.vector_path))
 
     def attach_router(self, app: Any) -> None:
         router = APIRouter()
@@ -364,9 +364,11 @@ class TaskEndpoints:
         the lock)."""
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
+        from ltv_vllm.serving.taskstore import vector_digest
+
         if not self.lora:
             try:
-                digest = await asyncio.to_thread(_digest, entry.vector_path)
+                digest = await asyncio.to_thread(vector_digest, entry.vector_path)
             except OSError as e:
                 await asyncio.to_thread(self.store.remove, entry.name)
                 return self._fail(500, f"task {entry.name!r} does not read: {e}",
@@ -467,13 +469,6 @@ class TaskEndpoints:
                 return
             del self.jobs[name]
         shutil.rmtree(job["dir"], ignore_errors=True)
-
-
-def _digest(path: Path) -> str:
-    """A vector file's content, named (`step_policy.task_key`; the engine checks it)."""
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def _read_status(job_dir: Path) -> dict[str, Any]:

@@ -109,6 +109,12 @@ def renamed(send: Any, base: str, task: str) -> Any:
     return send_renamed
 
 
+def _named(payload: dict[str, Any]) -> Any:
+    """The task a request names in `vllm_xargs.ltv_task` (None: none)."""
+    xargs = payload.get("vllm_xargs")
+    return xargs.get(TASK_KEY) if isinstance(xargs, dict) else None
+
+
 def base_name(scope: dict[str, Any]) -> str:
     """The served base model's first name (what vLLM answers as the response's `model`)."""
     args = getattr(getattr(scope.get("app"), "state", None), "args", None)
@@ -358,14 +364,12 @@ class TaskGate(Gate):
         return isinstance(name, str) and (name in self.tasks or name in RUNTIME)
 
     def counted(self, payload: dict[str, Any]) -> Any:
-        xargs = payload.get("vllm_xargs")
-        named = xargs.get(TASK_KEY) if isinstance(xargs, dict) else None
+        named = _named(payload)
         return named if self.is_task(named) else payload.get("model")
 
     def refuse(self, scope: dict[str, Any], payload: dict[str, Any]) -> tuple[str, ...] | None:
         model, path = payload.get("model"), self.path(scope).rstrip("/")
-        xargs = payload.get("vllm_xargs")
-        named = xargs.get(TASK_KEY) if isinstance(xargs, dict) else None
+        xargs, named = payload.get("vllm_xargs"), _named(payload)
         if path in CHAT_PATHS and isinstance(named, str) and shifts_chat(xargs):
             return chat_refusal(named), "BadRequestError", "messages"
         if not self.is_task(model):
@@ -385,8 +389,7 @@ class TaskGate(Gate):
         # the task it got (by `model`, or by `vllm_xargs.ltv_task` beside the base name)
         if self.path(scope).rstrip("/") not in SHIFT_PATHS:
             return None
-        model, xargs = payload.get("model"), payload.get("vllm_xargs")
-        named = xargs.get(TASK_KEY) if isinstance(xargs, dict) else None
+        model, named = payload.get("model"), _named(payload)
         task = model if self.is_task(model) else named if self.is_task(named) else None
         return task if task is not None and task != base_name(scope) else None
 

@@ -72,11 +72,10 @@ class StoreVectors:
         self.cache: OrderedDict[str, Any] = OrderedDict()
 
     def get(self, key: str) -> Any:
-        import hashlib
         from pathlib import Path
 
         from ltv_vllm.core.vector import load_task_vector
-        from ltv_vllm.serving.taskstore import VECTOR, check_name
+        from ltv_vllm.serving.taskstore import VECTOR, check_name, vector_digest
 
         if key in self.cache:
             self.cache.move_to_end(key)
@@ -85,7 +84,7 @@ class StoreVectors:
         if self.root is None or not sep:
             raise RuntimeError(f"{TASK_KEY} {key!r} is not a task this engine holds")
         path = Path(self.root) / check_name(name) / VECTOR
-        if hashlib.sha256(path.read_bytes()).hexdigest()[: len(digest)] != digest:
+        if vector_digest(path) != digest:
             # fail the engine loudly rather than answer with another vector
             raise RuntimeError(f"task store entry {name!r} changed under key {key!r}")
         tv = self.cache[key] = load_task_vector(path)
