@@ -13,9 +13,10 @@ A fresh interpreter spends most of an engine job importing vLLM (about 17 s of a
 a 2-core AVX2 EPYC, tiny model), so jobs are forked from a multiprocessing *forkserver* that
 has imported vLLM once, ahead of the first job: each child is still a process of its own
 (its own engine, caches and peak RSS), it only skips the import. The forkserver only imports
-(no engine built, no CUDA context made, no parallel torch op run: what makes forking it safe,
-as forking a DataLoader worker after `import torch` is); vLLM itself still starts its own
-workers (tensor parallelism) as it always does.
+and fills torch inductor's per-process probe caches (`preload`: no engine built, no CUDA
+context made, no parallel torch op run: what makes forking it safe, as forking a DataLoader
+worker after `import torch` is); vLLM itself still starts its own workers (tensor
+parallelism) as it always does.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def job_paths(work: Path, name: str) -> tuple[Path, Path, Path]:
     return work / f"{name}.job.json", work / f"{name}.result.json", work / f"{name}.log"
 
 
-# imported once by the forkserver, before any job forks from it
-PRELOAD = ("ltv_vllm.serving.jobs", "vllm.entrypoints.llm")
+# imported once by the forkserver, before any job forks from it (`preload`: what every engine
+# job would otherwise import and probe for itself)
+PRELOAD = ("ltv_vllm.serving.jobs", "vllm.entrypoints.llm", "ltv_vllm.serving.preload")
 
 
 @functools.cache
