@@ -22,6 +22,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # test that silently resolved the default model would fetch it; here it fails in one line
 os.environ["PIP_NO_INDEX"] = "1"
 os.environ["PIP_CONFIG_FILE"] = os.devnull  # and no machine pip.conf adds an index back
+# vLLM torch.compiles its logprob-rank kernel; before its first compile, every fresh process
+# (each server's engine core, each tensor-parallel worker) has torch inductor build and
+# load-test a program per vector ISA, a Python subprocess importing torch: about 1.5 s of
+# CPU each time, to learn what this machine answered the first time. Trust the ISA the CPU
+# reports instead (forked jobs skip the probe anyway: serving/preload.py).
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 
 def pytest_collection_modifyitems(items) -> None:
