@@ -47,16 +47,19 @@ def classify_job(key: str, model_dir: Path, vector: Path, texts: list[str],
             "texts": texts, "dtype": dtype}
 
 
-FUSED_KINDS = ("fused", "fold", "plain", "logit", "kernel")
+FUSED_KINDS = ("fused", "fold", "logit", "kernel")
 CLASSIFY_TEXTS = ["the plot is dull", "a gorgeous witty movie", "the team wins"]
 
 
 def fused_jobs(served, logit_vector, kernel_vector) -> list[dict]:
     d, _model, _tv, path = served
     arg = {"fused": str(path), "logit": str(logit_vector[1]), "kernel": str(kernel_vector[1]),
-           "fold": f"fold:{path}", "plain": "-"}
+           "fold": f"fold:{path}"}
     check = {"logit": "local", "fold": "fold"}
-    return [generate_job(k, d, arg[k], 5, check.get(k, "")) for k in FUSED_KINDS]
+    jobs = [generate_job(k, d, arg[k], 5, check.get(k, "")) for k in FUSED_KINDS]
+    # the fused engine also answers every step policy, in a batch of its own (`steps_out`)
+    jobs[0]["more"] = [{"max_tokens": 4, "steps": STEP_POLICIES}]
+    return jobs
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,6 @@ def engines(served, logit_vector, kernel_vector, served_qwen2, soft, tmp_path_fa
             *(classify_job(f"bf16-{k}", soft[0], p, SOFT_TEXTS, "bfloat16")
               for k, (_tv, p) in soft[3].items()),
             {"key": "pp-fold", "kind": "pp_fold", "vector": str(path)},
-            {**generate_job("steps", d, str(path), 4), "steps": STEP_POLICIES},
             {**generate_job("steps-default", d, str(path), 4), "steps": [None, "all", 0],
              "shift_steps": "first"},
             tasks_job(served, logit_vector, kernel_vector, tmp_path_factory)]
@@ -92,7 +94,22 @@ def tasks_job(served, logit_vector, kernel_vector, tmp_path_factory) -> dict:
     first_path = first.save(tmp_path_factory.mktemp("first") / "first.safetensors")
     vectors = {"lin": str(path), "logit": str(logit_vector[1]), "rbf": str(kernel_vector[1]),
                "lin-first": str(first_path)}
-    return {**generate_job("tasks", served[0], "", 4), "vector": vectors, "xargs": TASK_XARGS}
+    # and a batch naming no task: the bare model with its prompt logprobs (the "plain" kind)
+    return {**generate_job("tasks", served[0], "", 4), "vector": vectors, "xargs": TASK_XARGS,
+            "more": [{"max_tokens": 5}]}
+
+
+def kind_result(engines: dict, kind: str) -> dict:
+    """A fused kind's engine result; "plain" (no vector) is the multi-task engine's batch
+    that names no task."""
+    if kind == "plain":
+        return {**engines["tasks"], "outputs": engines["tasks"]["more"][0]}
+    return engines[kind]
+
+
+def steps_out(engines: dict) -> list[dict]:
+    """The fused engine's batch of STEP_POLICIES."""
+    return engines["fused"]["more"][0]
 
 
 def task_expectations(served, logit_vector, kernel_vector) -> list[tuple]:
@@ -119,10 +136,9 @@ def engines_tp2(served, logit_vector, kernel_vector, tmp_path_factory):
     vocab-sharded rows). The kernel map and the bare model are left at TP=1: the kernel's
     shift is computed from the same replicated h as the linear one, by the same wrapper
     code, and every TP=2 kind already runs the bare model under its shift."""
-    jobs = [j for j in fused_jobs(served, logit_vector, kernel_vector)
-            if j["key"] not in ("plain", "kernel")]
-    # the step policy: each rank's processor tracks the same requests and masks the same rows
-    jobs.append({**generate_job("steps", served[0], str(served[3]), 4), "steps": STEP_POLICIES})
+    # (the fused engine's step-policy batch: each rank's processor tracks the same requests
+    # and masks the same rows)
+    jobs = [j for j in fused_jobs(served, logit_vector, kernel_vector) if j["key"] != "kernel"]
     jobs.append(tasks_job(served, logit_vector, kernel_vector, tmp_path_factory))
     return run_batch(jobs, tmp_path_factory.mktemp("jobs-tp2"), tp=2)
 
@@ -207,7 +223,7 @@ def test_vllm_fused_matches_transformers(served, logit_vector, kernel_vector, to
         tv, path = kernel_vector
     # (the vocab-local entry points are checked where they can differ: a logit vector, where
     # each rank must add only its own rows of U; `fused_jobs`)
-    res = request.getfixturevalue("engines_tp2" if tp else "engines")[kind]
+    res = kind_result(request.getfixturevalue("engines_tp2" if tp else "engines"), kind)
     out = res["outputs"]
     assert len(out) == len(PROMPTS)
     fused = kind != "plain"
@@ -250,17 +266,16 @@ def test_step_policy_per_request_shifts_exactly_its_steps(served, tokenizer, eng
     vector's distribution at a shifted step, the bare model's at the others (the shift touches
     the LM head's input only, so earlier steps never change a later step's states)."""
     _d, model, tv, _path = served
-    check_step_policies(engines["steps"]["outputs"], STEP_POLICIES, "all", model, tokenizer, tv)
+    check_step_policies(steps_out(engines), STEP_POLICIES, "all", model, tokenizer, tv)
 
 
 def test_step_policy_at_tp2_equals_tp1(served, tokenizer, engines, engines_tp2):
     """Tensor parallelism 2: the same policies, the same tokens as TP 1, each step checked
     against the greedy loop as at TP 1."""
     _d, model, tv, _path = served
-    out = engines_tp2["steps"]["outputs"]
+    out = steps_out(engines_tp2)
     check_step_policies(out, STEP_POLICIES, "all", model, tokenizer, tv)
-    assert [r["token_ids"] for r in out] == [r["token_ids"]
-                                             for r in engines["steps"]["outputs"]]
+    assert [r["token_ids"] for r in out] == [r["token_ids"] for r in steps_out(engines)]
 
 
 def test_per_request_tasks_in_one_batch(served, logit_vector, kernel_vector, tokenizer,

@@ -80,14 +80,18 @@ def pp_stage_fold(vector: str) -> dict:
 
 def generate(model_dir: str, vector: str | dict, prompts: list[str], max_tokens: int,
              tp: int = 1, check: str = "", steps: list | None = None,
-             shift_steps: str | None = None, xargs: list | None = None) -> dict:
+             shift_steps: str | None = None, xargs: list | None = None,
+             more: list[dict] | None = None) -> dict:
     """One engine: greedy logprobs of `prompts` (+ the `local` or `fold` per-rank checks).
     `vector`: a path, `fold:PATH`, `-` (none) or {task: path} (per-request tasks); `steps`
     or `xargs`: one request per prompt and entry (an `ltv_steps` value, or whole
-    `vllm_xargs`), all in one batch."""
+    `vllm_xargs`), all in one batch. `more`: further batches on the same engine, each a dict
+    of `max_tokens`, `steps` and `xargs` as above (engines are the expensive part of a test:
+    one engine answers every question asked of its configuration); their outputs under
+    "more", in order."""
     import os
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from ltv_vllm.serving.serve import engine_kwargs, task_engine
 
@@ -103,6 +107,21 @@ def generate(model_dir: str, vector: str | dict, prompts: list[str], max_tokens:
                                shift_steps=shift_steps)
     llm = LLM(**kwargs, dtype="float32", enforce_eager=True, max_model_len=512,
               gpu_memory_utilization=0.5, seed=0, tensor_parallel_size=tp)
+    result = _batch(llm, prompts, max_tokens, steps, xargs)
+    extra = [_batch(llm, prompts, b["max_tokens"], b.get("steps"), b.get("xargs"))
+             for b in more or []]
+    local = llm.collective_rpc(local_check) if check == "local" else None
+    folded = llm.collective_rpc(fold_check) if check == "fold" else None
+    shutdown(llm)
+    return {"outputs": result, "more": extra, "local": local, "fold": folded}
+
+
+def _batch(llm, prompts: list[str], max_tokens: int, steps: list | None,
+           xargs: list | None) -> list[dict]:
+    """One `generate` call: each prompt once with its prompt logprobs, or (`steps`/`xargs`)
+    once per entry."""
+    from vllm import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5,
                             prompt_logprobs=1)
     if steps is not None:
@@ -112,9 +131,8 @@ def generate(model_dir: str, vector: str | dict, prompts: list[str], max_tokens:
         params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5,
                                  extra_args=x)
                   for _ in range(len(prompts) // len(xargs)) for x in xargs]
-    outs = llm.generate(prompts, params)
     result = []
-    for o in outs:
+    for o in llm.generate(prompts, params):
         c = o.outputs[0]
         result.append({
             "token_ids": list(c.token_ids),
@@ -122,10 +140,7 @@ def generate(model_dir: str, vector: str | dict, prompts: list[str], max_tokens:
             "prompt_logprobs": [None if s is None else {str(k): v.logprob for k, v in s.items()}
                                 for s in (o.prompt_logprobs or [])],
         })
-    local = llm.collective_rpc(local_check) if check == "local" else None
-    folded = llm.collective_rpc(fold_check) if check == "fold" else None
-    shutdown(llm)
-    return {"outputs": result, "local": local, "fold": folded}
+    return result
 
 
 def shutdown(llm) -> None:
