@@ -105,7 +105,7 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
                     break  # lost the port race: another port
                 raise RuntimeError(text[-3000:])
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if HTTP.get(f"{url}/health", timeout=2).status_code == 200:
                     return proc, url, log
             except httpx.HTTPError:
                 pass
@@ -163,6 +163,26 @@ def file_size_limit(pid: int, nbytes: int):
         resource.prlimit(pid, resource.RLIMIT_FSIZE, old)
 
 
+# one client for the tests' plain HTTP calls: `httpx.get` builds a client, and its TLS
+# context, per call (20 ms of CPU each, some 600 times a run, beside the servers starting);
+# no keep-alive, so every request still opens a connection of its own, as the module-level
+# calls did
+HTTP = httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0))
+
+_ORACLE: dict = {}
+
+
+def oracle(model, tokenizer, prompt: str, tokens: list[int], tv) -> torch.Tensor:
+    """`reference_logprobs`, remembered: the server checks ask the same model, prompt, tokens
+    and vector again and again (every name three times a check, the fixed names after every
+    change), and the oracle model is never changed. The key holds the model and the vector
+    themselves, so their ids cannot be reused while remembered."""
+    key = (id(model), id(tv), prompt, tuple(tokens))
+    if key not in _ORACLE:
+        _ORACLE[key] = (model, tv, reference_logprobs(model, tokenizer, prompt, tokens, tv))
+    return _ORACLE[key][2]
+
+
 def check_mixed(url: str, served: dict, model, tokenizer, per_request: bool = False) -> None:
     """served: OpenAI model name → TaskVector or None (no shift expected). Sends the key "x"
     (the tests' servers with --api-key use it). `per_request`: the server applies each
@@ -185,8 +205,8 @@ def check_mixed(url: str, served: dict, model, tokenizer, per_request: bool = Fa
     for name, prompt, lp in results:
         toks = [int(t.split(":", 1)[1]) for t in lp.tokens]
         tv = served[name]
-        ref = reference_logprobs(model, tokenizer, prompt, toks, tv)
-        plain = reference_logprobs(model, tokenizer, prompt, toks, None)
+        ref = oracle(model, tokenizer, prompt, toks, tv)
+        plain = oracle(model, tokenizer, prompt, toks, None)
         n = (parse_steps(tv.provenance.shift_steps or "all")
              if per_request and tv is not None else None)
         for step, top in enumerate(lp.top_logprobs):
@@ -213,8 +233,8 @@ def check_policies(client, model_name: str, tv, model, tokenizer, cases,
         tops = [t for c in chunks for t in c.choices[0].logprobs.top_logprobs]
         assert len(tops) == 3
         toks = [int(t.split(":", 1)[1]) for t in tokens]
-        shifted = reference_logprobs(model, tokenizer, PROMPTS[0], toks, tv)
-        plain = reference_logprobs(model, tokenizer, PROMPTS[0], toks, None)
+        shifted = oracle(model, tokenizer, PROMPTS[0], toks, tv)
+        plain = oracle(model, tokenizer, PROMPTS[0], toks, None)
         for step, top in enumerate(tops):
             row = (shifted if step < n else plain)[n_prompt - 1 + step]
             for key, v in top.items():
@@ -255,7 +275,7 @@ def check_chat(url: str, task: str, tv, model, tokenizer) -> None:
 
 def prefix_hits(url: str) -> float:
     """vLLM's prefix-cache hit counter (tokens), from /metrics."""
-    text = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer x"}).text
+    text = HTTP.get(f"{url}/metrics", headers={"Authorization": "Bearer x"}).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:prefix_cache_hits_total"))
 
@@ -299,7 +319,7 @@ def test_multi_task_server(assets, tokenizer, tmp_path):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="alpha", prompt="word " * 400, max_tokens=1)
         # a route that would answer a task's name with the bare model refuses it
-        r = httpx.post(f"{url}/v1/responses", json={"model": "alpha", "input": "hi"},
+        r = HTTP.post(f"{url}/v1/responses", json={"model": "alpha", "input": "hi"},
                        headers={"Authorization": "Bearer x"})
         assert r.status_code == 400 and "is served on /v1/completions" in r.text, r.text
         # one prompt, two tasks: the second finds the first's KV blocks (LoRA adapters could
@@ -311,7 +331,7 @@ def test_multi_task_server(assets, tokenizer, tmp_path):
         assert prefix_hits(url) - before >= 64, prefix_hits(url) - before
         check_chat(url, "alpha", vecs["alpha"][0], model, tokenizer)
         # the task as a field beside the base model's name is refused in chat alike
-        r = httpx.post(f"{url}/v1/chat/completions", json={
+        r = HTTP.post(f"{url}/v1/chat/completions", json={
             "model": str(d), "messages": [{"role": "user", "content": PROMPTS[0]}],
             "vllm_xargs": {"ltv_task": "beta"}}, headers={"Authorization": "Bearer x"})
         assert r.status_code == 400 and "fitted on the task's completion prompt" in r.text

@@ -8,11 +8,10 @@ from __future__ import annotations
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 import torch
-from test_server import PROMPTS, check_mixed, make_assets, start_server, stop
+from test_server import HTTP, PROMPTS, check_mixed, make_assets, start_server, stop
 from test_store_server import compile_body, doctored, random_vector, wait_status
 
 from conftest import reference_logprobs
@@ -55,32 +54,32 @@ def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path, mode):
         check_mixed(url, fixed, model, tokenizer, per_request)
         for i, vec in enumerate(cycles):
             if vec == "compile":
-                r = httpx.post(tasks, json=compile_body("A"), timeout=60)
+                r = HTTP.post(tasks, json=compile_body("A"), timeout=60)
                 assert r.status_code == 202, r.text
                 wait_status(url, "A", "ready", time.time() + 300)
             else:
                 path = vec.save(tmp_path / f"v{i}.pt")
-                r = httpx.post(tasks, data={"name": "A"}, timeout=60,
+                r = HTTP.post(tasks, data={"name": "A"}, timeout=60,
                                files={"vector": ("v.pt", path.read_bytes())})
                 assert r.status_code == 201, r.text
             held = store.get("A").vector()
             if vec != "compile":
                 assert torch.equal(held.U, vec.U) and torch.equal(held.V, vec.V)
             # --max-tasks counts store tasks; the command-line task has a slot of its own
-            full = httpx.post(tasks, data={"name": "B"}, timeout=60,
+            full = HTTP.post(tasks, data={"name": "B"}, timeout=60,
                               files={"vector": ("v.pt", vecs["alpha"][1].read_bytes())})
             assert full.status_code == 409 and "holds 1 tasks" in full.text
             check_mixed(url, {**fixed, "A": held}, model, tokenizer, per_request)
             if i == 2:
                 delete_while_streaming(url, "A", held, model, tokenizer)
             else:
-                assert httpx.delete(f"{tasks}/A").status_code == 200
+                assert HTTP.delete(f"{tasks}/A").status_code == 200
             # a refused load between cycles changes nothing
-            r = httpx.post(tasks, data={"name": "A"}, timeout=60,
+            r = HTTP.post(tasks, data={"name": "A"}, timeout=60,
                            files={"vector": ("v.safetensors", nan.read_bytes())})
             assert r.status_code == 422 and "non-finite" in r.text, r.text
             check_mixed(url, fixed, model, tokenizer, per_request)
-        r = httpx.post(tasks, data={"name": "A"}, timeout=60,
+        r = HTTP.post(tasks, data={"name": "A"}, timeout=60,
                        files={"vector": ("v.pt", vecs["gamma"][1].read_bytes())})
         assert r.status_code == 201
     finally:
@@ -88,7 +87,7 @@ def test_churn_keeps_every_answer_exact(assets, tokenizer, tmp_path, mode):
     proc, url, log = start_server(d, [f"beta={vecs['beta'][1]}"], tmp_path, args)
     try:
         check_mixed(url, {**fixed, "A": store.get("A").vector()}, model, tokenizer, per_request)
-        assert httpx.delete(f"{url}/v1/ltv/tasks/A").status_code == 200
+        assert HTTP.delete(f"{url}/v1/ltv/tasks/A").status_code == 200
         check_mixed(url, fixed, model, tokenizer, per_request)
     finally:
         stop(proc, log)
@@ -106,7 +105,7 @@ def delete_while_streaming(url, name, tv, model, tokenizer) -> None:
     done: dict = {}
 
     def delete():
-        done["status"] = httpx.delete(f"{url}/v1/ltv/tasks/{name}", timeout=300).status_code
+        done["status"] = HTTP.delete(f"{url}/v1/ltv/tasks/{name}", timeout=300).status_code
         done["t"] = time.time()
 
     deleter = threading.Thread(target=delete)

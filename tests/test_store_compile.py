@@ -11,11 +11,10 @@ import textwrap
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 import torch
-from test_server import PROMPTS, check_mixed, make_assets, start_server, stop
+from test_server import HTTP, PROMPTS, check_mixed, make_assets, start_server, stop
 from test_store_server import compile_body, no_paths, wait_status
 
 from conftest import reference_logprobs
@@ -83,32 +82,32 @@ def test_compile_over_http_while_serving(assets, tokenizer, tmp_path):
     t.start()
     try:
         for name, flip in (("c1", False), ("c2", True)):
-            r = httpx.post(tasks, json=compile_body(name, flip), timeout=30)
+            r = HTTP.post(tasks, json=compile_body(name, flip), timeout=30)
             assert r.status_code == 202, r.text
             assert r.json()["status"] in ("queued", "compiling")
         with pytest.raises(openai.NotFoundError):  # not served until it is complete
             client.completions.create(model="c2", prompt=PROMPTS[0], max_tokens=1)
         raw = {"content-type": "application/json"}
-        cases = [(httpx.post(tasks, content=b"{oops", timeout=30, headers=raw), 400,
+        cases = [(HTTP.post(tasks, content=b"{oops", timeout=30, headers=raw), 400,
                   "malformed"),
-                 (httpx.post(tasks, content=b"[" * 100_000, timeout=30, headers=raw), 400,
+                 (HTTP.post(tasks, content=b"[" * 100_000, timeout=30, headers=raw), 400,
                   "nested too deeply"),
-                 (httpx.post(tasks, json=compile_body("c1"), timeout=30), 409, "exists"),
-                 (httpx.post(tasks, json=compile_body(base)), 409, "base model's name"),
-                 (httpx.post(tasks, data={"name": base}, files={
+                 (HTTP.post(tasks, json=compile_body("c1"), timeout=30), 409, "exists"),
+                 (HTTP.post(tasks, json=compile_body(base)), 409, "base model's name"),
+                 (HTTP.post(tasks, data={"name": base}, files={
                      "vector": ("v.pt", vecs["alpha"][1].read_bytes())}), 409,
                   "base model's name"),
-                 (httpx.post(tasks, json={**compile_body("c9"), "colour": 1}), 400, "unknown"),
-                 (httpx.post(tasks, json=compile_body("c9", queries=["word " * 300])), 400,
+                 (HTTP.post(tasks, json={**compile_body("c9"), "colour": 1}), 400, "unknown"),
+                 (HTTP.post(tasks, json=compile_body("c9", queries=["word " * 300])), 400,
                   "served context is 256 tokens"),
                  # counted in tokens: 150 characters, 300 byte-level tokens, the longest
                  # input although not the longest in characters
-                 (httpx.post(tasks, json=compile_body(
+                 (HTTP.post(tasks, json=compile_body(
                      "c9", queries=["word " * 40, "\u0436" * 150])), 400,
                   "served context is 256 tokens"),
-                 (httpx.post(tasks, content=json.dumps(compile_body("c9"))[:-1].encode()
+                 (HTTP.post(tasks, content=json.dumps(compile_body("c9"))[:-1].encode()
                              + b', "lam": 1e400}', headers=raw), 400, "lam: a positive finite"),
-                 (httpx.post(tasks, content=json.dumps(compile_body("c9"))[:-1].encode()
+                 (HTTP.post(tasks, content=json.dumps(compile_body("c9"))[:-1].encode()
                              + b', "lam": 1' + b"0" * 400 + b"}", headers=raw), 400,
                   "lam: a positive finite")]
         for r, code, words in cases:
@@ -117,10 +116,10 @@ def test_compile_over_http_while_serving(assets, tokenizer, tmp_path):
         assert len(tokenizer("\u0436" * 150)["input_ids"]) >= 256  # the case above is real
         deadline = time.time() + 600
         while time.time() < deadline:
-            states = {x["name"]: x["status"] for x in httpx.get(tasks).json()["data"]}
+            states = {x["name"]: x["status"] for x in HTTP.get(tasks).json()["data"]}
             if states == {"c1": "ready", "c2": "ready"}:
                 break
-            assert "failed" not in states.values(), httpx.get(tasks).json()
+            assert "failed" not in states.values(), HTTP.get(tasks).json()
             time.sleep(1)
         assert store.names() == ["c1", "c2"]
         held = {n: store.get(n).vector() for n in ("c1", "c2")}
@@ -132,21 +131,21 @@ def test_compile_over_http_while_serving(assets, tokenizer, tmp_path):
 
         # a worker that dies right after writing its entry: no entry, one listing (failed),
         # the name still taken by the failed job until DELETE, then free
-        assert httpx.post(tasks, json=compile_body("die1")).status_code == 202
+        assert HTTP.post(tasks, json=compile_body("die1")).status_code == 202
         got = wait_status(url, "die1", "failed", deadline)
         assert "worker died (exit 9)" in got["error"], got
         assert store.names() == ["c1", "c2"] and not (store.root / "die1").exists()
-        listed = [x["name"] for x in httpx.get(tasks).json()["data"]]
+        listed = [x["name"] for x in HTTP.get(tasks).json()["data"]]
         assert sorted(listed) == ["c1", "c2", "die1"]
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="die1", prompt=PROMPTS[0], max_tokens=1)
-        assert httpx.post(tasks, json=compile_body("die1")).status_code == 409
-        assert httpx.delete(f"{tasks}/die1").status_code == 200
-        assert httpx.get(f"{tasks}/die1").status_code == 404
-        assert httpx.delete(f"{tasks}/die1").status_code == 404
+        assert HTTP.post(tasks, json=compile_body("die1")).status_code == 409
+        assert HTTP.delete(f"{tasks}/die1").status_code == 200
+        assert HTTP.get(f"{tasks}/die1").status_code == 404
+        assert HTTP.delete(f"{tasks}/die1").status_code == 404
 
         # a worker killed mid-compile, and a queued compile deleted: nothing left of either
-        r = httpx.post(tasks, json=compile_body("c3", queries=["so so film"] * 3000))
+        r = HTTP.post(tasks, json=compile_body("c3", queries=["so so film"] * 3000))
         assert r.status_code == 202, r.text
         job_status = {}
         while job_status.get("state") != "extracting":  # kill inside the extraction only
@@ -156,16 +155,16 @@ def test_compile_over_http_while_serving(assets, tokenizer, tmp_path):
             found = list((store.root / ".jobs").glob("c3-*/status.json"))
             if found:
                 job_status = json.loads(found[0].read_text())
-        r = httpx.post(tasks, json=compile_body("c4"))
+        r = HTTP.post(tasks, json=compile_body("c4"))
         assert r.status_code == 202 and r.json()["status"] == "queued", r.text
         assert len(list((store.root / ".jobs").glob("c4-*"))) == 1
-        assert httpx.delete(f"{tasks}/c4").status_code == 200
+        assert HTTP.delete(f"{tasks}/c4").status_code == 200
         assert list((store.root / ".jobs").glob("c4-*")) == []
         os.kill(job_status["pid"], 9)
         got = wait_status(url, "c3", "failed", deadline)
         assert "worker died" in got["error"]
-        assert httpx.delete(f"{tasks}/c3").status_code == 200
-        assert store.names() == ["c1", "c2"] and httpx.get(f"{tasks}/c3").status_code == 404
+        assert HTTP.delete(f"{tasks}/c3").status_code == 200
+        assert store.names() == ["c1", "c2"] and HTTP.get(f"{tasks}/c3").status_code == 404
         assert not any((store.root / ".jobs").iterdir())
     finally:
         stop_flag.set()

@@ -27,6 +27,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from test_server import (
+    HTTP,
     PROMPTS,
     check_mixed,
     check_policies,
@@ -139,7 +140,7 @@ def compile_body(name: str, flip: bool = False, queries: list[str] | None = None
 
 
 def wait_status(url: str, name: str, want: str, deadline: float, headers=None) -> dict:
-    while (got := httpx.get(f"{url}/v1/ltv/tasks/{name}", headers=headers).json()).get(
+    while (got := HTTP.get(f"{url}/v1/ltv/tasks/{name}", headers=headers).json()).get(
             "status") != want:
         assert got.get("status") not in ({"ready", "failed"} - {want}), got
         assert time.time() < deadline, got
@@ -164,14 +165,14 @@ def test_task_store_server(assets, tokenizer, tmp_path):
 
     def post(name, path=None, data=None, **kw):
         files = {"vector": (Path(path).name, Path(path).read_bytes())} if path else None
-        return httpx.post(tasks, data={"name": name, **(data or {})}, files=files,
+        return HTTP.post(tasks, data={"name": name, **(data or {})}, files=files,
                           timeout=60, **kw)
 
     try:
-        listed = httpx.get(tasks).json()["data"]
+        listed = HTTP.get(tasks).json()["data"]
         assert [(t["name"], t["served"]) for t in listed] == [("alpha", True)]
         assert listed[0]["model"]["name"] == "<model>"  # the record's model path, hidden
-        no_paths(httpx.get(tasks), store.root, d)
+        no_paths(HTTP.get(tasks), store.root, d)
         served = {"alpha": store.get("alpha").vector(), "beta": vecs["beta"][0]}
         check_mixed(url, served, model, tokenizer, True)
         # per-request tasks (the default): a store task's step policy, streamed or not, and
@@ -191,7 +192,7 @@ def test_task_store_server(assets, tokenizer, tmp_path):
         for r, code, words in [(post("delta", vecs["alpha"][1]), 409, "holds 2 tasks"),
                                (post("gamma", vecs["alpha"][1]), 409, "exists")]:
             assert r.status_code == code and words in r.json()["error"]["message"], r.text
-        assert httpx.delete(f"{tasks}/gamma").status_code == 200
+        assert HTTP.delete(f"{tasks}/gamma").status_code == 200
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="gamma", prompt=PROMPTS[0], max_tokens=1)
@@ -219,14 +220,14 @@ def test_task_store_server(assets, tokenizer, tmp_path):
                  (post("delta", huge), 422, "would move the logits"),
                  (post("delta", task_list), 422, "meta.task"),
                  (post("delta", r600), 422, "rank 600: an upload may have rank 512 at most"),
-                 (httpx.post(tasks, json={"name": "delta"}), 400, "missing field 'task'"),
-                 (httpx.post(tasks, content=b"x", headers={"content-type": "text/plain"}), 415,
+                 (HTTP.post(tasks, json={"name": "delta"}), 400, "missing field 'task'"),
+                 (HTTP.post(tasks, content=b"x", headers={"content-type": "text/plain"}), 415,
                   "multipart"),
-                 (httpx.delete(f"{tasks}/beta"), 409, "command line"),
-                 (httpx.delete(f"{tasks}/nope"), 404, "no task"),
-                 (httpx.get(f"{tasks}/nope"), 404, "no task"),
-                 (httpx.get(f"{tasks}/.hidden"), 400, "task name"),
-                 (httpx.delete(f"{tasks}/a%20b"), 400, "task name")]
+                 (HTTP.delete(f"{tasks}/beta"), 409, "command line"),
+                 (HTTP.delete(f"{tasks}/nope"), 404, "no task"),
+                 (HTTP.get(f"{tasks}/nope"), 404, "no task"),
+                 (HTTP.get(f"{tasks}/.hidden"), 400, "task name"),
+                 (HTTP.delete(f"{tasks}/a%20b"), 400, "task name")]
         for r, code, words in cases:
             assert r.status_code == code and words in r.json()["error"]["message"], r.text
             assert len(r.json()["error"]["message"].splitlines()) == 1
@@ -241,9 +242,9 @@ def test_task_store_server(assets, tokenizer, tmp_path):
         r = post("nanm", nanm)
         assert r.status_code == 201 and r.json()["metrics"]["ltv"] == {"accuracy": None,
                                                                        "d_ntp": 0.5}, r.text
-        assert httpx.get(tasks).status_code == 200
+        assert HTTP.get(tasks).status_code == 200
         check_mixed(url, {"nanm": store.get("nanm").vector()}, model, tokenizer, True)
-        assert httpx.delete(f"{tasks}/nanm").status_code == 200
+        assert HTTP.delete(f"{tasks}/nanm").status_code == 200
 
         # a full disk: 507, nothing left behind, the server stays up
         as_st = alpha.save(tmp_path / "alpha.safetensors")
@@ -253,10 +254,10 @@ def test_task_store_server(assets, tokenizer, tmp_path):
             r = post("delta", as_st)
             assert r.status_code == 507 and "disk is full" in r.json()["error"]["message"], r.text
             no_paths(r, store.root)
-            assert httpx.post(tasks, json=compile_body("c6")).status_code == 202
+            assert HTTP.post(tasks, json=compile_body("c6")).status_code == 202
             got = wait_status(url, "c6", "failed", time.time() + 300)
         assert "disk is full" in got["error"], got
-        assert httpx.delete(f"{tasks}/c6").status_code == 200
+        assert HTTP.delete(f"{tasks}/c6").status_code == 200
         assert sorted(p.name for p in store.root.iterdir()) == [".jobs", "alpha"]
         assert not any((store.root / ".jobs").iterdir())
 
@@ -280,7 +281,7 @@ def test_task_store_server(assets, tokenizer, tmp_path):
         assert "warning: task store entry 'broken' is not served (task store entry broken: " \
                "its LoRA adapter does not read" in Path(log.name).read_text()
         assert [p.name for p in (store.root / ".quarantine").iterdir()][0].startswith("broken-")
-        listed = httpx.get(tasks, headers=KEY).json()["data"]
+        listed = HTTP.get(tasks, headers=KEY).json()["data"]
         assert [(t["name"], t["served"]) for t in listed] == [("alpha", True), ("wide", True)]
         check_mixed(url, {"wide": held, str(d): None}, model, tokenizer, True)
         gate_checks(url, store)
@@ -294,7 +295,7 @@ def gate_checks(url: str, store: TaskStore) -> None:
     arrive (a server started with --api-key x --max-body-mib 1)."""
     tasks = f"{url}/v1/ltv/tasks"
     # the key guards every route but the liveness probes, vLLM's own routes included
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert HTTP.get(f"{url}/health").status_code == 200
     for method, path, body in [("GET", "/v1/ltv/tasks", None), ("GET", "/v1/models", None),
                                ("POST", "/invocations", {"prompt": "x", "max_tokens": 1}),
                                ("POST", "/tokenize", {"prompt": "x"}),
@@ -307,7 +308,7 @@ def gate_checks(url: str, store: TaskStore) -> None:
         r = httpx.request(method, url + path, json=body,
                           headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401, (path, r.status_code, r.text)
-    assert httpx.post(f"{url}/tokenize", json={"prompt": "x"}, headers=KEY).status_code == 200
+    assert HTTP.post(f"{url}/tokenize", json={"prompt": "x"}, headers=KEY).status_code == 200
     # nothing is read before the key: a 200 MB body announced, 1 KB sent, 401 at once
     status, _, secs = raw_post(url, "/v1/completions",
                                {"Content-Type": "application/json",
@@ -333,14 +334,14 @@ def gate_checks(url: str, store: TaskStore) -> None:
     assert status == 413 and sent < 120 << 20, sent
     # JSON nested too deeply is a 400 (it was a 500), wherever it goes
     for path in ("/v1/completions", "/v1/ltv/tasks"):
-        r = httpx.post(url + path, content=b"[" * 200_000, timeout=60,
+        r = HTTP.post(url + path, content=b"[" * 200_000, timeout=60,
                        headers={"Content-Type": "application/json", **KEY})
         assert r.status_code == 400 and "nested too deeply" in r.text, (path, r.text)
-    r = httpx.post(f"{url}/v1/completions", headers=KEY, json={
+    r = HTTP.post(f"{url}/v1/completions", headers=KEY, json={
         "model": "wide", "prompt": "x", "max_tokens": 1, "prompt_logprobs": 1})
     assert r.status_code == 400 and "prompt_logprobs" in r.text
     assert store.names() == ["alpha", "wide"]  # nothing above reached the store
-    assert httpx.get(tasks, headers=KEY).status_code == 200  # and the server is up
+    assert HTTP.get(tasks, headers=KEY).status_code == 200  # and the server is up
 
 
 def cli_checks(url, tmp_path, store, model, tokenizer, vecs) -> None:
