@@ -51,9 +51,15 @@ def on_vllm(model_dir, task, work, tp: int = 1):
     return captured_model("m", str(model_dir), [plan_episode(task, OPTS)], engine, work)
 
 
-def test_vllm_states_give_the_transformers_vectors_and_scores(model_dir, task, tmp_path):
+@pytest.fixture(scope="module")
+def tp1(model_dir, task, tmp_path_factory):
+    """The episode captured at TP 1 (one engine job, read by two tests)."""
+    return on_vllm(model_dir, task, tmp_path_factory.mktemp("tp1"))
+
+
+def test_vllm_states_give_the_transformers_vectors_and_scores(model_dir, task, tp1):
     lm_t = load_model(str(model_dir), dtype="float32")
-    lm_v, report = on_vllm(model_dir, task, tmp_path / "tp1")
+    lm_v, report = tp1
     assert report["icl_prompts"] == 44 and report["shape"] == [88, 128]  # 24 + 20 queries
     for method in METHODS:
         t = extract(lm_t, task, method, OPTS)
@@ -78,9 +84,13 @@ def test_vllm_states_give_the_transformers_vectors_and_scores(model_dir, task, t
                                atol=2e-3, rtol=1e-4)
 
 
-def test_tp2_gives_the_tp1_vector(model_dir, task, tmp_path):
-    lm1, _ = on_vllm(model_dir, task, tmp_path / "tp1")
-    lm2, _ = on_vllm(model_dir, task, tmp_path / "tp2", tp=2)
+def test_tp2_gives_the_tp1_vector(model_dir, task, tp1, tmp_path):
+    """At TP 2 (on this CPU: two ranks, a core each) the states are TP 1's, which are
+    transformers' (above), and the vector scores the same. (This is also
+    `test_vllm_capture`'s TP-2 case: zero-shot and ICL prompts, prefix caching on.)"""
+    lm1, _ = tp1
+    lm2, report = on_vllm(model_dir, task, tmp_path / "tp2", tp=2)
+    assert report["icl_prompts"] == 44 and report["shape"] == [88, 128]
     torch.testing.assert_close(lm2.states.h, lm1.states.h, atol=1e-5, rtol=1e-5)
     a, b = extract(lm1, task, "ltv", OPTS), extract(lm2, task, "ltv", OPTS)
     assert b.artifact.provenance.engine["tensor_parallel_size"] == 2
