@@ -7,8 +7,6 @@ weights are seeded random numbers, so every test runs offline in seconds.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -205,12 +203,24 @@ def run_worker(name: str, job, work: Path, env: dict[str, str] | None = None) ->
     return run_job(f"vllm_workers.{name}", job, work, name, env=env, what=f"worker {name}")
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`python -m ltv_vllm.cli ARGS` in `cwd` with a model cache of its own; must succeed."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "LTV_VLLM_CACHE": str(cwd / "cache"),
+def run_cli(*args: str, cwd: Path):
+    """`ltv-vllm ARGS` in `cwd` with a model cache of its own; must succeed. Run in this
+    process (click's runner, the environment patched for the call): a fresh interpreter
+    would import torch and transformers again, and a benchmark's engine jobs would start a
+    forkserver importing vLLM again, where this worker's is already running (some 10 s of
+    CPU per call). The result has `stdout` and `stderr`."""
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    env = {"TOKENIZERS_PARALLELISM": "false", "LTV_VLLM_CACHE": str(cwd / "cache"),
            # the online server runs its worker in the engine-core process (see test_server)
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    r = subprocess.run([sys.executable, "-m", "ltv_vllm.cli", *args], cwd=cwd, env=env,
-                       capture_output=True, text=True, check=False)
-    assert r.returncode == 0, r.stderr[-3000:]
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        r = CliRunner().invoke(main, list(args), env=env)
+    finally:
+        os.chdir(before)
+    assert r.exit_code == 0, (r.output[-3000:], r.exception)
     return r
