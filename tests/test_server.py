@@ -43,13 +43,14 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory, tokenizer):
-    return make_assets(tmp_path_factory, tokenizer)
+    # untied: a regression vector's greedy answers then vary (test_regression_vector_server)
+    return make_assets(tmp_path_factory, tokenizer, tie=False)
 
 
-def make_assets(tmp_path_factory, tokenizer):
+def make_assets(tmp_path_factory, tokenizer, tie: bool = True):
     """A tiny model directory, the model, and three vectors {name: (TaskVector, .pt path)}."""
     d = tmp_path_factory.mktemp("srv-model")
-    model = make_vllm_llama(tokenizer, seed=31)
+    model = make_vllm_llama(tokenizer, seed=31, tie=tie)
     model.save_pretrained(d)
     tokenizer.save_pretrained(d)
     vd = tmp_path_factory.mktemp("srv-vectors")
@@ -280,73 +281,93 @@ def prefix_hits(url: str) -> float:
                if line.startswith("vllm:prefix_cache_hits_total"))
 
 
-def test_multi_task_server(assets, tokenizer, tmp_path):
+@pytest.fixture(scope="module")
+def multi_task_server(assets, tmp_path_factory):
+    """One server for both tests of its configuration (a start is two fresh interpreters
+    importing vLLM): named vectors, per-request tasks (the default), the three vectors of
+    `assets` and a regression vector `relu` extracted on the same model; (url, relu path)."""
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    d, _model, vecs = assets
+    tmp = tmp_path_factory.mktemp("multi-task-server")
+    relu = tmp / "relu.pt"
+    r = CliRunner().invoke(main, [
+        "extract", "--model", str(d), "--task", "relu", "--k", "3", "--n", "12",
+        "--n-test", "3", "--seed", "2", "--dtype", "float32", "-o", str(relu), "--quiet"])
+    assert r.exit_code == 0, r.output
+    names = [f"{n}={p}" for n, (_, p) in vecs.items()] + [f"relu={relu}"]
+    proc, url, log = start_server(d, names, tmp, ("--chat-template", PLAIN_CHAT))
+    try:
+        yield url, relu
+    finally:
+        stop(proc, log)
+
+
+def test_multi_task_server(assets, tokenizer, multi_task_server):
     """Named vectors, per-request tasks (the default): the `model` name chooses the task
     (or `vllm_xargs.ltv_task` beside the base model's name); each request is shifted by its
     own vector at its own steps, with the three tasks and the bare model in flight together;
     tasks share prefix-cache blocks; bad requests are 4xx and the server stays right."""
     d, model, vecs = assets
-    proc, url, log = start_server(d, [f"{n}={p}" for n, (_, p) in vecs.items()], tmp_path,
-                                  ("--chat-template", PLAIN_CHAT))
-    try:
-        served = {name: tv for name, (tv, _) in vecs.items()} | {str(d): None}
-        check_mixed(url, served, model, tokenizer)
-        # the logit vector really moves the logits
-        moved = (reference_logprobs(model, tokenizer, PROMPTS[0], [], vecs["gamma"][0])
-                 - reference_logprobs(model, tokenizer, PROMPTS[0], [], None))
-        assert moved.abs().max() > 1e-2
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-        # a step policy per request, per task, streamed or not
-        check_policies(client, "alpha", vecs["alpha"][0], model, tokenizer,
-                       [("first", 1, True), (2, 2, False)])
-        check_policies(client, "gamma", vecs["gamma"][0], model, tokenizer,
-                       [("first", 1, False), (0, 0, True)])
-        # the task as a request field beside the base model's name
-        check_policies(client, str(d), vecs["beta"][0], model, tokenizer, [("all", 3, False)],
-                       xargs={"ltv_task": "beta"})
-        with pytest.raises(openai.NotFoundError):
-            client.completions.create(model="omega", prompt=PROMPTS[0], max_tokens=1)
-        for kw, words in (
-                ({"model": "alpha", "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
-                ({"model": "alpha", "extra_body": {"vllm_xargs": {"ltv_task": "beta"}}},
-                 "name two tasks"),
-                ({"model": str(d), "extra_body": {"vllm_xargs": {"ltv_task": "omega"}}},
-                 "unknown ltv_task 'omega'"),
-                ({"model": "alpha", "extra_body": {"vllm_xargs": {"ltv_steps": "most"}}},
-                 "ltv_steps must be")):
-            with pytest.raises(openai.BadRequestError, match=words):
-                client.completions.create(prompt=PROMPTS[0], max_tokens=1, **kw)
-        with pytest.raises(openai.BadRequestError):
-            client.completions.create(model="alpha", prompt="word " * 400, max_tokens=1)
-        # a route that would answer a task's name with the bare model refuses it
-        r = HTTP.post(f"{url}/v1/responses", json={"model": "alpha", "input": "hi"},
-                       headers={"Authorization": "Bearer x"})
-        assert r.status_code == 400 and "is served on /v1/completions" in r.text, r.text
-        # one prompt, two tasks: the second finds the first's KV blocks (LoRA adapters could
-        # not share them: vLLM's prefix-cache key holds the adapter's name)
-        long = "Review: " + "word " * 60 + "\nSentiment:"  # 186 tokens: a whole block
-        client.completions.create(model="alpha", prompt=long, max_tokens=1)
-        before = prefix_hits(url)
-        client.completions.create(model="beta", prompt=long, max_tokens=1)
-        assert prefix_hits(url) - before >= 64, prefix_hits(url) - before
-        check_chat(url, "alpha", vecs["alpha"][0], model, tokenizer)
-        # the task as a field beside the base model's name is refused in chat alike
-        r = HTTP.post(f"{url}/v1/chat/completions", json={
-            "model": str(d), "messages": [{"role": "user", "content": PROMPTS[0]}],
-            "vllm_xargs": {"ltv_task": "beta"}}, headers={"Authorization": "Bearer x"})
-        assert r.status_code == 400 and "fitted on the task's completion prompt" in r.text
-        # still up and still right after the bad requests
-        check_mixed(url, {"beta": vecs["beta"][0]}, model, tokenizer)
-        # label-restricted classification through the server = transformers' restricted softmax
-        res = classify(url, SST2, ["the plot is dull"], model="alpha")
-        ids = label_token_ids(SST2, tokenizer)
-        ref = reference_logprobs(model, tokenizer, SST2.query("the plot is dull"), [],
-                                 vecs["alpha"][0])[-1, ids]
-        ref = torch.softmax(ref, -1)
-        for lab, p in zip(SST2.labels, ref.tolist(), strict=True):
-            assert abs(res[0].probs[lab] - p) < 1e-4
-    finally:
-        stop(proc, log)
+    url, _relu = multi_task_server
+    served = {name: tv for name, (tv, _) in vecs.items()} | {str(d): None}
+    check_mixed(url, served, model, tokenizer)
+    # the logit vector really moves the logits
+    moved = (reference_logprobs(model, tokenizer, PROMPTS[0], [], vecs["gamma"][0])
+             - reference_logprobs(model, tokenizer, PROMPTS[0], [], None))
+    assert moved.abs().max() > 1e-2
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    # a step policy per request, per task, streamed or not
+    check_policies(client, "alpha", vecs["alpha"][0], model, tokenizer,
+                   [("first", 1, True), (2, 2, False)])
+    check_policies(client, "gamma", vecs["gamma"][0], model, tokenizer,
+                   [("first", 1, False), (0, 0, True)])
+    # the task as a request field beside the base model's name
+    check_policies(client, str(d), vecs["beta"][0], model, tokenizer, [("all", 3, False)],
+                   xargs={"ltv_task": "beta"})
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="omega", prompt=PROMPTS[0], max_tokens=1)
+    for kw, words in (
+            ({"model": "alpha", "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+            ({"model": "alpha", "extra_body": {"vllm_xargs": {"ltv_task": "beta"}}},
+             "name two tasks"),
+            ({"model": str(d), "extra_body": {"vllm_xargs": {"ltv_task": "omega"}}},
+             "unknown ltv_task 'omega'"),
+            ({"model": "alpha", "extra_body": {"vllm_xargs": {"ltv_steps": "most"}}},
+             "ltv_steps must be")):
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.completions.create(prompt=PROMPTS[0], max_tokens=1, **kw)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="alpha", prompt="word " * 400, max_tokens=1)
+    # a route that would answer a task's name with the bare model refuses it
+    r = HTTP.post(f"{url}/v1/responses", json={"model": "alpha", "input": "hi"},
+                   headers={"Authorization": "Bearer x"})
+    assert r.status_code == 400 and "is served on /v1/completions" in r.text, r.text
+    # one prompt, two tasks: the second finds the first's KV blocks (LoRA adapters could
+    # not share them: vLLM's prefix-cache key holds the adapter's name)
+    long = "Review: " + "word " * 60 + "\nSentiment:"  # 186 tokens: a whole block
+    client.completions.create(model="alpha", prompt=long, max_tokens=1)
+    before = prefix_hits(url)
+    client.completions.create(model="beta", prompt=long, max_tokens=1)
+    assert prefix_hits(url) - before >= 64, prefix_hits(url) - before
+    check_chat(url, "alpha", vecs["alpha"][0], model, tokenizer)
+    # the task as a field beside the base model's name is refused in chat alike
+    r = HTTP.post(f"{url}/v1/chat/completions", json={
+        "model": str(d), "messages": [{"role": "user", "content": PROMPTS[0]}],
+        "vllm_xargs": {"ltv_task": "beta"}}, headers={"Authorization": "Bearer x"})
+    assert r.status_code == 400 and "fitted on the task's completion prompt" in r.text
+    # still up and still right after the bad requests
+    check_mixed(url, {"beta": vecs["beta"][0]}, model, tokenizer)
+    # label-restricted classification through the server = transformers' restricted softmax
+    res = classify(url, SST2, ["the plot is dull"], model="alpha")
+    ids = label_token_ids(SST2, tokenizer)
+    ref = reference_logprobs(model, tokenizer, SST2.query("the plot is dull"), [],
+                             vecs["alpha"][0])[-1, ids]
+    ref = torch.softmax(ref, -1)
+    for lab, p in zip(SST2.labels, ref.tolist(), strict=True):
+        assert abs(res[0].probs[lab] - p) < 1e-4
 
 
 def test_fused_server(assets, tokenizer, tmp_path):
@@ -369,74 +390,61 @@ def test_fused_server(assets, tokenizer, tmp_path):
         stop(proc, log)
 
 
-def test_regression_vector_server(tokenizer, tmp_path):
+def test_regression_vector_server(assets, tokenizer, multi_task_server):
     """A regression LTV (`extract --task relu`) served by name beside the bare model: the
     completion's greedy tokens, over several generated tokens, are transformers' with the
     shift at every position (the reference hook; `ltv_steps: all`), and their log-probs agree
     within 1e-4; a request naming no policy gets the vector's recorded one (first)."""
-    from click.testing import CliRunner
-
-    from ltv_vllm.cli import main
     from ltv_vllm.core.vector import load_task_vector
     from ltv_vllm.serving.client import ClientError, first_step_only
     from ltv_vllm.tasks.data import sample_regression_episode
     from ltv_vllm.tasks.specs import get_task
 
-    model = make_vllm_llama(tokenizer, seed=31, tie=False)  # untied: answers that vary
-    model.save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    vec = tmp_path / "relu.pt"
-    r = CliRunner().invoke(main, [
-        "extract", "--model", str(tmp_path / "m"), "--task", "relu", "--k", "3", "--n", "12",
-        "--n-test", "3", "--seed", "2", "--dtype", "float32", "-o", str(vec), "--quiet"])
-    assert r.exit_code == 0, r.output
+    d, model, _vecs = assets  # untied: answers that vary
+    url, vec = multi_task_server  # `relu` was extracted (`extract --task relu`) on `d`
     tv = load_task_vector(vec)
     assert tv.provenance.shift_steps == "first"  # what extract records
     task = get_task("relu", regression=True)
     prompts = [task.query(e.text) for e in sample_regression_episode(
         task, k=3, n=12, n_test=3, seed=2).test]
-    proc, url, log = start_server(tmp_path / "m", [f"relu={vec}"], tmp_path)
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-        got = {}
-        for name, shift in (("relu", tv), (str(tmp_path / "m"), None)):
-            for p in prompts:
-                c = client.completions.create(
-                    model=name, prompt=p, max_tokens=8, temperature=0.0, logprobs=1,
-                    extra_body={"return_tokens_as_token_ids": True,
-                                "vllm_xargs": {"ltv_steps": "all"}}).choices[0]
-                toks = [int(t.split(":", 1)[1]) for t in c.logprobs.tokens]
-                ref = reference_logprobs(model, tokenizer, p, toks, shift)
-                n_prompt = len(tokenizer(p)["input_ids"])
-                assert len(toks) > 1  # several generated tokens, each one shifted
-                for step, tok in enumerate(toks):
-                    row = ref[n_prompt - 1 + step]
-                    assert int(row.argmax()) == tok, (name, p, step)
-                    assert abs(c.logprobs.token_logprobs[step] - float(row[tok])) < 1e-4
-                got[name, p] = toks
-        assert any(got["relu", p] != got[str(tmp_path / "m"), p] for p in prompts)
-        # first step only: the vector's first token, then the bare model; the vector's
-        # default (no ltv_steps) is the same
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    got = {}
+    for name, shift in (("relu", tv), (str(d), None)):
         for p in prompts:
-            g = first_step_only(url, p, vector="relu", max_tokens=8)
-            default = client.completions.create(
-                model="relu", prompt=p, max_tokens=8, temperature=0.0, logprobs=0,
-                extra_body={"return_tokens_as_token_ids": True}).choices[0]
-            assert [int(t.split(":", 1)[1]) for t in default.logprobs.tokens] == g.token_ids
+            c = client.completions.create(
+                model=name, prompt=p, max_tokens=8, temperature=0.0, logprobs=1,
+                extra_body={"return_tokens_as_token_ids": True,
+                            "vllm_xargs": {"ltv_steps": "all"}}).choices[0]
+            toks = [int(t.split(":", 1)[1]) for t in c.logprobs.tokens]
+            ref = reference_logprobs(model, tokenizer, p, toks, shift)
             n_prompt = len(tokenizer(p)["input_ids"])
-            shifted = reference_logprobs(model, tokenizer, p, g.token_ids, tv)
-            plain = reference_logprobs(model, tokenizer, p, g.token_ids, None)
-            assert len(g.token_ids) == len(got["relu", p])  # no EOS in this model's answers
-            assert g.token_ids[0] == got["relu", p][0] == int(shifted[n_prompt - 1].argmax())
-            for step, tok in enumerate(g.token_ids[1:], 1):
-                assert int(plain[n_prompt - 1 + step].argmax()) == tok, (p, step)
-            # vLLM's incremental detokenizer holds back a character cut off by max_tokens
-            # (decode writes U+FFFD for its bytes); the rest is the same text
-            full = tokenizer.decode(g.token_ids)
-            assert full.startswith(g.text) and set(full[len(g.text):]) <= {"\ufffd"}
-        with pytest.raises(ClientError, match="server refused \\(404\\)"):
-            first_step_only(url, prompts[0], vector="nope")
-        with pytest.raises(ClientError, match="at least 1"):
-            first_step_only(url, prompts[0], vector="relu", max_tokens=0)
-    finally:
-        stop(proc, log)
+            assert len(toks) > 1  # several generated tokens, each one shifted
+            for step, tok in enumerate(toks):
+                row = ref[n_prompt - 1 + step]
+                assert int(row.argmax()) == tok, (name, p, step)
+                assert abs(c.logprobs.token_logprobs[step] - float(row[tok])) < 1e-4
+            got[name, p] = toks
+    assert any(got["relu", p] != got[str(d), p] for p in prompts)
+    # first step only: the vector's first token, then the bare model; the vector's
+    # default (no ltv_steps) is the same
+    for p in prompts:
+        g = first_step_only(url, p, vector="relu", max_tokens=8)
+        default = client.completions.create(
+            model="relu", prompt=p, max_tokens=8, temperature=0.0, logprobs=0,
+            extra_body={"return_tokens_as_token_ids": True}).choices[0]
+        assert [int(t.split(":", 1)[1]) for t in default.logprobs.tokens] == g.token_ids
+        n_prompt = len(tokenizer(p)["input_ids"])
+        shifted = reference_logprobs(model, tokenizer, p, g.token_ids, tv)
+        plain = reference_logprobs(model, tokenizer, p, g.token_ids, None)
+        assert len(g.token_ids) == len(got["relu", p])  # no EOS in this model's answers
+        assert g.token_ids[0] == got["relu", p][0] == int(shifted[n_prompt - 1].argmax())
+        for step, tok in enumerate(g.token_ids[1:], 1):
+            assert int(plain[n_prompt - 1 + step].argmax()) == tok, (p, step)
+        # vLLM's incremental detokenizer holds back a character cut off by max_tokens
+        # (decode writes U+FFFD for its bytes); the rest is the same text
+        full = tokenizer.decode(g.token_ids)
+        assert full.startswith(g.text) and set(full[len(g.text):]) <= {"\ufffd"}
+    with pytest.raises(ClientError, match="server refused \\(404\\)"):
+        first_step_only(url, prompts[0], vector="nope")
+    with pytest.raises(ClientError, match="at least 1"):
+        first_step_only(url, prompts[0], vector="relu", max_tokens=0)
