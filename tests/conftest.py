@@ -28,6 +28,11 @@ os.environ["PIP_CONFIG_FILE"] = os.devnull  # and no machine pip.conf adds an in
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 
+# one torch thread per pytest worker: two workers already keep both cores busy, and a second
+# OpenMP thread only waits for a core the other worker's engines hold
+torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(items) -> None:
     """Longest files first. xdist (`--dist loadfile`) hands whole files to its workers in
     collection order, so a long file collected last runs alone at the end while the other

@@ -11,7 +11,7 @@ import pytest
 from ltv_vllm.errors import UserError
 from ltv_vllm.serving.jobs import job_paths, run_job
 
-pytestmark = pytest.mark.slow(seconds=20)  # the forkserver imports vLLM once
+pytestmark = pytest.mark.slow(seconds=7)  # the forkserver imports vLLM once
 
 
 def test_a_job_runs_apart_with_its_environment(tmp_path):

@@ -20,7 +20,7 @@ from test_store_server import compile_body, no_paths, wait_status
 from conftest import reference_logprobs
 from ltv_vllm.serving.taskstore import TaskStore
 
-pytestmark = pytest.mark.slow(seconds=125)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=67)  # see conftest's ordering
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from ltv_vllm.core.vector import TaskVector, model_identity
 from ltv_vllm.serving.lora import export_lora
 from ltv_vllm.tasks.specs import BUILTIN_TASKS, label_token_ids
 
-pytestmark = pytest.mark.slow(seconds=30)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=6)  # see conftest's ordering
 
 PROMPT = "Review: the plot is dull\nSentiment:"
 
