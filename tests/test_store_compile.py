@@ -14,10 +14,9 @@ import time
 import openai
 import pytest
 import torch
-from test_server import HTTP, PROMPTS, check_mixed, make_assets, start_server, stop
+from test_server import HTTP, PROMPTS, check_mixed, make_assets, oracle, start_server, stop
 from test_store_server import compile_body, no_paths, wait_status
 
-from conftest import reference_logprobs
 from ltv_vllm.serving.taskstore import TaskStore
 
 pytestmark = pytest.mark.slow(seconds=67)  # see conftest's ordering
@@ -69,7 +68,9 @@ def test_compile_over_http_while_serving(assets, tokenizer, tmp_path):
     seen, errors, stop_flag = [], [], threading.Event()
 
     def traffic():
-        while not stop_flag.is_set():
+        # a steady client, not a flood: back to back it took a core from the compile workers
+        # for the whole test, and hundreds of answers to check
+        while not stop_flag.wait(0.1):
             try:
                 r = client.completions.create(
                     model="beta", prompt=PROMPTS[len(seen) % 2], max_tokens=2, temperature=0.0,
@@ -175,7 +176,7 @@ def test_compile_over_http_while_serving(assets, tokenizer, tmp_path):
     n_prompt = {p: len(tokenizer(p)["input_ids"]) for p in PROMPTS}
     for prompt, lp in seen:  # every concurrent answer carried beta's shift, and only it
         toks = [int(x.split(":", 1)[1]) for x in lp.tokens]
-        ref = reference_logprobs(model, tokenizer, prompt, toks, vecs["beta"][0])
+        ref = oracle(model, tokenizer, prompt, toks, vecs["beta"][0])
         for step, tok in enumerate(toks):
             row = ref[n_prompt[prompt] - 1 + step]
             assert abs(lp.token_logprobs[step] - float(row[tok])) < 1e-4
