@@ -28,9 +28,11 @@ os.environ["PIP_CONFIG_FILE"] = os.devnull  # and no machine pip.conf adds an in
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 
-# one torch thread per pytest worker: two workers already keep both cores busy, and a second
-# OpenMP thread only waits for a core the other worker's engines hold
+# one torch thread per pytest worker, and per process it starts (servers, engine and capture
+# jobs, compile workers): two workers already keep both cores busy, and a second OpenMP
+# thread only waits for a core the other worker's engines hold
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(items) -> None:

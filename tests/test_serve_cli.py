@@ -41,6 +41,16 @@ def test_dry_run_commands(setup, monkeypatch):
         r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
                                       str(good), "--dry-run"])
         assert r.exit_code == 0 and "--enforce-eager" in r.output, r.output
+    # the KV cache: our CPU default (2 GiB), unless the user sized it (the CPU backend lets
+    # VLLM_CPU_KVCACHE_SPACE override --kv-cache-memory-bytes, so the default must stay out)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    for extra, env in (([], "VLLM_CPU_KVCACHE_SPACE=2 "),
+                       (["--kv-cache-memory-bytes", "67108864"], None),
+                       (["--kv-cache-memory-bytes=67108864"], None)):
+        r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
+                                      str(good), "--dry-run", *extra])
+        assert r.exit_code == 0, r.output
+        assert (env in r.output) if env else ("VLLM_CPU_KVCACHE_SPACE" not in r.output), extra
     # named vectors: per-request tasks by default (every vector in the engine, the task names
     # served names of the one model, the gate that maps them, the names in the environment)
     r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",

@@ -288,6 +288,11 @@ def user_chose_compilation(vllm_args: list[str] | tuple[str, ...]) -> bool:
                for a in vllm_args for f in COMPILATION_FLAGS)
 
 
+def user_sized_kv_cache(vllm_args: list[str] | tuple[str, ...]) -> bool:
+    return any(a == "--kv-cache-memory-bytes" or a.startswith("--kv-cache-memory-bytes=")
+               for a in vllm_args)
+
+
 MULTI_TASK_MODES = ("shift", "lora")  # `serve --multi-task`: the first is the default
 
 
@@ -447,7 +452,9 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         extra.insert(0, "--enforce-eager")
     settings = ServerSettings(max_body=opts.max_body_mib << 20)
     env = dict(task_env)
-    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+    # (the CPU backend lets this variable override --kv-cache-memory-bytes: set our default
+    # only where the user gave neither)
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and not user_sized_kv_cache(extra):
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB; read by the CPU backend only
     # the per-request step policy's processor (`vllm_ext.steps`) has the V1 runner's
     # interface: what the CPU backend runs, and what a GPU build runs when told to
