@@ -20,7 +20,7 @@ from ltv_vllm.core.vector import TaskVector, load_task_vector, model_identity
 from ltv_vllm.extraction.apply import task_vector_applied
 from ltv_vllm.tasks.specs import get_task, label_token_ids
 
-pytestmark = pytest.mark.slow(seconds=90)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=76)  # see conftest's ordering
 
 TASKS = "sst2,agnews"
 

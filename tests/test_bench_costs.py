@@ -13,7 +13,7 @@ from conftest import run_cli
 from ltv_vllm.bench.extraction import grid
 from ltv_vllm.tasks.specs import get_task
 
-pytestmark = pytest.mark.slow(seconds=15)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=12)  # see conftest's ordering
 
 
 def test_bench_icl_cost_end_to_end(bench_model, tmp_path):

@@ -16,7 +16,7 @@ from ltv_vllm.errors import UserError
 from ltv_vllm.serving.compile import CompileError, compile_task, parse_request
 from ltv_vllm.serving.taskstore import EntryExists, TaskStore
 
-pytestmark = pytest.mark.slow(seconds=15)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=13)  # see conftest's ordering
 
 TASK = {"in_prefix": "Review", "label_prefix": "Sentiment", "labels": ["negative", "positive"]}
 WORDS = ["the plot is dull", "a warm and funny film", "boring and slow", "great acting",

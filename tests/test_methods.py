@@ -20,7 +20,7 @@ from ltv_vllm.methods.sv import separator_positions
 from ltv_vllm.tasks.data import load_dataset, sample_episode
 from ltv_vllm.tasks.specs import get_task, label_token_ids
 
-pytestmark = pytest.mark.slow(seconds=70)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=11)  # see conftest's ordering
 
 WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "movie"]
 

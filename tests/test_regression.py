@@ -19,7 +19,7 @@ from ltv_vllm.tasks.data import (
 )
 from ltv_vllm.tasks.specs import RegressionTask, TaskError, get_task, get_tasks, task_from_dict
 
-pytestmark = pytest.mark.slow(seconds=23)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=10)  # see conftest's ordering
 
 
 def _x(text: str) -> list[float]:

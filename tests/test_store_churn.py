@@ -17,7 +17,7 @@ from test_store_server import compile_body, doctored, random_vector, wait_status
 from conftest import reference_logprobs
 from ltv_vllm.serving.taskstore import TaskStore
 
-pytestmark = pytest.mark.slow(seconds=105)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=113)  # see conftest's ordering
 
 
 @pytest.fixture(scope="module")

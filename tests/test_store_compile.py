@@ -19,7 +19,7 @@ from test_store_server import compile_body, no_paths, wait_status
 
 from ltv_vllm.serving.taskstore import TaskStore
 
-pytestmark = pytest.mark.slow(seconds=67)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=41)  # see conftest's ordering
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ from ltv_vllm.cli import main
 from ltv_vllm.core.vector import TaskVector, read_safetensors
 from ltv_vllm.serving.taskstore import TaskStore
 
-pytestmark = pytest.mark.slow(seconds=52)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=54)  # see conftest's ordering
 
 KEY = {"Authorization": "Bearer x"}
 

@@ -38,7 +38,7 @@ from ltv_vllm.pipeline.extract import (
 from ltv_vllm.tasks.data import load_dataset, sample_episode
 from ltv_vllm.tasks.specs import get_task, label_token_ids
 
-pytestmark = pytest.mark.slow(seconds=14)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=4)  # see conftest's ordering
 
 WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "witty", "movie"]
 LAM = 5.0

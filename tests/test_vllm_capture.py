@@ -13,7 +13,7 @@ import torch
 from conftest import make_vllm_llama
 from ltv_vllm.serving.capture import CaptureEngine, capture_states
 
-pytestmark = pytest.mark.slow(seconds=5)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=6)  # see conftest's ordering
 
 # long enough to fill whole KV blocks (vLLM caches full blocks only)
 DEMOS = ("Review: a warm and funny film\nSentiment: positive\n\nReview: boring and slow\n"

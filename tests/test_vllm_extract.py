@@ -19,7 +19,7 @@ from ltv_vllm.pipeline.extract import ExtractOptions, extract, plan_episode
 from ltv_vllm.serving.capture import CaptureEngine, captured_model
 from ltv_vllm.tasks.specs import get_task
 
-pytestmark = pytest.mark.slow(seconds=30)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=31)  # see conftest's ordering
 
 WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "witty",
          "seductive", "movie", "team", "wins", "final"]

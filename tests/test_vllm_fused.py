@@ -16,7 +16,7 @@ from conftest import make_llama, reference_logprobs, run_worker
 from ltv_vllm.core.vector import TaskVector, VectorError, model_identity
 from ltv_vllm.tasks.specs import BUILTIN_TASKS
 
-pytestmark = pytest.mark.slow(seconds=115)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=110)  # see conftest's ordering
 
 WORKERS = Path(__file__).parent / "vllm_workers"
 PROMPTS = ["Review: the plot is dull\nSentiment:", "News: the team wins the final game\nType:"]
