@@ -1,17 +1,18 @@
 """What the job forkserver (`serving.jobs`) does once, so that no forked job does it again.
 
 Imported by the forkserver only, before any job forks from it; never by library code (its
-import has the side effects below). Measured on a tiny Llama (2-core Intel Xeon, AVX512): an
-offline engine job went from 4.2 s to 2.1 s, of which:
+import has the side effects below). An offline SmolLM2-135M engine job went from 10.2 s to
+6.1 s (`benchmarks/job_start.py`, 2-core Intel Xeon, AVX512, float32), of which:
 
 - importing the modules every engine imports after `vllm.entrypoints.llm` (the worker and
-  model runner, the model classes, the weight loader, LoRA, our plugin): 0.95 → 0.7 s of
-  engine start-up;
+  model runner, the model classes, the weight loader, LoRA, our plugin): engine start-up
+  4.0 → 3.0 s;
 - torch inductor's per-process probes, run on a job's first `generate` when vLLM compiles
   its logprob-rank kernel (`batched_count_greater_than`, `torch.compile`d): which vector ISA
   the C++ compiler can build *and load*, which starts a Python subprocess that imports torch
   (about 1.1 s per process), and the source hashes of torch and triton keying its caches
-  (0.4 s). Their results are `functools.cache`d module state, which a forked child inherits.
+  (0.4 s): the first `generate` 4.1 → 1.2 s. Their results are `functools.cache`d module
+  state, which a forked child inherits.
 
 Fork safety holds as for the imports alone: nothing here builds an engine, makes a CUDA
 context or runs a parallel torch op (the probes run compilers in subprocesses and hash
