@@ -283,14 +283,18 @@ COMPILATION_FLAGS = ("--enforce-eager", "--no-enforce-eager", "-O", "--optimizat
                      "--compilation-config", "-cc")
 
 
+def _gave(vllm_args: list[str] | tuple[str, ...], flag: str) -> bool:
+    """`flag` among vLLM's own arguments, as `--flag value` or `--flag=value`."""
+    return any(a == flag or a.startswith(flag + "=") or (flag == "-O" and a.startswith("-O"))
+               for a in vllm_args)
+
+
 def user_chose_compilation(vllm_args: list[str] | tuple[str, ...]) -> bool:
-    return any(a == f or a.startswith(f + "=") or (f == "-O" and a.startswith("-O"))
-               for a in vllm_args for f in COMPILATION_FLAGS)
+    return any(_gave(vllm_args, f) for f in COMPILATION_FLAGS)
 
 
 def user_sized_kv_cache(vllm_args: list[str] | tuple[str, ...]) -> bool:
-    return any(a == "--kv-cache-memory-bytes" or a.startswith("--kv-cache-memory-bytes=")
-               for a in vllm_args)
+    return _gave(vllm_args, "--kv-cache-memory-bytes")
 
 
 MULTI_TASK_MODES = ("shift", "lora")  # `serve --multi-task`: the first is the default
