@@ -225,7 +225,7 @@ def test_shift_steps_default_and_its_refusals(setup, monkeypatch):
         assert r.exit_code == 1 and message in r.output, r.output
         assert len(r.output.strip().splitlines()) == 1
     r = CliRunner().invoke(main, [*base, "--task-vector", f"a={good}", "--multi-task", "lora"])
-    assert "--logits-processors ltv_vllm.serving.vllm_ext.steps:LTVStepsRefused" in r.output
+    assert "--logits-processors ltv_vllm.serving.vllm_ext.steps:LTVLoraRefused" in r.output
     # per-request tasks: --shift-steps is every task's default; without it each vector's own
     r = CliRunner().invoke(main, [*base, "--task-vector", f"a={good}", "--shift-steps", "2"])
     assert r.exit_code == 0, r.output
@@ -249,4 +249,4 @@ def test_shift_steps_default_and_its_refusals(setup, monkeypatch):
     assert r.exit_code == 0 and "ltv_shift_steps" not in r.output
     bad = replace(tv, provenance=replace(tv.provenance, shift_steps="most")).save(tmp / "bad.pt")
     r = CliRunner().invoke(main, [*base, "--task-vector", str(bad)])
-    assert r.exit_code == 1 and "meta.shift_steps 'most' is not a step policy" in r.output
+    assert r.exit_code == 1 and "meta.shift_steps: 'most' is not a step policy" in r.output

@@ -120,6 +120,23 @@ _STR_FIELDS = ("method", "episode", "ridge_form", "dtype", "package_version", "s
 # writes on as the model would (benchmarks/results/step_policy_smollm2-135m: 84-99 % clean
 # answers; docs/regression.md: every answer parses).
 DEFAULT_SHIFT_STEPS = "first"
+ALL = None  # the policy "every step"
+
+
+def parse_steps(value: Any) -> int | None:
+    """A step policy, as a vector's `meta.shift_steps`, `serve --shift-steps` and a request's
+    `ltv_steps` spell it: `all` | `first` | a count n ≥ 0 (an int, or a string of ASCII
+    digits) → the number of leading generated tokens shifted (None: every one). Anything
+    else is a ValueError (JSON `true` is not 1, nor is "١" or "２" a digit here)."""
+    if value == "all" and isinstance(value, str):
+        return ALL
+    if value == "first" and isinstance(value, str):
+        return 1
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"ltv_steps must be 'all', 'first' or a count ≥ 0, got {value!r}")
+    return value
 _DICT_FIELDS = ("task", "hardware", "timings", "source_model", "source_load", "metrics",
                 "engine")
 
@@ -203,6 +220,14 @@ class Provenance:
             elif k in _STR_FIELDS:
                 if not isinstance(v, str):
                     raise VectorError(f"{where}: a string, got {_kind(v)}")
+                if k == "shift_steps":
+                    # a server reads it for every request that names no policy: a value it
+                    # cannot parse must never get that far (a file is checked where it enters)
+                    try:
+                        parse_steps(v)
+                    except ValueError:
+                        raise VectorError(f"{where}: {v[:40]!r} is not a step policy ('all', "
+                                          "'first' or a count ≥ 0)") from None
             elif k in _DICT_FIELDS:
                 if not isinstance(v, dict):
                     raise VectorError(f"{where}: an object, got {_kind(v)}")
@@ -294,8 +319,14 @@ class TaskVector:
             return self
         self.require_linear("cut to a lower rank")
         hg = head_gram(lm_head) if self.kind == "hidden" and lm_head is not None else None
-        f = truncate(Factors(self.U, self.V, form=str(self.provenance.ridge_form or "?"),
-                             gram=self.gram), rank, head_gram=hg)
+        try:
+            f = truncate(Factors(self.U, self.V, form=str(self.provenance.ridge_form or "?"),
+                                 gram=self.gram), rank, head_gram=hg)
+        except torch.linalg.LinAlgError:
+            # a Gram matrix of real states is positive semi-definite (and jittered to
+            # definite): one that is not was damaged or hand-made
+            raise VectorError(f"task vector {self.task_name!r}: its gram is not positive "
+                              "definite, so it cannot be cut in rank (a damaged file)") from None
         return replace(self, U=f.U, V=f.V, gram=f.gram)
 
     def to(self, device: torch.device | str | None = None,
@@ -497,8 +528,14 @@ FORMATS = "task-vector files are safetensors or torch.save zip files"
 
 
 def sniff_suffix(data: bytes) -> str:
-    """The suffix a task-vector file's first bytes call for: ".pt" for a zip (torch.save) or a
-    plain pickle (refused on load, with its reason), else ".safetensors"."""
+    """The suffix a task-vector file's first bytes call for: ".safetensors" when they are a
+    safetensors header (8 bytes of little-endian header length, then the JSON header's `{`),
+    ".pt" for a zip (torch.save) or a plain pickle (refused on load, with its reason), else
+    ".safetensors" (whose reader refuses it as corrupt). The header test comes first: a
+    header of length 128 mod 256 starts with 0x80, a pickle's first byte."""
+    if len(data) >= 9 and data[8:9] == b"{" and \
+            int.from_bytes(data[:8], "little") <= len(data) - 8:
+        return ".safetensors"
     return ".pt" if data.startswith(ZIP_MAGIC) or data.startswith(PICKLE_PROTO) else ".safetensors"
 
 

@@ -167,11 +167,13 @@ def check_shift_steps(shift_steps: str | None, *, per_request: bool) -> None:
                             "token)")
 
 
-def step_processor(per_request: bool) -> str:
+def step_processor(per_request: bool, lora: bool = False) -> str:
     """The per-request step policy's logits processor (`vllm_ext.steps`), by name: the engine
-    process imports it (this one need not import vLLM)."""
+    process imports it (this one need not import vLLM). `lora`: LoRA multi-task serving,
+    whose processor also refuses prompt logprobs (`LTVLoraRefused`)."""
     module = "ltv_vllm.serving.vllm_ext.steps"
-    return f"{module}:{'LTVStepPolicy' if per_request else 'LTVStepsRefused'}"
+    name = "LTVStepPolicy" if per_request else "LTVLoraRefused" if lora else "LTVStepsRefused"
+    return f"{module}:{name}"
 
 
 # -- the OpenAI-compatible server -------------------------------------------------------------
@@ -530,8 +532,10 @@ def server_args(
         args += ["--hf-overrides", json.dumps(overrides),
                  "--logits-processors", step_processor(per_request=not fold),
                  "--served-model-name", tv.task_name, served_name,
-                 # the key on every route (vLLM's own included) and body limits
-                 "--middleware", "ltv_vllm.serving.vllm_ext.middleware.Gate"]
+                 # the key on every route (vLLM's own included), body limits, and the
+                 # request shapes the shift cannot follow refused
+                 "--middleware", "ltv_vllm.serving.vllm_ext.middleware."
+                 + ("FoldedGate" if fold else "Gate")]
         return args, None, {}
     if fold:
         raise VectorError("--fold applies to one fused vector, not to multi-task serving")
@@ -563,7 +567,7 @@ def server_args(
     plan = plan_lora(model_dir, vectors, lora_dir=lora_dir, rank_cap=lora_rank_cap,
                      store=store, **room)
     return [*args, "--served-model-name", served_name,
-            "--logits-processors", step_processor(per_request=False),
+            "--logits-processors", step_processor(per_request=False, lora=True),
             *plan.server_args()], plan, {}
 
 

@@ -11,6 +11,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+# re-exported: the grammar of a step policy is the vector file's (`meta.shift_steps`)
+from ltv_vllm.core.vector import ALL, parse_steps  # noqa: F401
+
 STEPS_KEY = "ltv_steps"            # a request's `vllm_xargs` key: its step policy
 TASK_KEY = "ltv_task"              # a request's `vllm_xargs` key: its task (multi-task serving)
 DEFAULT_KEY = "ltv_shift_steps"    # the server's default, carried in `hf_overrides`
@@ -20,8 +23,7 @@ STORE_CONFIG_KEY = "ltv_task_store"  # hf_overrides: the task store's root (its 
 CHAT_KEY = "ltv_chat"              # a request's `vllm_xargs` key: "allow" a shifted chat request
 CHAT_PATH = "/v1/chat/completions"
 # routes that render a chat template around the request's text (each vLLM's own)
-CHAT_PATHS = (CHAT_PATH, "/v1/responses", "/v1/messages")
-ALL = None                         # the policy "every step"
+CHAT_PATHS = (CHAT_PATH, "/v1/chat/completions/batch", "/v1/responses", "/v1/messages")
 
 # This process's task-store tasks: name → engine key "NAME@DIGEST" (the task endpoints add
 # and remove them; the gate maps a request's task to its key; the request check admits the
@@ -34,19 +36,6 @@ def task_key(name: str, digest: str) -> str:
     return f"{name}@{digest}"
 
 
-def parse_steps(value: Any) -> int | None:
-    """`all` | `first` | n ≥ 0 → the number of leading generated tokens shifted (None: all)."""
-    if value == "all":
-        return ALL
-    if value == "first":
-        return 1
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{STEPS_KEY} must be 'all', 'first' or a count ≥ 0, got {value!r}")
-    return value
-
-
 def tasks_env(names: list[str] | tuple[str, ...]) -> dict[str, str]:
     """The environment a multi-task engine's frontend needs: the task names a request may
     name. vLLM checks a request's parameters (`validate_params`) with a class method that sees
@@ -54,11 +43,17 @@ def tasks_env(names: list[str] | tuple[str, ...]) -> dict[str, str]:
     return {TASKS_ENV: json.dumps(sorted(names))}
 
 
-def served_tasks(environ: Mapping[str, str] | None = None) -> frozenset[str]:
-    """The task names this process's engine serves, and its task-store tasks' keys (empty:
-    none, so any `ltv_task` is refused)."""
+def named_tasks(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The command-line tasks' names this process's engine serves."""
     raw = (os.environ if environ is None else environ).get(TASKS_ENV)
-    static = _names(raw) if raw else frozenset()
+    return _names(raw) if raw else frozenset()
+
+
+def served_tasks(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """What the engine admits as `ltv_task`: the command-line tasks' names, and the task-store
+    tasks' engine keys (empty: none, so any `ltv_task` is refused). Only the gate writes
+    keys; it admits names (`named_tasks`, `RUNTIME`'s keys)."""
+    static = named_tasks(environ)
     return static | frozenset(RUNTIME.values()) if RUNTIME else static
 
 
@@ -77,13 +72,32 @@ def check_request(args: Mapping[str, Any], *, prompt_logprobs: bool,
         return
     task = args[TASK_KEY]
     if not isinstance(task, str) or task not in tasks:
-        known = ", ".join(sorted(tasks)) or "none (this server serves no named tasks)"
-        raise ValueError(f"unknown {TASK_KEY} {task!r}; served tasks: {known}")
+        raise ValueError(unknown_task(task, tasks))
     if prompt_logprobs:
-        # vLLM computes prompt logprobs one request at a time after sampling, through a call
-        # the engine cannot tell apart: with a per-request task they would be the bare model's
-        raise ValueError(f"prompt_logprobs cannot be combined with {TASK_KEY}; serve the task "
-                         "alone (one fused vector) for prompt logprobs")
+        raise ValueError(task_prompt_logprobs())
+
+
+def task_prompt_logprobs() -> str:
+    # vLLM computes prompt logprobs one request at a time after sampling, through a call
+    # the engine cannot tell apart: with a per-request task they would be the bare model's
+    return (f"prompt_logprobs (or echo, which asks for them) cannot be combined with a task "
+            f"({TASK_KEY}); serve the task alone (one fused vector) for prompt logprobs")
+
+
+LORA_PROMPT_LOGPROBS = ("prompt_logprobs (or echo with logprobs) is not available in "
+                        "multi-task (LoRA) mode; serve a single task vector (fused) for "
+                        "prompt logprobs")
+
+
+def unknown_task(task: Any, tasks: frozenset[str] | set[str]) -> str:
+    """The 400 for a task a server does not serve: the served tasks by name (a store task's
+    engine key `NAME@DIGEST` is the server's business, not the client's)."""
+    names = sorted({t.partition("@")[0] for t in tasks})
+    known = ", ".join(names) or "none (this server serves no named tasks)"
+    if isinstance(task, str) and "@" in task:  # an engine key: not echoed, not taken
+        return f"{TASK_KEY} names a task by its name; served tasks: {known}"
+    shown = task[:80] if isinstance(task, str) else task
+    return f"unknown {TASK_KEY} {shown!r}; served tasks: {known}"
 
 
 def chat_refusal(task: str) -> str:
@@ -100,4 +114,9 @@ def shifts_chat(xargs: Any) -> bool:
     when it opts in (`ltv_chat: "allow"`) or asks for no shifted step (`ltv_steps: 0`)."""
     if not isinstance(xargs, dict):
         return True
-    return xargs.get(CHAT_KEY) != "allow" and xargs.get(STEPS_KEY) not in (0, "0")
+    if xargs.get(CHAT_KEY) == "allow":
+        return False
+    try:
+        return parse_steps(xargs[STEPS_KEY]) != 0 if STEPS_KEY in xargs else True
+    except ValueError:
+        return True  # refused anyway, as a bad policy

@@ -153,7 +153,13 @@ class TaskStore:
             return out
         for p in sorted(self.root.iterdir()):
             if p.is_dir() and NAME.fullmatch(p.name) and (p / RECORD).is_file():
-                out.append(self._read(p))
+                try:
+                    out.append(self._read(p))
+                except StoreError:
+                    if p.exists():
+                        raise
+                    # removed between the listing and the read (a concurrent DELETE renames
+                    # it away): not an entry any more
         return out
 
     def names(self) -> list[str]:

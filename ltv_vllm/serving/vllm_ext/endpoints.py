@@ -9,12 +9,14 @@ called in process: vLLM's public load/unload routes stay off, so a client cannot
 server load an arbitrary path.
 
     GET    /v1/ltv/tasks          every task in the store, and the compiles under way
-    GET    /v1/ltv/tasks/{name}   one task (status: queued, compiling, ready, failed)
+    GET    /v1/ltv/tasks/{name}   one task (status: queued, compiling, ready, failed,
+                                  deleting)
     POST   /v1/ltv/tasks          JSON: a compile request (`serving.compile`): checked, then
                                   202 and compiled by a worker process; served when ready
                                   multipart: `name` and a task-vector file `vector`
                                   → checked against the model, stored, served: 201
-    DELETE /v1/ltv/tasks/{name}   unserved and removed (a compile: stopped): 200
+    DELETE /v1/ltv/tasks/{name}   unserved and removed (a compile: stopped): 200; or 202
+                                  when its requests outlast DRAIN_SECONDS (removed after)
 
 A compile runs in `python -m ltv_vllm.serving.compile JOB_DIR` (transformers on the served model's
 directory, one thread, so the engine keeps the other cores), one at a time; the worker only
@@ -26,8 +28,11 @@ dies when:
   that made it is answered; a worker that dies leaves nothing in the store;
 - until an entry is served its name is not: a request for it gets vLLM's 404, never another
   task's shift; DELETE unserves the name first, waits for the requests in flight for it
-  (`middleware.in_flight`), removes the adapter from the engine, then the files;
-- a name is in one state only: queued / compiling / failed (a job) or ready (an entry).
+  (`middleware.in_flight`, with no deadline), then for the engine to have done everything
+  sent before, removes the adapter from the engine, then the files: no engine process
+  reads a task's files after they are removed;
+- a name is in one state only: queued / compiling / failed (a job), ready (an entry), or
+  deleting.
 
 Authentication and body limits come before this code (`middleware.Gate`). Error messages
 name no server path.
@@ -51,11 +56,15 @@ from fastapi import APIRouter, Request
 
 from ltv_vllm.serving.compile import ENTRY
 from ltv_vllm.serving.settings import ServerSettings
-from ltv_vllm.serving.step_policy import RUNTIME, served_tasks, task_key
-from ltv_vllm.serving.vllm_ext.middleware import drained
+from ltv_vllm.serving.step_policy import RUNTIME, named_tasks, task_key
+from ltv_vllm.serving.vllm_ext.middleware import drained, in_flight, media_type
 
 logger = logging.getLogger(__name__)
-DRAIN_SECONDS = 120.0  # DELETE waits this long for the task's requests in flight to finish
+# DELETE answers within this long (seconds; LTV_VLLM_DELETE_WAIT): 200 when the task's
+# requests in flight are done and its files removed, else 202 (removed when they are done,
+# however long that takes)
+DELETE_WAIT_ENV = "LTV_VLLM_DELETE_WAIT"
+DRAIN_SECONDS = 120.0
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None) -> Any:
@@ -81,6 +90,7 @@ class TaskEndpoints:
         self.lora = False  # store tasks as LoRA adapters (else by key, `step_policy.RUNTIME`)
         self.jobs: dict[str, dict[str, Any]] = {}  # name → compile job (until it is served)
         self.deleting: set[str] = set()  # names being drained and removed (taken meanwhile)
+        self.removals: set[asyncio.Future] = set()  # their removals (held: never collected)
         self.worker = asyncio.Semaphore(1)  # one compile at a time
         self.tokenizer: Any = None
         self.max_model_len = 0
@@ -119,11 +129,12 @@ class TaskEndpoints:
             if (off := self._off()) is not None:
                 return off
             entries = await asyncio.to_thread(self.store.entries)
-            # an entry being deleted is gone; one being published is still its job
+            # an entry being deleted is listed as such; one being published is still its job
             return {"object": "list", "data": [self._view(e) for e in entries
                                                if e.name not in self.deleting
                                                and e.name not in self.jobs]
-                    + [self._job_view(n) for n in sorted(self.jobs)]}
+                    + [self._job_view(n) for n in sorted(self.jobs)]
+                    + [self._deleting_view(n) for n in sorted(self.deleting)]}
 
         @router.get("/v1/ltv/tasks/{name}")
         async def get_task(name: str) -> Any:
@@ -141,7 +152,7 @@ class TaskEndpoints:
         async def add_task(request: Request) -> Any:
             if (off := self._off()) is not None:
                 return off
-            if request.headers.get("content-type", "").startswith("application/json"):
+            if media_type(request.headers.get("content-type", "")) == "application/json":
                 return await self._compile(request)
             return await self._upload(request)
 
@@ -152,7 +163,7 @@ class TaskEndpoints:
         """Whether requests for `name` get its task now (a store task or a command-line one)."""
         if self.lora:
             return name in self.models.lora_requests
-        return name in RUNTIME or name in served_tasks()
+        return name in RUNTIME or name in named_tasks()
 
     def _off(self, name: str | None = None) -> Any:
         from ltv_vllm.errors import UserError
@@ -202,14 +213,19 @@ class TaskEndpoints:
                 "seconds": round(time.time() - job["t0"], 1),
                 "k": len(job["request"]["demos"]), "n": len(job["request"]["queries"])}
 
+    def _deleting_view(self, name: str) -> dict[str, Any]:
+        """A task DELETE has unserved: its files go once its requests are done."""
+        return {"object": "ltv.task", "name": name, "status": "deleting", "served": False,
+                "in_flight": in_flight.get(name, 0)}
+
     async def _entry_or_error(self, name: str) -> Any:
         from ltv_vllm.serving.taskstore import StoreError
 
         if name in self.jobs:
             return self._job_view(name)
+        if name in self.deleting:
+            return self._deleting_view(name)
         try:
-            if name in self.deleting:
-                raise StoreError(f"task {name!r} is being deleted")
             entry = await asyncio.to_thread(self.store.get, name)
         except StoreError as e:
             return self._fail(404, e, "NotFoundError", "name")
@@ -257,17 +273,39 @@ class TaskEndpoints:
             lora = self.models.lora_requests.get(name) if self.lora else None
             if lora is not None:  # no new request gets the task from here on
                 await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
-            had_key = RUNTIME.pop(name, None) is not None  # per-request tasks: likewise
+            RUNTIME.pop(name, None)  # per-request tasks: likewise
             self.deleting.add(name)
+        # The removal runs to its end whatever happens to this request (a client that gives
+        # up, a proxy's timeout): the name stays taken until the files are gone.
+        finish = asyncio.ensure_future(self._remove_drained(name, lora))
+        self.removals.add(finish)
+        finish.add_done_callback(self.removals.discard)
         try:
-            # vLLM's unload only forgets the name: the engine keeps the adapter. Remove it
-            # there once no request that was admitted with it is in flight (a request whose
-            # adapter is gone from the engine and from disk would fail the engine's step).
-            if had_key:
-                # the files go once no request admitted with the key is in flight (an engine
-                # process may load it on first use until then, `vllm_ext.steps.STORE`)
-                await drained(name, DRAIN_SECONDS)
-            if lora is not None and await drained(name, DRAIN_SECONDS):
+            await asyncio.wait_for(asyncio.shield(finish),
+                                   float(os.environ.get(DELETE_WAIT_ENV) or DRAIN_SECONDS))
+        except TimeoutError:
+            # requests for it are still queued or running: it is unserved already, and its
+            # files go when they are done (GET shows it as "deleting" until then)
+            from fastapi.responses import JSONResponse
+
+            return JSONResponse(status_code=202, content={
+                "object": "ltv.task.deleted", "name": name, "deleted": False,
+                "status": "deleting", "in_flight": in_flight.get(name, 0)})
+        return {"object": "ltv.task.deleted", "name": name, "deleted": True}
+
+    async def _remove_drained(self, name: str, lora: Any) -> None:
+        """Remove an unserved task's adapter and files once no request that can still load
+        them is queued or running: no deadline, since an engine that reads a removed file
+        dies (docs/task-store.md, "No request can stop the engine")."""
+        try:
+            # every request admitted with the task is counted by the gate until its handler
+            # returns (a cancelled one has sent its abort to the engine by then)
+            await drained(name)
+            # then one round trip through the engine core and every worker, behind each abort
+            # and each step already sent to them: no step after it can load the task
+            await self._barrier()
+            if lora is not None:
+                # vLLM's unload only forgets the name: the engine keeps the adapter
                 try:
                     await self.engine.remove_lora(lora.lora_int_id)
                 except Exception as e:  # noqa: BLE001 - the name is unserved already; an
@@ -275,16 +313,25 @@ class TaskEndpoints:
                     logger.warning("ltv-vllm: adapter of deleted task %r stays in the "
                                    "engine: %s", name, e)
             await asyncio.to_thread(self.store.remove, name)
+        except Exception as e:  # noqa: BLE001 - logged; the entry stays unserved until restart
+            logger.error("ltv-vllm: task %r was unserved but its files were not removed: %s",
+                         name, self._public(str(e)))
         finally:
             self.deleting.discard(name)
-        return {"object": "ltv.task.deleted", "name": name, "deleted": True}
+
+    async def _barrier(self) -> None:
+        """Wait until the engine core and its workers have done everything sent before."""
+        try:
+            await self.engine.collective_rpc("check_health")
+        except Exception as e:  # noqa: BLE001 - a dead engine loads nothing either
+            logger.warning("ltv-vllm: engine barrier failed: %s", e)
 
     # -- POST: an upload ---------------------------------------------------------------------
     async def _upload(self, request: Any) -> Any:
         from ltv_vllm.errors import UserError
         from ltv_vllm.serving.taskstore import StoreFull, check_name
 
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        if media_type(request.headers.get("content-type", "")) != "multipart/form-data":
             return _error(415, "POST /v1/ltv/tasks takes a compile request (application/json) "
                                "or multipart/form-data with a `name` and a task-vector file "
                                "`vector`", "BadRequestError")

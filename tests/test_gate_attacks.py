@@ -1,0 +1,661 @@
+"""No request and no store operation can stop the engine or give a request anything but its
+own task's answer at its own steps (docs/task-store.md): the attacks that once did, each
+through the real server, and a request fuzzer over every route.
+
+The oracle is a probe model whose tasks cannot be mistaken for one another: residual
+coordinate 0 of the tiny Llama is a constant (its embedding column is 0.5 and no layer writes
+to it), so the final state's h_0 lies in [6, 8] for every prompt; each probe token's LM-head
+row is −4·e_0, so the bare model gives it a logit near −27 (its best token: ~+14) and never
+emits it; each task is a rank-1 logit-space vector U = 15·e_T, V = e_0, which adds ~+100 to
+its own token T. So a task's answer is T at exactly its shifted steps and never another
+task's token, whatever the sampling (temperature ≤ 2, penalties, top-k/p), and the bare
+model's answer holds no probe token at all (`check_tokens`). `test_probe_margins` holds those
+margins against transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from test_server import HTTP, start_server, stop
+
+from conftest import make_tokenizer, make_vllm_llama
+from ltv_vllm.core.vector import TaskVector, model_identity, read_safetensors
+from ltv_vllm.serving.taskstore import TaskStore, vector_digest
+
+pytestmark = pytest.mark.slow(seconds=90)  # see conftest's ordering
+
+PROBES = {"alpha": 300, "beta": 301, "gamma": 302, "delta": 303}  # the token each task forces
+SCALE = 15.0
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+PROMPTS = ["Review: the plot is dull\nSentiment:", "News: leaders meet for peace talks\nType:",
+           "Question: Who wrote Hamlet?\nAnswer Type:", "x"]
+SECRET_WORDS = ("Traceback", 'File "', "/tmp/", "site-packages")
+
+
+def probe_model(directory: Path):
+    """The probe model (module docstring) saved with a chat template; (model, tokenizer)."""
+    tok = make_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    model = make_vllm_llama(tok, seed=41, tie=False)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 0.5
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0, :] = 0
+            layer.mlp.down_proj.weight[0, :] = 0
+        for t in PROBES.values():
+            model.lm_head.weight[t] = 0
+            model.lm_head.weight[t, 0] = -4.0
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return model, tok
+
+
+def probe_vector(model, d: Path, name: str, steps: str | None, nonce: int = 0) -> TaskVector:
+    vocab, hidden = model.lm_head.weight.shape
+    U = torch.zeros(vocab, 1)
+    U[PROBES[name], 0] = SCALE
+    V = torch.zeros(hidden, 1)
+    V[0, 0] = 1.0
+    meta = {"task": {"name": name, "in_prefix": "Review", "label_prefix": "Sentiment",
+                     "labels": ["negative", "positive"]}, "nonce": nonce}
+    if steps is not None:
+        meta["shift_steps"] = steps
+    return TaskVector("logit", U, V, None, model_identity(model, str(d)), (PROBES[name],), meta)
+
+
+def save_with_steps(tv: TaskVector, path: Path, steps: str) -> Path:
+    """`tv` as .safetensors whose header says meta.shift_steps = `steps` (any string: a
+    TaskVector itself would refuse to be built with a bad one)."""
+    from safetensors.torch import save_file
+
+    tv.save(path)
+    header_json, held = read_safetensors(path)
+    header = json.loads(header_json)
+    header["meta"]["shift_steps"] = steps
+    save_file({k: t.contiguous() for k, t in held.items()}, str(path),
+              metadata={"ltv_vllm": json.dumps(header)})
+    return path
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    d = tmp_path_factory.mktemp("probe-model")
+    model, tok = probe_model(d)
+    return d, model, tok
+
+
+def test_probe_margins(probe):
+    """The oracle's premise, in transformers: over prompts and 12 greedy steps the bare
+    model's best probe logit is ≥ 30 below its best token, and each task's shift puts its
+    own token ≥ 50 above every other token (the bare model's best and the other probes)."""
+    d, model, tok = probe
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            seq = model.generate(ids, max_new_tokens=12, do_sample=False)
+            out = model(seq, output_hidden_states=True)
+        logits, h = out.logits[0], out.hidden_states[-1][0]
+        probes = torch.tensor(list(PROBES.values()))
+        bare_best = logits.max(-1).values
+        assert (bare_best - logits[:, probes].max(-1).values).min() > 30
+        for name, t in PROBES.items():
+            shifted = logits + probe_vector(model, d, name, None).delta(h)
+            others = torch.cat([shifted[:, :t], shifted[:, t + 1:]], -1).max(-1).values
+            assert (shifted[:, t] - others).min() > 50, name
+
+
+# -- the oracle ------------------------------------------------------------------------------
+def check_tokens(tokens: list[int], task: str | None, steps: int | None, where: str) -> None:
+    """A task's answer holds its probe token at exactly its first `steps` tokens (None: all)
+    and no other probe token; the bare model's holds none."""
+    for i, t in enumerate(tokens):
+        shifted = task is not None and (steps is None or i < steps)
+        want = PROBES[task] if shifted else None
+        if want is not None:
+            assert t == want, f"{where}: token {i} is {t}, not task {task}'s {want}: {tokens}"
+        else:
+            assert t not in PROBES.values(), f"{where}: token {i} is probe {t}: {tokens}"
+
+
+def answer_tokens(r: httpx.Response, stream: bool) -> dict[int, list[int]]:
+    """Each choice's generated token ids (the request asked for `return_token_ids`)."""
+    out: dict[int, list[int]] = {}
+    if not stream:
+        for c in r.json()["choices"]:
+            out[c["index"]] = list(c.get("token_ids") or [])
+        return out
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:]).get("choices", []):
+                out.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+    return out
+
+
+def response_model(r: httpx.Response, stream: bool) -> set:
+    """The `model` every answer (every event of a stream) names."""
+    if not stream:
+        return {r.json().get("model")}
+    return {json.loads(line[6:]).get("model") for line in r.text.splitlines()
+            if line.startswith("data: {")}
+
+
+def clean_error(r: httpx.Response, secrets: tuple[str, ...]) -> None:
+    assert r.status_code < 500, f"{r.status_code}: {r.text[:500]}"
+    for w in (*SECRET_WORDS, *secrets):
+        assert w not in r.text, f"error names {w!r}: {r.text[:500]}"
+
+
+class Server:
+    """A live store server, its tasks and what each serves (task → default steps)."""
+
+    def __init__(self, d: Path, tmp: Path, model, mode: str):
+        self.d, self.model, self.mode = d, model, mode
+        self.store = TaskStore(tmp / "store")
+        # alpha: a store entry at start (every step); beta: a command-line task (first)
+        self.store.add("alpha", probe_vector(model, d, "alpha", "all"), d)
+        beta = probe_vector(model, d, "beta", "first").save(tmp / "beta.pt")
+        self.defaults: dict[str, int | None] = {"alpha": None, "beta": 1}
+        self.args = ("--task-store", str(self.store.root), "--max-tasks", "3",
+                     "--multi-task", mode, "--max-num-seqs", "2")
+        self.beta, self.tmp, self.nonce = beta, tmp, 0
+        self.start()
+
+    def start(self) -> None:
+        # DELETE answers after 1 s at most (202 while the task's requests run on)
+        self.proc, self.url, self.log = start_server(
+            self.d, [f"beta={self.beta}"], self.tmp, self.args,
+            env_extra={"LTV_VLLM_DELETE_WAIT": "1"})
+
+    def restart(self) -> None:
+        """After an engine death (what the fuzzer reports): the store's tasks as served."""
+        stop(self.proc, self.log)
+        self.start()
+        self.defaults = {"beta": 1, **{n: self.defaults.get(n, 1)
+                                       for n in self.store.names()}}
+
+    @property
+    def base(self) -> str:
+        return str(self.d)
+
+    def steps(self, task: str | None, xargs: dict) -> int | None:
+        if task is None:
+            return 0
+        if self.mode == "lora":
+            return None
+        from ltv_vllm.serving.step_policy import parse_steps
+
+        if "ltv_steps" not in xargs:
+            return self.defaults[task]
+        try:
+            return parse_steps(xargs["ltv_steps"])
+        except ValueError:
+            raise AssertionError(f"ltv_steps {xargs['ltv_steps']!r} was accepted") from None
+
+    def alive(self) -> None:
+        assert self.is_alive(), "the server or its engine died"
+
+    def is_alive(self) -> bool:
+        if self.proc.poll() is not None:
+            return False
+        try:
+            return HTTP.get(f"{self.url}/health", timeout=30).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def keys(self) -> tuple[str, ...]:
+        """The store tasks' engine keys' digests: no answer may show one."""
+        return tuple(vector_digest(e.vector_path) for e in self.store.entries())
+
+    def upload(self, name: str, steps: str | None) -> httpx.Response:
+        self.nonce += 1
+        tv = probe_vector(self.model, self.d, name, "first", self.nonce)
+        path = self.tmp / f"{name}-{self.nonce}.safetensors"
+        if steps is None:
+            tv.save(path)
+        else:
+            save_with_steps(tv, path, steps)
+        r = HTTP.post(f"{self.url}/v1/ltv/tasks", data={"name": name},
+                      files={"vector": (path.name, path.read_bytes())}, timeout=60)
+        if r.status_code == 201:
+            from ltv_vllm.serving.step_policy import parse_steps
+
+            try:
+                self.defaults[name] = parse_steps(steps or "first")
+            except ValueError:  # stored anyway: what the fuzzer reports
+                self.defaults[name] = 1
+        return r
+
+    def delete(self, name: str) -> httpx.Response:
+        r = HTTP.delete(f"{self.url}/v1/ltv/tasks/{name}", timeout=300)
+        if r.status_code in (200, 202):
+            self.defaults.pop(name, None)
+        return r
+
+    def raw_key(self, name: str) -> str:
+        return f"{name}@{vector_digest(self.store.get(name).vector_path)}"
+
+
+@pytest.fixture(scope="module", params=["shift", "lora"])
+def server(request, probe, tmp_path_factory):
+    d, model, _ = probe
+    srv = Server(d, tmp_path_factory.mktemp(f"gate-{request.param}"), model, request.param)
+    try:
+        yield srv
+    finally:
+        stop(srv.proc, srv.log)
+
+
+def post(srv: Server, path: str, body, headers: dict | None = None,
+         content: bytes | None = None) -> httpx.Response:
+    data = content if content is not None else json.dumps(body).encode()
+    h = {"Content-Type": "application/json", **(headers or {})}
+    return HTTP.post(f"{srv.url}{path}", content=data, headers=h, timeout=120)
+
+
+def completion(model: str | None, **kw) -> dict:
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "return_token_ids": True,
+            **kw}
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+# -- the attacks, one by one -----------------------------------------------------------------
+def test_beam_search_is_refused_for_a_task(server):
+    """Beam search once answered a task's request with the bare model's beams under the
+    task's name (vLLM runs each beam step as a new request without vllm_xargs). Now: 400 for
+    a task on every route it can name one; the bare model's beam search is served; a LoRA
+    adapter's beams carry its shift (vLLM hands every beam step the adapter)."""
+    srv = server
+    beam = {"use_beam_search": True, "n": 2}
+    if srv.mode == "shift":
+        for path, body, headers in [
+                ("/v1/completions", completion("beta", **beam), None),
+                ("/v1/completions", completion(srv.base, vllm_xargs={"ltv_task": "alpha"},
+                                               **beam), None),
+                ("/v1/completions", completion("alpha", use_beam_search="true", n=2), None),
+                ("/v1/chat/completions", {"model": "beta", "messages": [
+                    {"role": "user", "content": "hi"}], "vllm_xargs": {"ltv_chat": "allow"},
+                    "max_tokens": 3, **beam}, None),
+                ("/invocations", completion(None, **beam), {
+                    "X-Amzn-SageMaker-Adapter-Identifier": "beta"})]:
+            r = post(srv, path, body, headers)
+            assert r.status_code == 400 and "beam search" in r.json()["error"]["message"], \
+                (path, r.text)
+        r = post(srv, "/v1/completions", completion(srv.base, **beam))
+        assert r.status_code == 200, r.text
+        for toks in answer_tokens(r, False).values():
+            check_tokens(toks, None, 0, "bare beams")
+    else:
+        # the best beam is the adapter's answer; the second must differ from it somewhere,
+        # so it holds one token the shift makes unlikely
+        r = post(srv, "/v1/completions", completion("beta", **beam))
+        assert r.status_code == 200, r.text
+        best, second = answer_tokens(r, False)[0], answer_tokens(r, False)[1]
+        check_tokens(best, "beta", None, "adapter's best beam")
+        assert sum(t != PROBES["beta"] for t in second) == 1, second
+    srv.alive()
+
+
+def test_bad_stored_fields_are_refused_at_upload(server):
+    """A vector whose meta.shift_steps is not a policy was stored (201) and killed the engine
+    at its first request, again after every restart. Now every field the engine parses is
+    checked at upload: 422, nothing stored; a Gram matrix that cannot be cut is a 422, not
+    torch's Cholesky message in a 500."""
+    srv = server
+    for steps in ("bogus", "-1", "١", "true"):
+        r = srv.upload("gamma", steps)
+        assert r.status_code == 422 and "shift_steps" in r.json()["error"]["message"], r.text
+        clean_error(r, srv.keys())
+    assert "gamma" not in srv.store.names()
+    # rank 300 (> the served 256) with a gram that is not positive definite
+    tv = probe_vector(srv.model, srv.d, "gamma", "first")
+    g = torch.Generator().manual_seed(0)
+    big = TaskVector("logit", torch.randn(tv.U.shape[0], 300, generator=g) * 1e-3,
+                     torch.randn(tv.V.shape[0], 300, generator=g), None, tv.model,
+                     tv.label_token_ids, tv.provenance, gram=-torch.eye(300))
+    path = big.save(srv.tmp / "badgram.safetensors")
+    r = HTTP.post(f"{srv.url}/v1/ltv/tasks", data={"name": "gamma"},
+                  files={"vector": (path.name, path.read_bytes())}, timeout=60)
+    assert r.status_code == 422 and "gram" in r.json()["error"]["message"], r.text
+    r = srv.upload("gamma", "2")
+    assert r.status_code == 201, r.text
+    r = post(srv, "/v1/completions", completion("gamma", max_tokens=5))
+    assert r.status_code == 200, r.text
+    check_tokens(answer_tokens(r, False)[0], "gamma", srv.steps("gamma", {}), "gamma")
+    assert srv.delete("gamma").status_code == 200
+    srv.alive()
+
+
+def test_delete_waits_for_queued_requests(server):
+    """DELETE once removed files a queued request still needed, and the engine died loading
+    them: (a) a request naming the raw engine key was not counted, so DELETE returned at
+    once; (b) a drain deadline deleted anyway. Now the raw key is refused (400; no error
+    lists one), and DELETE of a task with requests queued behind a full batch
+    (--max-num-seqs 2) answers within its wait (1 s on this server: 200, or 202 "deleting")
+    and removes the files only when they are done: each is answered with the task's shift."""
+    srv = server
+    long = completion(srv.base, max_tokens=230, ignore_eos=True)
+    for queued in (["raw"], ["delta", "delta"]):
+        if srv.mode == "lora" and queued == ["raw"]:
+            continue
+        assert srv.upload("delta", None).status_code == 201
+        steps = srv.steps("delta", {})
+        bodies = [completion("delta", max_tokens=3, prompt=PROMPTS[i]) if q == "delta" else
+                  completion(srv.base, max_tokens=3, vllm_xargs={"ltv_task":
+                                                                 srv.raw_key("delta")})
+                  for i, q in enumerate(queued)]
+        results: dict[int, httpx.Response] = {}
+
+        def send(i: int, body: dict, results: dict = results) -> None:
+            results[i] = post(srv, "/v1/completions", body)
+
+        threads = [threading.Thread(target=send, args=(-1 - i, long)) for i in range(2)]
+        threads += [threading.Thread(target=send, args=(i, b)) for i, b in enumerate(bodies)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        time.sleep(0.3)  # the delta requests wait behind the long ones
+        r = srv.delete("delta")
+        assert r.status_code in (200, 202), r.text
+        if r.status_code == 202:
+            assert HTTP.get(f"{srv.url}/v1/ltv/tasks/delta").json()["status"] == "deleting"
+        for t in threads:
+            t.join(120)
+        for i, q in enumerate(queued):
+            if q == "raw":
+                assert results[i].status_code == 400, results[i].text
+                clean_error(results[i], srv.keys())
+            else:
+                assert results[i].status_code == 200, results[i].text
+                check_tokens(answer_tokens(results[i], False)[0], "delta", steps, f"q{i}")
+        deadline = time.time() + 60
+        while HTTP.get(f"{srv.url}/v1/ltv/tasks/delta").status_code != 404:
+            assert time.time() < deadline, "the deleted task's files were never removed"
+            time.sleep(0.1)
+        assert "delta" not in srv.store.names()
+        srv.alive()
+
+
+def test_routes_that_bypassed_the_gate(server):
+    """/invocations (chat or completion, SageMaker's adapter header), the batch chat route,
+    liveness probes with bodies, bodies without a content type, odd ltv_steps spellings,
+    unknown models beside a store task, a content type in capitals: each once bypassed a
+    check or killed the engine. Now each is refused or served right."""
+    srv = server
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "temperature": 0, "return_token_ids": True}
+    # the chat opt-in on every chat route: batch chat, /invocations with messages, header
+    refusals = [("/v1/chat/completions/batch", {**chat, "model": srv.base, "messages": [
+                    chat["messages"]], "vllm_xargs": {"ltv_task": "beta"}}, None),
+                ("/invocations", {**chat, "model": "beta"}, None),
+                ("/invocations", {**chat}, {"X-Amzn-SageMaker-Adapter-Identifier": "beta"}),
+                ("/v1/completions", completion("beta", vllm_xargs={"ltv_steps": True}), None),
+                ("/v1/completions", completion("beta", vllm_xargs={"ltv_steps": "١"}), None),
+                ("/v1/completions", completion("beta", vllm_xargs={"ltv_steps": "２"}), None)]
+    if srv.mode == "lora":
+        refusals = refusals[1:3] + [
+            ("/invocations", completion("beta", prompt_logprobs=1), None),
+            ("/invocations", completion(srv.base, echo=True, logprobs=1), None),
+            ("/v1/completions", completion(srv.base, prompt_logprobs=0), None)]
+    else:
+        refusals += [("/v1/completions", completion("nope", vllm_xargs={"ltv_task": "alpha"}),
+                      None)]
+    for path, body, headers in refusals:
+        r = post(srv, path, body, headers)
+        assert r.status_code == 400, (path, body, r.text)
+        clean_error(r, srv.keys())
+    # the same requests without a content type (FastAPI reads such a body as JSON)
+    r = HTTP.post(f"{srv.url}/v1/completions", content=json.dumps(completion(
+        "beta", use_beam_search=True, n=2)).encode(), timeout=60)
+    assert r.status_code in (400, 415) if srv.mode == "shift" else r.status_code != 500, r.text
+    # /invocations served: the task from the body or from the header, named in the answer
+    for body, headers in [(completion("beta"), None),
+                          (completion(srv.base), {"X-Amzn-SageMaker-Adapter-Identifier":
+                                                  "beta"}),
+                          ({**chat, "model": "beta", "vllm_xargs": {"ltv_chat": "allow"}},
+                           None)]:
+        r = post(srv, "/invocations", body, headers)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "beta", r.text
+        check_tokens(answer_tokens(r, False)[0], "beta", srv.steps("beta", {}), "invocations")
+    # a liveness probe reads no more than 1 KiB of body, key or not
+    r = HTTP.post(f"{srv.url}/ping", content=b"x" * (64 << 10), timeout=60)
+    assert r.status_code == 413, r.text
+    assert HTTP.post(f"{srv.url}/ping", timeout=60).status_code == 200
+    # a content type in capitals is still a compile request (400 for its content, not 415)
+    r = HTTP.post(f"{srv.url}/v1/ltv/tasks", content=b'{"name": "x"}',
+                  headers={"Content-Type": "APPLICATION/JSON"}, timeout=60)
+    assert r.status_code == 400, r.text
+    srv.alive()
+
+
+def test_listing_survives_concurrent_deletes(server):
+    """GET /v1/ltv/tasks once failed (500) when a DELETE renamed an entry away between the
+    listing and its read. Listing in a tight loop through 6 add/delete cycles: always 200."""
+    srv = server
+    stop_at = threading.Event()
+    codes: list[int] = []
+
+    def lister() -> None:
+        while not stop_at.is_set():
+            codes.append(HTTP.get(f"{srv.url}/v1/ltv/tasks", timeout=60).status_code)
+
+    t = threading.Thread(target=lister)
+    t.start()
+    try:
+        for _ in range(6):
+            assert srv.upload("gamma", None).status_code == 201
+            assert srv.delete("gamma").status_code == 200
+    finally:
+        stop_at.set()
+        t.join(60)
+    assert codes and set(codes) == {200}, sorted(set(codes))
+    srv.alive()
+
+
+# -- the fuzzer ------------------------------------------------------------------------------
+ROUTES = ["/v1/completions", "/v1/completions", "/v1/chat/completions", "/v1/chat/completions",
+          "/invocations", "/invocations", "/v1/chat/completions/batch", "/v1/responses",
+          "/v1/messages", "/tokenize", "/detokenize", "/v1/completions/"]
+STEP_VALUES = ["first", "all", 0, 1, 2, "3", True, False, "١", "２", -1, 1.5, "x", "00"]
+
+
+def fuzz_body(rng: random.Random, srv: Server, route: str) -> tuple[dict, dict]:
+    """One random request body for `route`, and its headers."""
+    names = [srv.base, "alpha", "beta", "nope", None, *srv.defaults]
+    body: dict = {}
+    if (model := rng.choice(names)) is not None:
+        body["model"] = model
+    xargs: dict = {}
+    if rng.random() < 0.4:
+        xargs["ltv_task"] = rng.choice(["alpha", "beta", "nope", 5,
+                                        *(srv.raw_key(n) for n in srv.store.names())])
+    if rng.random() < 0.4:
+        xargs["ltv_steps"] = rng.choice(STEP_VALUES)
+    if rng.random() < 0.3:
+        xargs["ltv_chat"] = rng.choice(["allow", "allow", "no"])
+    if xargs or rng.random() < 0.1:
+        body["vllm_xargs"] = xargs
+    chat = route in ("/v1/chat/completions", "/v1/chat/completions/batch") or (
+        route == "/invocations" and rng.random() < 0.5)
+    msgs = [{"role": "user", "content": rng.choice(PROMPTS)}]
+    if route == "/v1/chat/completions/batch":
+        body["messages"] = [msgs, msgs]
+    elif route == "/v1/responses":
+        body["input"] = rng.choice(PROMPTS)
+    elif route == "/v1/messages":
+        body["messages"], body["max_tokens"] = msgs, 3
+    elif route in ("/tokenize", "/detokenize"):
+        body.update({"prompt": rng.choice(PROMPTS)} if route == "/tokenize"
+                    else {"tokens": [5, 6, 7]})
+    elif chat:
+        body["messages"] = msgs
+    else:
+        body["prompt"] = rng.choice([rng.choice(PROMPTS), PROMPTS[:2]])
+    if route not in ("/tokenize", "/detokenize", "/v1/messages"):
+        body.update({"max_tokens": rng.randint(1, 6), "return_token_ids": True})
+        for key, values in [("n", [1, 2, 3]), ("temperature", [0, 0.7, 2.0]),
+                            ("use_beam_search", [True, "true", 1, False]),
+                            ("logprobs", [0, 2]), ("prompt_logprobs", [0, 1]),
+                            ("echo", [True]), ("stop", [["\n"]]), ("stream", [True]),
+                            ("top_k", [5]), ("repetition_penalty", [1.5]), ("seed", [7]),
+                            ("structured_outputs", [{"choice": ["negative", "positive"]}])]:
+            if rng.random() < 0.15:
+                body[key] = rng.choice(values)
+        if body.get("logprobs") is not None and chat:
+            body["logprobs"], body["top_logprobs"] = True, 2
+    headers = {}
+    if route == "/invocations" and rng.random() < 0.3:
+        headers["X-Amzn-SageMaker-Adapter-Identifier"] = rng.choice(["alpha", "beta",
+                                                                     srv.base, "nope"])
+    if rng.random() < 0.1:
+        headers["Content-Type"] = rng.choice(["APPLICATION/JSON", "application/json; x=1"])
+    return body, headers
+
+
+def intended(srv: Server, route: str, body: dict, headers: dict) -> tuple[str | None, dict]:
+    """The task a request names (by `model`, SageMaker's header, or vllm_xargs.ltv_task) and
+    its vllm_xargs; None: the bare model."""
+    model = headers.get("X-Amzn-SageMaker-Adapter-Identifier", body.get("model")) \
+        if route == "/invocations" else body.get("model")
+    xargs = body.get("vllm_xargs") if isinstance(body.get("vllm_xargs"), dict) else {}
+    named = xargs.get("ltv_task")
+    if isinstance(named, str) and "@" in named:
+        named = named.partition("@")[0]
+    if model in srv.defaults:
+        return model, xargs
+    return (named if named in srv.defaults else None), xargs
+
+
+def check_answer(srv: Server, route: str, body: dict, headers: dict, r: httpx.Response) -> None:
+    """A request's answer against the invariant (module docstring and docs/task-store.md)."""
+    where = f"{route} {json.dumps(body)} {headers}"
+    if r.status_code != 200:
+        clean_error(r, srv.keys())
+        return
+    task, xargs = intended(srv, route, body, headers)
+    served_as = route.rstrip("/")
+    if served_as == "/invocations":
+        served_as = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    if served_as in ("/tokenize", "/detokenize"):
+        return
+    assert served_as in ("/v1/completions", "/v1/chat/completions") or task is None, \
+        f"{where}: a task answered on a route that cannot carry it"
+    if task is not None and "messages" in body and srv.mode == "shift":
+        assert xargs.get("ltv_chat") == "allow" or srv.steps(task, xargs) == 0, \
+            f"{where}: a task's chat answered without consent"
+    if task is not None and srv.mode == "lora" and "messages" in body:
+        assert xargs.get("ltv_chat") == "allow", f"{where}: chat without consent"
+    if served_as not in ("/v1/completions", "/v1/chat/completions"):
+        return
+    stream = bool(body.get("stream"))
+    if stream and '"error"' in r.text:  # vLLM refuses some requests inside the stream
+        clean_error(r, srv.keys())
+        return
+    shown = response_model(r, stream)
+    want = task if task is not None else None
+    if srv.mode == "shift":
+        assert shown == {want or srv.base}, f"{where}: answered as {shown!r}\n{r.text}"
+    if "structured_outputs" in body:
+        return  # constrained to the labels: no probe token can be chosen
+    steps = srv.steps(task, xargs)
+    answers = answer_tokens(r, stream)
+    if not _false_word(body.get("use_beam_search")):
+        # the best beam only: the others must differ from it, so they hold a token the
+        # shift makes unlikely (still beam search's right answer)
+        answers = {0: answers[0]} if isinstance(body.get("prompt"), str) or "messages" in \
+            body else {}
+    for i, toks in answers.items():
+        check_tokens(toks, task, steps, f"{where} choice {i}")
+
+
+def _false_word(v) -> bool:
+    return v in (None, False, 0, "false")
+
+
+def test_request_fuzzer(server):
+    """300 generated request bodies (every route above; random task and model names, raw
+    engine keys, vllm_xargs values, n, beam search, logprobs, prompt_logprobs, echo, stop,
+    streaming, structured outputs, SageMaker's adapter header, odd content types), four at a
+    time beside store uploads (good and bad fields) and DELETEs of tasks with requests in
+    flight: no 5xx; the engine alive after every batch; every 200 answered by the task the
+    request names (or the bare model) at its own steps, under that name; no error shows a
+    path, a traceback or an engine key. Every violation is collected (a dead engine is
+    reported with the requests it died under, and the server restarted), then all are
+    reported together."""
+    srv = server
+    rng = random.Random(37 if srv.mode == "shift" else 38)
+    found: list[str] = []
+    pool = ThreadPoolExecutor(4)
+
+    def send(route: str, body: dict, headers: dict) -> httpx.Response | str:
+        try:
+            return post(srv, route, body, headers)
+        except httpx.HTTPError as e:  # the server went away mid-request
+            return f"{type(e).__name__}"
+
+    try:
+        for batch in range(75):
+            jobs = []
+            for _ in range(4):
+                route = rng.choice(ROUTES)
+                body, headers = fuzz_body(rng, srv, route)
+                jobs.append((route, body, headers, pool.submit(send, route, body, headers)))
+            if batch % 15 == 7:  # a store change while those are in flight
+                try:
+                    store_change(rng, srv, jobs)
+                except (AssertionError, httpx.HTTPError) as e:
+                    found.append(f"store: {str(e).splitlines()[0][:300]}")
+            for route, body, headers, fut in jobs:
+                r = fut.result()
+                try:
+                    assert not isinstance(r, str), f"no answer ({r})"
+                    check_answer(srv, route, body, headers, r)
+                except AssertionError as e:
+                    found.append(f"{route} {json.dumps(body)[:200]} {headers}: "
+                                 f"{str(e).splitlines()[0][:300]}")
+            if not srv.is_alive():
+                found.append(f"ENGINE DIED after batch {batch}: " + " | ".join(
+                    f"{route} {json.dumps(body)[:160]} {headers}"
+                    for route, body, headers, _ in jobs))
+                srv.restart()
+    finally:
+        pool.shutdown(wait=True)
+    assert not found, f"{len(found)} violations:\n" + "\n".join(found)
+
+
+def store_change(rng: random.Random, srv: Server, jobs: list) -> None:
+    """An upload (a good or a bad shift_steps) or a DELETE, and a request for the task by
+    its raw engine key queued behind the batch in flight."""
+    live = [n for n in ("gamma", "delta") if n in srv.defaults]
+    if live and rng.random() < 0.5:
+        name = rng.choice(live)
+        if srv.mode == "shift":  # queued: it reaches the engine after the DELETE began
+            body = completion(srv.base, max_tokens=2,
+                              vllm_xargs={"ltv_task": srv.raw_key(name)})
+            jobs.append(("/v1/completions", body, {}, ThreadPoolExecutor(1).submit(
+                post, srv, "/v1/completions", body)))
+            time.sleep(0.05)
+        r = srv.delete(name)
+        assert r.status_code in (200, 202), r.text
+        return
+    name = rng.choice(["gamma", "delta"])
+    steps = rng.choice([None, "all", "2", "bogus", "-1"])
+    want = 409 if name in srv.defaults else 201 if steps in (None, "all", "2") else 422
+    r = srv.upload(name, steps)
+    assert r.status_code == want, f"upload shift_steps={steps!r}: {r.status_code} {r.text}"
+    if r.status_code == 201:  # its first request: the engine loads it now
+        body = completion(name, max_tokens=2)
+        jobs.append(("/v1/completions", body, {}, ThreadPoolExecutor(1).submit(
+            post, srv, "/v1/completions", body)))
