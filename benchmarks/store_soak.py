@@ -42,7 +42,7 @@ from ltv_vllm.models.hardware import hardware, machine_line
 from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
 from ltv_vllm.serving.compile import CompileRequest
 from ltv_vllm.serving.serve import ServeOptions, plan_server
-from ltv_vllm.serving.taskstore import TaskStore
+from ltv_vllm.serving.taskstore import TaskStore, vector_digest
 from ltv_vllm.tasks.specs import get_task
 
 HOST, KEY = "127.0.0.1", "soak-key"
@@ -73,8 +73,13 @@ class Live:
             return name, self.names[name]
 
 
+# request shapes beside plain completions (`--attack-share` of the requests): each is either
+# answered right (checked like the rest) or refused as it must be (400), never anything else
+SHAPES = ("invocations", "invocations-header", "beam", "raw-key", "chat-no-consent")
+
+
 def client(url: str, live: Live, prompts: list[str], quota: list[int], log: list,
-           seed: int) -> None:
+           seed: int, attack_share: float, store: TaskStore, base: str) -> None:
     rng = random.Random(seed)
     with httpx.Client(timeout=300, headers=AUTH) as http:
         while True:
@@ -85,25 +90,54 @@ def client(url: str, live: Live, prompts: list[str], quota: list[int], log: list
             name, version = live.draw(rng)
             prompt = rng.choice(prompts)
             n = rng.randint(1, 8)
+            shape = rng.choice(SHAPES) if rng.random() < attack_share else "completion"
+            body = {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0.0,
+                    "logprobs": 5, "return_tokens_as_token_ids": True,
+                    "return_token_ids": True}
+            path, headers, refused = "/v1/completions", {}, False
+            if shape.startswith("invocations"):
+                path = "/invocations"
+                if shape == "invocations-header":  # SageMaker names the model in a header
+                    headers["X-Amzn-SageMaker-Adapter-Identifier"] = body.pop("model")
+            elif shape == "beam":  # a task's beam search is refused; the bare model's runs
+                body.update(use_beam_search=True, n=1)
+                refused = name != base
+            elif shape == "raw-key":  # an engine key is the server's, never a client's
+                try:
+                    entry = store.get(name)
+                    key = f"{name}@{vector_digest(entry.vector_path)}"
+                except Exception:  # noqa: BLE001 - not a store task (or just deleted)
+                    key = f"{name}@0000000000000000"
+                body.update(model=base, vllm_xargs={"ltv_task": key})
+                refused = True
+            elif shape == "chat-no-consent":
+                path = "/invocations"
+                body = {"model": name, "messages": [{"role": "user", "content": prompt}],
+                        "max_tokens": n, "temperature": 0.0}
+                refused = name != base
+                if not refused:
+                    body["max_tokens"] = 1  # the bare model's chat: answered, not checked
             t0 = time.time()
+            rec = {"name": name, "version": version, "prompt": prompt, "t0": t0,
+                   "shape": shape, "expect": 400 if refused else 200}
             try:
-                r = http.post(f"{url}/v1/completions", json={
-                    "model": name, "prompt": prompt, "max_tokens": n, "temperature": 0.0,
-                    "logprobs": 5, "return_tokens_as_token_ids": True})
-                body = r.json() if r.headers.get("content-type", "").startswith(
+                r = http.post(f"{url}{path}", json=body, headers=headers)
+                out = r.json() if r.headers.get("content-type", "").startswith(
                     "application/json") else {"text": r.text[:300]}
-                rec = {"name": name, "version": version, "prompt": prompt, "t0": t0,
-                       "t1": time.time(), "status": r.status_code}
-                if r.status_code == 200:
-                    lp = body["choices"][0]["logprobs"]
-                    rec["tokens"] = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+                rec.update(t1=time.time(), status=r.status_code)
+                if r.status_code == 200 and shape != "chat-no-consent":
+                    choice = out["choices"][0]
+                    lp = choice.get("logprobs") or {}
+                    rec["tokens"] = ([int(t.split(":", 1)[1]) for t in lp["tokens"]]
+                                     if lp.get("tokens") else list(choice["token_ids"]))
                     rec["top"] = [{int(k.split(":", 1)[1]): v for k, v in top.items()}
-                                  for top in lp["top_logprobs"]]
-                else:
-                    rec["error"] = json.dumps(body)[:300]
-            except httpx.HTTPError as e:
-                rec = {"name": name, "version": version, "prompt": prompt, "t0": t0,
-                       "t1": time.time(), "status": None, "error": repr(e)}
+                                  for top in lp.get("top_logprobs") or []]
+                    rec["model_answered"] = out.get("model")
+                elif r.status_code != 200:
+                    rec["error"] = json.dumps(out)[:300]
+            except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
+                # no answer, or not the answer's shape: an error, never a lost record
+                rec.update(t1=time.time(), status=None, error=repr(e))
             log.append(rec)
 
 
@@ -149,7 +183,10 @@ def controller(url: str, store: TaskStore, live: Live, vectors: dict[str, Path],
                 time.sleep(0.05)  # ... and the ones that did are sent or in flight
                 t0 = time.time()
                 r = http.delete(f"{url}/v1/ltv/tasks/{name}")
-                if r.status_code != 200:
+                if r.status_code == 202:  # its requests outlast the wait: removed after
+                    while http.get(f"{url}/v1/ltv/tasks/{name}").status_code != 404:
+                        time.sleep(0.2)
+                elif r.status_code != 200:
                     errors.append(f"delete {name}: {r.status_code} {r.text[:300]}")
                 held.discard(name)
                 events.append({"t": time.time(), "event": "delete", "name": name,
@@ -166,7 +203,7 @@ def verify(log: list, live: Live, model_spec: str, tol: float) -> dict:
     wrong, worst, checked = [], 0.0, 0
     cache: dict = {}
     for rec in log:
-        if rec["status"] != 200:
+        if rec["status"] != 200 or "tokens" not in rec:
             continue
         _, tv = live.versions[rec["version"]]
         key = (rec["version"], rec["prompt"], tuple(rec["tokens"]))
@@ -182,7 +219,8 @@ def verify(log: list, live: Live, model_spec: str, tol: float) -> dict:
             cache[key] = torch.log_softmax(logits.double(), -1)[n_prompt - 1:]
         ref = cache[key]
         bad = None
-        for step, (token, top) in enumerate(zip(rec["tokens"], rec["top"], strict=True)):
+        tops = rec["top"] or [{}] * len(rec["tokens"])  # beam search: its tokens only
+        for step, (token, top) in enumerate(zip(rec["tokens"], tops, strict=True)):
             row = ref[step]
             if float(row.max() - row[token]) > tol:  # not the greedy choice
                 bad = f"step {step}: token {token} is {float(row.max() - row[token]):.3g} " \
@@ -207,6 +245,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--tol", type=float, default=1e-3, help="logprob tolerance (float32)")
+    ap.add_argument("--attack-share", type=float, default=0.25,
+                    help="share of requests in the other shapes: /invocations (body or "
+                         "SageMaker header), beam search, raw engine keys, chat without "
+                         "consent")
+    ap.add_argument("--max-num-seqs", type=int, default=8,
+                    help="the engine's batch: below the concurrency, requests queue, so "
+                         "DELETEs meet queued requests")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/store_soak"))
     a = ap.parse_args()
     names = a.tasks.split(",")
@@ -235,7 +280,8 @@ def main() -> None:
     store = TaskStore(work / "store")
     plan = plan_server(ServeOptions(a.model, (f"cli={vectors[names[0]]}",), host=HOST,
                                     port=port, dtype="float32", task_store=str(store.root),
-                                    max_tasks=3, vllm_args=("--api-key", KEY)))
+                                    max_tasks=3, vllm_args=("--api-key", KEY, "--max-num-seqs",
+                                                               str(a.max_num_seqs))))
     plan.prepare()
     url = f"http://{HOST}:{port}"
     from ltv_vllm.core.vector import load_task_vector
@@ -256,8 +302,10 @@ def main() -> None:
             errors))
         ctl.start()
         quota = [a.requests]
-        clients = [threading.Thread(target=client, args=(url, live, prompts, quota, log, i))
-                   for i in range(a.concurrency)]
+        base = plan.argv[plan.argv.index("--served-model-name") + 1]
+        clients = [threading.Thread(target=client, args=(
+            url, live, prompts, quota, log, i, a.attack_share, store, base))
+            for i in range(a.concurrency)]
         for c in clients:
             c.start()
         for c in clients:
@@ -268,6 +316,8 @@ def main() -> None:
         # the server is still up and still refuses a request without the key
         res["health_after"] = httpx.get(f"{url}/health").status_code
         res["unauthenticated_after"] = httpx.get(f"{url}/v1/models").status_code
+        # one server process the whole run: an engine death ends vLLM's server
+        res["engine_deaths"] = int(srv.proc.poll() is not None or res["health_after"] != 200)
     print(f"{len(log)} completions in {res['seconds']:.0f} s; verifying", flush=True)
     by_kind: dict[str, int] = {}
     for rec in log:
@@ -276,8 +326,17 @@ def main() -> None:
         by_kind[kind] = by_kind.get(kind, 0) + 1
     res["completions"] = len(log)
     res["completions_by_kind"] = by_kind
-    res["errors"] = sum(rec["status"] != 200 for rec in log)
-    res["error_examples"] = [rec.get("error") for rec in log if rec["status"] != 200][:10]
+    # an error: any answer but the one its shape must get (200, or 400 for a refused shape)
+    res["errors"] = sum(rec["status"] != rec["expect"] for rec in log)
+    res["error_examples"] = [(rec["shape"], rec["status"], rec.get("error"))
+                             for rec in log if rec["status"] != rec["expect"]][:10]
+    res["shapes"] = {s: {"sent": sum(r["shape"] == s for r in log),
+                         "refused": sum(r["shape"] == s and r["status"] == 400 for r in log),
+                         "answered": sum(r["shape"] == s and r["status"] == 200 for r in log)}
+                     for s in ("completion", *SHAPES)}
+    # a task's answer names the task (the bare model's: its served name)
+    res["misnamed"] = sum(1 for r in log if r["status"] == 200 and "model_answered" in r
+                          and r["model_answered"] != r["name"])
     res["store_events"] = {k: sum(e["event"].startswith(k) for e in events)
                            for k in ("upload", "compile", "delete")}
     res["controller_errors"] = errors
@@ -288,12 +347,15 @@ def main() -> None:
     (a.out / "results.json").write_text(json.dumps(res, indent=1))
     line = (f"{res['completions']} completions ({by_kind}) at concurrency {a.concurrency} in "
             f"{res['seconds']:.0f} s while the store saw {res['store_events']}: "
-            f"{res['wrong']} wrong, {res['errors']} errors, controller errors "
-            f"{len(errors)}, max |Δlogprob| {res['max_abs_logprob_error']:.2g}")
+            f"{res['wrong']} wrong, {res['misnamed']} misnamed, {res['errors']} errors, "
+            f"{res['engine_deaths']} engine deaths, controller errors {len(errors)}, "
+            f"max |Δlogprob| {res['max_abs_logprob_error']:.2g}; request shapes "
+            f"{res['shapes']}")
     (a.out / "README.md").write_text(
         f"# Task-store soak\n\n`{res['command']}`\n\n{res['machine_line']}\n\n{line}\n")
     print(line)
-    ok = res["completions"] >= 1000 and res["wrong"] == 0 and res["errors"] == 0 and not errors
+    ok = (res["completions"] >= 1000 and res["wrong"] == 0 and res["errors"] == 0
+          and res["misnamed"] == 0 and res["engine_deaths"] == 0 and not errors)
     sys.exit(0 if ok else 1)
 
 

@@ -17,6 +17,7 @@ from ltv_vllm.core.vector import (
     fingerprint_lm_head,
     load_task_vector,
     model_identity,
+    read_safetensors,
 )
 from ltv_vllm.tasks.specs import BUILTIN_TASKS, label_token_ids
 
@@ -298,6 +299,14 @@ def test_non_finite_vectors_are_refused(tmp_path, tiny_model, tokenizer, suffix,
     ({"lam": float("nan")}, "meta.lam: a finite number, got nan"),
     ({"lam": False}, "meta.lam: a finite number, got bool"),
     ({"method": ["ltv"]}, "meta.method: a string, got list"),
+    # a server reads shift_steps for every request that names no policy: checked on load
+    ({"shift_steps": "bogus"}, "meta.shift_steps: 'bogus' is not a step policy ('all', "
+                               "'first' or a count ≥ 0)"),
+    ({"shift_steps": "-1"}, "meta.shift_steps: '-1' is not a step policy ('all', 'first' or "
+                            "a count ≥ 0)"),
+    ({"shift_steps": "١"}, "meta.shift_steps: '١' is not a step policy ('all', 'first' or "
+                           "a count ≥ 0)"),
+    ({"shift_steps": 1}, "meta.shift_steps: a string, got int"),
 ])
 def test_malformed_provenance_is_one_line(tmp_path, tiny_model, tokenizer, meta, msg):
     """A file's `meta` is untrusted (a server reads uploads): a wrong type is a one-line
@@ -391,3 +400,54 @@ def test_sniff_suffix(tmp_path, tiny_model, tokenizer):
         assert sniff_suffix(tv.save(tmp_path / f"v{suffix}").read_bytes()) == suffix
     assert sniff_suffix(pickle.dumps({"a": 1})) == ".pt"  # refused on load, with its reason
     assert sniff_suffix(b"") == ".safetensors" and sniff_suffix(b"garbage") == ".safetensors"
+
+
+def test_sniff_suffix_reads_a_safetensors_header_first(tmp_path, tiny_model, tokenizer):
+    """A safetensors file starts with its header's length (8 bytes, little-endian): one of
+    length 128 mod 256 starts with 0x80, a pickle's PROTO byte. It once was taken for a
+    pickle and refused as corrupt; it is a safetensors file."""
+    from safetensors.torch import save_file
+
+    from ltv_vllm.core.vector import sniff_suffix
+
+    tv = make_vector(tiny_model, tokenizer)
+    path = tv.save(tmp_path / "v.safetensors")
+    header_json, tensors = read_safetensors(path)
+    for pad in range(300):  # a metadata key of growing length walks the header length
+        save_file(tensors, str(path), metadata={"ltv_vllm": header_json, "pad": "x" * pad})
+        data = path.read_bytes()
+        if data[0] == 0x80:
+            break
+    else:
+        raise AssertionError("no header length of 128 mod 256 reached")
+    assert sniff_suffix(data) == ".safetensors"
+    assert torch.equal(load_task_vector(path).U, tv.U)
+
+
+@pytest.mark.parametrize(("value", "steps"), [("all", None), ("first", 1), (0, 0), ("3", 3),
+                                              (12, 12), ("007", 7)])
+def test_step_policies_parse(value, steps):
+    from ltv_vllm.core.vector import parse_steps
+
+    assert parse_steps(value) == steps
+
+
+@pytest.mark.parametrize("value", [True, False, "١", "２", -1, "-1", 1.5, "x", "", None,
+                                   "All", [1]])
+def test_step_policies_are_strict(value):
+    """JSON true is 1 to Python and to vLLM's request parser; Unicode digits are digits to
+    str.isdigit and int(): none of them is a step count here."""
+    from ltv_vllm.core.vector import parse_steps
+
+    with pytest.raises(ValueError, match="must be 'all', 'first' or a count"):
+        parse_steps(value)
+
+
+def test_a_gram_that_cannot_be_cut_is_one_line(tiny_model, tokenizer):
+    """A rank cut factors the training-state Gram (Cholesky): one that is not positive
+    definite (a damaged or hand-made file) is a VectorError, not torch's message."""
+    tv = make_vector(tiny_model, tokenizer)
+    r = tv.rank
+    bad = dataclasses.replace(tv, gram=-torch.eye(r))
+    with pytest.raises(VectorError, match="gram is not positive definite"):
+        bad.truncated(1)
