@@ -114,6 +114,29 @@ def test_probe_margins(probe):
             assert (shifted[:, t] - others).min() > 50, name
 
 
+def test_a_stored_bad_field_is_quarantined_not_served(probe, tmp_path):
+    """An entry whose vector says shift_steps "-1" (written before uploads checked it) once
+    was served again after every restart, and killed the engine at its first request; `serve
+    --dry-run` did not warn. Now the start-up check reads every field the engine parses:
+    --dry-run names it ("would be moved"), and nothing is moved by a dry run."""
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+    from ltv_vllm.serving.taskstore import VECTOR
+
+    d, model, _ = probe
+    store = TaskStore(tmp_path / "store")
+    entry = store.add("alpha", probe_vector(model, d, "alpha", "all"), d)
+    save_with_steps(entry.vector(), entry.path / VECTOR, "-1")
+    r = CliRunner().invoke(main, ["serve", "--model", str(d), "--task-store", str(store.root),
+                                  "--dry-run"])
+    assert r.exit_code == 0, r.output
+    warning = [line for line in r.output.splitlines() if "'alpha' is not served" in line]
+    assert len(warning) == 1 and "shift_steps" in warning[0] and "would be moved" in \
+        warning[0], r.output
+    assert store.names() == ["alpha"]  # a dry run moves nothing
+
+
 # -- the oracle ------------------------------------------------------------------------------
 def check_tokens(tokens: list[int], task: str | None, steps: int | None, where: str) -> None:
     """A task's answer holds its probe token at exactly its first `steps` tokens (None: all)

@@ -349,7 +349,7 @@ def test_multi_task_server(assets, tokenizer, multi_task_server):
     # a route that would answer a task's name with the bare model refuses it
     r = HTTP.post(f"{url}/v1/responses", json={"model": "alpha", "input": "hi"},
                    headers={"Authorization": "Bearer x"})
-    assert r.status_code == 400 and "is served on /v1/completions" in r.text, r.text
+    assert r.status_code == 400 and "tasks are served on /v1/completions" in r.text, r.text
     # one prompt, two tasks: the second finds the first's KV blocks (LoRA adapters could
     # not share them: vLLM's prefix-cache key holds the adapter's name)
     long = "Review: " + "word " * 60 + "\nSentiment:"  # 186 tokens: a whole block
