@@ -496,7 +496,7 @@ STEP_VALUES = ["first", "all", 0, 1, 2, "3", True, False, "١", "２", -1, 1.5, 
 
 def fuzz_body(rng: random.Random, srv: Server, route: str) -> tuple[dict, dict]:
     """One random request body for `route`, and its headers."""
-    names = [srv.base, "alpha", "beta", "nope", None, *srv.defaults]
+    names = [srv.base, "alpha", "beta", "nope", None, ["alpha"], 7, *srv.defaults]
     body: dict = {}
     if (model := rng.choice(names)) is not None:
         body["model"] = model

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import secrets
 from collections import Counter
@@ -65,6 +66,7 @@ from ltv_vllm.serving.step_policy import (
     unknown_task,
 )
 
+logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/ping")  # liveness probes: answer without the key
 OPEN_BODY = 1 << 10  # bytes a liveness probe's body may have (it is read before the app)
 TASKS_PATH = "/v1/ltv/tasks"
@@ -287,20 +289,27 @@ class Gate:
             except ValueError:
                 payload = None  # vLLM answers it with its own 400
             if isinstance(payload, dict):
-                ask = Ask.of(self.path(scope), payload, scope)
-                refused = self.refuse(scope, ask)
+                try:
+                    ask = Ask.of(self.path(scope), payload, scope)
+                    refused = self.refuse(scope, ask)
+                    if refused is None:
+                        if isinstance(counted := self.counted(ask), str):
+                            model = counted
+                        shown = self.shown(scope, ask)
+                        changed = self.rewrite(scope, ask)
+                        if ask.route == INVOCATIONS:  # the model decided, in body and header
+                            changed = ask.pin_model() or changed
+                        if changed:
+                            body = json.dumps(payload).encode()
+                            scope = {**scope, "headers": ask.headers(scope, len(body))}
+                except Exception:  # noqa: BLE001 - a request the gate cannot read is not
+                    # handed on unread: refused, and the server stays up
+                    logger.exception("ltv-vllm gate: a request it could not read")
+                    refused = ("the request could not be read by the server's task gate",
+                               "BadRequestError", None)
                 if refused is not None:
                     await _respond(send, 400, _json_error(400, *refused))
                     return
-                if isinstance(counted := self.counted(ask), str):
-                    model = counted
-                shown = self.shown(scope, ask)
-                changed = self.rewrite(scope, ask)
-                if ask.route == INVOCATIONS:  # the model the gate decided, in body and header
-                    changed = ask.pin_model() or changed
-                if changed:
-                    body = json.dumps(payload).encode()
-                    scope = {**scope, "headers": ask.headers(scope, len(body))}
         replay = [{"type": "http.request", "body": body, "more_body": False}, *extra]
 
         async def replayed() -> dict[str, Any]:
@@ -335,7 +344,8 @@ class Gate:
             return beam_refusal("this server's task vector"), "BadRequestError", \
                 "use_beam_search"
         if ask.chat and shifts_chat(ask.xargs):
-            return chat_refusal(str(ask.model)), "BadRequestError", "messages"
+            return chat_refusal(ask.model if isinstance(ask.model, str) else "served"), \
+                "BadRequestError", "messages"
         return None
 
     def rewrite(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
@@ -419,7 +429,7 @@ class TaskGate(Gate):
             return (f"model {ask.model!r} and vllm_xargs.{TASK_KEY} {named!r} name two tasks; "
                     "name one", "BadRequestError", "vllm_xargs")
         if named is not None and ask.model is not None and not self.is_task(ask.model) \
-                and ask.model not in base_names(scope):
+                and (not isinstance(ask.model, str) or ask.model not in base_names(scope)):
             return (f"model {str(ask.model)[:80]!r} is not served here; beside "
                     f"vllm_xargs.{TASK_KEY} name the served base model or the task itself",
                     "BadRequestError", "model")
