@@ -15,8 +15,14 @@ uploaded, compiled and deleted, every answer checked against transformers.
    the server must drain what it admitted). Every live version's vector is read back from
    the store when it becomes live.
 4. Afterwards every answer is recomputed with transformers (+ the vector its name carried
-   when the request was sent): the generated tokens must be the reference's greedy choices
-   and every returned logprob must match within `--tol`. Any non-200 answer is an error.
+   when the request was sent, at the steps its policy shifts): the generated tokens must be
+   the reference's greedy choices and every returned logprob must match within `--tol`.
+   Besides plain completions, `--attack-share` of the requests come in shapes the server
+   must either answer right or refuse (400): `/invocations` (the model in the body or in
+   SageMaker's adapter header), beam search (a task's refused, the bare model's answered
+   and checked), a raw engine key (refused), a task's chat without consent (refused). The
+   engine's batch (`--max-num-seqs`, 8) is below the concurrency, so DELETEs meet queued
+   requests. Any other answer is an error; an engine death ends the server.
 
 Done when: >= 1,000 completions, 0 wrong answers, 0 errors (issue 25).
 """
@@ -42,6 +48,7 @@ from ltv_vllm.models.hardware import hardware, machine_line
 from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
 from ltv_vllm.serving.compile import CompileRequest
 from ltv_vllm.serving.serve import ServeOptions, plan_server
+from ltv_vllm.serving.step_policy import parse_steps
 from ltv_vllm.serving.taskstore import TaskStore, vector_digest
 from ltv_vllm.tasks.specs import get_task
 
@@ -209,13 +216,18 @@ def verify(log: list, live: Live, model_spec: str, tol: float) -> dict:
         key = (rec["version"], rec["prompt"], tuple(rec["tokens"]))
         if key not in cache:
             ids = tok(rec["prompt"])["input_ids"] + rec["tokens"]
-            with torch.no_grad():
-                if tv is None:
-                    logits = model(torch.tensor([ids])).logits[0]
-                else:
-                    with task_vector_applied(model, tv, check=False):  # checked on upload
-                        logits = model(torch.tensor([ids])).logits[0]
             n_prompt = len(ids) - len(rec["tokens"])
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0]
+                if tv is not None:
+                    # the server shifts the first `steps` generated tokens (the vector's
+                    # step policy, `meta.shift_steps`; extracted and compiled vectors
+                    # record "first"), the bare model writes the rest
+                    steps = parse_steps(tv.provenance.shift_steps or "all")
+                    with task_vector_applied(model, tv, check=False):  # checked on upload
+                        shifted = model(torch.tensor([ids])).logits[0]
+                    cut = len(ids) if steps is None else n_prompt - 1 + steps
+                    logits = torch.cat([shifted[:cut], logits[cut:]])
             cache[key] = torch.log_softmax(logits.double(), -1)[n_prompt - 1:]
         ref = cache[key]
         bad = None
