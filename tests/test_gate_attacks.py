@@ -556,7 +556,7 @@ def intended(srv: Server, route: str, body: dict, headers: dict) -> tuple[str | 
     named = xargs.get("ltv_task")
     if isinstance(named, str) and "@" in named:
         named = named.partition("@")[0]
-    if model in srv.defaults:
+    if isinstance(model, str) and model in srv.defaults:
         return model, xargs
     return (named if named in srv.defaults else None), xargs
 
