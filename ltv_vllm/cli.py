@@ -767,6 +767,50 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
     click.echo(f"wrote {out} (rank {r}{cut}, padded to the LoRA rank vLLM accepts)")
 
 
+@main.command()
+@click.option("--model", "model_spec", default=None,
+              help="Packaged alias, local HF directory or hub id [default: smollm2-135m].")
+@click.option("--dtype", default="auto", show_default=True,
+              help="The engine's dtype (auto: bfloat16 where the CPU or GPU has it natively).")
+@click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="The engine's per-step token budget: prompts several times longer are "
+                   "prefilled in chunks [default: vLLM's].")
+@click.option("--max-model-len", type=int, default=None, help="[default: the model's]")
+@click.option("--max-num-seqs", type=int, default=None,
+              help="The engine's batch: below the probe count (13), requests wait and slots "
+                   "are reused [default: vLLM's].")
+@friendly
+def selfcheck(model_spec: str | None, dtype: str, tensor_parallel_size: int,
+              max_num_batched_tokens: int | None, max_model_len: int | None,
+              max_num_seqs: int | None) -> None:
+    """Prove the per-request shift on this vLLM, runner and device: probe tasks mixed with
+    bare rows, every policy, n > 1, chunked prefill, rows finishing at different steps;
+    each row must carry exactly its own probe at exactly its own steps (exit 1 otherwise)."""
+    import tempfile
+
+    from ltv_vllm.models.resolve import resolve_model
+    from ltv_vllm.serving.selfcheck import SelfCheckOptions, selfcheck_in_subprocess
+    from ltv_vllm.serving.vllm_support import check_version, runner_env
+
+    check_version()
+    runner_env()
+    for flag, value in (("--tensor-parallel-size", tensor_parallel_size),
+                        ("--max-num-batched-tokens", max_num_batched_tokens),
+                        ("--max-model-len", max_model_len), ("--max-num-seqs", max_num_seqs)):
+        if value is not None and value < 1:
+            raise click.ClickException(f"{flag} must be at least 1")
+    opts = SelfCheckOptions(str(resolve_model(model_spec)), dtype=dtype,
+                            tensor_parallel_size=tensor_parallel_size,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    with tempfile.TemporaryDirectory(prefix="ltv-selfcheck-") as work:
+        out = selfcheck_in_subprocess(opts, Path(work))
+    click.echo(f"selfcheck passed on {out['where']}: {out['rows']} rows, {out['tokens']} "
+               f"tokens, each with its own probe at its own steps (engine start "
+               f"{out['engine_start_seconds']:.1f} s, check {out['check_seconds']:.2f} s)")
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--model", "model_spec", default=None,
               help="Packaged alias, local HF directory or hub id [default: smollm2-135m].")
@@ -802,6 +846,10 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
                    "vllm_xargs ltv_steps): all, first, or the first N; not with --fold or "
                    "LoRA [default: each vector's meta.shift_steps (extract records first), "
                    "else all].")
+@click.option("--skip-selfcheck", is_flag=True,
+              help="Start without the start-up self-check (probe tasks sent through the "
+                   "engine, each row checked to carry its own shift at its own steps; "
+                   "`ltv-vllm selfcheck` runs it alone).")
 @click.option("--dry-run", is_flag=True,
               help="Check everything, print the vLLM command and exit; writes nothing.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
@@ -810,7 +858,7 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | No
           max_tasks: int, compile_threads: int, max_body_mib: int, host: str, port: int,
           dtype: str,
           max_model_len: int | None, fold: bool, multi_task: str | None,
-          lora_rank: int | None, shift_steps: str | None,
+          lora_rank: int | None, shift_steps: str | None, skip_selfcheck: bool,
           dry_run: bool, vllm_args: tuple[str, ...]) -> None:
     """Start vLLM's OpenAI-compatible server with task vectors (extra args go to vLLM).
 
@@ -826,7 +874,8 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | No
                                     shift_steps=shift_steps, multi_task=multi_task,
                                     vllm_args=vllm_args, task_store=task_store,
                                     max_tasks=max_tasks, compile_threads=compile_threads,
-                                    max_body_mib=max_body_mib))
+                                    max_body_mib=max_body_mib,
+                                    selfcheck=not skip_selfcheck))
     for line in plan.warnings(done=not dry_run):
         click.echo(line, err=True)
     click.echo(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in plan.env.items()),

@@ -425,9 +425,12 @@ def test_routes_that_bypassed_the_gate(server):
                 ("/invocations", {**chat}, {"X-Amzn-SageMaker-Adapter-Identifier": "beta"}),
                 ("/v1/completions", completion("beta", vllm_xargs={"ltv_steps": True}), None),
                 ("/v1/completions", completion("beta", vllm_xargs={"ltv_steps": "١"}), None),
-                ("/v1/completions", completion("beta", vllm_xargs={"ltv_steps": "２"}), None)]
+                ("/v1/completions", completion("beta", vllm_xargs={"ltv_steps": "２"}), None),
+                # the start-up self-check's probes are the engine's, never a client's
+                ("/v1/completions", completion(srv.base, vllm_xargs={
+                    "ltv_task": "@selfcheck-first"}), None)]
     if srv.mode == "lora":
-        refusals = refusals[1:3] + [
+        refusals = refusals[1:3] + refusals[-1:] + [
             ("/invocations", completion("beta", prompt_logprobs=1), None),
             ("/invocations", completion(srv.base, echo=True, logprobs=1), None),
             ("/v1/completions", completion(srv.base, prompt_logprobs=0), None)]
@@ -573,8 +576,10 @@ def check_answer(srv: Server, route: str, body: dict, headers: dict, r: httpx.Re
         served_as = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     if served_as in ("/tokenize", "/detokenize"):
         return
-    assert served_as in ("/v1/completions", "/v1/chat/completions") or task is None, \
-        f"{where}: a task answered on a route that cannot carry it"
+    # per-request tasks ride on vllm_xargs, which only these routes carry; a LoRA adapter is
+    # vLLM's own `model`, which every route serves
+    assert served_as in ("/v1/completions", "/v1/chat/completions") or task is None \
+        or srv.mode == "lora", f"{where}: a task answered on a route that cannot carry it"
     if task is not None and "messages" in body and srv.mode == "shift":
         assert xargs.get("ltv_chat") == "allow" or srv.steps(task, xargs) == 0, \
             f"{where}: a task's chat answered without consent"

@@ -58,12 +58,23 @@ def test_dry_run_commands(setup, monkeypatch):
     assert r.exit_code == 0, r.output
     assert "--enable-lora" not in r.output
     overrides = json.loads(r.output.split("--hf-overrides ")[1].split("' ")[0].strip("'"))
-    assert json.loads(overrides["ltv_tasks"]) == {
+    held = json.loads(overrides["ltv_tasks"])
+    assert {n: t for n, t in held.items() if not n.startswith("@")} == {
         n: {"path": str(good.resolve()), "steps": "all"} for n in "ab"}
+    # beside them the start-up self-check's probes (named so that no client can name one),
+    # planned in the cache and not written by a dry run
+    probes = {n: t for n, t in held.items() if n.startswith("@")}
+    assert sorted(probes) == ["@selfcheck-all", "@selfcheck-first", "@selfcheck-two"]
+    assert not any(Path(t["path"]).exists() for t in probes.values())
     assert f"--served-model-name {tmp / 'm'} a b" in r.output
     assert "--middleware ltv_vllm.serving.vllm_ext.middleware.TaskGate" in r.output
     assert "--logits-processors ltv_vllm.serving.vllm_ext.steps:LTVStepPolicy" in r.output
-    assert "LTV_VLLM_TASKS='[\"a\", \"b\"]'" in r.output
+    assert ("LTV_VLLM_TASKS='[\"@selfcheck-all\", \"@selfcheck-first\", "
+            "\"@selfcheck-two\", \"a\", \"b\"]'") in r.output
+    assert '"selfcheck": true' in r.output
+    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
+                                  f"a={good}", "--dry-run", "--skip-selfcheck"])
+    assert r.exit_code == 0 and "@selfcheck" not in r.output, r.output
     # --multi-task lora: each vector an lm_head adapter
     r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
                                   f"a={good}", "--task-vector", f"b={good}", "--dry-run",
@@ -243,8 +254,12 @@ def test_shift_steps_default_and_its_refusals(setup, monkeypatch):
     r = CliRunner().invoke(main, [*base, "--task-vector", f"a={first}", "--task-vector",
                                   f"b={good}"])
     overrides = json.loads(r.output.split("--hf-overrides ")[1].split("' ")[0].strip("'"))
-    assert {n: t["steps"] for n, t in json.loads(overrides["ltv_tasks"]).items()} == {
+    tasks = json.loads(overrides["ltv_tasks"])
+    assert {n: t["steps"] for n, t in tasks.items() if not n.startswith("@")} == {
         "a": "first", "b": "all"}
+    # beside them, the start-up self-check's probes, each with its own policy
+    assert {n: t["steps"] for n, t in tasks.items() if n.startswith("@")} == {
+        "@selfcheck-first": "first", "@selfcheck-all": "all", "@selfcheck-two": "2"}
     r = CliRunner().invoke(main, [*base, "--task-vector", str(first), "--shift-steps", "all"])
     assert r.exit_code == 0 and "ltv_shift_steps" not in r.output
     bad = replace(tv, provenance=replace(tv.provenance, shift_steps="most")).save(tmp / "bad.pt")

@@ -26,6 +26,7 @@ import httpx
 from ltv_vllm.bench import BenchError
 from ltv_vllm.serving.client import classification, token_logprobs
 from ltv_vllm.serving.serve import SERVER_MODULE
+from ltv_vllm.serving.vllm_support import runner_env
 
 KV_GAUGE = "vllm:kv_cache_usage_perc"
 
@@ -69,7 +70,9 @@ class Server:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, *self.args],
                                      stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **self.env}, start_new_session=True)
+                                     # our logits processors: vLLM's V1 runner
+                                     env={**os.environ, **runner_env(), **self.env},
+                                     start_new_session=True)
         t0 = time.time()
         try:
             while True:

@@ -84,6 +84,9 @@ def capture_llm(model_dir: str, engine: CaptureEngine) -> Any:
     from vllm import LLM
     from vllm.config import PoolerConfig
 
+    from ltv_vllm.serving.vllm_support import check_version
+
+    check_version()  # the pooling runner's LAST pooler is one of the internals relied on
     return LLM(model=model_dir, runner="pooling",
                pooler_config=PoolerConfig(pooling_type="LAST", use_activation=False),
                **engine.llm_kwargs())

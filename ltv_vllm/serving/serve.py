@@ -18,6 +18,7 @@ from typing import Any
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.checkpoint import identity_from_dir
+from ltv_vllm.serving.probes import served_probes
 from ltv_vllm.serving.settings import ServerSettings
 from ltv_vllm.serving.step_policy import (
     DEFAULT_KEY,
@@ -26,6 +27,7 @@ from ltv_vllm.serving.step_policy import (
     parse_steps,
     tasks_env,
 )
+from ltv_vllm.serving.vllm_support import check_version, runner_env
 
 
 def base_architecture(model_dir: str | Path) -> str:
@@ -322,6 +324,7 @@ class ServeOptions:
     max_tasks: int = ServerSettings.max_tasks  # tasks a task-store server can hold at once
     compile_threads: int = ServerSettings.compile_threads  # the engine keeps the other cores
     max_body_mib: int = ServerSettings.max_body >> 20  # any body but an upload or a compile
+    selfcheck: bool = True  # probe the engine's row plan at start (`serving.selfcheck`)
 
     def __post_init__(self) -> None:
         if not self.vectors and self.task_store is None:
@@ -394,6 +397,7 @@ class ServerPlan:
     env: dict[str, str]       # what to add to the environment
     lora: LoraPlan | None     # adapters still to write (multi-task); nothing is written yet
     quarantine: dict[str, str] = field(default_factory=dict)  # store entries not served: why
+    probes: Any = None        # the start-up self-check's probe files, still to write
 
     def warnings(self, done: bool = True) -> list[str]:
         """One line per task-store entry this server does not serve."""
@@ -406,6 +410,8 @@ class ServerPlan:
         serve moved to quarantine: `warnings` says which)."""
         if self.lora is not None:
             self.lora.write()
+        if self.probes is not None:
+            self.probes.write()
         if root := ServerSettings.from_env(self.env).task_store:
             from ltv_vllm.serving.taskstore import TaskStore
 
@@ -434,6 +440,10 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     from ltv_vllm.models.hardware import engine_device
     from ltv_vllm.models.resolve import resolve_model
 
+    # a vLLM the plugin was not checked against, or its V2 runner asked for: one line,
+    # before any model is resolved
+    check_version()
+    runner = runner_env()
     spec = opts.model_spec or DEFAULT_MODEL
     model_dir = resolve_model(spec)
     parsed = parse_vector_specs(list(opts.vectors))
@@ -443,12 +453,17 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         f"{n}={p.resolve()}:{p.stat().st_mtime_ns}"
         for n, p in sorted({**parsed, **(store or {})}.items())
         if p.exists())).encode()).hexdigest()[:12]
+    # the start-up self-check's probe tasks, held by the engine beside the real ones: where
+    # the row plan decides what a row gets (a folded head and LoRA adapters do not use it)
+    probes = (served_probes(model_dir)
+              if opts.selfcheck and not opts.fold and not opts.lora else None)
     args, lora, task_env = server_args(
         model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest, served_name=spec,
         host=opts.host, port=opts.port, dtype=opts.dtype, max_model_len=opts.max_model_len,
         fold=opts.fold, shift_steps=opts.shift_steps, lora_rank_cap=opts.lora_rank, store=store,
         max_tasks=opts.max_tasks, lora=opts.lora,
-        store_root=Path(opts.task_store).absolute() if opts.task_store is not None else None)
+        store_root=Path(opts.task_store).absolute() if opts.task_store is not None else None,
+        probes=probes.config if probes is not None else None)
     extra = list(opts.vllm_args)
     if engine_device() == "cpu" and not user_chose_compilation(extra):
         # vLLM's compile warm-up costs the CPU backend over a minute per start (and per
@@ -458,13 +473,16 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         extra.insert(0, "--enforce-eager")
     settings = ServerSettings(max_body=opts.max_body_mib << 20)
     env = dict(task_env)
+    if probes:  # the engine holds the probes; the endpoint plugin checks them at start
+        settings = replace(settings, selfcheck=True)
+        env["VLLM_PLUGINS"] = store_plugins()
     # (the CPU backend lets this variable override --kv-cache-memory-bytes: set our default
     # only where the user gave neither)
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and not user_sized_kv_cache(extra):
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB; read by the CPU backend only
     # the per-request step policy's processor (`vllm_ext.steps`) has the V1 runner's
     # interface: what the CPU backend runs, and what a GPU build runs when told to
-    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    env.update(runner)
     if store is not None:
         settings = replace(settings, task_store=str(Path(opts.task_store).absolute()),
                            max_tasks=opts.max_tasks,
@@ -475,7 +493,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         env["VLLM_PLUGINS"] = store_plugins()
     env.update(settings.to_env())
     return ServerPlan([sys.executable, "-m", SERVER_MODULE, *args, *extra], env, lora,
-                      quarantine)
+                      quarantine, probes)
 
 
 def server_args(
@@ -495,6 +513,7 @@ def server_args(
     max_tasks: int = 8,
     lora: bool = False,
     store_root: Path | None = None,
+    probes: dict[str, dict[str, str]] | None = None,
 ) -> tuple[list[str], LoraPlan | None, dict[str, str]]:
     """argv for vLLM's OpenAI server (after `-m SERVER_MODULE`), for LoRA multi-task
     serving the plan whose adapters must be written before it starts, and what the server's
@@ -529,6 +548,10 @@ def server_args(
             raise VectorError("a LoRA rank applies to multi-task serving (name=path vectors), "
                               "not to one fused vector")
         overrides, tv = _fused_overrides(model_dir, vectors[""], fold, shift_steps)
+        task_env: dict[str, str] = {}
+        if probes:  # the fused vector, and the probes by name (`serving.selfcheck`)
+            overrides[TASKS_CONFIG_KEY] = json.dumps(probes)
+            task_env = tasks_env(list(probes))
         args += ["--hf-overrides", json.dumps(overrides),
                  "--logits-processors", step_processor(per_request=not fold),
                  "--served-model-name", tv.task_name, served_name,
@@ -536,7 +559,7 @@ def server_args(
                  # request shapes the shift cannot follow refused
                  "--middleware", "ltv_vllm.serving.vllm_ext.middleware."
                  + ("FoldedGate" if fold else "Gate")]
-        return args, None, {}
+        return args, None, task_env
     if fold:
         raise VectorError("--fold applies to one fused vector, not to multi-task serving")
     if lora_rank_cap is not None and not lora:
@@ -546,6 +569,11 @@ def server_args(
     if not lora:
         engine = task_engine(model_dir, vectors, shift_steps=shift_steps)
         overrides = dict(engine.overrides)
+        task_env = engine.env
+        if probes:  # beside the tasks, with their own policies (`serving.selfcheck`)
+            overrides[TASKS_CONFIG_KEY] = json.dumps(
+                {**json.loads(overrides[TASKS_CONFIG_KEY]), **probes})
+            task_env = tasks_env([*vectors, *probes])
         if store is not None:
             if store_root is None:
                 raise VectorError("a task store needs its root (store_root)")
@@ -558,7 +586,7 @@ def server_args(
                 # every task is a served name of the one model; the gate sets a request's
                 # task (`vllm_xargs.ltv_task`) from its `model`
                 "--served-model-name", served_name, *vectors,
-                "--middleware", "ltv_vllm.serving.vllm_ext.middleware.TaskGate"], None, engine.env
+                "--middleware", "ltv_vllm.serving.vllm_ext.middleware.TaskGate"], None, task_env
     # a task-store server holds its command-line tasks and up to max_tasks store tasks at
     # once (more when the store already holds more): a LoRA slot for each
     room = {} if store is None else {

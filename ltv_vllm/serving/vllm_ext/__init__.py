@@ -19,9 +19,18 @@ WRAPPERS: dict[str, str] = {
 
 
 def register() -> None:
+    import logging
+
     from vllm import ModelRegistry
 
     from ltv_vllm.serving.vllm_ext.fixes import patch_cpu_lora_logits
+    from ltv_vllm.serving.vllm_support import version_problem
+
+    if (problem := version_problem()) is not None:
+        # vLLM logs and swallows a plugin's exception: say it in one line and register
+        # nothing, so an engine asked for an LTV architecture fails to start
+        logging.getLogger("ltv_vllm").error("ltv-vllm: %s", problem)
+        return
 
     # before any engine builds its LoRA layers: a request without a task vector must never
     # get a LoRA slot's shift (fixes.py)

@@ -401,7 +401,8 @@ class TaskGate(Gate):
 
     def __init__(self, app: Any) -> None:
         super().__init__(app)
-        self.tasks = named_tasks()  # never the store's engine keys: those are the gate's
+        # never an engine key (a store task's NAME@DIGEST, a probe's @NAME): the gate's own
+        self.tasks = frozenset(t for t in named_tasks() if "@" not in t)
 
     def is_task(self, name: Any) -> bool:
         """A command-line task's name, or a task-store task served now (never an engine key:
@@ -580,6 +581,11 @@ class Ask:
         if TASK_KEY in xargs and not isinstance(xargs[TASK_KEY], str):
             return (f"vllm_xargs.{TASK_KEY} must be a task's name", "BadRequestError",
                     f"vllm_xargs.{TASK_KEY}")
+        if TASK_KEY in xargs and "@" in xargs[TASK_KEY]:
+            # an engine key (a store task's NAME@DIGEST, a self-check probe's @NAME): the
+            # server's own, never a client's
+            return (f"vllm_xargs.{TASK_KEY} names a task by its name (a name with '@' is "
+                    "the server's own)", "BadRequestError", f"vllm_xargs.{TASK_KEY}")
         if CHAT_KEY in xargs and xargs[CHAT_KEY] != "allow":
             return (f'vllm_xargs.{CHAT_KEY} takes one value, "allow"', "BadRequestError",
                     f"vllm_xargs.{CHAT_KEY}")

@@ -126,7 +126,7 @@ class LTVMixin:
                 delta = self._ltv_delta(h, task=task)
                 out[..., : delta.shape[-1]] += delta
             else:
-                idx = torch.tensor(rows, device=h.device)
+                idx = _row_index(rows, h.device)
                 delta = self._ltv_delta(h.index_select(0, idx), task=task)
                 out[idx, : delta.shape[-1]] += delta
         return out
@@ -184,6 +184,16 @@ class LTVMixin:
                               "draft models are not supported in multi-task serving)")
 
 
+def _row_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """A task's rows as an index on the engine's device: built on the host and, for an
+    accelerator, copied from pinned memory without blocking the host (a plain
+    `torch.tensor(rows, device=cuda)` waits for the copy on every mixed step)."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    if device.type == "cpu":
+        return idx
+    return idx.pin_memory().to(device, non_blocking=True)
+
+
 class LTVLocalMixin(LTVMixin):
     """For hosts with vocab-local logits/argmax (vLLM's LocalArgmaxMixin): shift there too.
 
@@ -238,7 +248,10 @@ class LTVQwen2ForCausalLM(LTVMixin, Qwen2ForCausalLM):
         self._ltv_init(vllm_config.model_config.hf_config)
 
 
-class LTVQwen3ForCausalLM(LTVLocalMixin, Qwen3ForCausalLM):
+class LTVQwen3ForCausalLM(LTVMixin, Qwen3ForCausalLM):
+    # LTVMixin, not LTVLocalMixin: vLLM's Qwen3 (0.32 and 0.33) has no vocab-local logits
+    # (`compute_logits_local`), and a wrapper that declared one would be picked by
+    # batch-sharded sampling and fail at its first step
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._ltv_init(vllm_config.model_config.hf_config)

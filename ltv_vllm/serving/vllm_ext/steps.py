@@ -108,16 +108,29 @@ class _Plan:
 PLAN = _Plan()
 
 
+class RowPlanError(RuntimeError):
+    """The rows of a step do not match the batch the processor tracked: no row can be
+    trusted to get its own task, so the step fails rather than shift every row or none."""
+
+
 def take_plan(rows: int) -> dict[str, list[int] | None] | None:
     """This step's shift for the main `compute_logits` call: task key → the rows it shifts
     (None: every row), or None: no plan (no processor, or not the main call), so the engine's
-    own vector shifts every row as before."""
+    own vector shifts every row as before. A plan whose batch is not these rows raises
+    `RowPlanError`: a runner whose rows are not the batch's slots in order (another vLLM,
+    another runner) must fail loudly, never shift the wrong rows."""
     src = PLAN.source
     if src is None or not PLAN.armed:
         return None
     PLAN.armed = False
     if rows != src.batch_size:
-        return None
+        import vllm
+
+        raise RowPlanError(
+            f"ltv-vllm: compute_logits got {rows} rows for a batch of {src.batch_size} "
+            f"requests (vLLM {vllm.__version__}): this runner's rows are not one per request "
+            "in batch order, so per-request shifts cannot be placed; run vLLM's V1 runner "
+            "(VLLM_USE_V2_MODEL_RUNNER=0) on a supported vLLM")
     groups: dict[str, list[int]] = {}
     for i in range(rows):
         task, n, out = src.rows.get(i, (FUSED, src.defaults.get(FUSED), ()))

@@ -1,0 +1,286 @@
+"""`ltv-vllm selfcheck`: the per-request shift proves itself on the vLLM, runner and device
+it runs on.
+
+Probe tasks whose effect cannot be mistaken go through a real engine in one `generate`
+(one scheduler run), mixed with bare rows: each probe is a logit-space vector whose bias
+puts +1000 on a token of its own (the last tokens of the vocabulary), with its own default
+policy (`first`, `all`, `2`); requests override policies (`ltv_steps` 0, 1, 3, all), ask
+for `n = 2`, have prompts of several lengths (with `--max-num-batched-tokens`, some several
+times the budget, so their prefill is chunked) and `max_tokens` from 2 to 6 (so rows finish
+at different steps and slots move). Every generated step is then checked from its
+distribution: a step a probe shifted has its best logprob ≥ 500 nats above its second (no
+model's own logits do that); a row of task T with policy n must be shifted at exactly its
+first n steps, to T's token, and a bare row at none. The first wrong row is one line
+naming the vLLM version, the runner and the device (`SelfCheckFailed`).
+
+What it checks is the row plan (`vllm_ext.steps`), which fused and per-request serving share;
+LoRA adapters are vLLM's own mechanism and not checked here.
+
+    python -m ltv_vllm.serving.selfcheck JOB OUT    (a job: `serving.jobs`)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ltv_vllm.errors import UserError
+from ltv_vllm.serving.probes import BIAS, PROBES, probe_tokens, probe_vectors
+
+
+class SelfCheckFailed(UserError):
+    """A row did not carry exactly its own probe at exactly its own steps."""
+
+
+@dataclass(frozen=True)
+class SelfCheckOptions:
+    """What `ltv-vllm selfcheck` runs the probes on: the engine settings a server would use."""
+
+    model_dir: str
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None  # a small batch: requests wait, slots are reused and move
+    enforce_eager: bool = True
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One request of the probe batch."""
+
+    prompt: str
+    task: str | None           # a probe's name, or None (the bare model)
+    steps: str | int | None    # `ltv_steps` (None: the task's default)
+    n: int
+    max_tokens: int
+
+    def expected_steps(self) -> int | None:
+        """Leading generated tokens the probe must carry (None: every one)."""
+        from ltv_vllm.core.vector import parse_steps
+
+        if self.task is None:
+            return 0
+        return parse_steps(self.steps if self.steps is not None else PROBES[self.task])
+
+
+def probe_batch(tokenizer: Any, budget: int | None, max_len: int) -> list[Probe]:
+    """The mixed batch: every policy, overrides, n = 2, short and long prompts (longer than
+    the engine's per-step token budget, when one is given), staggered `max_tokens`."""
+    def prompt(tokens: int) -> str:
+        words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+        text, i = "Question:", 0
+        while len(tokenizer(text)["input_ids"]) < tokens:
+            text += " " + words[i % len(words)]
+            i += 1
+        return text
+
+    short = [prompt(6), prompt(11), prompt(17)]
+    long_len = min(max(3 * (budget or 16), 40), max_len - 8)
+    long = [prompt(long_len), prompt(max(long_len // 2, 24))]
+    first, every, two = PROBES
+    return [
+        Probe(short[0], None, None, 1, 3),
+        Probe(short[1], first, None, 1, 4),
+        Probe(short[2], every, None, 1, 5),
+        Probe(short[0], two, None, 1, 6),
+        Probe(long[0], first, None, 1, 3),
+        Probe(short[1], first, 3, 1, 5),
+        Probe(short[2], every, 0, 1, 3),
+        Probe(long[1], two, None, 2, 4),
+        Probe(long[0], None, None, 1, 2),
+        Probe(short[0], every, 1, 1, 4),
+        Probe(long[1], two, "all", 1, 2),
+        Probe(short[2], None, None, 2, 5),
+        Probe(short[1], two, "first", 1, 6),
+    ]
+
+
+SHIFTED_GAP = BIAS / 2  # a step's best and second-best logprobs this far apart: shifted
+
+
+def check_rows(batch: list[Probe], outputs: list[list[list[tuple[int, float]]]],
+               tokens: dict[str, int]) -> list[str]:
+    """Every wrong row, one line each (empty: all right). `outputs`: per request, per
+    choice, per generated step (token, best minus second-best logprob). A step carries a
+    probe iff that gap is over `SHIFTED_GAP` (no model puts 500 nats between its two best
+    tokens): what the step got is read off the distribution, not guessed from the token,
+    which a model may well repeat after the probe wrote it."""
+    wrong = []
+    for i, (p, outs) in enumerate(zip(batch, outputs, strict=True)):
+        n = p.expected_steps()
+        if len(outs) != p.n:
+            wrong.append(f"row {i} (task {p.task or 'bare'}): {len(outs)} choices, not {p.n}")
+        for c, steps in enumerate(outs):
+            bad = []
+            for k, (t, gap) in enumerate(steps):
+                want = p.task is not None and (n is None or k < n)
+                got = gap > SHIFTED_GAP
+                if got != want or (want and t != tokens[p.task]):
+                    bad.append(k)
+            if len(steps) != p.max_tokens or bad:
+                seen = ["probe" if gap > SHIFTED_GAP else "bare" for _, gap in steps]
+                wrong.append(f"row {i} (task {p.task or 'bare'}, ltv_steps "
+                             f"{p.steps if p.steps is not None else 'default'}, choice {c}): "
+                             f"steps {seen}, expected the probe at steps < {n}")
+    return wrong
+
+
+def run_selfcheck(opts: SelfCheckOptions) -> dict[str, Any]:
+    """The probes through a fresh engine in this process; the result, or SelfCheckFailed."""
+    import vllm
+    from transformers import AutoTokenizer
+    from vllm import LLM
+
+    from ltv_vllm.models.hardware import engine_device, resolve_for_model
+    from ltv_vllm.serving.serve import task_engine
+    from ltv_vllm.serving.vllm_support import check_version, use_v1_runner
+
+    check_version()
+    use_v1_runner()
+    tok = AutoTokenizer.from_pretrained(opts.model_dir)
+    tokens = probe_tokens(tok)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ltv-selfcheck-") as d:
+        paths = {name: tv.save(Path(d) / f"{name}.safetensors")
+                 for name, tv in probe_vectors(opts.model_dir, tokens).items()}
+        engine = task_engine(opts.model_dir, paths)
+        os.environ.update(engine.env)  # the frontend admits the probe names
+        kw: dict[str, Any] = {}
+        if opts.max_num_batched_tokens:
+            kw.update(max_num_batched_tokens=opts.max_num_batched_tokens,
+                      enable_chunked_prefill=True)
+        if opts.max_num_seqs:
+            kw["max_num_seqs"] = opts.max_num_seqs
+        llm = LLM(**engine.kwargs, dtype=resolve_for_model(opts.dtype, opts.model_dir),
+                  max_model_len=opts.max_model_len, enforce_eager=opts.enforce_eager,
+                  tensor_parallel_size=opts.tensor_parallel_size, seed=0, **kw)
+        start = time.perf_counter() - t0
+        max_len = int(llm.llm_engine.vllm_config.model_config.max_model_len)
+        batch = probe_batch(tok, opts.max_num_batched_tokens, max_len)
+        params = [probe_params(p) for p in batch]
+        t1 = time.perf_counter()
+        outs = llm.generate([p.prompt for p in batch], params, use_tqdm=False)
+        check_s = time.perf_counter() - t1
+    where = f"vLLM {vllm.__version__}, {runner_name()} runner, {engine_device()}"
+    return {**verdict(batch, outs, tokens, where), "engine_start_seconds": round(start, 2),
+            "check_seconds": round(check_s, 3), "options": asdict(opts)}
+
+
+def runner_name() -> str:
+    from ltv_vllm.serving.vllm_support import RUNNER_ENV
+
+    return "V1" if os.environ.get(RUNNER_ENV) == "0" else "V2"
+
+
+def probe_params(p: Probe) -> Any:
+    """A probe's SamplingParams: greedy, or with n > 1 (which vLLM refuses at temperature 0)
+    sampled at temperature 1; every token generated; the two best
+    logprobs of each step. (Not top-k 1: a server's processed logprobs would then show every
+    other token at −inf, which reads as a shifted step.)"""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    xargs: dict[str, Any] = {}
+    if p.task is not None:
+        xargs["ltv_task"] = p.task
+    if p.steps is not None:
+        xargs["ltv_steps"] = p.steps
+    sampling = {"temperature": 0.0 if p.n == 1 else 1.0}
+    # FINAL_ONLY: one output per request with all n choices (a streaming kind would hand
+    # the choices over one child at a time)
+    return SamplingParams(max_tokens=p.max_tokens, n=p.n, ignore_eos=True, logprobs=2,
+                          extra_args=xargs or None, output_kind=RequestOutputKind.FINAL_ONLY,
+                          **sampling)
+
+
+def verdict(batch: list[Probe], outs: list[Any], tokens: list[int],
+            where: str) -> dict[str, Any]:
+    """The batch's RequestOutputs checked (`check_rows`); SelfCheckFailed on a wrong row."""
+    outputs = [[[(t, _gap(lp)) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+                for c in o.outputs] for o in outs]
+    rows = sum(len(o) for o in outputs)
+    wrong = check_rows(batch, outputs, dict(zip(PROBES, tokens, strict=True)))
+    if wrong:
+        raise SelfCheckFailed(f"selfcheck failed on {where}: {len(wrong)} of {rows} rows "
+                              f"wrong; first: {wrong[0]}")
+    return {"ok": True, "where": where, "rows": rows,
+            "tokens": sum(len(t) for o in outputs for t in o)}
+
+
+async def engine_selfcheck(engine_client: Any, model_dir: str | Path,
+                           probe_names: dict[str, str]) -> dict[str, Any]:
+    """The probe batch through a running engine (the server's, at start: `vllm_ext.endpoints`),
+    all requests in flight together. `probe_names`: PROBES' names → the names the engine
+    holds them under. Chunked prefill is forced only where the engine's step budget is
+    small (≤ 256 tokens); `ltv-vllm selfcheck --max-num-batched-tokens` forces it anywhere."""
+    import asyncio
+    import uuid
+
+    import vllm
+    from transformers import AutoTokenizer
+
+    from ltv_vllm.models.hardware import engine_device
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tokens = probe_tokens(tok)
+    budget = int(engine_client.vllm_config.scheduler_config.max_num_batched_tokens)
+    max_len = int(engine_client.model_config.max_model_len)
+    batch = probe_batch(tok, budget if budget <= 256 else None, max_len)
+    tag = uuid.uuid4().hex[:8]
+
+    async def one(i: int, p: Probe) -> Any:
+        served = Probe(p.prompt, probe_names[p.task] if p.task else None, p.steps, p.n,
+                       p.max_tokens)
+        final = None
+        async for out in engine_client.generate(
+                {"prompt_token_ids": tok(p.prompt)["input_ids"]}, probe_params(served),
+                f"ltv-selfcheck-{tag}-{i}"):
+            final = out
+        return final
+
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
+    where = f"vLLM {vllm.__version__}, {runner_name()} runner, {engine_device()}"
+    return {**verdict(batch, outs, tokens, where),
+            "check_seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _gap(logprobs: dict[int, Any]) -> float:
+    """Best minus second-best logprob of one step (vLLM returns the top 2, and the sampled
+    token if it is not among them)."""
+    top = sorted((x.logprob for x in logprobs.values()), reverse=True)
+    return float(top[0] - top[1]) if len(top) > 1 else float("inf")
+
+
+def selfcheck_in_subprocess(opts: SelfCheckOptions, work: Path,
+                            module: str = "ltv_vllm.serving.selfcheck") -> dict[str, Any]:
+    """`run_selfcheck` in a fresh process (`serving.jobs`); SelfCheckFailed raised here,
+    its line whole. `module`: the job's module (a test plants a bug with its own)."""
+    from ltv_vllm.serving.jobs import run_job
+
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    out = run_job(module, asdict(opts), work, "selfcheck", env=env, what="selfcheck")
+    if not out.get("ok"):
+        raise SelfCheckFailed(out["error"])
+    return out
+
+
+def run_job_dict(job: dict[str, Any]) -> dict[str, Any]:
+    """The job's side: a failed check is a result (its line whole), not a crash."""
+    try:
+        return run_selfcheck(SelfCheckOptions(**job))
+    except SelfCheckFailed as e:
+        return {"ok": False, "error": str(e)}
+
+
+if __name__ == "__main__":
+    from ltv_vllm.serving.jobs import job_main
+
+    job_main(run_job_dict)

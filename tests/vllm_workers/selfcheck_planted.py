@@ -1,0 +1,49 @@
+"""The selfcheck job (`ltv_vllm.serving.selfcheck`) with a bug planted in the row plan, in
+this process's engine (VLLM_ENABLE_V1_MULTIPROCESSING=0: the model runs here, so the patch
+reaches it). JOB: the selfcheck's options plus {"plant": "reverse" | "off-by-one" | "none"}.
+
+- reverse: each task's rows mirrored (row i gets row n-1-i's shift);
+- off-by-one: a row counts one generated token fewer than it has (shifted one step too many).
+"""
+
+from __future__ import annotations
+
+
+def planted_plan(kind: str):
+    from ltv_vllm.serving.vllm_ext import steps
+
+    real = steps.take_plan
+
+    def take_plan(rows: int):
+        if kind == "off-by-one" and steps.PLAN.armed and steps.PLAN.source is not None:
+            src = steps.PLAN.source
+            steps.PLAN.armed = False
+            groups: dict = {}
+            for i in range(rows):
+                task, n, out = src.rows.get(i, (steps.FUSED, src.defaults.get(steps.FUSED), ()))
+                if n is steps.ALL or len(out) - 1 < n:  # the bug: one token too few counted
+                    groups.setdefault(task, []).append(i)
+            return groups
+        plan = real(rows)
+        if kind == "reverse" and plan is not None:
+            return {t: (list(range(rows))[::-1] if r is None else [rows - 1 - i for i in r])
+                    for t, r in plan.items()}
+        return plan
+
+    return take_plan
+
+
+def run(job: dict) -> dict:
+    from ltv_vllm.serving import selfcheck
+    from ltv_vllm.serving.vllm_ext import models
+
+    kind = job.pop("plant")
+    if kind != "none":
+        models.take_plan = planted_plan(kind)
+    return selfcheck.run_job_dict(job)
+
+
+if __name__ == "__main__":
+    from ltv_vllm.serving.jobs import job_main
+
+    job_main(run)
