@@ -770,8 +770,7 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
 @main.command()
 @click.option("--model", "model_spec", default=None,
               help="Packaged alias, local HF directory or hub id [default: smollm2-135m].")
-@click.option("--dtype", default="auto", show_default=True,
-              help="The engine's dtype (auto: bfloat16 where the CPU or GPU has it natively).")
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True)
 @click.option("--max-num-batched-tokens", type=int, default=None,
               help="The engine's per-step token budget: prompts several times longer are "
