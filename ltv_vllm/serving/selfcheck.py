@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +132,10 @@ def check_rows(batch: list[Probe], outputs: list[list[list[tuple[int, float]]]],
 
 def run_selfcheck(opts: SelfCheckOptions) -> dict[str, Any]:
     """The probes through a fresh engine in this process; the result, or SelfCheckFailed."""
-    import vllm
     from transformers import AutoTokenizer
     from vllm import LLM
 
-    from ltv_vllm.models.hardware import engine_device, resolve_for_model
+    from ltv_vllm.models.hardware import resolve_for_model
     from ltv_vllm.serving.serve import task_engine
     from ltv_vllm.serving.vllm_support import check_version, use_v1_runner
 
@@ -166,22 +165,26 @@ def run_selfcheck(opts: SelfCheckOptions) -> dict[str, Any]:
         t1 = time.perf_counter()
         outs = llm.generate([p.prompt for p in batch], params, use_tqdm=False)
         check_s = time.perf_counter() - t1
-    where = f"vLLM {vllm.__version__}, {runner_name()} runner, {engine_device()}"
-    return {**verdict(batch, outs, tokens, where), "engine_start_seconds": round(start, 2),
+    return {**verdict(batch, outs, tokens, where()), "engine_start_seconds": round(start, 2),
             "check_seconds": round(check_s, 3), "options": asdict(opts)}
 
 
-def runner_name() -> str:
+def where() -> str:
+    """What the probes ran on, for the verdict's line: vLLM's version, runner and device."""
+    import vllm
+
+    from ltv_vllm.models.hardware import engine_device
     from ltv_vllm.serving.vllm_support import RUNNER_ENV
 
-    return "V1" if os.environ.get(RUNNER_ENV) == "0" else "V2"
+    runner = "V1" if os.environ.get(RUNNER_ENV) == "0" else "V2"
+    return f"vLLM {vllm.__version__}, {runner} runner, {engine_device()}"
 
 
 def probe_params(p: Probe) -> Any:
     """A probe's SamplingParams: greedy, or with n > 1 (which vLLM refuses at temperature 0)
-    sampled at temperature 1; every token generated; the two best
-    logprobs of each step. (Not top-k 1: a server's processed logprobs would then show every
-    other token at −inf, which reads as a shifted step.)"""
+    sampled at temperature 1; every token generated; the two best logprobs of each step.
+    (Not top-k 1: a server's processed logprobs would then show every other token at −inf,
+    which reads as a shifted step.)"""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -221,10 +224,8 @@ async def engine_selfcheck(engine_client: Any, model_dir: str | Path,
     import asyncio
     import uuid
 
-    import vllm
     from transformers import AutoTokenizer
 
-    from ltv_vllm.models.hardware import engine_device
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     tokens = probe_tokens(tok)
@@ -234,8 +235,7 @@ async def engine_selfcheck(engine_client: Any, model_dir: str | Path,
     tag = uuid.uuid4().hex[:8]
 
     async def one(i: int, p: Probe) -> Any:
-        served = Probe(p.prompt, probe_names[p.task] if p.task else None, p.steps, p.n,
-                       p.max_tokens)
+        served = replace(p, task=probe_names[p.task] if p.task else None)
         final = None
         async for out in engine_client.generate(
                 {"prompt_token_ids": tok(p.prompt)["input_ids"]}, probe_params(served),
@@ -245,8 +245,7 @@ async def engine_selfcheck(engine_client: Any, model_dir: str | Path,
 
     t0 = time.perf_counter()
     outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
-    where = f"vLLM {vllm.__version__}, {runner_name()} runner, {engine_device()}"
-    return {**verdict(batch, outs, tokens, where),
+    return {**verdict(batch, outs, tokens, where()),
             "check_seconds": round(time.perf_counter() - t0, 3)}
 
 
