@@ -14,6 +14,8 @@ _deactivate_adapter` only forgets the id), and `OpenAIServingModels.unload_lora_
 drops the name, so runtime add/delete churn leaves a deleted task's weights in the last slot,
 and the bare model answers with that task's shift. We apply the LM-head LoRA to the rows that
 have an adapter only; the rows without one are left exactly as the base model computed them.
+vLLM 0.33's torch ops mask index −1 themselves (read in its source): there the patch is
+redundant and changes nothing.
 """
 
 from __future__ import annotations
