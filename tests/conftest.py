@@ -189,6 +189,48 @@ def reference_logprobs(model, tokenizer, prompt: str, tokens: list[int], tv) -> 
     return torch.log_softmax(logits.double(), -1)
 
 
+MARGIN = 10  # an outside checker's bar: every wrong answer ≥ 10 tolerances from what came
+
+
+def plan(tv, n: int | None, steps: int) -> list:
+    """Per generated step, the vector a request's greedy loop shifts it with (None: bare):
+    `tv` at its first `n` steps (None: every step)."""
+    return [tv if n is None or s < n else None for s in range(steps)]
+
+
+def assert_told_apart(got: list[dict[int, float]], plans: dict, right, model, tokenizer,
+                      prompt: str, tokens: list[int], tol: float, what: object = "") -> None:
+    """What the engine returned for one request — per generated step, {token id: logprob} —
+    is the right plan's greedy loop within `tol`, and ≥ MARGIN·tol from every other plan's.
+    `plans`: name → `plan(...)`, the request's own under `right`, and beside it every answer
+    a wrong row plan could have given it (another task, another policy, the bare model);
+    plans that shift these steps alike are one answer. A check whose candidates are closer
+    than that could pass on the wrong answer, so it fails here instead."""
+    n0 = len(tokenizer(prompt)["input_ids"])
+    steps = len(got)
+    refs: dict[int, torch.Tensor] = {}
+
+    def dist(p: list) -> float:
+        worst = 0.0
+        for s, top in enumerate(got):
+            tv = p[s]
+            if id(tv) not in refs:
+                refs[id(tv)] = reference_logprobs(model, tokenizer, prompt, tokens, tv)
+            row = refs[id(tv)][n0 - 1 + s]
+            worst = max(worst, max(abs(v - float(row[int(t)])) for t, v in top.items()))
+        return worst
+
+    def key(p: list) -> tuple:
+        return tuple(id(x) for x in p[:steps])
+
+    mine = plans[right]
+    d = dist(mine)
+    assert d < tol, (what, "off its own answer by", d)
+    for name, p in plans.items():
+        if key(p) != key(mine):
+            assert dist(p) >= MARGIN * tol, (what, f"{name} is only {dist(p):.2e} away")
+
+
 @pytest.fixture(scope="module")
 def bench_model(tmp_path_factory, tokenizer):
     """A tiny vLLM-ready Llama directory for the benchmark commands' tests."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_llama, reference_logprobs, run_worker
+from conftest import assert_told_apart, make_llama, plan, reference_logprobs, run_worker
 from ltv_vllm.core.vector import TaskVector, VectorError, model_identity
 from ltv_vllm.tasks.specs import BUILTIN_TASKS
 
@@ -48,28 +48,29 @@ def classify_job(key: str, model_dir: Path, vector: Path, texts: list[str],
 
 
 FUSED_KINDS = ("fused", "fold", "logit", "kernel")
-CLASSIFY_TEXTS = ["the plot is dull", "a gorgeous witty movie", "the team wins"]
 
 
-def fused_jobs(served, logit_vector, kernel_vector) -> list[dict]:
+def fused_jobs(served, served_tied, logit_vector, kernel_vector) -> list[dict]:
     d, _model, _tv, path = served
     arg = {"fused": str(path), "logit": str(logit_vector[1]), "kernel": str(kernel_vector[1]),
-           "fold": f"fold:{path}"}
+           "fold": f"fold:{served_tied[3]}"}
     check = {"logit": "local", "fold": "fold"}
-    jobs = [generate_job(k, d, arg[k], 5, check.get(k, "")) for k in FUSED_KINDS]
+    jobs = [generate_job(k, served_tied[0] if k == "fold" else d, arg[k], 5, check.get(k, ""))
+            for k in FUSED_KINDS]
     # the fused engine also answers every step policy, in a batch of its own (`steps_out`)
     jobs[0]["more"] = [{"max_tokens": 4, "steps": STEP_POLICIES}]
     return jobs
 
 
 @pytest.fixture(scope="module")
-def engines(served, logit_vector, kernel_vector, served_qwen2, soft, tmp_path_factory):
+def engines(served, served_tied, logit_vector, kernel_vector, served_qwen2, soft,
+            tmp_path_factory):
     """Every single-process engine this module checks, run in one worker process: the fused
     kinds, the Qwen2 wrapper, offline classification, and the bf16 maps."""
     d, _model, _tv, path = served
-    jobs = [*fused_jobs(served, logit_vector, kernel_vector),
+    jobs = [*fused_jobs(served, served_tied, logit_vector, kernel_vector),
             generate_job("qwen2", served_qwen2[0], str(served_qwen2[3]), 4),
-            classify_job("classify", d, path, CLASSIFY_TEXTS),
+            classify_job("classify", soft[0], soft[3]["linear"][1], SOFT_TEXTS),
             *(classify_job(f"bf16-{k}", soft[0], p, SOFT_TEXTS, "bfloat16")
               for k, (_tv, p) in soft[3].items()),
             {"key": "pp-fold", "kind": "pp_fold", "vector": str(path)},
@@ -85,6 +86,8 @@ def engines(served, logit_vector, kernel_vector, served_qwen2, soft, tmp_path_fa
 TASK_XARGS = [None, {"ltv_task": "lin"}, {"ltv_task": "logit", "ltv_steps": "first"},
               {"ltv_task": "rbf", "ltv_steps": 2}, {"ltv_task": "lin-first"},
               {"ltv_task": "lin", "ltv_steps": 0}, {"ltv_task": "logit"}]
+# and each its own `max_tokens`: rows finish at different steps, and the rows after them move
+TASK_LENGTHS = [4, 6, 3, 5, 2, 4, 6]
 
 
 def tasks_job(served, logit_vector, kernel_vector, tmp_path_factory) -> dict:
@@ -96,7 +99,7 @@ def tasks_job(served, logit_vector, kernel_vector, tmp_path_factory) -> dict:
                "lin-first": str(first_path)}
     # and a batch naming no task: the bare model with its prompt logprobs (the "plain" kind)
     return {**generate_job("tasks", served[0], "", 4), "vector": vectors, "xargs": TASK_XARGS,
-            "more": [{"max_tokens": 5}]}
+            "lengths": TASK_LENGTHS, "more": [{"max_tokens": 5}]}
 
 
 def kind_result(engines: dict, kind: str) -> dict:
@@ -130,7 +133,7 @@ def task_expectations(served, logit_vector, kernel_vector) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def engines_tp2(served, logit_vector, kernel_vector, tmp_path_factory):
+def engines_tp2(served, served_tied, logit_vector, kernel_vector, tmp_path_factory):
     """The fused kinds at tensor_parallel_size=2, in one worker process: the ones whose TP path
     differs (the linear shift of the replicated h, the folded head's shards, the logit shift's
     vocab-sharded rows). The kernel map and the bare model are left at TP=1: the kernel's
@@ -138,17 +141,30 @@ def engines_tp2(served, logit_vector, kernel_vector, tmp_path_factory):
     code, and every TP=2 kind already runs the bare model under its shift."""
     # (the fused engine's step-policy batch: each rank's processor tracks the same requests
     # and masks the same rows)
-    jobs = [j for j in fused_jobs(served, logit_vector, kernel_vector) if j["key"] != "kernel"]
+    jobs = [j for j in fused_jobs(served, served_tied, logit_vector, kernel_vector)
+            if j["key"] != "kernel"]
     jobs.append(tasks_job(served, logit_vector, kernel_vector, tmp_path_factory))
     return run_batch(jobs, tmp_path_factory.mktemp("jobs-tp2"), tp=2)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tokenizer):
+    """Untied: this tiny model's greedy answers then differ between tasks, policies and the
+    bare model (tied, its ×20 head copies the last token whatever the shift, and token
+    equality tells nothing)."""
+    return tiny_served(tmp_path_factory, tokenizer, tie=False)
+
+
+@pytest.fixture(scope="module")
+def served_tied(tmp_path_factory, tokenizer):
+    """Tied embeddings, like SmolLM2: folding must untie rather than change the embeddings."""
+    return tiny_served(tmp_path_factory, tokenizer, tie=True)
+
+
+def tiny_served(tmp_path_factory, tokenizer, tie: bool):
     d = tmp_path_factory.mktemp("tiny-vllm")
     # head_dim 64: a size every vLLM attention backend supports
-    # tied embeddings, like SmolLM2: folding must untie rather than change the embeddings
-    model = make_llama(len(tokenizer), hidden=128, layers=2, seed=21, tie=True)
+    model = make_llama(len(tokenizer), hidden=128, layers=2, seed=21, tie=tie)
     model.config.num_attention_heads, model.config.num_key_value_heads = 2, 1
     model = make_llama_from(model.config)
     model.save_pretrained(d)
@@ -215,7 +231,7 @@ def test_vllm_fused_matches_transformers(served, logit_vector, kernel_vector, to
     """tp2: tensor_parallel_size=2 on the CPU backend (lm_head sharded by vocabulary).
     logit: a logit-space vector (U vocab-sized, added to the LM head's output).
     kernel: an RBF kernel map (at TP=1 only; see `engines_tp2`)."""
-    d, model, tv, path = served
+    d, model, tv, path = request.getfixturevalue("served_tied") if "fold" in mode else served
     kind, _, tp = mode.partition("-tp")
     if kind == "logit":
         tv, path = logit_vector
@@ -286,14 +302,14 @@ def test_per_request_tasks_in_one_batch(served, logit_vector, kernel_vector, tok
     no policy gets its task's default (the vector's meta.shift_steps)."""
     model = served[1]
     expected = task_expectations(served, logit_vector, kernel_vector)
-    check_requests(engines["tasks"]["outputs"], expected, model, tokenizer)
-    # the tasks really differ: at the first step each task's distribution is told apart from
-    # the others' (so a row shifted with another task's vector fails above)
-    first = engines["tasks"]["outputs"][: len(TASK_XARGS)]
-    for a, b in ((1, 2), (1, 3), (2, 3), (0, 1)):
-        la, lb = first[a]["logprobs"][0], first[b]["logprobs"][0]
-        # top-5 sets that differ, or a shared token's logprob that does
-        assert set(la) != set(lb) or max(abs(v - lb[t]) for t, v in la.items()) > 1e-2, (a, b)
+    out = engines["tasks"]["outputs"]
+    check_requests(out, expected, model, tokenizer, TASK_LENGTHS)
+    # the tasks' answers differ in tokens too: the bare model, lin, logit and rbf at every
+    # step (requests 0, 1, 6 and 3's first two steps) give four different answers per prompt
+    for p in range(len(PROMPTS)):
+        rows = out[p * len(TASK_XARGS):(p + 1) * len(TASK_XARGS)]
+        heads = {tuple(rows[i]["token_ids"][:2]) for i in (0, 1, 3, 6)}
+        assert len(heads) == 4, (p, heads)
 
 
 def test_per_request_tasks_at_tp2_equal_tp1(served, logit_vector, kernel_vector, tokenizer,
@@ -301,7 +317,7 @@ def test_per_request_tasks_at_tp2_equal_tp1(served, logit_vector, kernel_vector,
     model = served[1]
     out = engines_tp2["tasks"]["outputs"]
     check_requests(out, task_expectations(served, logit_vector, kernel_vector), model,
-                   tokenizer)
+                   tokenizer, TASK_LENGTHS)
     assert [r["token_ids"] for r in out] == [r["token_ids"]
                                              for r in engines["tasks"]["outputs"]]
 
@@ -324,35 +340,28 @@ def check_step_policies(out, policies, default, model, tokenizer, tv) -> None:
 
     check_requests(out, [(tv, parse_steps(default if p is None else p)) for p in policies],
                    model, tokenizer)
-    _check_policies_differ(out, policies)
 
 
-def check_requests(out, expected, model, tokenizer) -> None:
+def check_requests(out, expected, model, tokenizer, lengths: list[int] | None = None) -> None:
     """The batch holds each prompt under each entry of `expected`, (vector or None, n: the
-    leading steps it shifts, None: all); each request's greedy tokens and logprobs are the
-    greedy loop's that shifts exactly those steps with that vector."""
+    leading steps it shifts, None: all), `lengths` tokens each (default 4); each request's
+    greedy tokens are the greedy loop's that shifts exactly those steps with that vector, and
+    its logprobs are that loop's within 1e-4 and ≥ 10× that from every other entry's loop
+    (`assert_told_apart`: a row given another's task or policy cannot pass)."""
     assert len(out) == len(PROMPTS) * len(expected)
     for i, res in enumerate(out):
         prompt, (tv, n) = PROMPTS[i // len(expected)], expected[i % len(expected)]
+        steps = (lengths or [4] * len(expected))[i % len(expected)]
         n_prompt = len(tokenizer(prompt)["input_ids"])
-        shifted = reference_logprobs(model, tokenizer, prompt, res["token_ids"], tv)
-        plain = reference_logprobs(model, tokenizer, prompt, res["token_ids"], None)
-        assert len(res["logprobs"]) == 4
-        for step, lp in enumerate(res["logprobs"]):
-            row = (shifted if n is None or step < n else plain)[n_prompt - 1 + step]
-            assert int(row.argmax()) == res["token_ids"][step], (i, step)
-            for tok, v in lp.items():
-                assert abs(v - float(row[int(tok)])) < 1e-4, (i, step, tok)
-
-
-def _check_policies_differ(out, policies) -> None:
-    # the policies really differ here: at every step the shifted and bare distributions of
-    # the first prompt are told apart (so a mask on the wrong rows or steps fails above)
-    first = {policies[i]: r for i, r in enumerate(out[:len(policies)])}
-    assert len(first["all"]["logprobs"]) == 4
-    for step in range(4):
-        a, b = first["all"]["logprobs"][step], first[0]["logprobs"][step]
-        assert max(abs(v - b[t]) for t, v in a.items() if t in b) > 1e-2, step
+        assert len(res["logprobs"]) == steps == len(res["token_ids"])
+        mine = plan(tv, n, steps)
+        for step in range(steps):
+            row = reference_logprobs(model, tokenizer, prompt, res["token_ids"], mine[step])
+            assert int(row[n_prompt - 1 + step].argmax()) == res["token_ids"][step], (i, step)
+        plans = {j: plan(v, m, steps) for j, (v, m) in enumerate(expected)}
+        assert_told_apart([{int(t): v for t, v in lp.items()} for lp in res["logprobs"]],
+                          plans, i % len(expected), model, tokenizer, prompt,
+                          res["token_ids"], 1e-4, i)
 
 
 def test_fold_leaves_a_pipeline_stage_without_the_head_alone(engines):
@@ -400,22 +409,25 @@ def test_vector_for_another_model_refused_before_engine(served, logit_vector, to
         engine_kwargs(d, tmp_path / "junk.pt")
 
 
-def test_offline_classify_matches_restricted_softmax(served, tokenizer, request):
-    from ltv_vllm.extraction.capture import Capturer, label_head
+def test_offline_classify_matches_restricted_softmax(soft, tokenizer, engines):
+    """`make_llm` + `classify_offline` (float32) on the unsaturated model: every label
+    probability is the restricted softmax of the shifted state within 1e-4, and the bare
+    model's is ≥ 10× that away for every text (so an unshifted engine cannot pass)."""
+    from conftest import MARGIN
     from ltv_vllm.tasks.specs import label_token_ids
 
-    d, model, tv, path = served
-    texts = CLASSIFY_TEXTS
-    got = request.getfixturevalue("engines")["classify"]
+    _d, model, h, vectors = soft
+    tv = vectors["linear"][0]
     task = BUILTIN_TASKS["sst2"]
-    w, b = label_head(model, label_token_ids(task, tokenizer))
-    h = Capturer(model, tokenizer, progress=False).hidden([task.query(t) for t in texts])
-    ref = torch.softmax((tv.shift_hidden(h) @ w.T + b).double(), -1)
-    assert len(got) == len(texts)
-    for row, r in zip(ref.tolist(), got, strict=True):
-        for lab, pr in zip(task.labels, row, strict=True):
-            assert abs(r["probs"][lab] - pr) < 1e-4
-        assert r["label"] == task.labels[max(range(2), key=row.__getitem__)]
+    ids = label_token_ids(task, tokenizer)
+    ref, bare = restricted(model, h, tv, ids), restricted(model, h, None, ids)
+    got = engines["classify"]
+    assert len(got) == len(SOFT_TEXTS)
+    for i, r in enumerate(got):
+        probs = torch.tensor([r["probs"][lab] for lab in task.labels], dtype=torch.float64)
+        assert float((probs - ref[i]).abs().max()) < 1e-4, i
+        assert float((probs - bare[i]).abs().max()) >= MARGIN * 1e-4, i
+        assert r["label"] == task.labels[int(ref[i].argmax())]
 
 
 @pytest.fixture(scope="module")

@@ -81,11 +81,12 @@ def pp_stage_fold(vector: str) -> dict:
 def generate(model_dir: str, vector: str | dict, prompts: list[str], max_tokens: int,
              tp: int = 1, check: str = "", steps: list | None = None,
              shift_steps: str | None = None, xargs: list | None = None,
-             more: list[dict] | None = None) -> dict:
+             more: list[dict] | None = None, lengths: list[int] | None = None) -> dict:
     """One engine: greedy logprobs of `prompts` (+ the `local` or `fold` per-rank checks).
     `vector`: a path, `fold:PATH`, `-` (none) or {task: path} (per-request tasks); `steps`
     or `xargs`: one request per prompt and entry (an `ltv_steps` value, or whole
-    `vllm_xargs`), all in one batch. `more`: further batches on the same engine, each a dict
+    `vllm_xargs`), all in one batch; `lengths`: each entry's `max_tokens`, if not all alike.
+    `more`: further batches on the same engine, each a dict
     of `max_tokens`, `steps` and `xargs` as above (engines are the expensive part of a test:
     one engine answers every question asked of its configuration); their outputs under
     "more", in order."""
@@ -107,7 +108,7 @@ def generate(model_dir: str, vector: str | dict, prompts: list[str], max_tokens:
                                shift_steps=shift_steps)
     llm = LLM(**kwargs, dtype="float32", enforce_eager=True, max_model_len=512,
               gpu_memory_utilization=0.5, seed=0, tensor_parallel_size=tp)
-    result = _batch(llm, prompts, max_tokens, steps, xargs)
+    result = _batch(llm, prompts, max_tokens, steps, xargs, lengths)
     extra = [_batch(llm, prompts, b["max_tokens"], b.get("steps"), b.get("xargs"))
              for b in more or []]
     local = llm.collective_rpc(local_check) if check == "local" else None
@@ -117,7 +118,7 @@ def generate(model_dir: str, vector: str | dict, prompts: list[str], max_tokens:
 
 
 def _batch(llm, prompts: list[str], max_tokens: int, steps: list | None,
-           xargs: list | None) -> list[dict]:
+           xargs: list | None, lengths: list[int] | None = None) -> list[dict]:
     """One `generate` call: each prompt once with its prompt logprobs, or (`steps`/`xargs`)
     once per entry."""
     from vllm import SamplingParams
@@ -128,9 +129,11 @@ def _batch(llm, prompts: list[str], max_tokens: int, steps: list | None,
         xargs = [None if s is None else {"ltv_steps": s} for s in steps]
     if xargs is not None:  # one request per (prompt, xargs), all in one batch
         prompts = [p for p in prompts for _ in xargs]
-        params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5,
-                                 extra_args=x)
-                  for _ in range(len(prompts) // len(xargs)) for x in xargs]
+        lengths = lengths or [max_tokens] * len(xargs)
+        params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=5, extra_args=x,
+                                 ignore_eos=True)
+                  for _ in range(len(prompts) // len(xargs))
+                  for x, m in zip(xargs, lengths, strict=True)]
     result = []
     for o in llm.generate(prompts, params):
         c = o.outputs[0]
