@@ -199,13 +199,16 @@ def plan(tv, n: int | None, steps: int) -> list:
 
 
 def assert_told_apart(got: list[dict[int, float]], plans: dict, right, model, tokenizer,
-                      prompt: str, tokens: list[int], tol: float, what: object = "") -> None:
+                      prompt: str, tokens: list[int], tol: float, what: object = "",
+                      ref=None) -> None:
     """What the engine returned for one request — per generated step, {token id: logprob} —
     is the right plan's greedy loop within `tol`, and ≥ MARGIN·tol from every other plan's.
     `plans`: name → `plan(...)`, the request's own under `right`, and beside it every answer
     a wrong row plan could have given it (another task, another policy, the bare model);
     plans that shift these steps alike are one answer. A check whose candidates are closer
-    than that could pass on the wrong answer, so it fails here instead."""
+    than that could pass on the wrong answer, so it fails here instead. `ref`: a stand-in
+    for `reference_logprobs` (one that remembers)."""
+    ref = ref or reference_logprobs
     n0 = len(tokenizer(prompt)["input_ids"])
     steps = len(got)
     refs: dict[int, torch.Tensor] = {}
@@ -215,7 +218,7 @@ def assert_told_apart(got: list[dict[int, float]], plans: dict, right, model, to
         for s, top in enumerate(got):
             tv = p[s]
             if id(tv) not in refs:
-                refs[id(tv)] = reference_logprobs(model, tokenizer, prompt, tokens, tv)
+                refs[id(tv)] = ref(model, tokenizer, prompt, tokens, tv)
             row = refs[id(tv)][n0 - 1 + s]
             worst = max(worst, max(abs(v - float(row[int(t)])) for t, v in top.items()))
         return worst
