@@ -221,3 +221,54 @@ def test_listing_skips_an_entry_removed_while_it_is_read(setup, monkeypatch):
     (store.root / "beta" / "entry.json").write_text("{not json")
     with pytest.raises(StoreError, match="unreadable entry.json"):
         store.names()
+
+
+def test_engine_store_vectors_check_the_digest_and_drop_the_least_recent(setup):
+    """The engine's store-vector cache (`vllm_ext.steps.StoreVectors`): a key NAME@DIGEST
+    loads the entry's vector only while the file is the one the digest names (an entry
+    replaced under the name fails loudly, never serves the new vector under the old key);
+    a loaded key keeps its vector; past `keep` keys the least recently used one is dropped,
+    and is read (and checked) again when next asked for."""
+    from ltv_vllm.serving.step_policy import task_key
+    from ltv_vllm.serving.taskstore import vector_digest
+    from ltv_vllm.serving.vllm_ext.steps import StoreVectors
+
+    tmp, good, _ = setup
+    store = TaskStore(tmp / "store")
+    vecs = {n: replace_uv(good, s) for n, s in (("a", 1), ("b", 2), ("c", 3), ("b2", 4))}
+    keys = {}
+    for n in "abc":
+        e = store.add(n, vecs[n], tmp / "m")
+        keys[n] = task_key(n, vector_digest(e.vector_path))
+    cache = StoreVectors(str(store.root), keep=2)
+    for n in "ab":
+        assert torch.equal(cache.get(keys[n]).U, vecs[n].U)
+    assert torch.equal(cache.get(keys["a"]).U, vecs["a"].U)  # a is now the most recent
+    assert torch.equal(cache.get(keys["c"]).U, vecs["c"].U)  # b, the least recent, goes
+    # b replaced under its name: its old key is refused (it was dropped, so it is re-read)
+    store.remove("b")
+    store.add("b", vecs["b2"], tmp / "m")
+    with pytest.raises(RuntimeError, match="changed under key"):
+        cache.get(keys["b"])
+    # a and c were kept: their vectors are served from memory, files or not
+    store.remove("a")
+    assert torch.equal(cache.get(keys["a"]).U, vecs["a"].U)
+    new_b = task_key("b", vector_digest(store.get("b").vector_path))
+    assert torch.equal(cache.get(new_b).U, vecs["b2"].U)  # now c goes (a was asked later)
+    store.remove("c")
+    with pytest.raises(FileNotFoundError):  # dropped: read again, and its files are gone
+        cache.get(keys["c"])
+    assert torch.equal(cache.get(keys["a"]).U, vecs["a"].U)  # kept
+    for bad in ("a", "../a@" + keys["c"].partition("@")[2]):
+        with pytest.raises((RuntimeError, UserError)):
+            cache.get(bad)
+
+
+def replace_uv(tv, seed: int):
+    """`tv` with other random factors (same model, same shapes)."""
+    from ltv_vllm.core.vector import TaskVector
+
+    g = torch.Generator().manual_seed(seed)
+    return TaskVector(tv.kind, torch.randn(tv.U.shape, generator=g),
+                      torch.randn(tv.V.shape, generator=g), tv.bias, tv.model,
+                      tv.label_token_ids, tv.meta)
