@@ -779,13 +779,18 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
 @click.option("--max-num-seqs", type=int, default=None,
               help="The engine's batch: below the probe count (13), requests wait and slots "
                    "are reused [default: vLLM's].")
+@click.option("--multi-task", type=click.Choice(["shift", "lora"]), default="shift",
+              show_default=True,
+              help="Which per-request mechanism to prove: the row plan (fused and "
+                   "per-request tasks) or LoRA adapters (serve --multi-task lora).")
 @friendly
 def selfcheck(model_spec: str | None, dtype: str, tensor_parallel_size: int,
               max_num_batched_tokens: int | None, max_model_len: int | None,
-              max_num_seqs: int | None) -> None:
+              max_num_seqs: int | None, multi_task: str) -> None:
     """Prove the per-request shift on this vLLM, runner and device: probe tasks mixed with
     bare rows, every policy, n > 1, chunked prefill, rows finishing at different steps;
-    each row must carry exactly its own probe at exactly its own steps (exit 1 otherwise)."""
+    each row must carry exactly its own probe at exactly its own steps (exit 1 otherwise).
+    With --multi-task lora the probes are LoRA adapters, each row checked for its own."""
     import tempfile
 
     from ltv_vllm.models.resolve import resolve_model
@@ -802,7 +807,8 @@ def selfcheck(model_spec: str | None, dtype: str, tensor_parallel_size: int,
     opts = SelfCheckOptions(str(resolve_model(model_spec)), dtype=dtype,
                             tensor_parallel_size=tensor_parallel_size,
                             max_num_batched_tokens=max_num_batched_tokens,
-                            max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                            lora=multi_task == "lora")
     with tempfile.TemporaryDirectory(prefix="ltv-selfcheck-") as work:
         out = selfcheck_in_subprocess(opts, Path(work))
     click.echo(f"selfcheck passed on {out['where']}: {out['rows']} rows, {out['tokens']} "

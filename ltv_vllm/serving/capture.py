@@ -39,6 +39,7 @@ from ltv_vllm.models.plan import (
 )
 from ltv_vllm.pipeline.extract import CapturedModel, episode_prompts
 from ltv_vllm.serving.jobs import job_main, run_job
+from ltv_vllm.serving.vllm_support import cpu_rank_binding
 from ltv_vllm.tasks.data import Episode
 
 
@@ -161,10 +162,7 @@ def job_env(engine: CaptureEngine, kv_cache_gib: int = 2) -> dict[str, str]:
         # Qwen2.5-Coder-1.5B compiled 36.0 → 32.1 s for a k = 30, N = 256 episode)
         if "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(cores)
-        if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-                f"{r * cores}-{(r + 1) * cores - 1}" if cores > 1 else str(r)
-                for r in range(ranks))
+        env.update(cpu_rank_binding(ranks))
     return env
 
 

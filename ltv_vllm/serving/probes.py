@@ -8,6 +8,8 @@ whatever the state, and shows in the step's distribution (`selfcheck.check_rows`
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,38 @@ def probe_vectors(model_dir: str | Path, tokens: list[int]) -> dict[str, Any]:
     return out
 
 
+# LoRA mode: an adapter has no bias, so its probe cannot add a constant. Each is a rank-4
+# logit-space vector U = LORA_SCALE · Σ_j (e_{T+j} − e_{T−j}) v_jᵀ over four orthonormal
+# directions v_j (seeded): whatever the sign of v_jᵀh, one token of each pair rises by
+# LORA_SCALE·|v_jᵀh|, and with four random directions some |v_jᵀh| beats the model's own
+# logit gaps (tens of logits) by far. So at every step the step's best token is one of the
+# probe's own eight, and never one of them on a bare row (`selfcheck.check_lora_rows`).
+LORA_PROBES = ("selfcheck-lora-a", "selfcheck-lora-b", "selfcheck-lora-c")
+LORA_PAIRS = 4
+LORA_SCALE = 1000.0
+LORA_TOKENS = 2 * LORA_PAIRS * len(LORA_PROBES)
+
+
+def lora_probe_vectors(model_dir: str | Path, tokens: list[int]) -> dict[str, Any]:
+    """The LoRA probes (above) as TaskVectors; `tokens`: LORA_TOKENS of `probe_tokens`,
+    each probe's own eight in turn (its `label_token_ids`)."""
+    from ltv_vllm.core.vector import TaskVector
+    from ltv_vllm.models.checkpoint import identity_from_dir
+
+    ident = identity_from_dir(model_dir)
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for i, name in enumerate(LORA_PROBES):
+        own = tokens[2 * LORA_PAIRS * i: 2 * LORA_PAIRS * (i + 1)]
+        U = torch.zeros(ident.vocab_size, LORA_PAIRS)
+        for j in range(LORA_PAIRS):
+            U[own[2 * j], j], U[own[2 * j + 1], j] = LORA_SCALE, -LORA_SCALE
+        V = torch.linalg.qr(torch.randn(ident.hidden_size, LORA_PAIRS, generator=g))[0]
+        out[name] = TaskVector("logit", U, V.contiguous(), None, ident, tuple(own),
+                               {"task": {"name": name}, "method": "selfcheck"})
+    return out
+
+
 SERVED_PREFIX = "@"  # a server holds the probes as "@selfcheck-...": no client may name one
 
 
@@ -73,6 +107,47 @@ class ServedProbes:
             if not Path(path).is_file():
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
                 tv.save(path)  # atomic
+
+
+@dataclass(frozen=True)
+class ServedLoraProbes:
+    """The LoRA probes a LoRA-mode server checks at start: `adapters` (name → PEFT adapter
+    directory in the model cache) as the endpoint plugin sends them (`selfcheck.
+    engine_selfcheck`); `write()` exports them (the same bytes every time) — a dry run plans
+    them without writing."""
+
+    model_dir: str
+    adapters: dict[str, str]
+    vectors: dict[str, Any]  # name → TaskVector
+
+    def write(self) -> None:
+        from ltv_vllm.serving.lora import export_lora
+
+        for name, tv in self.vectors.items():
+            path = Path(self.adapters[name])
+            if (path / "adapter_model.safetensors").is_file():
+                continue
+            # written beside, then renamed: a killed start leaves no half adapter there
+            tmp = path.parent / f".{name}.{os.getpid()}"
+            export_lora(tv, self.model_dir, tmp, base_model=self.model_dir)
+            if path.exists():  # another start wrote it meanwhile
+                shutil.rmtree(tmp)
+            else:
+                os.replace(tmp, path)
+
+
+def served_lora_probes(model_dir: str | Path) -> ServedLoraProbes:
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    from ltv_vllm.models.cache import cache_dir
+
+    tokens = probe_tokens(AutoTokenizer.from_pretrained(model_dir), LORA_TOKENS)
+    key = hashlib.sha256(f"lora:{Path(model_dir).resolve()}:{tokens}".encode()).hexdigest()[:12]
+    vectors = lora_probe_vectors(model_dir, tokens)
+    root = cache_dir() / "selfcheck" / key
+    return ServedLoraProbes(str(model_dir), {n: str(root / n) for n in vectors}, vectors)
 
 
 def served_probes(model_dir: str | Path) -> ServedProbes:

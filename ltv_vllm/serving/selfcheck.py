@@ -13,8 +13,12 @@ model's own logits do that); a row of task T with policy n must be shifted at ex
 first n steps, to T's token, and a bare row at none. The first wrong row is one line
 naming the vLLM version, the runner and the device (`SelfCheckFailed`).
 
-What it checks is the row plan (`vllm_ext.steps`), which fused and per-request serving share;
-LoRA adapters are vLLM's own mechanism and not checked here.
+What it checks is the row plan (`vllm_ext.steps`), which fused and per-request serving share.
+In LoRA mode (`--multi-task lora`) the probes are adapters instead (`probes.LORA_PROBES`:
+LoRA has no bias, so each moves one of eight tokens of its own to the top, at every step),
+sent with the same mix of bare rows, lengths, budgets and n; each row's best token at each
+step must be one of its own adapter's, and a bare row's none of them (`check_lora_rows`):
+what vLLM's LoRA batching (and the CPU backend's fix, `vllm_ext.fixes`) gives each row.
 
     python -m ltv_vllm.serving.selfcheck JOB OUT    (a job: `serving.jobs`)
 """
@@ -29,7 +33,16 @@ from pathlib import Path
 from typing import Any
 
 from ltv_vllm.errors import UserError
-from ltv_vllm.serving.probes import BIAS, PROBES, probe_tokens, probe_vectors
+from ltv_vllm.serving.probes import (
+    BIAS,
+    LORA_PAIRS,
+    LORA_PROBES,
+    LORA_TOKENS,
+    PROBES,
+    lora_probe_vectors,
+    probe_tokens,
+    probe_vectors,
+)
 
 
 class SelfCheckFailed(UserError):
@@ -47,6 +60,7 @@ class SelfCheckOptions:
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # a small batch: requests wait, slots are reused and move
     enforce_eager: bool = True
+    lora: bool = False  # the probes as LoRA adapters (`serve --multi-task lora`)
 
 
 @dataclass(frozen=True)
@@ -130,43 +144,137 @@ def check_rows(batch: list[Probe], outputs: list[list[list[tuple[int, float]]]],
     return wrong
 
 
+def lora_probe_batch(tokenizer: Any, budget: int | None, max_len: int) -> list[Probe]:
+    """`probe_batch` with each probe's rows given a LoRA probe (every step: adapters have no
+    step policy), and bare rows greedy: each is compared with the same request run before
+    any adapter was loaded (`check_lora_rows`)."""
+    lora = dict(zip(PROBES, LORA_PROBES, strict=True))
+    return [replace(p, task=lora[p.task], steps=None) if p.task else replace(p, n=1)
+            for p in probe_batch(tokenizer, budget, max_len)]
+
+
+NEAR_TIE = 1.0  # nats: a bare step whose best two tokens are closer may flip between batches
+
+
+def check_lora_rows(batch: list[Probe], tops: list[list[list[tuple[int, float]]]],
+                    own: dict[str, set[int]],
+                    bare: dict[int, list[tuple[int, float]]]) -> list[str]:
+    """Every wrong row of a LoRA probe batch, one line each. `tops`: per request, per
+    choice, each step's (best token, best minus second-best logprob); `bare`: per bare
+    request, the same from its run before any adapter was loaded. A probe's row must have
+    one of its own tokens at every step; a bare row must be its reference, step for step
+    (up to a near tie, after which the two may part: both are the bare model's). Judged
+    against the bare model itself, not against the probe tokens, which a model may well
+    favour unshifted (a tiny test model's vocabulary is hundreds of tokens)."""
+    wrong = []
+    for i, (p, outs) in enumerate(zip(batch, tops, strict=True)):
+        want = p.task or "bare"
+        if len(outs) != p.n:
+            wrong.append(f"row {i} (adapter {want}): {len(outs)} choices, not {p.n}")
+        for c, steps in enumerate(outs):
+            seen = [next((n for n, ts in own.items() if t in ts), "bare") for t, _ in steps]
+            if p.task is None:
+                seen = ["bare"] * len(steps)
+                for k, ((t, _), (t_ref, gap)) in enumerate(zip(steps, bare[i], strict=False)):
+                    if t != t_ref:
+                        if gap > NEAR_TIE:
+                            seen[k] = next((n for n, ts in own.items() if t in ts), "other")
+                        break
+            if len(steps) != p.max_tokens or any(x != want for x in seen):
+                wrong.append(f"row {i} (adapter {want}, choice {c}): steps {seen}")
+    return wrong
+
+
 def run_selfcheck(opts: SelfCheckOptions) -> dict[str, Any]:
     """The probes through a fresh engine in this process; the result, or SelfCheckFailed."""
     from transformers import AutoTokenizer
     from vllm import LLM
 
     from ltv_vllm.models.hardware import resolve_for_model
-    from ltv_vllm.serving.serve import task_engine
+    from ltv_vllm.serving.serve import plan_lora, task_engine
     from ltv_vllm.serving.vllm_support import check_version, use_v1_runner
 
     check_version()
     use_v1_runner()
     tok = AutoTokenizer.from_pretrained(opts.model_dir)
-    tokens = probe_tokens(tok)
+    tokens = probe_tokens(tok, LORA_TOKENS if opts.lora else len(PROBES))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ltv-selfcheck-") as d:
+        vectors = (lora_probe_vectors if opts.lora else probe_vectors)(opts.model_dir, tokens)
         paths = {name: tv.save(Path(d) / f"{name}.safetensors")
-                 for name, tv in probe_vectors(opts.model_dir, tokens).items()}
-        engine = task_engine(opts.model_dir, paths)
-        os.environ.update(engine.env)  # the frontend admits the probe names
+                 for name, tv in vectors.items()}
+        adapters: dict[str, str] = {}
+        if opts.lora:  # the adapters a LoRA-mode server would write, by the same plan
+            plan = plan_lora(opts.model_dir, paths, lora_dir=Path(d) / "adapters")
+            plan.write()
+            # every slot holds a probe (no spare): a bare row that read any slot shows
+            engine_kw: dict[str, Any] = {"model": opts.model_dir, **plan.engine_kwargs(),
+                                         "max_loras": len(LORA_PROBES)}
+            adapters = {n: str(a) for n, a in plan.adapters.items()}
+        else:
+            engine = task_engine(opts.model_dir, paths)
+            os.environ.update(engine.env)  # the frontend admits the probe names
+            engine_kw = engine.kwargs
         kw: dict[str, Any] = {}
         if opts.max_num_batched_tokens:
             kw.update(max_num_batched_tokens=opts.max_num_batched_tokens,
                       enable_chunked_prefill=True)
         if opts.max_num_seqs:
             kw["max_num_seqs"] = opts.max_num_seqs
-        llm = LLM(**engine.kwargs, dtype=resolve_for_model(opts.dtype, opts.model_dir),
+        llm = LLM(**engine_kw, dtype=resolve_for_model(opts.dtype, opts.model_dir),
                   max_model_len=opts.max_model_len, enforce_eager=opts.enforce_eager,
                   tensor_parallel_size=opts.tensor_parallel_size, seed=0, **kw)
         start = time.perf_counter() - t0
         max_len = int(llm.llm_engine.vllm_config.model_config.max_model_len)
-        batch = probe_batch(tok, opts.max_num_batched_tokens, max_len)
+        batch = (lora_probe_batch if opts.lora else probe_batch)(
+            tok, opts.max_num_batched_tokens, max_len)
         params = [probe_params(p) for p in batch]
         t1 = time.perf_counter()
-        outs = llm.generate([p.prompt for p in batch], params, use_tqdm=False)
+        if opts.lora:  # the bare rows first, alone, before any adapter is loaded
+            bare = [i for i, p in enumerate(batch) if p.task is None]
+            ref = dict(zip(bare, llm.generate([batch[i].prompt for i in bare],
+                                              [params[i] for i in bare], use_tqdm=False),
+                           strict=True))
+        outs = llm.generate([p.prompt for p in batch], params, use_tqdm=False,
+                            lora_request=lora_requests(batch, adapters) if opts.lora else None)
         check_s = time.perf_counter() - t1
-    return {**verdict(batch, outs, tokens, where()), "engine_start_seconds": round(start, 2),
+    found = lora_verdict(batch, outs, ref, tokens, where()) if opts.lora else verdict(
+        batch, outs, tokens, where())
+    return {**found, "engine_start_seconds": round(start, 2),
             "check_seconds": round(check_s, 3), "options": asdict(opts)}
+
+
+# the LoRA probes' adapter ids: far above the ids a server gives its own adapters (from 1)
+LORA_ID_BASE = 1 << 30
+
+
+def lora_requests(batch: list[Probe], adapters: dict[str, str]) -> list[Any]:
+    """Each probe row's LoRARequest (None: a bare row)."""
+    from vllm.lora.request import LoRARequest
+
+    ids = {name: LORA_ID_BASE + i for i, name in enumerate(LORA_PROBES)}
+    return [None if p.task is None else LoRARequest(p.task, ids[p.task], adapters[p.task])
+            for p in batch]
+
+
+def lora_verdict(batch: list[Probe], outs: list[Any], bare: dict[int, Any],
+                 tokens: list[int], where: str) -> dict[str, Any]:
+    """The LoRA batch's RequestOutputs checked against the bare rows' own run (`bare`:
+    request index → RequestOutput; `check_lora_rows`); SelfCheckFailed on a wrong row."""
+    per = 2 * LORA_PAIRS
+    own = {name: set(tokens[per * i: per * (i + 1)]) for i, name in enumerate(LORA_PROBES)}
+
+    def steps(c: Any) -> list[tuple[int, float]]:
+        return [(max(lp, key=lambda t: lp[t].logprob), _gap(lp)) for lp in c.logprobs]
+
+    tops = [[steps(c) for c in o.outputs] for o in outs]
+    rows = sum(len(o) for o in tops)
+    wrong = check_lora_rows(batch, tops, own, {i: steps(o.outputs[0]) for i, o in bare.items()})
+    if wrong:
+        raise SelfCheckFailed(f"selfcheck (LoRA) failed on {where}: {len(wrong)} of {rows} "
+                              f"rows wrong; first: {wrong[0]}")
+    return {"ok": True, "where": where + ", LoRA", "rows": rows,
+            "tokens": sum(len(t) for o in tops for t in o)}
 
 
 def where() -> str:
@@ -189,7 +297,7 @@ def probe_params(p: Probe) -> Any:
     from vllm.sampling_params import RequestOutputKind
 
     xargs: dict[str, Any] = {}
-    if p.task is not None:
+    if p.task is not None and p.task not in LORA_PROBES:  # (an adapter is the LoRARequest)
         xargs["ltv_task"] = p.task
     if p.steps is not None:
         xargs["ltv_steps"] = p.steps
@@ -216,36 +324,52 @@ def verdict(batch: list[Probe], outs: list[Any], tokens: list[int],
 
 
 async def engine_selfcheck(engine_client: Any, model_dir: str | Path,
-                           probe_names: dict[str, str]) -> dict[str, Any]:
+                           probe_names: dict[str, str],
+                           lora: dict[str, str] | None = None) -> dict[str, Any]:
     """The probe batch through a running engine (the server's, at start: `vllm_ext.endpoints`),
     all requests in flight together. `probe_names`: PROBES' names → the names the engine
-    holds them under. Chunked prefill is forced only where the engine's step budget is
-    small (≤ 256 tokens); `ltv-vllm selfcheck --max-num-batched-tokens` forces it anywhere."""
+    holds them under; `lora`: instead, LORA_PROBES' names → their adapter directories (sent
+    as LoRA requests, removed from the engine after). Chunked prefill is forced only where
+    the engine's step budget is small (≤ 256 tokens); `ltv-vllm selfcheck
+    --max-num-batched-tokens` forces it anywhere."""
     import asyncio
     import uuid
 
     from transformers import AutoTokenizer
 
-
     tok = AutoTokenizer.from_pretrained(model_dir)
-    tokens = probe_tokens(tok)
+    tokens = probe_tokens(tok, LORA_TOKENS if lora else len(PROBES))
     budget = int(engine_client.vllm_config.scheduler_config.max_num_batched_tokens)
     max_len = int(engine_client.model_config.max_model_len)
-    batch = probe_batch(tok, budget if budget <= 256 else None, max_len)
+    batch = (lora_probe_batch if lora else probe_batch)(
+        tok, budget if budget <= 256 else None, max_len)
+    loras = lora_requests(batch, lora) if lora else [None] * len(batch)
     tag = uuid.uuid4().hex[:8]
 
-    async def one(i: int, p: Probe) -> Any:
-        served = replace(p, task=probe_names[p.task] if p.task else None)
+    async def one(i: int, p: Probe, phase: str = "") -> Any:
+        served = p if lora else replace(p, task=probe_names[p.task] if p.task else None)
         final = None
         async for out in engine_client.generate(
                 {"prompt_token_ids": tok(p.prompt)["input_ids"]}, probe_params(served),
-                f"ltv-selfcheck-{tag}-{i}"):
+                f"ltv-selfcheck-{tag}{phase}-{i}", lora_request=loras[i]):
             final = out
         return final
 
     t0 = time.perf_counter()
-    outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
-    return {**verdict(batch, outs, tokens, where()),
+    if not lora:
+        outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
+        return {**verdict(batch, outs, tokens, where()),
+                "check_seconds": round(time.perf_counter() - t0, 3)}
+    # the bare rows first, alone, before any probe adapter is loaded: their reference
+    bare = [i for i, p in enumerate(batch) if p.task is None]
+    ref = dict(zip(bare, await asyncio.gather(*(one(i, batch[i], "-ref") for i in bare)),
+                   strict=True))
+    try:
+        outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
+    finally:
+        for r in {r.lora_int_id for r in loras if r is not None}:
+            await engine_client.remove_lora(r)  # their slots are the server's again
+    return {**lora_verdict(batch, outs, ref, tokens, where()),
             "check_seconds": round(time.perf_counter() - t0, 3)}
 
 
@@ -260,11 +384,16 @@ def selfcheck_in_subprocess(opts: SelfCheckOptions, work: Path,
                             module: str = "ltv_vllm.serving.selfcheck") -> dict[str, Any]:
     """`run_selfcheck` in a fresh process (`serving.jobs`); SelfCheckFailed raised here,
     its line whole. `module`: the job's module (a test plants a bug with its own)."""
+    import torch
+
     from ltv_vllm.serving.jobs import run_job
+    from ltv_vllm.serving.vllm_support import cpu_rank_binding
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    if not torch.cuda.is_available():  # the CPU backend's own settings
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        env.update(cpu_rank_binding(opts.tensor_parallel_size))
     out = run_job(module, asdict(opts), work, "selfcheck", env=env, what="selfcheck")
     if not out.get("ok"):
         raise SelfCheckFailed(out["error"])

@@ -18,7 +18,7 @@ from typing import Any
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.checkpoint import identity_from_dir
-from ltv_vllm.serving.probes import served_probes
+from ltv_vllm.serving.probes import LORA_PAIRS, served_lora_probes, served_probes
 from ltv_vllm.serving.settings import ServerSettings
 from ltv_vllm.serving.step_policy import (
     DEFAULT_KEY,
@@ -439,6 +439,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     from ltv_vllm.models.cache import DEFAULT_MODEL, cache_dir
     from ltv_vllm.models.hardware import engine_device
     from ltv_vllm.models.resolve import resolve_model
+    from ltv_vllm.serving.lora import lora_rank as padded_rank
 
     # a vLLM the plugin was not checked against, or its V2 runner asked for: one line,
     # before any model is resolved
@@ -457,13 +458,16 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     # the row plan decides what a row gets (a folded head and LoRA adapters do not use it)
     probes = (served_probes(model_dir)
               if opts.selfcheck and not opts.fold and not opts.lora else None)
+    # in LoRA mode the probes are adapters, sent by the endpoint plugin at start
+    lora_probes = served_lora_probes(model_dir) if opts.selfcheck and opts.lora else None
     args, lora, task_env = server_args(
         model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest, served_name=spec,
         host=opts.host, port=opts.port, dtype=opts.dtype, max_model_len=opts.max_model_len,
         fold=opts.fold, shift_steps=opts.shift_steps, lora_rank_cap=opts.lora_rank, store=store,
         max_tasks=opts.max_tasks, lora=opts.lora,
         store_root=Path(opts.task_store).absolute() if opts.task_store is not None else None,
-        probes=probes.config if probes is not None else None)
+        probes=probes.config if probes is not None else None,
+        lora_min_rank=padded_rank(LORA_PAIRS) if lora_probes is not None else 1)
     extra = list(opts.vllm_args)
     if engine_device() == "cpu" and not user_chose_compilation(extra):
         # vLLM's compile warm-up costs the CPU backend over a minute per start (and per
@@ -475,6 +479,9 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     env = dict(task_env)
     if probes:  # the engine holds the probes; the endpoint plugin checks them at start
         settings = replace(settings, selfcheck=True)
+        env["VLLM_PLUGINS"] = store_plugins()
+    if lora_probes is not None:
+        settings = replace(settings, selfcheck_lora=lora_probes.adapters)
         env["VLLM_PLUGINS"] = store_plugins()
     # (the CPU backend lets this variable override --kv-cache-memory-bytes: set our default
     # only where the user gave neither)
@@ -493,7 +500,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         env["VLLM_PLUGINS"] = store_plugins()
     env.update(settings.to_env())
     return ServerPlan([sys.executable, "-m", SERVER_MODULE, *args, *extra], env, lora,
-                      quarantine, probes)
+                      quarantine, probes or lora_probes)
 
 
 def server_args(
@@ -514,6 +521,7 @@ def server_args(
     lora: bool = False,
     store_root: Path | None = None,
     probes: dict[str, dict[str, str]] | None = None,
+    lora_min_rank: int = 1,
 ) -> tuple[list[str], LoraPlan | None, dict[str, str]]:
     """argv for vLLM's OpenAI server (after `-m SERVER_MODULE`), for LoRA multi-task
     serving the plan whose adapters must be written before it starts, and what the server's
@@ -589,9 +597,9 @@ def server_args(
                 "--middleware", "ltv_vllm.serving.vllm_ext.middleware.TaskGate"], None, task_env
     # a task-store server holds its command-line tasks and up to max_tasks store tasks at
     # once (more when the store already holds more): a LoRA slot for each
-    room = {} if store is None else {
+    room = {"min_rank": lora_min_rank} if store is None else {
         "capacity": len(vectors) + max(max_tasks, len(store)),
-        "min_rank": store_rank(model_dir)}
+        "min_rank": max(store_rank(model_dir), lora_min_rank)}
     plan = plan_lora(model_dir, vectors, lora_dir=lora_dir, rank_cap=lora_rank_cap,
                      store=store, **room)
     return [*args, "--served-model-name", served_name,

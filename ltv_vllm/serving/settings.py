@@ -26,6 +26,7 @@ class ServerSettings:
     max_body: int = 64 << 20       # bytes of any request body but an upload or a compile
     max_upload: int = 1 << 30      # bytes of a task-vector upload (serve computes the real one)
     selfcheck: bool = False        # the engine holds the probe tasks: check them at start
+    selfcheck_lora: dict[str, str] | None = None  # LoRA mode: the probe adapters to check
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}

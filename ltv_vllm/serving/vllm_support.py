@@ -80,3 +80,15 @@ def runner_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 def use_v1_runner() -> None:
     """`runner_env` applied to this process, before it builds a `vllm.LLM`."""
     os.environ.update(runner_env())
+
+
+def cpu_rank_binding(ranks: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """On vLLM's CPU backend, TP/PP > 1 wants a NUMA node per rank, or a core list per rank
+    in VLLM_CPU_OMP_THREADS_BIND; on one node, split the cores among the ranks. Empty for
+    one rank, or where the caller's environment says already."""
+    environ = os.environ if environ is None else environ
+    if ranks <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in environ:
+        return {}
+    cores = max(1, (os.cpu_count() or 1) // ranks)
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(
+        f"{r * cores}-{(r + 1) * cores - 1}" if cores > 1 else str(r) for r in range(ranks))}

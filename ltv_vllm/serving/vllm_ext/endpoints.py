@@ -99,8 +99,8 @@ class TaskEndpoints:
         from ltv_vllm.serving.taskstore import TaskStore, vector_digest
 
         settings = ServerSettings.from_env()
-        if engine_client is not None and settings.selfcheck:
-            await self._selfcheck(engine_client, args)
+        if engine_client is not None and (settings.selfcheck or settings.selfcheck_lora):
+            await self._selfcheck(engine_client, args, settings.selfcheck_lora)
         root = settings.task_store
         if engine_client is None or not root:
             return  # not a task-store server: the routes answer 404
@@ -123,15 +123,16 @@ class TaskEndpoints:
             for entry in self.store.entries():
                 RUNTIME[entry.name] = task_key(entry.name, vector_digest(entry.vector_path))
 
-    async def _selfcheck(self, engine_client: Any, args: Any) -> None:
-        """Before the server answers anything: the probe tasks the engine holds, mixed with
-        bare rows, each row checked (`serving.selfcheck`); a wrong row stops the start with
-        its one line (SelfCheckFailed)."""
+    async def _selfcheck(self, engine_client: Any, args: Any,
+                         lora: dict[str, str] | None) -> None:
+        """Before the server answers anything: the probe tasks the engine holds (or, `lora`,
+        the probe adapters), mixed with bare rows, each row checked (`serving.selfcheck`); a
+        wrong row stops the start with its one line (SelfCheckFailed)."""
         from ltv_vllm.serving.probes import PROBES, SERVED_PREFIX
         from ltv_vllm.serving.selfcheck import engine_selfcheck
 
         names = {p: SERVED_PREFIX + p for p in PROBES}
-        out = await engine_selfcheck(engine_client, args.model, names)
+        out = await engine_selfcheck(engine_client, args.model, names, lora)
         # vLLM configures its own loggers only: printed, as the start-up line it is
         print(f"ltv-vllm: selfcheck passed on {out['where']}: {out['rows']} rows, "
               f"{out['tokens']} tokens, in {out['check_seconds']:.2f} s", file=sys.stderr,
