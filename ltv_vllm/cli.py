@@ -284,6 +284,9 @@ def _print_metrics(metrics: dict[str, dict[str, float]]) -> None:
         click.echo(f"{m:<{width}} {100 * v['accuracy']:>8.1f}% {v['d_ntp']:>8.4f}")
 
 
+DEVICE_HELP = "auto: CUDA when there is a GPU, else the CPU; or cpu, cuda, cuda:1, ..."
+
+
 DTYPE = click.Choice(["auto", "bfloat16", "float16", "float32"])
 DTYPE_HELP = ("auto: what the device computes natively (CPU: bfloat16 only with native bf16, "
               "else float32; CUDA: bfloat16 where supported).")
@@ -310,7 +313,11 @@ class SourceFlags:
             return None
         if self.work_dir is not None:
             check_writable(self.work_dir, option="--work-dir", directory=True)
-        return SourceOptions(self.spec, dtype=self.dtype, device_map=self.device_map,
+        import torch
+
+        # the source on every GPU when there is one (a device map), else on the CPU
+        device_map = self.device_map or ("auto" if torch.cuda.is_available() else None)
+        return SourceOptions(self.spec, dtype=self.dtype, device_map=device_map,
                              quantization=None if self.quantization == "none"
                              else self.quantization,
                              work_dir=str(self.work_dir) if self.work_dir else None,
@@ -328,8 +335,8 @@ def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--source-dtype", default="auto", show_default=True, type=DTYPE,
                      help=DTYPE_HELP),
         click.option("--source-device-map", default=None,
-                     help="transformers device_map for the source, e.g. 'auto' to spread it over "
-                          "every GPU [default: CPU]."),
+                     help="transformers device_map for the source [default: 'auto' (spread "
+                          "over every GPU) when there is a GPU, else the CPU]."),
         click.option("--source-quantization", default="none", show_default=True,
                      type=click.Choice(["none", "8bit", "4bit"]),
                      help="Load the source with bitsandbytes (needs CUDA)."),
@@ -469,8 +476,8 @@ def _capture_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--n-test", default=500, show_default=True, help="Held-out queries scored.")
 @click.option("--batch-size", default=16, show_default=True)
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
-@click.option("--device", default="cpu", show_default=True,
-              help="Device of --model (cpu, cuda, ...).")
+@click.option("--device", default="auto", show_default=True,
+              help="Device of --model. " + DEVICE_HELP)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Output file [default: TASK.pt for ltv, TASK.METHOD.pt for another "
                    "task-vector method, TASK.METHOD.safetensors for a baseline's artifact, "
@@ -492,7 +499,7 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     (cross-model transfer; the two must share a tokenizer).
     """
     from ltv_vllm.methods import get_method
-    from ltv_vllm.models.hardware import device_line
+    from ltv_vllm.models.hardware import device_line, engine_device, resolve_device
     from ltv_vllm.models.loading import load_model, load_tokenizer
     from ltv_vllm.pipeline.extract import (
         check_engine,
@@ -504,6 +511,7 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     # Everything a user can get wrong is refused here, before any model loads.
+    device = resolve_device(device)
     opts = _extract_options(k=k, n=n, lam=lam, seed=seed, n_test=n_test, batch_size=batch_size,
                             progress=not quiet, n_val=n_val, method_flags=method_flags,
                             methods=[method])
@@ -514,7 +522,7 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     engine = capture.capture_engine(source_opts.dtype if source_on_vllm else dtype,
                                     source.engine)
     on_vllm = capture.engine == "vllm"
-    if on_vllm and (source_opts or device != "cpu"):
+    if on_vllm and (source_opts or device != engine_device()):
         raise ArgumentError("--engine vllm places the model itself (no --device) and does not "
                             "capture a transfer's small target (--source-engine vllm runs its "
                             "source on vLLM)")
@@ -753,14 +761,14 @@ def inspect(path: Path) -> None:
 def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | None) -> None:
     """Write a task vector as a PEFT LoRA adapter on lm_head (loadable by any vLLM)."""
     from ltv_vllm.core.vector import load_task_vector
-    from ltv_vllm.models.resolve import resolve_model
+    from ltv_vllm.models.loading import local_model_dir
     from ltv_vllm.pipeline.extract import check_counts
     from ltv_vllm.serving.lora import export_lora as run_export
 
     check_counts(rank=rank)
     check_writable(output, option="--output", directory=True)
     tv = load_task_vector(vector)
-    model_dir = resolve_model(model_spec or tv.model.name)
+    model_dir = local_model_dir(model_spec or tv.model.name)
     out = run_export(tv, model_dir, output, rank=rank)
     r = min(tv.rank, rank or tv.rank)
     cut = f", cut from {tv.rank}" if r < tv.rank else ""
@@ -793,7 +801,8 @@ def selfcheck(model_spec: str | None, dtype: str, tensor_parallel_size: int,
     With --multi-task lora the probes are LoRA adapters, each row checked for its own."""
     import tempfile
 
-    from ltv_vllm.models.resolve import resolve_model
+    from ltv_vllm.models.cache import DEFAULT_MODEL
+    from ltv_vllm.models.loading import local_model_dir
     from ltv_vllm.serving.selfcheck import SelfCheckOptions, selfcheck_in_subprocess
     from ltv_vllm.serving.vllm_support import check_version, runner_env
 
@@ -804,7 +813,7 @@ def selfcheck(model_spec: str | None, dtype: str, tensor_parallel_size: int,
                         ("--max-model-len", max_model_len), ("--max-num-seqs", max_num_seqs)):
         if value is not None and value < 1:
             raise click.ClickException(f"{flag} must be at least 1")
-    opts = SelfCheckOptions(str(resolve_model(model_spec)), dtype=dtype,
+    opts = SelfCheckOptions(local_model_dir(model_spec or DEFAULT_MODEL), dtype=dtype,
                             tensor_parallel_size=tensor_parallel_size,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -1084,7 +1093,8 @@ def _methods_option() -> click.Option:
 @click.option("--seed", default=0, show_default=True, help="Seed of the first run.")
 @click.option("--batch-size", default=16, show_default=True)
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
-@click.option("--device", default="cpu", show_default=True, help="Device of --model.")
+@click.option("--device", default="auto", show_default=True,
+              help="Device of --model. " + DEVICE_HELP)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("ltv-eval"), show_default=True)
 @click.option("--quiet", is_flag=True)
@@ -1128,10 +1138,12 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     )
     from ltv_vllm.evaluation.evaluate import evaluate as run_evaluate
     from ltv_vllm.methods import MethodOptions, check_options_apply
+    from ltv_vllm.models.hardware import engine_device, resolve_device
     from ltv_vllm.models.loading import load_model, load_tokenizer
     from ltv_vllm.pipeline.extract import check_engine, open_source
     from ltv_vllm.tasks.specs import get_tasks, label_token_ids
 
+    device = resolve_device(device)
     cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size,
                      n_val=n_val, cost_samples=cost_samples, options=MethodOptions(**method_flags))
     source_opts = source.options(batch_size, quiet)
@@ -1141,7 +1153,7 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     if capture.dry_run and not (on_vllm or source_on_vllm):
         raise ArgumentError("--dry-run plans an --engine vllm or --source-engine vllm run")
     tasks_ = get_tasks(task_list, regression=True)
-    if on_vllm and (source_opts or device != "cpu" or with_vllm
+    if on_vllm and (source_opts or device != engine_device() or with_vllm
                     or any(t.kind == "regression" for t in tasks_)):
         raise ArgumentError("--engine vllm captures classification states for the target "
                             "alone: no --source-model, --device, --vllm or regression task")

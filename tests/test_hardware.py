@@ -105,3 +105,35 @@ def test_load_model_uses_the_rule(tmp_path, tokenizer, cpu):
     cpu(True)
     assert load_model(str(tmp_path / "m")).model.dtype == torch.bfloat16
     assert load_model(str(tmp_path / "m"), dtype="float32").model.dtype == torch.float32
+
+
+def test_device_auto_is_the_gpu_when_there_is_one(monkeypatch):
+    """`--device auto` (the default of extract and evaluate): CUDA when torch has it, else
+    the CPU; an explicit device is taken as given where this machine has it, refused in
+    one line where it does not or where torch does not know it."""
+    from ltv_vllm.models.hardware import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    assert resolve_device("cpu") == "cpu"
+    with pytest.raises(UserError, match="no CUDA device"):
+        resolve_device("cuda:1")
+    with pytest.raises(UserError, match="unknown device 'gpu0'"):
+        resolve_device("gpu0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda"
+    assert resolve_device("cuda:1") == "cuda:1"
+    assert resolve_device("cpu") == "cpu"
+
+
+def test_extract_refuses_a_device_this_machine_lacks_before_loading(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for cmd in (["extract", "--task", "sst2"], ["evaluate", "--tasks", "sst2"]):
+        r = CliRunner().invoke(main, [*cmd, "--model", str(tmp_path / "nope"), "--device",
+                                      "cuda"])
+        assert r.exit_code == 1 and "no CUDA device" in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output

@@ -83,12 +83,20 @@ def test_dry_run_commands(setup, monkeypatch):
     assert "--enable-lora" in r.output and "--max-loras 3" in r.output
     assert "--middleware ltv_vllm.serving.vllm_ext.middleware.LoraGate" in r.output
     assert "--max-lora-rank 8" in r.output  # rank 2, padded to a rank vLLM accepts
+    # the start-up self-check's probe adapters, planned in the cache, not written
+    lora_probes = json.loads(r.output.split("LTV_VLLM_SERVER=")[1].split("' ")[0].strip("'"))[
+        "selfcheck_lora"]
+    assert sorted(lora_probes) == ["selfcheck-lora-a", "selfcheck-lora-b", "selfcheck-lora-c"]
+    assert not any(Path(p).exists() for p in lora_probes.values())
     # --lora-rank cuts every adapter (W = 2·11ᵀ here has rank 1): a smaller LoRA rank
     r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
                                   f"a={good}", "--task-vector", f"b={good}", "--dry-run",
                                   "--multi-task", "lora", "--lora-rank", "1"])
     assert r.exit_code == 0, r.output
     assert "--max-lora-rank 1" in r.output
+    # (the start-up check's rank-4 probe adapters would raise that to 8: skipped, and said)
+    assert "warning: no start-up self-check at --lora-rank 1" in r.output, r.output
+    assert '"selfcheck_lora": null' in r.output
     adapter = Path(r.output.split("--lora-modules ")[1].split()[0].split("=", 1)[1])
     assert not adapter.exists()  # a dry run writes nothing
     assert not (tmp / "cache").exists()
@@ -265,3 +273,29 @@ def test_shift_steps_default_and_its_refusals(setup, monkeypatch):
     bad = replace(tv, provenance=replace(tv.provenance, shift_steps="most")).save(tmp / "bad.pt")
     r = CliRunner().invoke(main, [*base, "--task-vector", str(bad)])
     assert r.exit_code == 1 and "meta.shift_steps: 'most' is not a step policy" in r.output
+
+
+def test_a_hub_id_not_cached_offline_is_one_line(setup, monkeypatch, tmp_path):
+    """`serve --model ORG/NAME` resolves a hub id as extract does (fetched into, or found
+    in, the Hugging Face cache); offline and not cached: one line, exit 1, no traceback. A
+    cached one is found offline, and served from its snapshot directory."""
+    tmp, good, _ = setup
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)  # (read once, when it is imported)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    r = CliRunner().invoke(main, ["serve", "--model", "someorg/not-cached", "--task-vector",
+                                  str(good), "--dry-run"])
+    assert r.exit_code == 1 and "not in the Hugging Face cache" in r.output, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    # the same model in the hub cache's layout: found offline
+    import shutil
+
+    snap = tmp_path / "hub" / "models--someorg--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(tmp / "m", snap)
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("0" * 40)
+    r = CliRunner().invoke(main, ["serve", "--model", "someorg/tiny", "--task-vector",
+                                  str(good), "--dry-run", "--skip-selfcheck"])
+    assert r.exit_code == 0, r.output
+    assert f"--model {snap}" in r.output, r.output

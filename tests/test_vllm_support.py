@@ -106,3 +106,20 @@ def test_a_row_plan_that_does_not_match_the_rows_raises():
         assert steps.take_plan(2) is None  # not armed: a later call of the same step
     finally:
         steps.PLAN.source, steps.PLAN.armed = old
+
+
+def test_install_metadata_allows_the_pythons_vllm_ships_for():
+    """pyproject: Python 3.11–3.13 (vLLM's GPU wheels cover 3.10–3.13; GPU images ship 3.12),
+    and the gpu extra pins vLLM to the range the plugin checks."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.specifiers import SpecifierSet
+
+    from ltv_vllm.serving.vllm_support import RANGE
+
+    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    python = SpecifierSet(meta["requires-python"])
+    assert all(v in python for v in ("3.11", "3.12", "3.13.1"))
+    assert "3.10" not in python and "3.14" not in python
+    assert meta["optional-dependencies"]["gpu"] == [f"vllm{RANGE}"]

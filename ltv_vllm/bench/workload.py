@@ -117,11 +117,12 @@ def build_workload(
 ) -> Workload:
     from transformers import AutoTokenizer
 
-    from ltv_vllm.models.resolve import resolve_model
+    from ltv_vllm.models.cache import DEFAULT_MODEL
+    from ltv_vllm.models.loading import local_model_dir
     from ltv_vllm.serving.serve import checked_vector
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
-    model_dir = Path(resolve_model(model_spec))
+    model_dir = Path(local_model_dir(model_spec or DEFAULT_MODEL))
     tok = AutoTokenizer.from_pretrained(model_dir)
     tasks = {name: get_task(name) for name in task_names}
     per_task = {name: icl_queries(t, k=k, n_test=n_per_task, seed=seed, n=n)

@@ -56,9 +56,14 @@ def patched_heads(model, mean_act: torch.Tensor, layer: torch.Tensor,
     n_heads, hd = mean_act.shape[1:]
 
     def edit(x: torch.Tensor, ell: int, rows: torch.Tensor) -> torch.Tensor:
+        # every index on the activations' device: an index_put_ with CPU indices into a
+        # CUDA tensor is refused ("Expected all tensors to be on the same device")
+        rows = rows.to(x.device)
+        heads = head.to(x.device)[rows]
         y = x.clone()
         sub = y[rows, -1].view(len(rows), n_heads, hd)
-        sub[torch.arange(len(rows)), head[rows]] = mean_act[ell, head[rows]].to(x.dtype)
+        sub[torch.arange(len(rows), device=x.device), heads] = (
+            mean_act.to(x.device)[ell, heads].to(x.dtype))
         y[rows, -1] = sub.view(len(rows), n_heads * hd)
         return y
 

@@ -106,6 +106,21 @@ def resolve_dtype(requested: str, *, device: str = "cpu", checkpoint: str | None
     return "bfloat16" if cpu_native_bf16() else "float32"
 
 
+def resolve_device(requested: str) -> str:
+    """`--device`: "auto" is the GPU when there is one, else the CPU; another value must be a
+    device torch knows and this machine has (one line otherwise)."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(requested).type
+    except (RuntimeError, TypeError, ValueError):
+        raise UserError(f"unknown device {requested!r} (auto, cpu, cuda, cuda:1, ...)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {requested!r}: this machine has no CUDA device torch can use "
+                        f"(torch {torch.__version__}); use cpu or auto")
+    return requested
+
+
 def engine_device() -> str:
     """Where a vLLM engine started here runs: the GPU when there is one, else the CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -101,12 +101,17 @@ def local_model_dir(spec: str) -> str:
     path = resolve_model(spec)
     if Path(path).is_dir():
         return path
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
+    try:
         return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt",
-                                                       "*.model", "*.tiktoken"])
-    except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated repo
+                                                       "*.model", "*.tiktoken", "*.jinja"])
+    except LocalEntryNotFoundError:
+        raise ModelError(f"{spec}: not in the Hugging Face cache, and the hub cannot be reached "
+                         f"(offline, or HF_HUB_OFFLINE set); fetch it first: hf download {path}"
+                         ) from None
+    except Exception as e:  # noqa: BLE001 - unknown repo, gated repo, a bad id
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"{spec}: not a packaged alias, local directory or reachable hub model "
                          f"({first})") from None

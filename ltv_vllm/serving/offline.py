@@ -32,13 +32,14 @@ def make_llm(
     """A `vllm.LLM` for the model, with the vector fused (or folded) when one is given."""
     from vllm import LLM
 
+    from ltv_vllm.models.cache import DEFAULT_MODEL
     from ltv_vllm.models.hardware import resolve_for_model
-    from ltv_vllm.models.resolve import resolve_model
+    from ltv_vllm.models.loading import local_model_dir
     from ltv_vllm.serving.serve import engine_kwargs
 
     check_version()
     use_v1_runner()  # our logits processors have the V1 runner's interface
-    model_dir = resolve_model(model_spec)
+    model_dir = local_model_dir(model_spec or DEFAULT_MODEL)
     dtype = resolve_for_model(dtype, model_dir)
     kwargs: dict[str, Any] = (
         engine_kwargs(model_dir, vector, fold=fold) if vector else {"model": model_dir}

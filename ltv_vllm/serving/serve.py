@@ -398,12 +398,13 @@ class ServerPlan:
     lora: LoraPlan | None     # adapters still to write (multi-task); nothing is written yet
     quarantine: dict[str, str] = field(default_factory=dict)  # store entries not served: why
     probes: Any = None        # the start-up self-check's probe files, still to write
+    notes: list[str] = field(default_factory=list)  # other warnings, one line each
 
     def warnings(self, done: bool = True) -> list[str]:
-        """One line per task-store entry this server does not serve."""
+        """One line per task-store entry this server does not serve, then the notes."""
         verb = "moved to .quarantine/" if done else "would be moved to .quarantine/"
-        return [f"warning: task store entry {name!r} is not served ({why}); {verb}"
-                for name, why in self.quarantine.items()]
+        return [*(f"warning: task store entry {name!r} is not served ({why}); {verb}"
+                  for name, why in self.quarantine.items()), *self.notes]
 
     def prepare(self) -> None:
         """Write what the server needs (adapters; the task store, swept; entries it cannot
@@ -438,7 +439,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
 
     from ltv_vllm.models.cache import DEFAULT_MODEL, cache_dir
     from ltv_vllm.models.hardware import engine_device
-    from ltv_vllm.models.resolve import resolve_model
+    from ltv_vllm.models.loading import local_model_dir
     from ltv_vllm.serving.lora import lora_rank as padded_rank
 
     # a vLLM the plugin was not checked against, or its V2 runner asked for: one line,
@@ -446,7 +447,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     check_version()
     runner = runner_env()
     spec = opts.model_spec or DEFAULT_MODEL
-    model_dir = resolve_model(spec)
+    model_dir = local_model_dir(spec)  # a hub id: fetched, or found in the cache offline
     parsed = parse_vector_specs(list(opts.vectors))
     store, quarantine = (store_entries(opts.task_store, model_dir, parsed)
                          if opts.task_store is not None else (None, {}))
@@ -458,8 +459,14 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     # the row plan decides what a row gets (a folded head and LoRA adapters do not use it)
     probes = (served_probes(model_dir)
               if opts.selfcheck and not opts.fold and not opts.lora else None)
-    # in LoRA mode the probes are adapters, sent by the endpoint plugin at start
-    lora_probes = served_lora_probes(model_dir) if opts.selfcheck and opts.lora else None
+    # in LoRA mode the probes are adapters (rank 4), sent by the endpoint plugin at start;
+    # not where --lora-rank 1 keeps every adapter at rank 1 (the check would raise vLLM's
+    # LoRA rank, and its cost, to 8 for every request)
+    lora_probes = (served_lora_probes(model_dir) if opts.selfcheck and opts.lora and (
+        opts.lora_rank is None or padded_rank(opts.lora_rank) >= LORA_PAIRS) else None)
+    notes = ([] if lora_probes is not None or not (opts.selfcheck and opts.lora) else [
+        f"warning: no start-up self-check at --lora-rank {opts.lora_rank} (its probe "
+        f"adapters need rank {LORA_PAIRS}); `ltv-vllm selfcheck --multi-task lora` runs it"])
     args, lora, task_env = server_args(
         model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest, served_name=spec,
         host=opts.host, port=opts.port, dtype=opts.dtype, max_model_len=opts.max_model_len,
@@ -500,7 +507,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         env["VLLM_PLUGINS"] = store_plugins()
     env.update(settings.to_env())
     return ServerPlan([sys.executable, "-m", SERVER_MODULE, *args, *extra], env, lora,
-                      quarantine, probes or lora_probes)
+                      quarantine, probes or lora_probes, notes)
 
 
 def server_args(
