@@ -518,11 +518,19 @@ def constrained_greedy(model, tokenizer, prompt: str, tv, n: int, choices: list[
     return [*out, tokenizer.eos_token_id], text
 
 
+# the burst's first requests, 8 × ~240 tokens against a 512-token KV cache: with a 32-token
+# step budget a request is admitted every few steps while the earlier ones decode, so well
+# before the first is done the running rows need more blocks than there are (in steps, not
+# seconds: however slow the machine)
+HEAVY = 8
+
+
 def test_scheduler_paths(assets, tokenizer, multi_task_server):
     """Through the real server (`SCHEDULER`), each answer against transformers' greedy loop:
-    a burst of 16 requests of 40 to 230 tokens — three tasks and the bare model, named or as
-    `ltv_task`, every policy, 4 to 24 tokens each, arriving 30 ms apart — among them prompt
-    lists sampled with n = 2. Prompts over the 32-token budget are prefilled in chunks, eight
+    a burst of 16 requests — three tasks and the bare model, named or as `ltv_task`, every
+    policy: first 8 of about 90 prompt and 140 answer tokens at once, then 6 of 40 to 115
+    prompt tokens and 4 to 24 answer tokens and 2 prompt lists sampled with n = 2, arriving
+    30 ms apart. Prompts over the 32-token budget are prefilled in chunks, eight
     run at once (the others wait, the batch compacts as rows finish), and the 512-token KV
     cache overflows: vLLM counts preemptions. Every answer is its own task's at its own steps
     (`assert_told_apart`: ≥ 10× the tolerance from every other task, policy and the bare
@@ -544,9 +552,14 @@ def test_scheduler_paths(assets, tokenizer, multi_task_server):
             xargs["ltv_task"] = task
         if policies[i % 5] is not None and task:
             xargs["ltv_steps"] = policies[i % 5]
-        max_tokens = 4 + (7 * i) % 21
-        prompt = long_prompt(tokenizer, min(40 + 15 * i, 250 - max_tokens), i)
-        jobs.append(dict(model=name, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+        if i < HEAVY:  # sent at once, long answers: the running rows outgrow the KV cache
+            max_tokens = 140 + 3 * (i % 3)
+            length = 100 - 2 * i
+        else:
+            max_tokens = 4 + (7 * i) % 21
+            length = 40 + 15 * (i - HEAVY)
+        jobs.append(dict(model=name, prompt=long_prompt(tokenizer, length, i),
+                         max_tokens=max_tokens, temperature=0.0,
                          extra_body={"vllm_xargs": xargs}, _task=task, _steps=policies[i % 5]))
     for i, (name, steps) in enumerate((("alpha", "first"), ("gamma", 2))):  # sampled, n = 2
         jobs.append(dict(model=name, prompt=[long_prompt(tokenizer, 60, 100 + i), PROMPTS[i]],
@@ -556,7 +569,7 @@ def test_scheduler_paths(assets, tokenizer, multi_task_server):
 
     def call(i_job):
         i, job = i_job
-        time.sleep(0.03 * i)
+        time.sleep(0.03 * max(0, i - HEAVY + 1))
         kw = {k: v for k, v in job.items() if not k.startswith("_")}
         kw["extra_body"] = {**kw["extra_body"], "return_tokens_as_token_ids": True,
                             "ignore_eos": True}
