@@ -69,6 +69,26 @@ class _Lam(click.ParamType):
 
 
 LAM = _Lam()
+
+
+class _Batch(click.ParamType):
+    """--batch-size: a count ≥ 1, or `auto` (from the device's free memory and the prompts'
+    lengths, per pass: `extraction.batching`)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 - click's signature
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a count nor 'auto'", param, ctx)
+
+
+BATCH = _Batch()
+BATCH_HELP = ("Prompts per forward pass, or auto: the most that fit in half the device's "
+              "free memory at these prompts' lengths (at most 128).")
 LAM_HELP = ("Ridge penalty λ (> 0), or `auto`: the λ with the least closed-form "
             "leave-one-out error on a grid scaled to the states (no labels).")
 
@@ -474,7 +494,7 @@ def _capture_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP)
 @click.option("--seed", default=0, show_default=True, help="Demo/query sampling seed.")
 @click.option("--n-test", default=500, show_default=True, help="Held-out queries scored.")
-@click.option("--batch-size", default=16, show_default=True)
+@click.option("--batch-size", default="auto", show_default=True, type=BATCH, help=BATCH_HELP)
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--device", default="auto", show_default=True,
               help="Device of --model. " + DEVICE_HELP)
@@ -577,7 +597,9 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     _print_metrics(metrics)
     hw = f"{pv.dtype or '?'} on {device_line(device)}" + (
         f", vLLM TP {engine.tensor_parallel_size} × PP {engine.pipeline_parallel_size}"
-        if on_vllm else "")
+        if on_vllm else "") + (
+        f", batch {int(tm['batch_size'])}{' (auto)' if batch_size == 'auto' else ''}"
+        if "batch_size" in tm else "")
     if large is not None:
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s "
                    f"(source {tm['source_capture_seconds']:.1f} s, "
@@ -1091,7 +1113,7 @@ def _methods_option() -> click.Option:
 @click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP)
 @click.option("--n-test", default=500, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Seed of the first run.")
-@click.option("--batch-size", default=16, show_default=True)
+@click.option("--batch-size", default="auto", show_default=True, type=BATCH, help=BATCH_HELP)
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--device", default="auto", show_default=True,
               help="Device of --model. " + DEVICE_HELP)

@@ -113,6 +113,9 @@ def test_cli_extract_inspect_evaluate(tmp_path, model_dir, task_file):
     assert pv.dtype == "float32"  # a float32 checkpoint stays float32 under --dtype auto
     assert pv.hardware["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert "float32 on CPU" in r.output  # the timing line names the dtype and the hardware
+    # --batch-size auto (the default): the batch planned from free memory, printed and kept
+    assert f"batch {int(pv.timings['batch_size'])} (auto)" in r.output, r.output
+    assert pv.timings["batch_size"] == 12  # the last pass: all 12 test prompts at once
     r = runner.invoke(main, ["inspect", str(out)])
     assert r.exit_code == 0 and "hidden task vector" in r.output
     assert "extracted on: " in r.output and pv.hardware["cpu_capability"] in r.output

@@ -40,7 +40,9 @@ def test_the_vector_extract_writes_is_the_one_evaluate_scores(setup, monkeypatch
         out = d / f"{m}.safetensors"
         r = runner.invoke(main, ["extract", "--model", str(model_dir), "--task", str(spec),
                                  "--method", m, "--k", "6", "--n", "20", "--n-test", "10",
-                                 "--seed", "4", "--dtype", "float32", "--quiet", "-o", str(out)])
+                                 "--seed", "4", "--dtype", "float32", "--quiet", "-o", str(out),
+                                 # evaluate's batch below: equal to the bit needs equal batches
+                                 "--batch-size", "16"])
         assert r.exit_code == 0, r.output
         written[m] = load_task_vector(out)
 

@@ -38,6 +38,7 @@ from ltv_vllm.pipeline.extract import (
     capturer_for,
     check_counts,
     check_pair,
+    concrete_batch,
     episode_labels,
     label_rows,
     method_context,
@@ -75,7 +76,7 @@ class EvalConfig:
     n_test: int = 500
     runs: int = 5
     seed: int = 0
-    batch_size: int = 16
+    batch_size: int | str = 16  # or "auto" (the Capturer plans each pass)
     n_val: int = 32  # labelled validation examples for TV / FV / SV's layer choice
     cost_samples: int = 16  # test prompts timed per method in each task's first run; 0: none
     options: MethodOptions = field(default_factory=MethodOptions)  # the methods' own knobs
@@ -90,8 +91,10 @@ class EvalConfig:
         return ExtractOptions(k=self.k, n=self.n, lam=self.lam, seed=seed, n_test=self.n_test,
                               batch_size=self.batch_size, n_val=self.n_val)
 
-    def method_options(self, seed: int, progress: bool) -> MethodOptions:
-        return self.options.replace(lam=self.lam, seed=seed, batch_size=self.batch_size,
+    def method_options(self, seed: int, progress: bool,
+                       planned: int | None = None) -> MethodOptions:
+        return self.options.replace(lam=self.lam, seed=seed,
+                                    batch_size=concrete_batch(self.batch_size, planned),
                                     progress=progress)
 
     def to_dict(self) -> dict[str, Any]:
@@ -219,14 +222,15 @@ def evaluate(
                     c.capture_seconds = lm.seconds_for(2 * len(episode.queries))
                 _save_episode(checkpoint, *where, c, None)
             ctx = method_context(lm, cap, episode, label_ids,
-                                 cfg.method_options(seed, progress), c)
+                                 cfg.method_options(seed, progress,
+                                                    getattr(cap, "batch_size", None)), c)
             sc = score_methods(ctx, own, c.h_zs_test, c.h_icl_test, episode_labels(episode),
                                done=scored, on_scored=lambda s, c=c, where=where:
                                _save_episode(checkpoint, *where, c, s), head=head)
             metrics, ext, params = sc.metrics, sc.extraction_seconds, sc.params
             if run == 0 and cfg.cost_samples and not on_states:
                 costs[task.name] = inference_cost(ctx, sc, own, cfg.cost_samples,
-                                                  cfg.batch_size)
+                                                  ctx.opts.batch_size)
         else:
             tr, ct, cs = run_transfer_episode(
                 cap, source, episode, cfg.lam, pair_ids[task.name],

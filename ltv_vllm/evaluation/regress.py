@@ -283,7 +283,7 @@ def extract_regression(lm: LoadedModel, task: RegressionTask, opts: ExtractOptio
     k = opts.k or DEFAULT_K
     ep = sample_regression_episode(task, k=k, n=opts.n, n_test=opts.n_test, seed=opts.seed)
     cap = Capturer(lm.model, lm.tokenizer, batch_size=opts.batch_size, progress=opts.progress)
-    ctx = Context(cap, ep, [], opts.method_options(), identity=lm.identity)
+    ctx = Context(cap, ep, [], opts.method_options(cap.batch_size), identity=lm.identity)
     scores, ext, arts = score_instance(ctx, ["zero-shot", "icl", method], max_new_tokens)
     tv, secs = arts[method], ext[method]  # extracted once, by the scoring
     metrics = {m: {key: v for key, v in sc.items() if key != "texts"} for m, sc in scores.items()}

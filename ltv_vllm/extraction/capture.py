@@ -107,14 +107,17 @@ class Capturer:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
-        batch_size: int = 16,
+        batch_size: int | str = 16,
         progress: bool = True,
         max_length: int | None = None,
         pack: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.batch_size = batch_size
+        # "auto": each pass's batch from the device's free memory and its prompts' lengths
+        # (`extraction.batching`); `batch_size` is then the last one planned (16 before any)
+        self.auto = batch_size == "auto"
+        self.batch_size = 16 if self.auto else int(batch_size)
         self.progress = progress
         self.base = base_model(model)
         self.device = next(model.parameters()).device
@@ -180,7 +183,8 @@ class Capturer:
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         bar = tqdm(total=len(seqs), desc=desc, unit="prompt", disable=not self.progress,
                    leave=False)
-        for idx in _batches(len(order), self.batch_size):
+        size = self._size(prefix, [len(s) for s in seqs], packed=False)
+        for idx in _batches(len(order), size):
             batch = [seqs[order[i]] for i in idx]
             ids, mask = left_pad(batch, self.pad_id)
             rows.append(self.forward_last(ids, mask, prefix))
@@ -190,6 +194,17 @@ class Capturer:
         out = torch.empty_like(h)
         out[torch.tensor(order, dtype=torch.long)] = h
         return out  # (n, d)
+
+    def _size(self, prefix: Prefix | None, lengths: list[int], *, packed: bool) -> int:
+        """This pass's batch: the given size, or (auto) the planned one, remembered."""
+        if not self.auto:
+            return self.batch_size
+        from ltv_vllm.extraction.batching import Shape, free_memory, plan_batch
+
+        shape = Shape.of(self.model.config, self.model.dtype.itemsize)
+        self.batch_size = plan_batch(shape, free_memory(self.device),
+                                     len(prefix.ids) if prefix else 0, lengths, packed=packed)
+        return self.batch_size
 
     def hidden(self, prompts: Sequence[str], desc: str = "forward") -> torch.Tensor:
         """h(p) for each full prompt, batched. (n, d)"""
@@ -258,7 +273,8 @@ class Capturer:
         rows: list[torch.Tensor] = []
         bar = tqdm(total=len(seqs), desc=desc, unit="prompt", disable=not self.progress,
                    leave=False)
-        for idx in _batches(len(seqs), self.batch_size):
+        size = self._size(prefix, [len(s) for s in seqs], packed=True)
+        for idx in _batches(len(seqs), size):
             rows.append(self.forward_packed([seqs[i] for i in idx], prefix))
             bar.update(len(idx))
         bar.close()

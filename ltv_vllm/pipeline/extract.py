@@ -71,13 +71,15 @@ TRANSFER_K = 10  # the paper's transfer setting: few demos, where a small model'
 
 def check_counts(*, k: int | None = None, n: int | None = None,
                  lam: float | str | None = None,
-                 n_test: int | None = None, batch_size: int | None = None,
+                 n_test: int | None = None, batch_size: int | str | None = None,
                  rank: int | None = None, runs: int | None = None) -> None:
     """Refuse impossible option values with the option's CLI name, before any heavy work.
 
     What depends on the task (k against its classes, N against its data) is checked when
     the episode is sampled (`plan_episode`), still before a model loads.
     """
+    if batch_size == "auto":  # from the device's free memory (`extraction.batching`)
+        batch_size = None
     for name, value in (("--k", k), ("--n", n), ("--n-test", n_test),
                         ("--batch-size", batch_size), ("--rank", rank), ("--runs", runs)):
         if value is not None and (isinstance(value, bool) or int(value) < 1):
@@ -99,7 +101,7 @@ class ExtractOptions:
     lam: float | str = 5.0  # or "auto": by closed-form leave-one-out error (`ridge.loo_curve`)
     seed: int = 0
     n_test: int = 500
-    batch_size: int = 16
+    batch_size: int | str = 16  # or "auto": planned per pass by the Capturer
     rank: int | None = None  # cut the fit to this rank (ridge.truncate)
     progress: bool = True
     n_val: int = 32  # labelled validation examples for the baselines' layer choice (paper: 32)
@@ -114,10 +116,17 @@ class ExtractOptions:
             return self.k
         return max(TRANSFER_K, task.num_classes) if transfer else DEFAULT_K
 
-    def method_options(self) -> MethodOptions:
-        """The registry's options: the method's own knobs and this extraction's settings."""
-        return self.options.replace(lam=self.lam, seed=self.seed, batch_size=self.batch_size,
+    def method_options(self, planned: int | None = None) -> MethodOptions:
+        """The registry's options: the method's own knobs and this extraction's settings
+        (`planned`: the batch the capture planned, for --batch-size auto)."""
+        return self.options.replace(lam=self.lam, seed=self.seed,
+                                    batch_size=concrete_batch(self.batch_size, planned),
                                     progress=self.progress, rank=self.rank)
+
+
+def concrete_batch(batch_size: int | str, planned: int | None = None) -> int:
+    """A batch size as a number: "auto" is what the capture planned (16 before it has)."""
+    return int(batch_size) if batch_size != "auto" else (planned or 16)
 
 
 def plan_episode(task: Task, opts: ExtractOptions, *, transfer: bool = False) -> Episode:
@@ -239,7 +248,8 @@ def states_methods() -> list[str]:
     return [n for n, m in REGISTERED.items() if m.hidden_space and m.uses_states]
 
 
-def capturer_for(lm: LoadedModel | CapturedModel, batch_size: int, progress: bool) -> Any:
+def capturer_for(lm: LoadedModel | CapturedModel, batch_size: int | str,
+                 progress: bool) -> Any:
     """What `capture_episode` reads states from: a Capturer over the loaded model, or the
     table a CapturedModel's engine filled."""
     if isinstance(lm, CapturedModel):
@@ -302,7 +312,8 @@ def extract(
         # the engine captured train and test in one batch: the train prompts' share
         c.capture_seconds = lm.seconds_for(2 * len(episode.queries))
         c.test_seconds = lm.seconds_for(2 * len(episode.test))
-    ctx = method_context(lm, cap, episode, label_ids, opts.method_options(), c)
+    ctx = method_context(lm, cap, episode, label_ids,
+                         opts.method_options(getattr(cap, "batch_size", None)), c)
     sc = score_methods(ctx, names, c.h_zs_test, c.h_icl_test, episode_labels(episode),
                        head=label_rows(lm, label_ids))
     total = sc.extraction_seconds[method]
@@ -311,6 +322,8 @@ def extract(
                "extraction_seconds": total, "test_seconds": c.test_seconds}
     if isinstance(lm, CapturedModel):
         timings["engine_start_seconds"] = lm.startup_seconds
+    else:  # the batch the capture ran at (with --batch-size auto: the last one planned)
+        timings["batch_size"] = cap.batch_size
     art = sc.artifacts[method]
     vector = isinstance(art, TaskVector)
     prov = replace(art.provenance, k=opts.k_for(task), n=opts.n, metrics=sc.metrics,

@@ -1,0 +1,83 @@
+"""`--batch-size auto`: the planner's memory model against sums done by hand, the Capturer
+planning each pass from (a stand-in for) free memory, and the same states as a fixed batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ltv_vllm.extraction import batching
+from ltv_vllm.extraction.batching import Shape, packed_bytes, padded_bytes, plan_batch
+
+# 2 layers, 4 heads (2 KV heads) of 16, hidden 64, MLP 128, float32
+SHAPE = Shape(layers=2, heads=4, kv_heads=2, head_dim=16, hidden=64, intermediate=128,
+              dtype_bytes=4)
+
+
+def test_memory_model_by_hand():
+    # keys and values: 2 (K, V) × 2 layers × 2 heads × 16 × 4 bytes = 512 bytes a position
+    assert SHAPE.kv_bytes(120) == 512 * 120
+    # one layer, 20 new positions over 120: scores 4·20·120·4, MLP 3·20·128·4, hidden 4·20·64·4
+    assert SHAPE.layer_bytes(20, 120) == 38_400 + 30_720 + 20_480
+    # 7 padded rows of 20 tokens after a 100-token prefix: each its own prefix copy
+    assert padded_bytes(SHAPE, 7, 100, 20) == 7 * (61_440 + 89_600)
+    # one packed row: 60 query tokens after the same prefix, once; + the float32 mask
+    assert packed_bytes(SHAPE, 100, 60) == 512 * 160 + (4 * 60 * 160 * 4 + 3 * 60 * 128 * 4
+                                                        + 4 * 60 * 64 * 4) + 60 * 160 * 4
+
+
+def test_plan_is_the_largest_batch_within_half_the_free_memory():
+    row = padded_bytes(SHAPE, 1, 100, 20)
+    free = 2 * 7 * row + 1  # half of it holds 7 rows, not 8
+    assert plan_batch(SHAPE, free, 100, [5, 20, 12] * 10) == 7  # rows padded to 20
+    assert plan_batch(SHAPE, free, 100, [5, 20]) == 2  # never more than there are prompts
+    assert plan_batch(SHAPE, 10, 100, [20] * 50) == 1  # nothing fits: one at a time
+    assert plan_batch(SHAPE, 1 << 50, 0, [20] * 500) == batching.CAP
+    # packed: the longest queries first; 3 × 20 tokens fit in 500,000 bytes, 4 do not
+    assert packed_bytes(SHAPE, 100, 60) <= 500_000 < packed_bytes(SHAPE, 100, 80)
+    assert plan_batch(SHAPE, 1_000_000, 100, [20, 3, 20, 20, 20], packed=True) == 3
+
+
+def test_shape_of_a_transformers_config(tiny_model):
+    cfg = tiny_model.config  # conftest: hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128
+    assert Shape.of(cfg, 2) == Shape(layers=2, heads=4, kv_heads=2, head_dim=16, hidden=64,
+                                     intermediate=128, dtype_bytes=2)
+
+
+def test_capturer_plans_each_pass_and_matches_a_fixed_batch(tiny_model, tokenizer,
+                                                            monkeypatch):
+    from ltv_vllm.extraction.capture import Capturer
+
+    prefix = "Review: a gorgeous movie\nSentiment: positive\n" * 3
+    prompts = [f"Review: the plot {'is dull ' * i}\nSentiment:" for i in range(1, 12)]
+    fixed = Capturer(tiny_model, tokenizer, batch_size=16, progress=False)
+    want_icl, want_zs = fixed.icl(prefix, prompts), fixed.hidden(prompts)
+    for pack in (True, False):
+        auto = Capturer(tiny_model, tokenizer, batch_size="auto", progress=False, pack=pack)
+        pre = len(auto.encode_prefix(prefix, then=prompts[0]).ids)
+        suffixes = [len(auto.encode(prefix + p)) - pre for p in prompts]
+        free = 2 * (packed_bytes(SHAPE, pre, sum(sorted(suffixes)[-4:])) if pack
+                    else padded_bytes(SHAPE, 4, pre, max(suffixes)))
+        monkeypatch.setattr(batching, "free_memory", lambda _device, free=free: free)
+        got = auto.icl(prefix, prompts)
+        assert auto.batch_size == 4, pack  # the planned batch, remembered
+        torch.testing.assert_close(got, want_icl, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(batching, "free_memory", lambda _device: 1 << 40)
+    torch.testing.assert_close(auto.hidden(prompts), want_zs, atol=1e-5, rtol=1e-5)
+    assert auto.batch_size == len(prompts)
+
+
+@pytest.mark.parametrize("value,ok", [("auto", True), ("8", True), ("0", False),
+                                      ("lots", False)])
+def test_batch_size_flag(value, ok, tmp_path):
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    r = CliRunner().invoke(main, ["extract", "--task", "sst2", "--batch-size", value,
+                                  "--model", str(tmp_path / "none")])
+    assert r.exit_code != 0  # no model there either way; the flag is judged first
+    if ok:
+        assert "--batch-size" not in r.output, r.output
+    else:
+        assert "--batch-size" in r.output.strip().splitlines()[-1], r.output
