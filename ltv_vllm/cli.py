@@ -531,7 +531,6 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     # Everything a user can get wrong is refused here, before any model loads.
-    device = resolve_device(device)
     opts = _extract_options(k=k, n=n, lam=lam, seed=seed, n_test=n_test, batch_size=batch_size,
                             progress=not quiet, n_val=n_val, method_flags=method_flags,
                             methods=[method])
@@ -542,10 +541,11 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     engine = capture.capture_engine(source_opts.dtype if source_on_vllm else dtype,
                                     source.engine)
     on_vllm = capture.engine == "vllm"
-    if on_vllm and (source_opts or device != engine_device()):
+    if on_vllm and (source_opts or device not in ("auto", engine_device())):
         raise ArgumentError("--engine vllm places the model itself (no --device) and does not "
                             "capture a transfer's small target (--source-engine vllm runs its "
                             "source on vLLM)")
+    device = resolve_device(device)
     if capture.dry_run and not (on_vllm or source_on_vllm):
         raise ArgumentError("--dry-run plans an --engine vllm or --source-engine vllm run")
     t = get_task(task, regression=True)
@@ -1165,7 +1165,6 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     from ltv_vllm.pipeline.extract import check_engine, open_source
     from ltv_vllm.tasks.specs import get_tasks, label_token_ids
 
-    device = resolve_device(device)
     cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size,
                      n_val=n_val, cost_samples=cost_samples, options=MethodOptions(**method_flags))
     source_opts = source.options(batch_size, quiet)
@@ -1175,10 +1174,11 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     if capture.dry_run and not (on_vllm or source_on_vllm):
         raise ArgumentError("--dry-run plans an --engine vllm or --source-engine vllm run")
     tasks_ = get_tasks(task_list, regression=True)
-    if on_vllm and (source_opts or device != engine_device() or with_vllm
+    if on_vllm and (source_opts or device not in ("auto", engine_device()) or with_vllm
                     or any(t.kind == "regression" for t in tasks_)):
         raise ArgumentError("--engine vllm captures classification states for the target "
                             "alone: no --source-model, --device, --vllm or regression task")
+    device = resolve_device(device)
     kinds = {t.kind for t in tasks_}
     if len(kinds) > 1:
         raise ArgumentError("--tasks mixes classification and regression tasks; evaluate them "
@@ -1491,15 +1491,35 @@ def bench_report_cmd(out_dir: Path) -> None:
 @click.option("--naive/--no-naive", default=True, show_default=True,
               help="Also time the reference code's path (slow).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              default=Path("benchmarks/results/extraction_cost"), show_default=True)
+              default=None,
+              help="[default: benchmarks/results/extraction_cost; with --shape "
+                   "benchmarks/results/extraction_SHAPE_DEVICE]")
+@click.option("--shape", default=None,
+              help="Instead: the whole extract() at this real model's shape (random weights "
+                   "built on --device, --model's tokenizer), per --batch-sizes, at k = 30 "
+                   "(or the first of --ks) and the largest of --ns; one of "
+                   "tests/fixtures/configs (llama-3.1-8b, qwen2.5-32b, ...) or a config.json.")
+@click.option("--device", default="auto", show_default=True, help="With --shape. " + DEVICE_HELP)
+@click.option("--batch-sizes", default="16,32,64,128,256,auto", show_default=True,
+              help="With --shape: the batches timed.")
+@click.option("--n-test", default=500, show_default=True, help="With --shape.")
+@click.option("--layers", type=int, default=None,
+              help="With --shape: build only this many decoder layers [default: all].")
 @friendly
 def bench_extraction_cmd(model_spec: str, task_list: str, ks: str, ns: str, seed: int,
-                         batch_size: int, dtype: str, naive: bool, out_dir: Path) -> None:
-    """Extraction time as k and N grow, with the shared demo cache and without it."""
+                         batch_size: int, dtype: str, naive: bool, out_dir: Path | None,
+                         shape: str | None, device: str, batch_sizes: str, n_test: int,
+                         layers: int | None) -> None:
+    """Extraction time as k and N grow, with the shared demo cache and without it; or, with
+    --shape, the whole extract() at a real model's shape on the device, per batch size."""
     from ltv_vllm.bench.extraction import bench_extraction, extraction_markdown
     from ltv_vllm.pipeline.extract import check_counts
 
     _task_specs(task_list)
+    if shape is not None:
+        return _bench_device_extraction(model_spec, task_list, ks, ns, seed, dtype, naive,
+                                        out_dir, shape, device, batch_sizes, n_test, layers)
+    out_dir = out_dir or Path("benchmarks/results/extraction_cost")
     for k_ in _ints(ks):
         check_counts(k=k_)
     for n_ in _ints(ns):
@@ -1511,6 +1531,37 @@ def bench_extraction_cmd(model_spec: str, task_list: str, ks: str, ns: str, seed
                            command=_command_line(), log=lambda m: click.echo(m, err=True))
     click.echo(extraction_markdown(doc))
 
+
+
+def _bench_device_extraction(model_spec: str, task_list: str, ks: str, ns: str, seed: int,
+                             dtype: str, naive: bool, out_dir: Path | None, shape: str,
+                             device: str, batch_sizes: str, n_test: int,
+                             layers: int | None) -> None:
+    from ltv_vllm.bench.device_extraction import bench_device_extraction, markdown, shapes
+    from ltv_vllm.models.hardware import resolve_device
+    from ltv_vllm.pipeline.extract import check_counts
+
+    if shape not in shapes() and not (shape.endswith(".json") and Path(shape).is_file()):
+        raise ArgumentError(f"--shape {shape}: one of {', '.join(shapes())}, or a config.json")
+    device = resolve_device(device)
+    batches: list[int | str] = [BATCH.convert(b, None, None) for b in _csv(batch_sizes)]
+    for b in batches:
+        check_counts(batch_size=b)
+    if layers is not None and layers < 1:
+        raise ArgumentError(f"--layers must be at least 1, got {layers}")
+    k_list, n_list = _ints(ks), _ints(ns)
+    k = 30 if 30 in k_list else k_list[0]
+    n = max(n_list)
+    check_counts(k=k, n=n, n_test=n_test)
+    out_dir = out_dir or Path(
+        f"benchmarks/results/extraction_{Path(shape).stem}_{device.split(':')[0]}")
+    check_writable(out_dir, option="--out", directory=True)
+    doc = bench_device_extraction(shape, model_spec, device=device, dtype=dtype,
+                                  batch_sizes=batches, task_name=_csv(task_list)[0], k=k, n=n,
+                                  n_test=n_test, seed=seed, naive=naive, out_dir=out_dir,
+                                  command=_command_line(), layers=layers,
+                                  log=lambda m: click.echo(m, err=True))
+    click.echo(markdown(doc))
 
 
 @bench.command("capture")

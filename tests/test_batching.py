@@ -81,3 +81,36 @@ def test_batch_size_flag(value, ok, tmp_path):
         assert "--batch-size" not in r.output, r.output
     else:
         assert "--batch-size" in r.output.strip().splitlines()[-1], r.output
+
+
+def test_device_extraction_bench_runs_at_a_shape(tmp_path, tokenizer, tiny_model):
+    """`bench extraction --shape`: a model built in place at a config's shape (random
+    weights, the test tokenizer's vocabulary; a small Llama here, on this CPU: the real
+    shapes are for a GPU), extract() timed per batch with the positions it computed, and the
+    results written."""
+    import json
+
+    from conftest import run_cli
+
+    tiny_model.save_pretrained(tmp_path / "tok")  # only its tokenizer is read
+    tokenizer.save_pretrained(tmp_path / "tok")
+    (tmp_path / "small.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 1000, "tie_word_embeddings": False, "max_position_embeddings": 2048}))
+    out = tmp_path / "res"
+    r = run_cli("bench", "extraction", "--shape", str(tmp_path / "small.json"), "--layers",
+                "2", "--model", str(tmp_path / "tok"), "--tasks", "sst2", "--ks", "4", "--ns",
+                "16", "--n-test", "8", "--batch-sizes", "3,auto", "--device", "cpu",
+                "--out", str(out), cwd=tmp_path)
+    doc = json.loads((out / "results.json").read_text())
+    assert [row["batch_size"] for row in doc["rows"]] == [3, "auto"]
+    assert doc["layers"] == 2 and doc["vocab"] == len(tokenizer)
+    # per layer q, o (128²), k, v (128·64), gate, up, down (128·256) and two norms; final norm
+    assert doc["body_parameters"] == 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256
+                                          + 2 * 128) + 128
+    for row in doc["rows"]:
+        assert row["positions"] > 0 and row["seconds"] > 0 and row["fraction_of_matmul"] > 0
+    assert doc["rows"][0]["planned_batch"] == 3
+    assert doc["paths"]["speedup"] > 0 and doc["paths"]["rel_diff_h_icl"] < 1e-4
+    assert "| auto |" in r.stdout and "naive path" in r.stdout
