@@ -193,7 +193,8 @@ def markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     lines = [f"# extract() at the {doc['shape']} shape on {doc['device']}", "",
              f"`{doc['command']}`", "",
-             f"{m.get('gpu') or machine_line(m)} ({machine_line(m)}); torch {m.get('torch')}, "
+             (f"{m['gpu']} ({machine_line(m)})" if m.get("gpu") else machine_line(m))
+             + f"; torch {m.get('torch')}, "
              f"transformers "
              f"{m.get('transformers')}; random {doc['dtype']} weights at the shape "
              f"({doc['layers']} layers, {doc['body_parameters'] / 1e9:.2f} B body parameters; "
