@@ -879,7 +879,7 @@ def selfcheck(model_spec: str | None, dtype: str, tensor_parallel_size: int,
 @click.option("--multi-task", type=click.Choice(["shift", "lora"]), default=None,
               help="Multi-task mode: shift each request's rows with its task's vector inside "
                    "the engine (shift), or serve every task as an lm_head LoRA adapter any "
-                   "stock vLLM can load (lora) [default: shift; lora with --task-store].")
+                   "stock vLLM can load (lora) [default: shift, a task store's tasks too].")
 @click.option("--lora-rank", type=int, default=None,
               help="--multi-task lora: cut every adapter to rank R (cheaper LoRA serving; "
                    "see export-lora --rank) [default: full rank].")

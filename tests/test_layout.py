@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -582,3 +583,25 @@ def test_the_compile_serving_table_is_its_results():
     after = [window(r, f"after {t}")["throughput"] / window(r, "undisturbed")["throughput"]
              for r in (busy, two) for t in ("sst2", "trec")]
     assert f"({min(after):.2f}–{max(after):.2f}×)" in " ".join(text.split())
+
+
+def test_no_tracker_numbers_or_machine_paths_reach_users():
+    """What users read names no tracker issue they cannot open, and no path of the machine
+    a result came from: committed results record paths relative to the repository (or
+    `<tmp>/`, `~/.cache/`)."""
+    root = PKG.parent
+    prose = [root / "README.md", root / "CHANGELOG.md", *sorted((root / "docs").glob("*.md"))]
+    for p in prose:
+        hit = re.search(r"\bissues? #?\d+", p.read_text(), re.IGNORECASE)
+        assert hit is None, (p.name, hit.group(0))
+    machine = re.compile(r"(?<![\w.<>~-])/(tmp|root|work|home)/")
+    for p in [*prose, *sorted((root / "benchmarks" / "results").rglob("*"))]:
+        if not p.is_file() or p.suffix in (".png", ".safetensors", ".pt"):
+            continue
+        try:
+            text = p.read_text()
+        except UnicodeDecodeError:
+            continue
+        hit = machine.search(text)
+        assert hit is None, (str(p.relative_to(root)),
+                             text[max(0, hit.start() - 40):hit.end() + 40])
