@@ -1,0 +1,96 @@
+"""The code blocks of README.md and docs/ are checked as a user would run them: every python
+block compiles with no undefined name and imports only what exists; every `ltv-vllm`
+command of a shell block names a real command with real options (the command line, with
+`--help` added, parses). A block a reader should not run as it stands follows an
+`<!-- excerpt -->` line."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"(<!-- excerpt -->\s*\n)?( *)```(\w+)\n(.*?)\n\2```", re.DOTALL)
+
+
+def blocks(lang: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(page:line, code) of every block in one of `lang`, indentation removed, excerpts
+    left out."""
+    out = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in FENCE.finditer(text):
+            if m.group(1) or m.group(3) not in lang:
+                continue
+            indent = len(m.group(2))
+            code = "\n".join(line[indent:] for line in m.group(4).split("\n"))
+            out.append((f"{page.name}:{text[:m.start()].count(chr(10)) + 1}", code))
+    return out
+
+
+PYTHON = blocks(("python",))
+SHELL = blocks(("bash", "sh", "shell"))
+
+
+def test_the_docs_have_blocks_to_check():
+    assert len(PYTHON) >= 4 and len(SHELL) >= 25
+
+
+@pytest.mark.parametrize("where,code", PYTHON, ids=[w for w, _ in PYTHON])
+def test_python_blocks_compile_with_every_name_defined(where, code, tmp_path):
+    """ruff's pyflakes rules (undefined names, unused or missing imports) over the block as a
+    file of its own, and every `from ltv_vllm... import name` resolved."""
+    src = tmp_path / "block.py"
+    src.write_text(code + "\n")
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated",
+                        "--select", "F", "--ignore", "F401", str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, (where, r.stdout)
+    for mod, names in re.findall(r"^from (ltv_vllm[\w.]*) import ([\w, ]+)$", code, re.M):
+        module = importlib.import_module(mod)
+        for name in (n.strip() for n in names.split(",")):
+            assert hasattr(module, name), (where, mod, name)
+
+
+def commands(code: str) -> list[list[str]]:
+    """The `ltv-vllm` command lines of a shell block: continuations joined, comments, `&`,
+    pipes and redirections cut, `.venv/bin/` dropped."""
+    out = []
+    for line in code.replace("\\\n", " ").split("\n"):
+        line = line.split(" #")[0].strip()
+        for part in re.split(r"&&|\|\||;|\|", line):
+            try:
+                words = shlex.split(part.strip().rstrip("&").strip())
+            except ValueError:
+                continue
+            while words and "=" in words[0] and not words[0].startswith("-"):
+                words = words[1:]  # VAR=value before the command
+            if words and words[0].removeprefix(".venv/bin/") == "ltv-vllm":
+                out.append([w for w in words[1:] if not w.startswith((">", "2>"))])
+    return out
+
+
+CLI = [(where, args) for where, code in SHELL for args in commands(code)]
+
+
+def test_the_shell_blocks_use_the_cli():
+    assert len(CLI) >= 40
+
+
+@pytest.mark.parametrize("where,args", CLI, ids=[f"{w}:{' '.join(a[:2])}" for w, a in CLI])
+def test_cli_lines_parse(where, args):
+    """The command line with `--help` added: click resolves every (sub)command and refuses an
+    option a command does not have, before it prints the help."""
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    r = CliRunner().invoke(main, [*args, "--help"])
+    assert r.exit_code == 0, (where, " ".join(args), r.output[-400:])
