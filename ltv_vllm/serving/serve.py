@@ -478,8 +478,8 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     extra = list(opts.vllm_args)
     if engine_device() == "cpu" and not user_chose_compilation(extra):
         # vLLM's compile warm-up costs the CPU backend over a minute per start (and per
-        # fused/folded variant: their compile caches differ); eager starts in well under
-        # 40 s (README, "Serve start-up"), and every serving benchmark here ran eager.
+        # fused/folded variant: their compile caches differ); eager starts in about 46 s
+        # (docs/benchmarks.md, "Serve start-up"), and every serving benchmark ran eager.
         # Any compilation flag of the user's wins.
         extra.insert(0, "--enforce-eager")
     settings = ServerSettings(max_body=opts.max_body_mib << 20)
