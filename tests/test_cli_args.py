@@ -115,3 +115,31 @@ def test_bad_argument_refused_before_work(env, args, message):
     else:
         assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
     assert not (env / "cache" / "models").exists()  # nothing fetched or converted either
+
+
+def test_every_help_is_unchanged():
+    """Every command's `--help` (at a width of 100) as recorded in tests/fixtures/cli_help.json
+    when `ltv_vllm/cli.py` became a package: moving code between modules changes none of it.
+    (A deliberate change to a help text updates the fixture with it.)"""
+    import json
+    from pathlib import Path
+
+    import click
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    want = json.loads((Path(__file__).parent / "fixtures" / "cli_help.json").read_text())
+    got = {}
+
+    def walk(cmd, path):
+        r = CliRunner().invoke(main, [*path, "--help"], prog_name="ltv-vllm",
+                               terminal_width=100)
+        got[" ".join(path)] = r.output
+        if isinstance(cmd, click.Group):
+            for name in cmd.list_commands(None):
+                walk(cmd.get_command(None, name), [*path, name])
+
+    walk(main, [])
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if got[k] != want[k]] == []

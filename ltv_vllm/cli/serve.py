@@ -1,0 +1,314 @@
+"""`ltv-vllm selfcheck`, `serve`, `classify`, `compile` and `tasks remote`: serving, and a
+running server's clients."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ltv_vllm.cli.base import (
+    DTYPE,
+    DTYPE_HELP,
+    LAM,
+    LAM_HELP,
+    friendly,
+    main,
+)
+from ltv_vllm.cli.models import tasks
+from ltv_vllm.serving.settings import ServerSettings
+
+
+@main.command()
+@click.option("--model", "model_spec", default=None,
+              help="Packaged alias, local HF directory or hub id [default: smollm2-135m].")
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
+@click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="The engine's per-step token budget: prompts several times longer are "
+                   "prefilled in chunks [default: vLLM's].")
+@click.option("--max-model-len", type=int, default=None, help="[default: the model's]")
+@click.option("--max-num-seqs", type=int, default=None,
+              help="The engine's batch: below the probe count (13), requests wait and slots "
+                   "are reused [default: vLLM's].")
+@click.option("--multi-task", type=click.Choice(["shift", "lora"]), default="shift",
+              show_default=True,
+              help="Which per-request mechanism to prove: the row plan (fused and "
+                   "per-request tasks) or LoRA adapters (serve --multi-task lora).")
+@friendly
+def selfcheck(model_spec: str | None, dtype: str, tensor_parallel_size: int,
+              max_num_batched_tokens: int | None, max_model_len: int | None,
+              max_num_seqs: int | None, multi_task: str) -> None:
+    """Prove the per-request shift on this vLLM, runner and device: probe tasks mixed with
+    bare rows, every policy, n > 1, chunked prefill, rows finishing at different steps;
+    each row must carry exactly its own probe at exactly its own steps (exit 1 otherwise).
+    With --multi-task lora the probes are LoRA adapters, each row checked for its own."""
+    import tempfile
+
+    from ltv_vllm.models.cache import DEFAULT_MODEL
+    from ltv_vllm.models.loading import local_model_dir
+    from ltv_vllm.serving.selfcheck import SelfCheckOptions, selfcheck_in_subprocess
+    from ltv_vllm.serving.vllm_support import check_version, runner_env
+
+    check_version()
+    runner_env()
+    for flag, value in (("--tensor-parallel-size", tensor_parallel_size),
+                        ("--max-num-batched-tokens", max_num_batched_tokens),
+                        ("--max-model-len", max_model_len), ("--max-num-seqs", max_num_seqs)):
+        if value is not None and value < 1:
+            raise click.ClickException(f"{flag} must be at least 1")
+    opts = SelfCheckOptions(local_model_dir(model_spec or DEFAULT_MODEL), dtype=dtype,
+                            tensor_parallel_size=tensor_parallel_size,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                            lora=multi_task == "lora")
+    with tempfile.TemporaryDirectory(prefix="ltv-selfcheck-") as work:
+        out = selfcheck_in_subprocess(opts, Path(work))
+    click.echo(f"selfcheck passed on {out['where']}: {out['rows']} rows, {out['tokens']} "
+               f"tokens, each with its own probe at its own steps (engine start "
+               f"{out['engine_start_seconds']:.1f} s, check {out['check_seconds']:.2f} s)")
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--model", "model_spec", default=None,
+              help="Packaged alias, local HF directory or hub id [default: smollm2-135m].")
+@click.option("--task-vector", "vectors", multiple=True,
+              help="PATH (one task, fused) or NAME=PATH (repeat: multi-task, chosen per request "
+                   "by the OpenAI `model` field).")
+@click.option("--task-store", default=None, is_flag=False, flag_value="",
+              help="Serve every task in this task store by name, and add tasks at runtime "
+                   "(/v1/ltv/tasks); without a value: the model's store under the cache.")
+@click.option("--max-tasks", default=ServerSettings.max_tasks, show_default=True,
+              help="With --task-store: how many tasks the server can hold at once.")
+@click.option("--compile-threads", default=ServerSettings.compile_threads, show_default=True,
+              help="With --task-store: torch threads of a compile worker (the engine keeps "
+                   "the other cores; more compiles faster and slows traffic meanwhile).")
+@click.option("--max-body-mib", default=ServerSettings.max_body >> 20, show_default=True,
+              help="Largest request body the server reads (MiB; counted as it arrives); a "
+                   "task-vector upload's limit follows from the model instead.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
+@click.option("--max-model-len", type=int, default=None)
+@click.option("--fold", is_flag=True,
+              help="Fused mode: fold the shift into the LM-head weight at load (zero cost).")
+@click.option("--multi-task", type=click.Choice(["shift", "lora"]), default=None,
+              help="Multi-task mode: shift each request's rows with its task's vector inside "
+                   "the engine (shift), or serve every task as an lm_head LoRA adapter any "
+                   "stock vLLM can load (lora) [default: shift, a task store's tasks too].")
+@click.option("--lora-rank", type=int, default=None,
+              help="--multi-task lora: cut every adapter to rank R (cheaper LoRA serving; "
+                   "see export-lora --rank) [default: full rank].")
+@click.option("--shift-steps", default=None,
+              help="Which generated tokens are shifted when a request names none (its "
+                   "vllm_xargs ltv_steps): all, first, or the first N; not with --fold or "
+                   "LoRA [default: each vector's meta.shift_steps (extract records first), "
+                   "else all].")
+@click.option("--skip-selfcheck", is_flag=True,
+              help="Start without the start-up self-check (probe tasks sent through the "
+                   "engine, each row checked to carry its own shift at its own steps; "
+                   "`ltv-vllm selfcheck` runs it alone).")
+@click.option("--dry-run", is_flag=True,
+              help="Check everything, print the vLLM command and exit; writes nothing.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+@friendly
+def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | None,
+          max_tasks: int, compile_threads: int, max_body_mib: int, host: str, port: int,
+          dtype: str,
+          max_model_len: int | None, fold: bool, multi_task: str | None,
+          lora_rank: int | None, shift_steps: str | None, skip_selfcheck: bool,
+          dry_run: bool, vllm_args: tuple[str, ...]) -> None:
+    """Start vLLM's OpenAI-compatible server with task vectors (extra args go to vLLM).
+
+    On the CPU backend the engine runs eager (--enforce-eager) unless you pass a compilation
+    flag of vLLM's own (--no-enforce-eager, -O, --compilation-config).
+    """
+    from ltv_vllm.serving.serve import ServeOptions, default_store, plan_server
+
+    if task_store == "":
+        task_store = str(default_store(model_spec))
+    plan = plan_server(ServeOptions(model_spec, vectors, host=host, port=port, dtype=dtype,
+                                    max_model_len=max_model_len, fold=fold, lora_rank=lora_rank,
+                                    shift_steps=shift_steps, multi_task=multi_task,
+                                    vllm_args=vllm_args, task_store=task_store,
+                                    max_tasks=max_tasks, compile_threads=compile_threads,
+                                    max_body_mib=max_body_mib,
+                                    selfcheck=not skip_selfcheck))
+    for line in plan.warnings(done=not dry_run):
+        click.echo(line, err=True)
+    click.echo(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in plan.env.items()),
+                         *(shlex.quote(a) for a in plan.argv)]), err=True)
+    if dry_run:
+        if plan.lora is not None and (n := len(plan.lora.adapters) - len(plan.lora.prebuilt)):
+            click.echo(f"(dry run: the {n} LoRA adapters above were not written)", err=True)
+        return
+    plan.start()  # writes the adapters (quarantine: warned above), then the server replaces
+    # this process
+
+
+# every command that talks to a server (classify, compile, tasks remote ...)
+API_KEY = click.option("--api-key", envvar="LTV_VLLM_API_KEY", default=None,
+                       help="The server's --api-key [env LTV_VLLM_API_KEY].")
+
+
+@main.command()
+@click.argument("texts", nargs=-1, required=True)
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True)
+@click.option("--task", required=True, help="Task name (also the served model name) or spec.")
+@click.option("--model", "served_model", default=None,
+              help="Served model name to ask [default: the task name].")
+@API_KEY
+@friendly
+def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | None,
+             api_key: str | None) -> None:
+    """Classify TEXTS with a served task vector; prints label and restricted probabilities."""
+    from ltv_vllm.serving.client import ClientError
+    from ltv_vllm.serving.client import classify as run_classify
+    from ltv_vllm.tasks.specs import get_task
+
+    t = get_task(task)
+    try:
+        results = run_classify(url, t, list(texts), model=served_model, api_key=api_key)
+    except ClientError as e:
+        raise click.ClickException(str(e)) from None
+    for text, r in zip(texts, results, strict=True):
+        probs = " ".join(f"{k}={v:.3f}" for k, v in r.probs.items())
+        click.echo(f"{r.label}\t{probs}\t{text}")
+
+
+# -- a server's task store ------------------------------------------------------------------
+URL = click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+                   help="A server started with `ltv-vllm serve --task-store`.")
+
+
+def _jsonl(path: str, what: str) -> list[Any]:
+
+    from ltv_vllm.errors import UserError
+
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except ValueError as e:
+                raise UserError(f"{path}:{i}: not JSON ({e}); {what}") from None
+    return out
+
+
+def compile_request(name: str, task: str, demos: str, queries: str, test: str | None,
+                    lam: float | str) -> dict[str, Any]:
+    """The JSON body of a compile from files (checked again, fully, by the server)."""
+    from pathlib import Path
+
+    from ltv_vllm.errors import UserError
+    from ltv_vllm.tasks.specs import BUILTIN_TASKS
+
+    if task in BUILTIN_TASKS:
+        t = BUILTIN_TASKS[task]
+        spec = {"in_prefix": t.in_prefix, "label_prefix": t.label_prefix,
+                "labels": list(t.labels)}
+    else:
+        try:
+            spec = json.loads(Path(task).read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"--task: a built-in task name or a JSON file with in_prefix, "
+                            f"label_prefix and labels ({e})") from None
+    qs = [q["text"] if isinstance(q, dict) and "text" in q else q
+          for q in _jsonl(queries, 'one {"text": ...} or "string" per line')]
+    body = {"name": name, "task": spec,
+            "demos": _jsonl(demos, 'one {"text": ..., "label": ...} per line'),
+            "queries": qs, "lam": lam}
+    if test:
+        body["test"] = _jsonl(test, 'one {"text": ..., "label": ...} per line')
+    return body
+
+
+@main.command("compile")
+@click.option("--name", required=True, help="The new task's name (the OpenAI `model` field).")
+@click.option("--task", required=True,
+              help="A built-in task's template (e.g. sst2) or a JSON file: in_prefix, "
+                   "label_prefix, labels.")
+@click.option("--demos", required=True, type=click.Path(exists=True, dir_okay=False),
+              help='JSONL, one {"text", "label"} demonstration per line (k of them).')
+@click.option("--queries", required=True, type=click.Path(exists=True, dir_okay=False),
+              help='JSONL, one unlabeled input per line ({"text"} or a string; N of them).')
+@click.option("--test", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="JSONL of labelled examples: the server reports accuracy and d_NTP on them.")
+@click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP)
+@click.option("--wait", is_flag=True, help="Wait until the task is served (progress shown).")
+@URL
+@API_KEY
+@friendly
+def compile_cmd(name: str, task: str, demos: str, queries: str, test: str | None, lam: float | str,
+                wait: bool, url: str, api_key: str | None) -> None:
+    """Compile demonstrations into a task on a running server (no restart)."""
+
+    from tqdm.auto import tqdm
+
+    from ltv_vllm.serving.client import compile_remote
+
+    body = compile_request(name, task, demos, queries, test, lam)
+    with tqdm(total=None, bar_format="{desc} [{elapsed}]", disable=not wait) as bar:
+        def show(view: dict[str, Any]) -> None:
+            bar.set_description_str(f"{name}: {view.get('status')}"
+                                    + (f" ({view['phase']})" if view.get("phase") else ""))
+            bar.refresh()
+
+        view = compile_remote(url, body, wait=wait, api_key=api_key, on_status=show)
+    click.echo(json.dumps(view, indent=1))
+
+
+@tasks.group("remote")
+def tasks_remote() -> None:
+    """The task store of a running server (`serve --task-store`)."""
+
+
+@tasks_remote.command("list")
+@URL
+@API_KEY
+@friendly
+def remote_list(url: str, api_key: str | None) -> None:
+    """Every task in the server's store, and the compiles under way."""
+    from ltv_vllm.serving.client import list_remote_tasks
+
+    for t in list_remote_tasks(url, api_key=api_key):
+        acc = ((t.get("metrics") or {}).get("ltv") or {}).get("accuracy")
+        click.echo(f"{t['name']:<20} {t['status']:<10} {t.get('source', '')}"
+                   f"  k={t.get('k')} N={t.get('n')}"
+                   + (f"  accuracy={acc:.3f}" if acc is not None else "")
+                   + (f"  error: {t['error']}" if t.get("error") else ""))
+
+
+@tasks_remote.command("delete")
+@click.argument("name")
+@URL
+@API_KEY
+@friendly
+def remote_delete(name: str, url: str, api_key: str | None) -> None:
+    """Stop serving NAME and remove it from the server's store."""
+    from ltv_vllm.serving.client import delete_remote_task
+
+    delete_remote_task(url, name, api_key=api_key)
+    click.echo(f"deleted {name}")
+
+
+@tasks_remote.command("add")
+@click.argument("name")
+@click.argument("vector", type=click.Path(exists=True, dir_okay=False))
+@URL
+@API_KEY
+@friendly
+def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
+    """Upload a task-vector file as task NAME (checked by the server, then served)."""
+    from ltv_vllm.serving.client import upload_task
+
+    t = upload_task(url, name, vector, api_key=api_key)
+    click.echo(f"{t['name']} served (rank {t.get('rank')}, {t.get('source')})")
+
+
+# -- evaluate -----------------------------------------------------------------------------
