@@ -88,7 +88,7 @@ class _Batch(click.ParamType):
 
 BATCH = _Batch()
 BATCH_HELP = ("Prompts per forward pass, or auto: the most that fit in half the device's "
-              "free memory at these prompts' lengths (at most 128).")
+              "free memory at these prompts' lengths (at most 128 on a GPU, 16 on a CPU).")
 LAM_HELP = ("Ridge penalty λ (> 0), or `auto`: the λ with the least closed-form "
             "leave-one-out error on a grid scaled to the states (no labels).")
 

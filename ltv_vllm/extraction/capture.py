@@ -199,11 +199,12 @@ class Capturer:
         """This pass's batch: the given size, or (auto) the planned one, remembered."""
         if not self.auto:
             return self.batch_size
-        from ltv_vllm.extraction.batching import Shape, free_memory, plan_batch
+        from ltv_vllm.extraction.batching import CAP, CPU_CAP, Shape, free_memory, plan_batch
 
         shape = Shape.of(self.model.config, self.model.dtype.itemsize)
         self.batch_size = plan_batch(shape, free_memory(self.device),
-                                     len(prefix.ids) if prefix else 0, lengths, packed=packed)
+                                     len(prefix.ids) if prefix else 0, lengths, packed=packed,
+                                     cap=CAP if self.device.type == "cuda" else CPU_CAP)
         return self.batch_size
 
     def hidden(self, prompts: Sequence[str], desc: str = "forward") -> torch.Tensor:
