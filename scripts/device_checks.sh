@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one call on a lent GPU machine (torch and transformers
+# The checks that need a GPU, as one call on a GPU machine (torch and transformers
 # there; no vLLM, no package registry, at most 64 MiB carried: docs/benchmarks.md).
 #
 #   bash scripts/device_checks.sh --prepare      # here: fills device-carry/ (ignored by git):
