@@ -21,8 +21,8 @@ meanwhile), at most `CAP` on a GPU (measured on an H200 at the Llama-3.1-8B and 
 shapes: the whole extraction was fastest at 128; 256 was no faster) and `CPU_CAP` on a CPU,
 which is compute-bound: there a packed row of many queries spends its time on the masked
 attention between them (quadratic in the packed tokens), and SmolLM2-135M's TREC extraction
-(k = 30, N = 256, AMD EPYC AVX2, 2 cores, side by side) captured in 28.3 s at 16 against
-35.6 s at 128.
+(`extract --task trec --batch-size 16` / `128`, float32, AMD EPYC AVX2, 2 cores) captured in
+27.8 s at 16 against 36.1 s at 128.
 """
 
 from __future__ import annotations
