@@ -67,6 +67,17 @@ def test_capturer_plans_each_pass_and_matches_a_fixed_batch(tiny_model, tokenize
     assert auto.batch_size == len(prompts)
 
 
+def test_bench_batch_sizes_refused_in_one_line():
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    r = CliRunner().invoke(main, ["bench", "extraction", "--shape", "llama-3.1-8b",
+                                  "--batch-sizes", "8,x"])
+    assert r.exit_code == 1 and r.output.strip() == (
+        "Error: --batch-sizes: 'x' is neither a count nor 'auto'"), r.output
+
+
 @pytest.mark.parametrize("value,ok", [("auto", True), ("8", True), ("0", False),
                                       ("lots", False)])
 def test_batch_size_flag(value, ok, tmp_path):

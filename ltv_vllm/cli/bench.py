@@ -201,7 +201,10 @@ def _bench_device_extraction(model_spec: str, task_list: str, ks: str, ns: str, 
     if shape not in shapes() and not (shape.endswith(".json") and Path(shape).is_file()):
         raise ArgumentError(f"--shape {shape}: one of {', '.join(shapes())}, or a config.json")
     device = resolve_device(device)
-    batches: list[int | str] = [BATCH.convert(b, None, None) for b in _csv(batch_sizes)]
+    try:
+        batches: list[int | str] = [BATCH.convert(b, None, None) for b in _csv(batch_sizes)]
+    except click.BadParameter as e:
+        raise ArgumentError(f"--batch-sizes: {e.message}") from None
     for b in batches:
         check_counts(batch_size=b)
     if layers is not None and layers < 1:

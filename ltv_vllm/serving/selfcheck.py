@@ -384,13 +384,12 @@ def selfcheck_in_subprocess(opts: SelfCheckOptions, work: Path,
                             module: str = "ltv_vllm.serving.selfcheck") -> dict[str, Any]:
     """`run_selfcheck` in a fresh process (`serving.jobs`); SelfCheckFailed raised here,
     its line whole. `module`: the job's module (a test plants a bug with its own)."""
-    import torch
-
+    from ltv_vllm.models.hardware import engine_device
     from ltv_vllm.serving.jobs import run_job
     from ltv_vllm.serving.vllm_support import cpu_rank_binding
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    if not torch.cuda.is_available():  # the CPU backend's own settings
+    if engine_device() == "cpu":  # the CPU backend's own settings
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         env.update(cpu_rank_binding(opts.tensor_parallel_size))
