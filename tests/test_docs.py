@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow(seconds=60)  # see conftest's ordering
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"(<!-- excerpt -->\s*\n)?( *)```(\w+)\n(.*?)\n\2```", re.DOTALL)

@@ -33,7 +33,7 @@ from ltv_vllm.core.vector import TaskVector, model_identity
 from ltv_vllm.serving.client import classify
 from ltv_vllm.tasks.specs import BUILTIN_TASKS, label_token_ids
 
-pytestmark = pytest.mark.slow(seconds=49)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=55)  # see conftest's ordering
 
 PROMPTS = ["Review: the plot is dull\nSentiment:", "News: leaders meet for peace talks\nType:"]
 SST2 = BUILTIN_TASKS["sst2"]
