@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shlex
@@ -32,6 +33,29 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise click.ClickException(" ".join(str(e).split())) from None
 
     return wrapper
+
+
+def grouped(cls: type, *options: Callable[[Any], Any], name: str, prefix: str = ""
+            ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator adding `options` to a command (in this order in its --help) and handing
+    the command their values as one frozen `cls`, the keyword `name`: field `f` is the value
+    of the parameter `prefix + f`. An option of the group may be declared apart from the
+    others, to keep its place in --help (`--n-val` after `--quiet`): the group takes it by
+    its name all the same. Checks stay in the command (`cls`'s methods), so a bad value is
+    still one line."""
+    names = [prefix + f.name for f in dataclasses.fields(cls)]
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            values = {n[len(prefix):]: kwargs.pop(n) for n in names if n in kwargs}
+            return fn(*args, **{name: cls(**values)}, **kwargs)
+
+        for opt in reversed(options):
+            wrapper = opt(wrapper)
+        return wrapper
+
+    return decorate
 
 
 def _command_line() -> str:
@@ -198,43 +222,31 @@ class SourceFlags:
                              progress=not quiet, engine=self.engine)
 
 
-def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The large model of a cross-model transfer (extract, evaluate): six flags, handed to
-    the command as one `source: SourceFlags`."""
-    opts = [
-        click.option("--source-model", "source_spec", default=None,
-                     help="Large model whose ICL the vector imitates (same tokenizer as --model): "
-                          "fits a logit-space vector for --model."),
-        click.option("--source-dtype", default="auto", show_default=True, type=DTYPE,
-                     help=DTYPE_HELP),
-        click.option("--source-device-map", default=None,
-                     help="transformers device_map for the source [default: 'auto' (spread "
-                          "over every GPU) when there is a GPU, else the CPU]."),
-        click.option("--source-quantization", default="none", show_default=True,
-                     type=click.Choice(["none", "8bit", "4bit"]),
-                     help="Load the source with bitsandbytes (needs CUDA)."),
-        click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-                     help="Where source captures are saved chunk by chunk; a rerun resumes from "
-                          "them [default: the ltv-vllm cache's captures/]."),
-        click.option("--chunk-size", default=64, show_default=True,
-                     help="Source prompts per saved chunk."),
-        click.option("--source-engine", default="transformers", show_default=True,
-                     type=click.Choice(["transformers", "vllm"]),
-                     help="What captures the source: transformers, or vLLM's engine with "
-                          "--tensor-parallel-size etc. (the missing chunks in one run)."),
-    ]
-
-    @functools.wraps(fn)
-    def grouped(*args: Any, source_spec: str | None, source_dtype: str,
-                source_device_map: str | None, source_quantization: str, work_dir: Path | None,
-                chunk_size: int, source_engine: str, **kwargs: Any) -> Any:
-        flags = SourceFlags(source_spec, source_dtype, source_device_map, source_quantization,
-                            work_dir, chunk_size, source_engine)
-        return fn(*args, source=flags, **kwargs)
-
-    for opt in reversed(opts):
-        grouped = opt(grouped)
-    return grouped
+# the large model of a cross-model transfer (extract, evaluate), as one `source: SourceFlags`
+_source_options = grouped(
+    SourceFlags,
+    click.option("--source-model", "source_spec", default=None,
+                 help="Large model whose ICL the vector imitates (same tokenizer as --model): "
+                      "fits a logit-space vector for --model."),
+    click.option("--source-dtype", default="auto", show_default=True, type=DTYPE,
+                 help=DTYPE_HELP),
+    click.option("--source-device-map", default=None,
+                 help="transformers device_map for the source [default: 'auto' (spread "
+                      "over every GPU) when there is a GPU, else the CPU]."),
+    click.option("--source-quantization", default="none", show_default=True,
+                 type=click.Choice(["none", "8bit", "4bit"]),
+                 help="Load the source with bitsandbytes (needs CUDA)."),
+    click.option("--work-dir", "source_work_dir",
+                 type=click.Path(file_okay=False, path_type=Path), default=None,
+                 help="Where source captures are saved chunk by chunk; a rerun resumes from "
+                      "them [default: the ltv-vllm cache's captures/]."),
+    click.option("--chunk-size", "source_chunk_size", default=64, show_default=True,
+                 help="Source prompts per saved chunk."),
+    click.option("--source-engine", default="transformers", show_default=True,
+                 type=click.Choice(["transformers", "vllm"]),
+                 help="What captures the source: transformers, or vLLM's engine with "
+                      "--tensor-parallel-size etc. (the missing chunks in one run)."),
+    name="source", prefix="source_")
 
 
 @dataclass(frozen=True)
@@ -289,50 +301,35 @@ class CaptureFlags:
                              extra=extra, **named)
 
 
-def _capture_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """What captures the hidden states (transformers here, or vLLM's engine with its
-    parallelism) and the memory plan of a vLLM run: handed to the command as one
-    `capture: CaptureFlags`."""
-    opts = [
-        click.option("--engine", default="transformers", show_default=True,
-                     type=click.Choice(["transformers", "vllm"]),
-                     help="What captures the hidden states: transformers in this process, or "
-                          "vLLM's engine (pooling runner; tensor/pipeline parallelism, prefix "
-                          "cache) for the methods fitted on final states alone."),
-        click.option("--tensor-parallel-size", "-tp", default=1, show_default=True,
-                     help="vLLM tensor parallelism (--engine vllm)."),
-        click.option("--pipeline-parallel-size", "-pp", default=1, show_default=True,
-                     help="vLLM pipeline parallelism (--engine vllm)."),
-        click.option("--distributed-executor-backend", default=None,
-                     type=click.Choice(["mp", "ray", "uni", "external_launcher"]),
-                     help="vLLM's executor for TP/PP (ray across nodes) [default: vLLM's]."),
-        click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
-                     help="Any other vllm.LLM argument (VALUE read as JSON where it parses), "
-                          "e.g. --engine-arg max_model_len=4096; repeatable."),
-        click.option("--dry-run", is_flag=True,
-                     help="--engine vllm: print the memory plan from config.json alone and "
-                          "exit (refused when it does not fit); loads and writes nothing."),
-        click.option("--devices", type=int, default=None,
-                     help="Plan for this many GPUs [default: the ones visible; on a CPU, "
-                          "TP × PP ranks sharing its memory]."),
-        click.option("--device-gib", type=float, default=None,
-                     help="Memory of each planned device in GiB [default: the visible GPU's; "
-                          "on a CPU, its memory / (TP × PP)]."),
-    ]
-
-    @functools.wraps(fn)
-    def grouped(*args: Any, engine: str, tensor_parallel_size: int,
-                pipeline_parallel_size: int, distributed_executor_backend: str | None,
-                engine_args: tuple[str, ...], dry_run: bool, devices: int | None,
-                device_gib: float | None, **kwargs: Any) -> Any:
-        flags = CaptureFlags(engine, tensor_parallel_size, pipeline_parallel_size,
-                             distributed_executor_backend, engine_args, dry_run, devices,
-                             device_gib)
-        return fn(*args, capture=flags, **kwargs)
-
-    for opt in reversed(opts):
-        grouped = opt(grouped)
-    return grouped
+# what captures the hidden states (transformers here, or vLLM's engine with its
+# parallelism) and the memory plan of a vLLM run, as one `capture: CaptureFlags`
+_capture_options = grouped(
+    CaptureFlags,
+    click.option("--engine", default="transformers", show_default=True,
+                 type=click.Choice(["transformers", "vllm"]),
+                 help="What captures the hidden states: transformers in this process, or "
+                      "vLLM's engine (pooling runner; tensor/pipeline parallelism, prefix "
+                      "cache) for the methods fitted on final states alone."),
+    click.option("--tensor-parallel-size", "-tp", default=1, show_default=True,
+                 help="vLLM tensor parallelism (--engine vllm)."),
+    click.option("--pipeline-parallel-size", "-pp", default=1, show_default=True,
+                 help="vLLM pipeline parallelism (--engine vllm)."),
+    click.option("--distributed-executor-backend", default=None,
+                 type=click.Choice(["mp", "ray", "uni", "external_launcher"]),
+                 help="vLLM's executor for TP/PP (ray across nodes) [default: vLLM's]."),
+    click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
+                 help="Any other vllm.LLM argument (VALUE read as JSON where it parses), "
+                      "e.g. --engine-arg max_model_len=4096; repeatable."),
+    click.option("--dry-run", is_flag=True,
+                 help="--engine vllm: print the memory plan from config.json alone and "
+                      "exit (refused when it does not fit); loads and writes nothing."),
+    click.option("--devices", type=int, default=None,
+                 help="Plan for this many GPUs [default: the ones visible; on a CPU, "
+                      "TP × PP ranks sharing its memory]."),
+    click.option("--device-gib", type=float, default=None,
+                 help="Memory of each planned device in GiB [default: the visible GPU's; "
+                      "on a CPU, its memory / (TP × PP)]."),
+    name="capture")
 
 
 def _csv(value: str) -> list[str]:
