@@ -1,5 +1,6 @@
 """What every command group shares: the root group, one-line errors, the option types
-(λ, batch, dtype, device) and the option groups of a transfer source and a vLLM capture."""
+(λ, batch, dtype, device), `grouped` (options handed to a command as one frozen object) and
+the groups several commands use: a transfer source, a vLLM capture, the model, an episode."""
 
 from __future__ import annotations
 
@@ -330,6 +331,47 @@ _capture_options = grouped(
                  help="Memory of each planned device in GiB [default: the visible GPU's; "
                       "on a CPU, its memory / (TP × PP)]."),
     name="capture")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFlags:
+    """--model, its --dtype and --device: the model a command loads, and where. Each command
+    declares --model itself, first (its help differs); `_model_options` adds the other two."""
+
+    spec: str | None
+    dtype: str
+    device: str
+
+
+_model_options = grouped(
+    ModelFlags,
+    click.option("--dtype", "model_dtype", default="auto", show_default=True, type=DTYPE,
+                 help=DTYPE_HELP),
+    click.option("--device", "model_device", default="auto", show_default=True,
+                 help="Device of --model. " + DEVICE_HELP),
+    name="model", prefix="model_")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitFlags:
+    """What a task vector is fitted on, as given: k demonstrations, N unlabeled queries, the
+    ridge penalty λ and the sampling seed."""
+
+    k: int | None
+    n: int
+    lam: float | str
+    seed: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpisodeFlags(FitFlags):
+    """One episode, as given: its fit, the held-out queries scored, the labelled validation
+    examples and the batch of the capture; checked where the pipeline's options are built
+    from it (`ExtractOptions`, `EvalConfig`), inside the command."""
+
+    n_test: int
+    batch_size: int | str
+    n_val: int = 32  # (bench rank has no --n-val: the pipeline's default)
 
 
 def _csv(value: str) -> list[str]:

