@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from ltv_vllm.cli.base import (
     LAM,
     LAM_HELP,
     friendly,
+    grouped,
     main,
 )
 from ltv_vllm.cli.models import tasks
@@ -72,41 +74,84 @@ def selfcheck(model_spec: str | None, dtype: str, tensor_parallel_size: int,
                f"{out['engine_start_seconds']:.1f} s, check {out['check_seconds']:.2f} s)")
 
 
+@dataclass(frozen=True)
+class StoreFlags:
+    """--task-store ("": the model's store) and what a task-store server holds at once and
+    compiles with, as given; checked by `ServeOptions`."""
+
+    task_store: str | None
+    max_tasks: int
+    compile_threads: int
+
+
+@dataclass(frozen=True)
+class HttpFlags:
+    """Where the OpenAI server listens, and the largest request body it reads."""
+
+    max_body_mib: int
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class ShiftFlags:
+    """How the task vectors act: fused (--fold: in the LM head's weight), per request (the
+    shift, or LoRA adapters cut to --lora-rank) and on which generated tokens; checked by
+    `plan_server`."""
+
+    fold: bool
+    multi_task: str | None
+    lora_rank: int | None
+    shift_steps: str | None
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--model", "model_spec", default=None,
               help="Packaged alias, local HF directory or hub id [default: smollm2-135m].")
 @click.option("--task-vector", "vectors", multiple=True,
               help="PATH (one task, fused) or NAME=PATH (repeat: multi-task, chosen per request "
                    "by the OpenAI `model` field).")
-@click.option("--task-store", default=None, is_flag=False, flag_value="",
-              help="Serve every task in this task store by name, and add tasks at runtime "
-                   "(/v1/ltv/tasks); without a value: the model's store under the cache.")
-@click.option("--max-tasks", default=ServerSettings.max_tasks, show_default=True,
-              help="With --task-store: how many tasks the server can hold at once.")
-@click.option("--compile-threads", default=ServerSettings.compile_threads, show_default=True,
-              help="With --task-store: torch threads of a compile worker (the engine keeps "
-                   "the other cores; more compiles faster and slows traffic meanwhile).")
-@click.option("--max-body-mib", default=ServerSettings.max_body >> 20, show_default=True,
-              help="Largest request body the server reads (MiB; counted as it arrives); a "
-                   "task-vector upload's limit follows from the model instead.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True)
+@grouped(
+    StoreFlags,
+    click.option("--task-store", default=None, is_flag=False, flag_value="",
+                 help="Serve every task in this task store by name, and add tasks at runtime "
+                      "(/v1/ltv/tasks); without a value: the model's store under the cache."),
+    click.option("--max-tasks", default=ServerSettings.max_tasks, show_default=True,
+                 help="With --task-store: how many tasks the server can hold at once."),
+    click.option("--compile-threads", default=ServerSettings.compile_threads,
+                 show_default=True,
+                 help="With --task-store: torch threads of a compile worker (the engine keeps "
+                      "the other cores; more compiles faster and slows traffic meanwhile)."),
+    name="store")
+@grouped(
+    HttpFlags,
+    click.option("--max-body-mib", default=ServerSettings.max_body >> 20, show_default=True,
+                 help="Largest request body the server reads (MiB; counted as it arrives); a "
+                      "task-vector upload's limit follows from the model instead."),
+    click.option("--host", default="127.0.0.1", show_default=True),
+    click.option("--port", default=8000, show_default=True),
+    name="http")
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--max-model-len", type=int, default=None)
-@click.option("--fold", is_flag=True,
-              help="Fused mode: fold the shift into the LM-head weight at load (zero cost).")
-@click.option("--multi-task", type=click.Choice(["shift", "lora"]), default=None,
-              help="Multi-task mode: shift each request's rows with its task's vector inside "
-                   "the engine (shift), or serve every task as an lm_head LoRA adapter any "
-                   "stock vLLM can load (lora) [default: shift, a task store's tasks too].")
-@click.option("--lora-rank", type=int, default=None,
-              help="--multi-task lora: cut every adapter to rank R (cheaper LoRA serving; "
-                   "see export-lora --rank) [default: full rank].")
-@click.option("--shift-steps", default=None,
-              help="Which generated tokens are shifted when a request names none (its "
-                   "vllm_xargs ltv_steps): all, first, or the first N; not with --fold or "
-                   "LoRA [default: each vector's meta.shift_steps (extract records first), "
-                   "else all].")
+@grouped(
+    ShiftFlags,
+    click.option("--fold", is_flag=True,
+                 help="Fused mode: fold the shift into the LM-head weight at load (zero "
+                      "cost)."),
+    click.option("--multi-task", type=click.Choice(["shift", "lora"]), default=None,
+                 help="Multi-task mode: shift each request's rows with its task's vector "
+                      "inside the engine (shift), or serve every task as an lm_head LoRA "
+                      "adapter any stock vLLM can load (lora) [default: shift, a task store's "
+                      "tasks too]."),
+    click.option("--lora-rank", type=int, default=None,
+                 help="--multi-task lora: cut every adapter to rank R (cheaper LoRA serving; "
+                      "see export-lora --rank) [default: full rank]."),
+    click.option("--shift-steps", default=None,
+                 help="Which generated tokens are shifted when a request names none (its "
+                      "vllm_xargs ltv_steps): all, first, or the first N; not with --fold or "
+                      "LoRA [default: each vector's meta.shift_steps (extract records first), "
+                      "else all]."),
+    name="shift")
 @click.option("--skip-selfcheck", is_flag=True,
               help="Start without the start-up self-check (probe tasks sent through the "
                    "engine, each row checked to carry its own shift at its own steps; "
@@ -115,11 +160,8 @@ def selfcheck(model_spec: str | None, dtype: str, tensor_parallel_size: int,
               help="Check everything, print the vLLM command and exit; writes nothing.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @friendly
-def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | None,
-          max_tasks: int, compile_threads: int, max_body_mib: int, host: str, port: int,
-          dtype: str,
-          max_model_len: int | None, fold: bool, multi_task: str | None,
-          lora_rank: int | None, shift_steps: str | None, skip_selfcheck: bool,
+def serve(model_spec: str | None, vectors: tuple[str, ...], store: StoreFlags, http: HttpFlags,
+          dtype: str, max_model_len: int | None, shift: ShiftFlags, skip_selfcheck: bool,
           dry_run: bool, vllm_args: tuple[str, ...]) -> None:
     """Start vLLM's OpenAI-compatible server with task vectors (extra args go to vLLM).
 
@@ -128,15 +170,11 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], task_store: str | No
     """
     from ltv_vllm.serving.serve import ServeOptions, default_store, plan_server
 
-    if task_store == "":
-        task_store = str(default_store(model_spec))
-    plan = plan_server(ServeOptions(model_spec, vectors, host=host, port=port, dtype=dtype,
-                                    max_model_len=max_model_len, fold=fold, lora_rank=lora_rank,
-                                    shift_steps=shift_steps, multi_task=multi_task,
-                                    vllm_args=vllm_args, task_store=task_store,
-                                    max_tasks=max_tasks, compile_threads=compile_threads,
-                                    max_body_mib=max_body_mib,
-                                    selfcheck=not skip_selfcheck))
+    if store.task_store == "":
+        store = replace(store, task_store=str(default_store(model_spec)))
+    plan = plan_server(ServeOptions(model_spec, vectors, dtype=dtype, max_model_len=max_model_len,
+                                    vllm_args=vllm_args, selfcheck=not skip_selfcheck,
+                                    **asdict(store), **asdict(http), **asdict(shift)))
     for line in plan.warnings(done=not dry_run):
         click.echo(line, err=True)
     click.echo(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in plan.env.items()),
