@@ -138,7 +138,25 @@ def parse_steps(value: Any) -> int | None:
         raise ValueError(f"ltv_steps must be 'all', 'first' or a count ≥ 0, got {value!r}")
     return value
 _DICT_FIELDS = ("task", "hardware", "timings", "source_model", "source_load", "metrics",
-                "engine")
+                "engine", "prompt_format")
+PROMPT_DEMOS = ("turns", "inline")
+
+
+def check_prompt_format(v: dict[str, Any], where: str = "meta.prompt_format") -> None:
+    """A vector's prompt format as a server reads it: {"name": "completion"}, or {"name":
+    "chat", "demos": "turns"|"inline", "template_sha256": 64 hex digits}."""
+    name = v.get("name")
+    if name == "completion":
+        return
+    if name != "chat":
+        raise VectorError(f"{where}.name: 'completion' or 'chat', got {str(name)[:40]!r}")
+    if v.get("demos") not in PROMPT_DEMOS:
+        raise VectorError(f"{where}.demos: one of {', '.join(PROMPT_DEMOS)}, "
+                          f"got {str(v.get('demos'))[:40]!r}")
+    digest = v.get("template_sha256")
+    if not (isinstance(digest, str) and len(digest) == 64
+            and all(c in "0123456789abcdef" for c in digest)):
+        raise VectorError(f"{where}.template_sha256: 64 lowercase hex digits")
 
 
 def _kind(v: Any) -> str:
@@ -188,6 +206,9 @@ class Provenance:
     #                                             dtype, tensor/pipeline parallel sizes
     shift_steps: str | None = None  # the generated tokens a server shifts by default:
     #                                 "first" | "all" | "N" (None: older files, "all")
+    # the prompts it was fitted on: {"name": "chat", "demos", "template_sha256"} through a
+    # chat template (`tasks.chat`); None or {"name": "completion"}: the completion format
+    prompt_format: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -237,6 +258,8 @@ class Provenance:
                             raise VectorError(f"{where}[{m!r}]: an object, got {_kind(sc)}")
                 if k in ("metrics", "timings"):
                     kw[k] = finite_or_none(v)
+                if k == "prompt_format":
+                    check_prompt_format(v)
         return cls(**kw, extra=d)
 
     def to_dict(self) -> dict[str, Any]:

@@ -111,6 +111,7 @@ class Capturer:
         progress: bool = True,
         max_length: int | None = None,
         pack: bool = True,
+        special_tokens: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -127,12 +128,16 @@ class Capturer:
             pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         self.pad_id = int(pad)
         self.pack = pack
+        # False for chat renderings: the template writes its own special tokens (as vLLM's
+        # chat route tokenizes them)
+        self.special_tokens = special_tokens
         self._prefix: Prefix | None = None  # last demo prefix: callers pass one in chunks
 
     # -- tokenisation -------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
-        """One string with the tokenizer's default special tokens (the reference's convention)."""
-        ids = self.tokenizer(prompt)["input_ids"]
+        """One string with the tokenizer's default special tokens (the reference's convention;
+        none for a chat rendering)."""
+        ids = self.tokenizer(prompt, add_special_tokens=self.special_tokens)["input_ids"]
         if self.max_length is not None and len(ids) > self.max_length:
             raise CaptureError(
                 f"prompt of {len(ids)} tokens exceeds the model context of {self.max_length} tokens"

@@ -216,7 +216,8 @@ class Context:
             cap = self.cap
             if cap is None:
                 raise MethodError("no model to capture the train states with")
-            self.h_zs = cap.hidden(queries, desc=f"{task.name} zero-shot train")
+            self.h_zs = cap.hidden([task.zero_shot(e.text) for e in self.episode.queries],
+                                   desc=f"{task.name} zero-shot train")
             self.h_icl = cap.icl(self.episode.demo_prefix(), queries,
                                  desc=f"{task.name} icl train")
             self.capture_seconds = time.perf_counter() - t0

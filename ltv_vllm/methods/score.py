@@ -45,7 +45,7 @@ def score_methods(ctx: Context, names: Sequence[str], h_zs_test: torch.Tensor,
     An episode without test examples (a compiled task) is extracted, not scored."""
     w_c, b_c = head if head is not None else label_head(ctx.model, ctx.label_ids)
     task = ctx.episode.task
-    prompts = [task.query(e.text) for e in ctx.episode.test]
+    prompts = [task.zero_shot(e.text) for e in ctx.episode.test]
     out = MethodScores()
     out.logits["zero-shot"] = h_zs_test @ w_c.T + b_c
     out.logits["icl"] = h_icl_test @ w_c.T + b_c
@@ -105,8 +105,8 @@ def inference_cost(ctx: Context, scores: MethodScores, names: Sequence[str], n: 
         return (time.perf_counter() - t0) / len(seqs)
 
     for name in names:
-        pre = prefix if name == "icl" else ""
-        seqs = [cap.encode(pre + task.query(t)) for t in texts]
+        seqs = [cap.encode(prefix + task.query(t) if name == "icl" else task.zero_shot(t))
+                for t in texts]
         hook = (nullcontext() if name in ("zero-shot", "icl")
                 else get_method(name).applied(model, scores.artifacts[name]))
         with hook:

@@ -151,7 +151,7 @@ class Captures:
 
 def capture_test_zero_shot(cap: Any, task: Task, episode: Episode) -> torch.Tensor:
     """h_zs on the test subset: it does not depend on the demos, so runs share it. (n_test, d)"""
-    return cap.hidden([task.query(e.text) for e in episode.test],
+    return cap.hidden([task.zero_shot(e.text) for e in episode.test],
                       desc=f"{task.name} zero-shot test")
 
 
@@ -163,7 +163,8 @@ def capture_episode(
     prefix = episode.demo_prefix()
     queries = [task.query(e.text) for e in episode.queries]
     t0 = time.perf_counter()
-    h_zs = cap.hidden(queries, desc=f"{task.name} zero-shot train")  # (N, d)
+    h_zs = cap.hidden([task.zero_shot(e.text) for e in episode.queries],
+                      desc=f"{task.name} zero-shot train")  # (N, d)
     h_icl = cap.icl(prefix, queries, desc=f"{task.name} icl train")   # (N, d)
     t1 = time.perf_counter()
     if not episode.test:  # a compiled task without labelled examples: nothing to score
@@ -243,18 +244,36 @@ def check_engine(method: str, engine: str) -> None:
                             f"{', '.join(states_methods())}); use --engine transformers")
 
 
+def check_format(methods: list[str], task: Task, lm: Any, episode: Episode) -> None:
+    """A chat rendering (`tasks.chat`): only the methods fitted on the final states at the
+    query's last token (the others build their own completion prompts), captured by
+    transformers, with the template's pieces checked against its rendering of this episode's
+    first conversation. One line each, before any pass."""
+    if task.prompt_format != "chat":
+        return
+    other = [n for n in methods if n not in states_methods() and n not in ("zero-shot", "icl")]
+    if other:
+        raise ArgumentError(f"--format chat: {', '.join(other)} builds its own completion "
+                            f"prompts; chat-rendered methods: {', '.join(states_methods())}")
+    if isinstance(lm, CapturedModel):
+        raise ArgumentError("--format chat captures with transformers (--engine transformers)")
+    text = (episode.test or episode.queries)[0].text
+    task.check(lm.tokenizer, episode.demos, text)
+
+
 def states_methods() -> list[str]:
     """The methods fitted on the final hidden states alone (what `--engine vllm` runs)."""
     return [n for n, m in REGISTERED.items() if m.hidden_space and m.uses_states]
 
 
 def capturer_for(lm: LoadedModel | CapturedModel, batch_size: int | str,
-                 progress: bool) -> Any:
+                 progress: bool, special_tokens: bool = True) -> Any:
     """What `capture_episode` reads states from: a Capturer over the loaded model, or the
-    table a CapturedModel's engine filled."""
+    table a CapturedModel's engine filled. `special_tokens`: the tasks' `special_tokens`."""
     if isinstance(lm, CapturedModel):
         return lm.states
-    return Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=progress)
+    return Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=progress,
+                    special_tokens=special_tokens)
 
 
 def model_dtype(lm: LoadedModel | CapturedModel) -> str:
@@ -305,7 +324,8 @@ def extract(
     label_ids = label_token_ids(task, lm.tokenizer)
     episode = episode or plan_episode(task, opts)
     names = [method, *(b for b in m.compare_with if b != method)]
-    cap = capturer_for(lm, opts.batch_size, opts.progress)
+    check_format(names, task, lm, episode)
+    cap = capturer_for(lm, opts.batch_size, opts.progress, task.special_tokens)
     c = capture_episode(cap, episode)
     if isinstance(lm, CapturedModel):
         check_engine(method, lm.engine.get("name", "vllm"))
@@ -328,7 +348,8 @@ def extract(
     vector = isinstance(art, TaskVector)
     prov = replace(art.provenance, k=opts.k_for(task), n=opts.n, metrics=sc.metrics,
                    timings=timings, metrics_rank=art.rank if vector else None,
-                   shift_steps=DEFAULT_SHIFT_STEPS if vector else None)
+                   shift_steps=DEFAULT_SHIFT_STEPS if vector else None,
+                   prompt_format=task.record() if task.prompt_format == "chat" else None)
     return Extraction(method, replace(art, provenance=prov), sc.metrics, timings,
                       dict(sc.params.get(method, {})), episode, sc.logits)
 

@@ -110,7 +110,7 @@ class Episode:
                      self.test))
 
     def demo_prefix(self) -> str:
-        return "".join(self.task.demo(e.text, e.label) for e in self.demos)
+        return self.task.demos_text(self.demos)
 
     def fingerprint(self) -> str:
         """Short sha256 over demo, query and test texts and labels (for metadata)."""

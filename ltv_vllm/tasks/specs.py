@@ -35,6 +35,8 @@ class Task:
     source: str
     hub: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
     kind = "classification"
+    prompt_format = "completion"  # or "chat" (`tasks.chat.ChatTask`)
+    special_tokens = True  # prompts are tokenized with the tokenizer's special tokens
 
     def __post_init__(self) -> None:
         if len(self.labels) < 2:
@@ -57,6 +59,18 @@ class Task:
     def icl_prompt(self, demo_prefix: str, text: str) -> str:
         # Demos are concatenated with nothing between them; the query follows directly.
         return demo_prefix + self.query(text)
+
+    def zero_shot(self, text: str) -> str:
+        """The zero-shot prompt (a chat rendering puts the conversation's head first)."""
+        return self.query(text)
+
+    def demos_text(self, demos: Sequence[Any]) -> str:
+        """What an ICL prompt has before `query(text)`."""
+        return "".join(self.demo(e.text, e.label) for e in demos)
+
+    def label_text(self, label: str) -> str:
+        """The text whose first token is the label's token, after the prompt."""
+        return " " + label
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -106,6 +120,8 @@ class RegressionTask:
     label_prefix: str = "y"
     source: str = "synthetic"
     kind = "regression"
+    prompt_format = "completion"
+    special_tokens = True
 
     def __post_init__(self) -> None:
         if self.family not in REGRESSION_FAMILIES:
@@ -134,6 +150,12 @@ class RegressionTask:
 
     def icl_prompt(self, demo_prefix: str, text: str) -> str:
         return demo_prefix + self.query(text)
+
+    def zero_shot(self, text: str) -> str:
+        return self.query(text)
+
+    def demos_text(self, demos: Sequence[Any]) -> str:
+        return "".join(self.demo(e.text, e.label) for e in demos)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **asdict(self)}
@@ -293,10 +315,11 @@ def get_tasks(spec: str, *, regression: bool = False) -> list[AnyTask]:
 
 
 def label_token_ids(task: Task, tokenizer: Any) -> list[int]:
-    """First token of " " + label for each label; two labels sharing it is an error."""
+    """First token of " " + label for each label (of the label itself through a chat
+    template: `Task.label_text`); two labels sharing it is an error."""
     ids: list[int] = []
     for lab in task.labels:
-        toks = tokenizer(" " + lab, add_special_tokens=False)["input_ids"]
+        toks = tokenizer(task.label_text(lab), add_special_tokens=False)["input_ids"]
         if not toks:
             raise TaskError(f"task {task.name!r}: label {lab!r} tokenizes to nothing")
         ids.append(int(toks[0]))

@@ -1,0 +1,154 @@
+"""Chat-rendered tasks (`tasks.chat`): prompts equal to the template's own rendering of the
+conversation a chat client sends, states equal to transformers' forward pass over that
+rendering tokenized as vLLM's chat route tokenizes it, and one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import CORPUS, make_llama, make_tokenizer
+from ltv_vllm.core.vector import Provenance, VectorError
+from ltv_vllm.errors import UserError
+from ltv_vllm.tasks.chat import chat_task, template_digest
+from ltv_vllm.tasks.data import Episode, Example
+from ltv_vllm.tasks.specs import Task, TaskError, label_token_ids
+
+# ChatML with a default system turn, as SmolLM2's and Qwen2.5's templates write it
+CHATML = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+          "{{ '<s>system\nBe brief.</s>\n' }}{% endif %}"
+          "{{ '<s>' + m['role'] + '\n' + m['content'] + '</s>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<s>assistant\n' }}{% endif %}")
+TASK = Task("toy", "Review", "Sentiment", ("negative", "positive"), "unused")
+DEMOS = (Example("a witty movie", 1), Example("the acting is worse", 0), Example("dull", 0))
+TEXTS = ["a gorgeous movie", "the plot is dull and the acting is worse", "witty"]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    # BOS added by the tokenizer: a chat rendering must not get it (vLLM's chat route does
+    # not add it), so the states tell the two conventions apart
+    tok = make_tokenizer(bos=True, corpus=CORPUS + ["system\nBe brief.\nuser\nassistant\n"] * 20)
+    tok.chat_template = CHATML
+    return tok
+
+
+def by_hand(demos, text, style):
+    """The conversation a chat client sends, written out here (not by `ChatTask.messages`)."""
+    q = f"Review: {text}\nSentiment:"
+    if style == "inline":
+        shown = "".join(f"Review: {e.text}\nSentiment: {TASK.labels[e.label]}\n" for e in demos)
+        return [{"role": "user", "content": shown + q}]
+    out = []
+    for e in demos:
+        out += [{"role": "user", "content": f"Review: {e.text}\nSentiment:"},
+                {"role": "assistant", "content": TASK.labels[e.label]}]
+    return out + [{"role": "user", "content": q}]
+
+
+@pytest.mark.parametrize("style", ["turns", "inline"])
+def test_prompts_are_the_templates_rendering(chat_tokenizer, style):
+    t = chat_task(TASK, chat_tokenizer, style)
+    for text in TEXTS:
+        zs = chat_tokenizer.apply_chat_template(by_hand((), text, style), tokenize=False,
+                                                add_generation_prompt=True)
+        icl = chat_tokenizer.apply_chat_template(by_hand(DEMOS, text, style), tokenize=False,
+                                                 add_generation_prompt=True)
+        assert t.zero_shot(text) == zs
+        assert t.demos_text(DEMOS) + t.query(text) == icl
+        assert icl.startswith(t.demos_text(DEMOS))  # the shared prefix the cache runs once
+    assert zs.endswith("Sentiment:</s>\n<s>assistant\n")
+    assert t.record() == {"name": "chat", "demos": style,
+                          "template_sha256": template_digest(CHATML)}
+    assert t.to_dict() == TASK.to_dict()
+
+
+def test_label_tokens_have_no_leading_space(chat_tokenizer):
+    """The assistant's turn starts on a fresh line: its first token is the label word's."""
+    t = chat_task(TASK, chat_tokenizer)
+    words = [chat_tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in TASK.labels]
+    assert label_token_ids(t, chat_tokenizer) == words
+    assert label_token_ids(TASK, chat_tokenizer) != words
+
+
+@pytest.mark.parametrize("style", ["turns", "inline"])
+def test_states_are_transformers_on_the_rendering(chat_tokenizer, style):
+    """h_zs and h_icl (shared demo cache) against the model's own forward over the rendered
+    conversation, tokenized without the tokenizer's BOS."""
+    from ltv_vllm.extraction.capture import Capturer
+    from ltv_vllm.pipeline.extract import capture_episode
+
+    model = make_llama(len(chat_tokenizer), seed=3)
+    t = chat_task(TASK, chat_tokenizer, style)
+    episode = Episode(t, 0, DEMOS, tuple(Example(x, 0) for x in TEXTS),
+                      tuple(Example(x, 1) for x in TEXTS[:2]))
+    cap = Capturer(model, chat_tokenizer, batch_size=2, progress=False,
+                   special_tokens=t.special_tokens)
+    c = capture_episode(cap, episode)
+
+    def ref(conversation):
+        text = chat_tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=True)
+        ids = chat_tokenizer(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = model.model(torch.tensor([ids]))
+        return out.last_hidden_state[0, -1]
+
+    for i, x in enumerate(TEXTS):
+        torch.testing.assert_close(c.h_zs[i], ref(by_hand((), x, style)), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(c.h_icl[i], ref(by_hand(DEMOS, x, style)),
+                                   atol=1e-4, rtol=1e-4)
+    # the tokenizer's BOS would have given other states: the convention is checked
+    with_bos = Capturer(model, chat_tokenizer, batch_size=2, progress=False)
+    assert (with_bos.hidden([t.zero_shot(TEXTS[0])])[0] - c.h_zs[0]).abs().max() > 1e-2
+
+
+def test_templates_it_cannot_use_are_refused(chat_tokenizer):
+    tok = make_tokenizer()
+    with pytest.raises(TaskError, match="has no chat template"):
+        chat_task(TASK, tok)
+    tok.chat_template = CHATML.replace("m['content']", "m['content'] | upper")
+    with pytest.raises(TaskError, match="does not show the user's message"):
+        chat_task(TASK, tok)
+    tok.chat_template = CHATML.replace("'<s>' + m['role']", "loop.index | string + m['role']")
+    with pytest.raises(TaskError, match="turns one after another"):
+        chat_task(TASK, tok)
+    with pytest.raises(TaskError, match="must be one of turns, inline"):
+        chat_task(TASK, chat_tokenizer, "threaded")
+
+
+def test_a_chat_task_runs_only_the_state_methods(chat_tokenizer, tmp_path):
+    """A method that builds its own completion prompts is refused in one line, before any
+    pass; an LTV vector records the rendering it was fitted on."""
+    import json
+
+    from conftest import write_toy_task
+    from ltv_vllm import ExtractOptions, extract
+    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.tasks.specs import get_task
+
+    model = make_llama(len(chat_tokenizer), seed=3)
+    model.save_pretrained(tmp_path / "m")
+    chat_tokenizer.save_pretrained(tmp_path / "m")
+    lm = load_model(str(tmp_path / "m"), dtype="float32")
+    toy = chat_task(get_task(str(write_toy_task(tmp_path, ["dull", "witty", "plot"]))),
+                    lm.tokenizer)
+    opts = ExtractOptions(k=4, n=8, n_test=4, progress=False)
+    with pytest.raises(UserError, match="--format chat: fv builds its own completion prompts"):
+        extract(lm, toy, "fv", opts)
+    r = extract(lm, toy, "ltv", opts)
+    assert r.artifact.provenance.prompt_format == toy.record()
+    assert r.artifact.provenance.task["name"] == "toy"
+    assert "prompt_format" in json.dumps(r.artifact.provenance.to_dict())
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"name": "html"}, "'completion' or 'chat'"),
+    ({"name": "chat", "demos": "threads", "template_sha256": "0" * 64}, "demos"),
+    ({"name": "chat", "demos": "turns", "template_sha256": "xyz"}, "template_sha256"),
+    ({"name": "chat", "demos": "turns"}, "template_sha256"),
+])
+def test_a_bad_stored_prompt_format_is_refused(bad, match):
+    with pytest.raises(VectorError, match=match):
+        Provenance.from_dict({"prompt_format": bad})
+    assert Provenance.from_dict({"prompt_format": {"name": "completion"}}).prompt_format
