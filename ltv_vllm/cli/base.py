@@ -374,6 +374,53 @@ class EpisodeFlags(FitFlags):
     n_val: int = 32  # (bench rank has no --n-val: the pipeline's default)
 
 
+@dataclass(frozen=True, kw_only=True)
+class FormatFlags:
+    """--format and --chat-demos: the prompts a task is rendered as (`tasks.chat`): the
+    completion format, or the model's own chat template."""
+
+    name: str
+    demos: str
+
+    def check(self, methods: list[str], *, regression: bool = False, transfer: bool = False,
+              engine: str = "transformers") -> None:
+        """What a chat rendering cannot run, in one line, before any model loads."""
+        if self.name != "chat":
+            return
+        from ltv_vllm.pipeline.extract import states_methods
+
+        other = [m for m in methods if m not in (*states_methods(), "zero-shot", "icl")]
+        if other:
+            raise ArgumentError(f"--format chat: {', '.join(other)} builds its own completion "
+                                f"prompts; chat-rendered methods: {', '.join(states_methods())}")
+        if regression or transfer or engine != "transformers":
+            raise ArgumentError("--format chat renders classification tasks captured by "
+                                "transformers (no regression task, --source-model or "
+                                "--engine vllm)")
+
+    def render(self, task: Any, tokenizer: Any) -> Any:
+        """`task` as this format renders it for `tokenizer`'s model (its template checked)."""
+        if self.name != "chat":
+            return task
+        from ltv_vllm.tasks.chat import chat_task
+
+        return chat_task(task, tokenizer, self.demos)
+
+
+_format_options = grouped(
+    FormatFlags,
+    click.option("--format", "prompt_name", default="completion", show_default=True,
+                 type=click.Choice(["completion", "chat"]),
+                 help="The prompts a vector is fitted on: the task's completion prompt, or "
+                      "the model's chat template (the query as the user's turn, the label at "
+                      "the assistant's first token; served through /v1/chat/completions)."),
+    click.option("--chat-demos", "prompt_demos", default="turns", show_default=True,
+                 type=click.Choice(["turns", "inline"]),
+                 help="--format chat: the demonstrations as prior user/assistant turns, or "
+                      "inside the one user message."),
+    name="prompt_format", prefix="prompt_")
+
+
 def _csv(value: str) -> list[str]:
     return [s.strip() for s in value.split(",") if s.strip()]
 

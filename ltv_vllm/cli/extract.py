@@ -17,12 +17,14 @@ from ltv_vllm.cli.base import (
     LAM_HELP,
     CaptureFlags,
     EpisodeFlags,
+    FormatFlags,
     MethodCommand,
     ModelFlags,
     SourceFlags,
     _capture_options,
     _command_line,
     _csv,
+    _format_options,
     _method_names_help,
     _method_option,
     _model_options,
@@ -54,6 +56,7 @@ from ltv_vllm.errors import ArgumentError
                  help=BATCH_HELP),
     name="episode")  # and --n-val, below
 @_model_options
+@_format_options
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Output file [default: TASK.pt for ltv, TASK.METHOD.pt for another "
                    "task-vector method, TASK.METHOD.safetensors for a baseline's artifact, "
@@ -64,9 +67,9 @@ from ltv_vllm.errors import ArgumentError
 @_source_options
 @_capture_options
 @friendly
-def extract(model: ModelFlags, task: str, episode: EpisodeFlags, output: Path | None,
-            quiet: bool, method: str, source: SourceFlags, capture: CaptureFlags,
-            **method_flags: Any) -> None:
+def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: FormatFlags,
+            output: Path | None, quiet: bool, method: str, source: SourceFlags,
+            capture: CaptureFlags, **method_flags: Any) -> None:
     """Extract a task vector (or a baseline's artifact) and report zero-shot / ICL / the
     method's accuracy and d_NTP on held-out queries.
 
@@ -103,6 +106,8 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, output: Path | 
     if capture.dry_run and not (on_vllm or source_on_vllm):
         raise ArgumentError("--dry-run plans an --engine vllm or --source-engine vllm run")
     t = get_task(task, regression=True)
+    prompt_format.check([method], regression=t.kind == "regression",
+                        transfer=source_opts is not None, engine=capture.engine)
     if t.kind == "regression" and on_vllm:
         raise ArgumentError(f"{t.name} is a regression task: it is scored on generated answers "
                             "(extract with --engine transformers)")
@@ -123,7 +128,9 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, output: Path | 
         return _print_plan(source_opts.spec, [plan_episode(t, opts, transfer=True)], engine,
                            capture, full_head=True)
     output = check_writable(output or default, option="--output", suffixes=suffixes)
-    label_token_ids(t, load_tokenizer(model.spec))  # labels sharing a first token: refused
+    tok = load_tokenizer(model.spec)
+    t = prompt_format.render(t, tok)  # a chat template it cannot use: refused
+    label_token_ids(t, tok)  # labels sharing a first token: refused
     planned = plan_episode(t, opts, transfer=source_opts is not None)  # reads the data
     large = open_source(source_opts) if source_opts else None  # tokenizer and identity only
     if source_on_vllm:
@@ -146,7 +153,9 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, output: Path | 
     pv = art.provenance
     lam = f"{pv.lam:.4g} (auto)" if episode.lam == "auto" else episode.lam
     what = f"N={episode.n}, λ={lam}" if m.uses_states else method
-    click.echo(f"\n{t.name} on {lm.spec}{src}: k={pv.k_used} demos, {what}, "
+    through = (f", through the chat template (demos as {prompt_format.demos})"
+               if t.prompt_format == "chat" else "")
+    click.echo(f"\n{t.name} on {lm.spec}{src}{through}: k={pv.k_used} demos, {what}, "
                f"{pv.n_test} test queries")
     _print_metrics(metrics)
     auto = " (auto)" if episode.batch_size == "auto" else ""
@@ -400,6 +409,7 @@ def _methods_option() -> click.Option:
                  help=BATCH_HELP),
     name="evaluation")  # and --n-val, --cost-samples, below
 @_model_options
+@_format_options
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("ltv-eval"), show_default=True)
 @click.option("--quiet", is_flag=True)
@@ -424,9 +434,9 @@ def _methods_option() -> click.Option:
 @_capture_options
 @friendly
 def evaluate(model: ModelFlags, task_list: str, methods: str | None,
-             evaluation: EvaluationFlags, out_dir: Path, quiet: bool, regression: RegressionFlags,
-             extend: bool, source: SourceFlags, capture: CaptureFlags,
-             **method_flags: Any) -> None:
+             evaluation: EvaluationFlags, prompt_format: FormatFlags, out_dir: Path, quiet: bool,
+             regression: RegressionFlags, extend: bool, source: SourceFlags,
+             capture: CaptureFlags, **method_flags: Any) -> None:
     """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots.
 
     With --source-model LARGE it is the paper's transfer table: each method on the target
@@ -464,6 +474,8 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
                             "alone: no --source-model, --device, --vllm or regression task")
     device = resolve_device(model.device)
     kinds = {t.kind for t in tasks_}
+    prompt_format.check(_csv(methods) if methods else [], regression="regression" in kinds,
+                        transfer=source_opts is not None, engine=capture.engine)
     if len(kinds) > 1:
         raise ArgumentError("--tasks mixes classification and regression tasks; evaluate them "
                             "separately (their metrics differ)")
@@ -489,6 +501,7 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
     previous = (_previous_evaluation(out_dir, model.spec, ms, cfg, model.dtype, device)
                 if extend else None)
     tok = load_tokenizer(model.spec)
+    tasks_ = [prompt_format.render(t, tok) for t in tasks_]  # a template it cannot use: refused
     for t in tasks_:
         label_token_ids(t, tok)  # labels sharing a first token: refused before any pass
     episodes = plan_episodes(tasks_, cfg, transfer=source_opts is not None)  # reads the data

@@ -37,6 +37,7 @@ from ltv_vllm.pipeline.extract import (
     capture_test_zero_shot,
     capturer_for,
     check_counts,
+    check_format,
     check_pair,
     concrete_batch,
     episode_labels,
@@ -188,6 +189,9 @@ def evaluate(
         **source_cfg,
         **cfg.to_dict(),
         "k_per_task": {t.name: k_for(t) for t in tasks},
+        # a chat rendering (`tasks.chat`); the completion format records nothing (as before)
+        **({"prompt_format": tasks[0].record()}
+           if tasks and tasks[0].prompt_format == "chat" else {}),
     }
     state = read_checkpoint(checkpoint, config)
     if extend is not None and not state["done"]:
@@ -195,7 +199,12 @@ def evaluate(
     sweep = Sweep(config, [t.name for t in tasks], cfg.runs, checkpoint=checkpoint, state=state,
                   progress=progress)
     costs: dict[str, dict[str, dict[str, float]]] = sweep.costs  # task → method → s/sample
-    cap = capturer_for(lm, cfg.batch_size, progress)
+    if len({t.prompt_format for t in tasks}) > 1:
+        raise ArgumentError("an evaluation renders every task one way (--format)")
+    for t in tasks:  # a chat rendering: its methods, and its pieces on the first episode
+        check_format(list(methods), t, lm, plan[t.name][0])
+    cap = capturer_for(lm, cfg.batch_size, progress,
+                       special_tokens=all(t.special_tokens for t in tasks))
     on_states = isinstance(lm, CapturedModel)  # no model here: nothing to time a forward of
     if on_states and source is not None:
         raise ArgumentError("a transfer evaluation captures both models with transformers")
