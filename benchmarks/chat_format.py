@@ -1,0 +1,162 @@
+"""Chat-native task vectors, measured: a vector fitted through the model's chat template and
+scored through it, against one fitted on the completion prompt, side by side on the same
+episodes (same demonstrations, queries and test subset per task and run).
+
+Per task and run, three renderings of one episode (`tasks.chat`):
+
+  completion     the task's completion prompt; label = first token of " " + label
+  chat, turns    the chat template, demonstrations as prior user/assistant turns; the query
+                 as the last user turn; label = the assistant's first token (no space)
+  chat, inline   the chat template, every demonstration inside the one user message
+
+each scored zero-shot, with ICL, with LTV fitted on that rendering, and the mean shift; and
+the opt-in path of a completion-fitted vector (`ltv_chat: "allow"`): the completion LTV's
+shift applied to the chat rendering's zero-shot state, scored over the chat label tokens.
+Accuracy is the argmax over the label tokens at the position that predicts the answer (what
+`evaluate` reports, and what a served request's label-restricted answer is).
+
+    python benchmarks/chat_format.py --model smollm2-135m --tasks packaged --runs 2 \\
+        --n-test 200 --out benchmarks/results/chat_format_smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+RENDERINGS = ("completion", "chat, turns", "chat, inline")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tasks", default="packaged")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--k", type=int, default=30)
+    ap.add_argument("--n", type=int, default=256)
+    ap.add_argument("--n-test", type=int, default=200)
+    ap.add_argument("--lam", type=float, default=5.0)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/chat_format"))
+    a = ap.parse_args()
+
+    import torch
+
+    from ltv_vllm.extraction.capture import Capturer, label_head
+    from ltv_vllm.methods import MethodOptions, score_methods
+    from ltv_vllm.models.hardware import hardware, machine_line
+    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.pipeline.extract import (
+        ExtractOptions,
+        capture_episode,
+        episode_labels,
+        method_context,
+        plan_episode,
+    )
+    from ltv_vllm.tasks.chat import chat_task
+    from ltv_vllm.tasks.specs import get_tasks, label_token_ids
+
+    torch.manual_seed(0)
+    lm = load_model(a.model, dtype=a.dtype)
+    records: list[dict] = []
+    t_start = time.perf_counter()
+    for task in get_tasks(a.tasks):
+        forms = {"completion": task,
+                 "chat, turns": chat_task(task, lm.tokenizer, "turns"),
+                 "chat, inline": chat_task(task, lm.tokenizer, "inline")}
+        for run in range(a.runs):
+            opts = ExtractOptions(k=a.k, n=a.n, lam=a.lam, seed=run, n_test=a.n_test,
+                                  progress=False)
+            base = plan_episode(task, opts)
+            got: dict[str, dict] = {}
+            for form, t in forms.items():
+                ep = type(base)(t, base.seed, base.demos, base.queries, base.test,
+                                base.test_seed, base.val)
+                ids = label_token_ids(t, lm.tokenizer)
+                cap = Capturer(lm.model, lm.tokenizer, batch_size="auto", progress=False,
+                               special_tokens=t.special_tokens)
+                t0 = time.perf_counter()
+                c = capture_episode(cap, ep)
+                seconds = time.perf_counter() - t0
+                ctx = method_context(lm, cap, ep, ids, MethodOptions().replace(
+                    lam=a.lam, seed=run, batch_size=cap.batch_size, progress=False), c)
+                sc = score_methods(ctx, ["ltv", "mean"], c.h_zs_test, c.h_icl_test,
+                                   episode_labels(ep))
+                got[form] = {"scores": sc, "captures": c, "ids": ids,
+                             "capture_seconds": seconds}
+                rec = {"task": task.name, "run": run, "rendering": form,
+                       "capture_seconds": round(seconds, 2),
+                       "prompt_tokens": {
+                           "zero_shot": len(cap.encode(t.zero_shot(ep.test[0].text))),
+                           "icl": len(cap.encode(ep.demo_prefix() + t.query(ep.test[0].text)))},
+                       **{m: sc.metrics[m]["accuracy"] for m in ("zero-shot", "icl", "ltv",
+                                                                   "mean")}}
+                records.append(rec)
+            # the opt-in path: the completion-fitted vector shifting the chat rendering
+            tv = got["completion"]["scores"].artifacts["ltv"]
+            for form in ("chat, turns",):
+                g = got[form]
+                w_c, b_c = label_head(lm.model, g["ids"])
+                z = tv.shift_hidden(g["captures"].h_zs_test) @ w_c.T + b_c
+                labels = episode_labels(base)
+                acc = float((z.argmax(-1) == labels).float().mean())
+                records.append({"task": task.name, "run": run,
+                                "rendering": "chat, completion-fitted LTV (opt-in)",
+                                "ltv": acc})
+            print(task.name, run, {r["rendering"]: {k: round(v, 3) for k, v in r.items()
+                                                    if k in ("zero-shot", "icl", "ltv")}
+                                   for r in records if r["task"] == task.name
+                                   and r["run"] == run}, flush=True)
+    summary = summarise(records)
+    doc = {"command": "python benchmarks/chat_format.py " + " ".join(
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
+           "machine": hardware(), "dtype": str(lm.model.dtype).removeprefix("torch."),
+           "config": {k: str(v) for k, v in vars(a).items()},
+           "wall_seconds": round(time.perf_counter() - t_start, 1),
+           "records": records, "summary": summary}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (a.out / "README.md").write_text(report(doc, machine_line(doc["machine"])))
+    print(report(doc, machine_line(doc["machine"])))
+
+
+def summarise(records: list[dict]) -> dict:
+    """Per task and rendering: the mean over runs of each method's accuracy, and the share of
+    chat-ICL's gain over chat zero-shot that LTV recovers."""
+    out: dict[str, dict] = {}
+    for r in records:
+        out.setdefault(r["task"], {}).setdefault(r["rendering"], []).append(r)
+    summary: dict[str, dict] = {}
+    for task, by in out.items():
+        summary[task] = {}
+        for form, rs in by.items():
+            summary[task][form] = {m: statistics.mean(x[m] for x in rs)
+                                   for m in ("zero-shot", "icl", "ltv", "mean") if m in rs[0]}
+            s = summary[task][form]
+            if "icl" in s and s["icl"] > s["zero-shot"]:
+                s["recovered"] = (s["ltv"] - s["zero-shot"]) / (s["icl"] - s["zero-shot"])
+    return summary
+
+
+def report(doc: dict, machine: str) -> str:
+    lines = ["# Chat-native task vectors", "", f"`{doc['command']}`", "",
+             f"{machine}, {doc['dtype']}; {doc['wall_seconds']:.0f} s", "",
+             "Accuracy (mean over runs) on the test subset, label-restricted argmax at the "
+             "answer's position. *recovered*: (LTV − zero-shot) / (ICL − zero-shot), where ICL "
+             "beats zero-shot.", "",
+             "| task | rendering | zero-shot | ICL | LTV | mean | recovered |",
+             "|---|---|---|---|---|---|---|"]
+    for task, by in doc["summary"].items():
+        for form, s in by.items():
+            cell = [f"{100 * s[m]:.1f}" if m in s else "" for m in ("zero-shot", "icl", "ltv",
+                                                                      "mean")]
+            rec = f"{100 * s['recovered']:.0f} %" if "recovered" in s else ""
+            lines.append(f"| {task} | {form} | " + " | ".join(cell) + f" | {rec} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
