@@ -432,12 +432,29 @@ def _ints(value: str) -> list[int]:
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
+@dataclass(frozen=True)
+class EngineFlags:
+    """How a serving benchmark runs its engines (identical for every mode): vLLM's settings,
+    the timed passes and warm-up, where the jobs work and whether they resume."""
+
+    dtype: str
+    max_model_len: int
+    kv_cache_gib: int
+    max_num_seqs: int | None
+    repeats: int
+    warmup: int
+    work_dir: Path | None
+    resume: bool
+
+
 def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Engine settings shared by every serving benchmark (identical for every mode)."""
+    """Every serving benchmark's engine flags, handed to it as one `engine: EngineFlags`."""
     from ltv_vllm.bench.workload import EngineSettings as E
 
-    for opt in reversed([
-        click.option("--dtype", default=E.dtype, show_default=True, type=DTYPE, help=DTYPE_HELP),
+    return grouped(
+        EngineFlags,
+        click.option("--dtype", default=E.dtype, show_default=True, type=DTYPE,
+                     help=DTYPE_HELP),
         click.option("--max-model-len", default=E.max_model_len, show_default=True),
         click.option("--kv-cache-gib", default=E.kv_cache_gib, show_default=True,
                      help="VLLM_CPU_KVCACHE_SPACE for the CPU backend."),
@@ -448,13 +465,12 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                           "fastest is reported, the median kept."),
         click.option("--warmup", default=16, show_default=True,
                      help="Untimed warm-up requests per engine."),
-        click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-                     help="Vectors, LoRA adapters and logs [default: OUT/work]."),
+        click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
+                     default=None, help="Vectors, LoRA adapters and logs [default: OUT/work]."),
         click.option("--resume", is_flag=True,
-                     help="Reuse engine jobs an interrupted run finished (identical job only)."),
-    ]):
-        fn = opt(fn)
-    return fn
+                     help="Reuse engine jobs an interrupted run finished (identical job "
+                          "only)."),
+        name="engine")(fn)
 
 
 def _task_specs(task_list: str) -> tuple[str, ...]:

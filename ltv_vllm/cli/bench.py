@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,31 +13,72 @@ from ltv_vllm.cli.base import (
     DEVICE_HELP,
     DTYPE,
     DTYPE_HELP,
+    EngineFlags,
+    EpisodeFlags,
+    FitFlags,
     _command_line,
     _csv,
     _engine_options,
     _ints,
     _task_specs,
     friendly,
+    grouped,
     main,
 )
 from ltv_vllm.core.fileio import check_writable
 from ltv_vllm.errors import ArgumentError
 
 
-def _serving_bench(out_dir: Path, work_dir: Path | None, dtype: str, max_model_len: int,
-                   kv_cache_gib: int, max_num_seqs: int | None, seed: int, **fields: Any) -> Any:
+def _serving_bench(out_dir: Path, engine: EngineFlags, fit: FitFlags, **fields: Any) -> Any:
     """ServingBench from the command's options, output paths checked."""
     from ltv_vllm.bench.serving import ServingBench
     from ltv_vllm.bench.workload import EngineSettings
 
     check_writable(out_dir, option="--out", directory=True)
-    if work_dir is not None:
-        check_writable(work_dir, option="--work-dir", directory=True)
-    settings = EngineSettings(dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                              max_num_seqs=max_num_seqs, seed=seed)
-    return ServingBench(out_dir=out_dir, work_dir=work_dir, settings=settings, seed=seed,
-                        **fields)
+    if engine.work_dir is not None:
+        check_writable(engine.work_dir, option="--work-dir", directory=True)
+    settings = EngineSettings(dtype=engine.dtype, max_model_len=engine.max_model_len,
+                              kv_cache_gib=engine.kv_cache_gib,
+                              max_num_seqs=engine.max_num_seqs, seed=fit.seed)
+    return ServingBench(out_dir=out_dir, work_dir=engine.work_dir, settings=settings,
+                        repeats=engine.repeats, warmup=engine.warmup, resume=engine.resume,
+                        **asdict(fit), **fields)
+
+
+@dataclass(frozen=True)
+class ModeFlags:
+    """What bench serving serves: the offline modes, the modes served through the OpenAI
+    server, and the online load (concurrency levels, requests per level)."""
+
+    modes: str
+    online_modes: str
+    concurrency: str
+    online_requests: int
+
+    def fields(self) -> dict[str, Any]:
+        """ServingBench's fields (the lists parsed: a bad one is one line)."""
+        return {"modes": tuple(_csv(self.modes)), "online_modes": tuple(_csv(self.online_modes)),
+                "levels": tuple(_ints(self.concurrency)),
+                "online_requests": self.online_requests}
+
+
+@dataclass(frozen=True)
+class ShapeFlags:
+    """bench extraction --shape: the whole extract() at a real model's shape on --device,
+    per batch of --batch-sizes; checked by `_bench_device_extraction`."""
+
+    shape: str | None
+    device: str
+    batch_sizes: str
+    n_test: int
+    layers: int | None
+
+
+# the fit's flags as the benchmarks declare them (no help; λ a number)
+_K = click.option("--k", default=30, show_default=True)
+_N = click.option("--n", default=256, show_default=True)
+_LAM = click.option("--lam", default=5.0, show_default=True)
+_SEED = click.option("--seed", default=0, show_default=True)
 
 
 @main.group()
@@ -48,25 +90,27 @@ def bench() -> None:
 @click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
 @click.option("--tasks", "task_list", default="sst2,subj,trec,agnews", show_default=True)
 @click.option("--n-per-task", default=125, show_default=True, help="Test queries per task.")
-@click.option("--modes",
-              default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-folded,ltv-shift,"
-                      "ltv-lora",
-              show_default=True,
-              help="Offline modes ('' for none); also ltv-lora-rR: LoRA adapters cut to rank R; "
-                   "ltv-fused-first: fused, the first generated token shifted only; "
-                   "kernel-fused: the kernel LTV (RBF) served fused.")
-@click.option("--online-modes",
-              default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-shift,ltv-lora",
-              show_default=True, help="Modes served through the OpenAI server ('' for none).")
-@click.option("--concurrency", default="1,8,32", show_default=True)
-@click.option("--online-requests", default=100, show_default=True,
-              help="Requests per concurrency level (a balanced prefix of the queries).")
+@grouped(
+    ModeFlags,
+    click.option("--modes",
+                 default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-folded,"
+                         "ltv-shift,ltv-lora",
+                 show_default=True,
+                 help="Offline modes ('' for none); also ltv-lora-rR: LoRA adapters cut to "
+                      "rank R; ltv-fused-first: fused, the first generated token shifted only; "
+                      "kernel-fused: the kernel LTV (RBF) served fused."),
+    click.option("--online-modes",
+                 default="zero-shot,icl-prefix-cache,icl-no-cache,ltv-fused,ltv-shift,ltv-lora",
+                 show_default=True,
+                 help="Modes served through the OpenAI server ('' for none)."),
+    click.option("--concurrency", default="1,8,32", show_default=True),
+    click.option("--online-requests", default=100, show_default=True,
+                 help="Requests per concurrency level (a balanced prefix of the queries)."),
+    name="served")
 @click.option("--gen-tokens", default=16, show_default=True,
               help="Tokens per query in the offline generation pass (0: skip).")
-@click.option("--k", default=30, show_default=True)
-@click.option("--n", default=256, show_default=True)
-@click.option("--lam", default=5.0, show_default=True)
-@click.option("--seed", default=0, show_default=True)
+@grouped(
+    FitFlags, _K, _N, _LAM, _SEED, name="fit")
 @click.option("--no-noise-check", is_flag=True, help="Skip the second zero-shot run.")
 @click.option("--no-reference", is_flag=True,
               help="Skip transformers' float32 answers for every served mode (they load the "
@@ -75,22 +119,16 @@ def bench() -> None:
               default=Path("benchmarks/results/serving"), show_default=True)
 @_engine_options
 @friendly
-def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, modes: str,
-                      online_modes: str, concurrency: str, online_requests: int, gen_tokens: int,
-                      k: int, n: int, lam: float, seed: int, no_noise_check: bool,
-                      no_reference: bool, out_dir: Path,
-                      dtype: str, max_model_len: int, kv_cache_gib: int, max_num_seqs: int | None,
-                      repeats: int, warmup: int, work_dir: Path | None, resume: bool) -> None:
+def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, served: ModeFlags,
+                      gen_tokens: int, fit: FitFlags, no_noise_check: bool, no_reference: bool,
+                      out_dir: Path, engine: EngineFlags) -> None:
     """Zero-shot vs ICL (prefix cache on/off) vs LTV (fused, folded, LoRA) in vLLM."""
     from ltv_vllm.bench.report import markdown
     from ltv_vllm.bench.serving import bench_serving
     b = _serving_bench(
-        out_dir, work_dir, dtype, max_model_len, kv_cache_gib, max_num_seqs, seed,
-        model_spec=model_spec, tasks=_task_specs(task_list),
-        n_per_task=n_per_task, modes=tuple(_csv(modes)), online_modes=tuple(_csv(online_modes)),
-        levels=tuple(_ints(concurrency)), online_requests=online_requests,
-        gen_tokens=gen_tokens, k=k, n=n, lam=lam, noise_check=not no_noise_check,
-        reference=not no_reference, repeats=repeats, warmup=warmup, resume=resume)
+        out_dir, engine, fit, model_spec=model_spec, tasks=_task_specs(task_list),
+        n_per_task=n_per_task, **served.fields(), gen_tokens=gen_tokens,
+        noise_check=not no_noise_check, reference=not no_reference)
     doc = bench_serving(b, command=_command_line(), log=lambda m: click.echo(m, err=True))
     click.echo(markdown(doc))
     click.echo(f"wrote {out_dir}/results.json, results.md and plots")
@@ -101,28 +139,24 @@ def bench_serving_cmd(model_spec: str, task_list: str, n_per_task: int, modes: s
 @click.option("--tasks", "task_list", default="sst2,agnews", show_default=True)
 @click.option("--ks", default="0,10,30,50", show_default=True, help="Demonstrations per prompt.")
 @click.option("--n-per-task", default=64, show_default=True)
-@click.option("--vector-k", default=30, show_default=True,
-              help="Demonstrations behind the LTV vectors (their serving cost does not "
-                   "depend on it).")
-@click.option("--n", default=256, show_default=True)
-@click.option("--lam", default=5.0, show_default=True)
-@click.option("--seed", default=0, show_default=True)
+@grouped(
+    FitFlags,
+    click.option("--vector-k", "k", default=30, show_default=True,
+                 help="Demonstrations behind the LTV vectors (their serving cost does not "
+                      "depend on it)."),
+    _N, _LAM, _SEED, name="fit")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("benchmarks/results/icl_cost"), show_default=True)
 @_engine_options
 @friendly
-def bench_icl_cost_cmd(model_spec: str, task_list: str, ks: str, n_per_task: int, vector_k: int,
-                       n: int, lam: float, seed: int, out_dir: Path, dtype: str,
-                       max_model_len: int, kv_cache_gib: int, max_num_seqs: int | None,
-                       repeats: int, warmup: int, work_dir: Path | None, resume: bool) -> None:
+def bench_icl_cost_cmd(model_spec: str, task_list: str, ks: str, n_per_task: int, fit: FitFlags,
+                       out_dir: Path, engine: EngineFlags) -> None:
     """ICL serving cost as k grows (prefix cache on/off); LTV's does not depend on k."""
     from ltv_vllm.bench.report import icl_cost_markdown
     from ltv_vllm.bench.serving import bench_icl_cost
     b = _serving_bench(
-        out_dir, work_dir, dtype, max_model_len, kv_cache_gib, max_num_seqs, seed,
-        model_spec=model_spec, tasks=_task_specs(task_list),
-        n_per_task=n_per_task, ks=tuple(_ints(ks)), k=vector_k, n=n, lam=lam,
-        modes=(), online_modes=(), repeats=repeats, warmup=warmup, resume=resume)
+        out_dir, engine, fit, model_spec=model_spec, tasks=_task_specs(task_list),
+        n_per_task=n_per_task, ks=tuple(_ints(ks)), modes=(), online_modes=())
     doc = bench_icl_cost(b, command=_command_line(), log=lambda m: click.echo(m, err=True))
     click.echo(icl_cost_markdown(doc))
 
@@ -151,31 +185,35 @@ def bench_report_cmd(out_dir: Path) -> None:
               default=None,
               help="[default: benchmarks/results/extraction_cost; with --shape "
                    "benchmarks/results/extraction_SHAPE_DEVICE]")
-@click.option("--shape", default=None,
-              help="Instead: the whole extract() at this real model's shape (random weights "
-                   "built on --device, --model's tokenizer), per --batch-sizes, at k = 30 "
-                   "(or the first of --ks) and the largest of --ns; one of "
-                   "tests/fixtures/configs (llama-3.1-8b, qwen2.5-32b, ...) or a config.json.")
-@click.option("--device", default="auto", show_default=True, help="With --shape. " + DEVICE_HELP)
-@click.option("--batch-sizes", default="16,32,64,128,256,auto", show_default=True,
-              help="With --shape: the batches timed.")
-@click.option("--n-test", default=500, show_default=True, help="With --shape.")
-@click.option("--layers", type=int, default=None,
-              help="With --shape: build only this many decoder layers [default: all].")
+@grouped(
+    ShapeFlags,
+    click.option("--shape", default=None,
+                 help="Instead: the whole extract() at this real model's shape (random "
+                      "weights built on --device, --model's tokenizer), per --batch-sizes, at "
+                      "k = 30 (or the first of --ks) and the largest of --ns; one of "
+                      "tests/fixtures/configs (llama-3.1-8b, qwen2.5-32b, ...) or a "
+                      "config.json."),
+    click.option("--device", default="auto", show_default=True,
+                 help="With --shape. " + DEVICE_HELP),
+    click.option("--batch-sizes", default="16,32,64,128,256,auto", show_default=True,
+                 help="With --shape: the batches timed."),
+    click.option("--n-test", default=500, show_default=True, help="With --shape."),
+    click.option("--layers", type=int, default=None,
+                 help="With --shape: build only this many decoder layers [default: all]."),
+    name="at_shape")
 @friendly
 def bench_extraction_cmd(model_spec: str, task_list: str, ks: str, ns: str, seed: int,
                          batch_size: int, dtype: str, naive: bool, out_dir: Path | None,
-                         shape: str | None, device: str, batch_sizes: str, n_test: int,
-                         layers: int | None) -> None:
+                         at_shape: ShapeFlags) -> None:
     """Extraction time as k and N grow, with the shared demo cache and without it; or, with
     --shape, the whole extract() at a real model's shape on the device, per batch size."""
     from ltv_vllm.bench.extraction import bench_extraction, extraction_markdown
     from ltv_vllm.pipeline.extract import check_counts
 
     _task_specs(task_list)
-    if shape is not None:
+    if at_shape.shape is not None:
         return _bench_device_extraction(model_spec, task_list, ks, ns, seed, dtype, naive,
-                                        out_dir, shape, device, batch_sizes, n_test, layers)
+                                        out_dir, at_shape)
     out_dir = out_dir or Path("benchmarks/results/extraction_cost")
     for k_ in _ints(ks):
         check_counts(k=k_)
@@ -191,18 +229,19 @@ def bench_extraction_cmd(model_spec: str, task_list: str, ks: str, ns: str, seed
 
 
 def _bench_device_extraction(model_spec: str, task_list: str, ks: str, ns: str, seed: int,
-                             dtype: str, naive: bool, out_dir: Path | None, shape: str,
-                             device: str, batch_sizes: str, n_test: int,
-                             layers: int | None) -> None:
+                             dtype: str, naive: bool, out_dir: Path | None,
+                             at_shape: ShapeFlags) -> None:
     from ltv_vllm.bench.device_extraction import bench_device_extraction, markdown, shapes
     from ltv_vllm.models.hardware import resolve_device
     from ltv_vllm.pipeline.extract import check_counts
 
+    shape, n_test, layers = at_shape.shape or "", at_shape.n_test, at_shape.layers
     if shape not in shapes() and not (shape.endswith(".json") and Path(shape).is_file()):
         raise ArgumentError(f"--shape {shape}: one of {', '.join(shapes())}, or a config.json")
-    device = resolve_device(device)
+    device = resolve_device(at_shape.device)
     try:
-        batches: list[int | str] = [BATCH.convert(b, None, None) for b in _csv(batch_sizes)]
+        batches: list[int | str] = [BATCH.convert(b, None, None)
+                                    for b in _csv(at_shape.batch_sizes)]
     except click.BadParameter as e:
         raise ArgumentError(f"--batch-sizes: {e.message}") from None
     for b in batches:
@@ -293,19 +332,18 @@ def bench_real_width_cmd(config_name: str, layers: int, tokenizer_model: str, tp
               help="Ranks to cut each fit to (the full rank is always added).")
 @click.option("--runs", default=1, show_default=True,
               help="Episodes per task (seeds seed, seed+1, ...).")
-@click.option("--k", default=30, show_default=True)
-@click.option("--n", default=256, show_default=True)
-@click.option("--lam", default=5.0, show_default=True)
-@click.option("--n-test", default=500, show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--batch-size", default=16, show_default=True)
+@grouped(
+    EpisodeFlags, _K, _N, _LAM,
+    click.option("--n-test", default=500, show_default=True),
+    _SEED,
+    click.option("--batch-size", default=16, show_default=True),
+    name="episode")
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("benchmarks/results/rank"), show_default=True)
 @friendly
-def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int, k: int, n: int,
-                   lam: float, n_test: int, seed: int, batch_size: int, dtype: str,
-                   out_dir: Path) -> None:
+def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int,
+                   episode: EpisodeFlags, dtype: str, out_dir: Path) -> None:
     """Accuracy and d_NTP of each LTV cut to lower ranks (what cheaper LoRA serving costs)."""
     from ltv_vllm.bench.rank import bench_rank, rank_markdown
     from ltv_vllm.pipeline.extract import check_counts
@@ -313,10 +351,11 @@ def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int, k: in
     _task_specs(task_list)
     for r in _ints(ranks):
         check_counts(rank=r)
-    check_counts(runs=runs, k=k, n=n, lam=lam, n_test=n_test, batch_size=batch_size)
+    e = episode
+    check_counts(runs=runs, k=e.k, n=e.n, lam=e.lam, n_test=e.n_test, batch_size=e.batch_size)
     check_writable(out_dir, option="--out", directory=True)
-    doc = bench_rank(model_spec, _csv(task_list), ranks=_ints(ranks), runs=runs, k=k, n=n,
-                     lam=lam, n_test=n_test, seed=seed, batch_size=batch_size, dtype=dtype,
-                     out_dir=out_dir, command=_command_line(),
+    doc = bench_rank(model_spec, _csv(task_list), ranks=_ints(ranks), runs=runs, k=e.k, n=e.n,
+                     lam=e.lam, n_test=e.n_test, seed=e.seed, batch_size=e.batch_size,
+                     dtype=dtype, out_dir=out_dir, command=_command_line(),
                      log=lambda m: click.echo(m, err=True))
     click.echo(rank_markdown(doc))
