@@ -75,6 +75,19 @@ def test_bad_names_and_wrong_model_are_refused_before_writing(setup):
     assert os.listdir(store.root) == []
 
 
+def test_a_chat_fitted_vector_is_served_from_the_command_line(setup):
+    """The gate learns a chat-fitted vector's template at start: the store refuses one."""
+    from dataclasses import replace
+
+    tmp, good, _ = setup
+    store = TaskStore(tmp / "store")
+    chat = replace(good, provenance=replace(good.provenance, prompt_format={
+        "name": "chat", "demos": "turns", "template_sha256": "0" * 64}))
+    with pytest.raises(StoreError, match="chat-fitted vector"):
+        store.add("alpha", chat, tmp / "m")
+    assert os.listdir(store.root) == []
+
+
 def test_a_crash_mid_write_leaves_no_entry(setup, monkeypatch):
     """A failure after the adapter is written (here: saving the vector) leaves nothing; a
     process killed mid-write leaves only a .tmp- directory, invisible and swept."""

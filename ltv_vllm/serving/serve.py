@@ -24,6 +24,7 @@ from ltv_vllm.serving.step_policy import (
     DEFAULT_KEY,
     STORE_CONFIG_KEY,
     TASKS_CONFIG_KEY,
+    chat_env,
     parse_steps,
     tasks_env,
 )
@@ -372,18 +373,53 @@ def check_pipeline_parallel(pp: int, cuda: bool | None = None) -> None:
                             "backend (0.32 fails its first step); use --tensor-parallel-size")
 
 
-def _int_arg(vllm_args: tuple[str, ...], flags: tuple[str, ...], default: int = 1) -> int:
-    """An integer vLLM flag as given (`default` when absent or unreadable)."""
+def _arg(vllm_args: tuple[str, ...] | list[str], flags: tuple[str, ...]) -> str | None:
+    """A vLLM flag's value as given (`--flag value` or `--flag=value`; None: absent)."""
     for i, a in enumerate(vllm_args):
         for flag in flags:
             value = (vllm_args[i + 1] if a == flag and i + 1 < len(vllm_args)
                      else a.split("=", 1)[1] if a.startswith(flag + "=") else None)
             if value is not None:
-                try:
-                    return int(value)
-                except ValueError:
-                    return default
-    return default
+                return value
+    return None
+
+
+def _int_arg(vllm_args: tuple[str, ...], flags: tuple[str, ...], default: int = 1) -> int:
+    """An integer vLLM flag as given (`default` when absent or unreadable)."""
+    value = _arg(vllm_args, flags)
+    try:
+        return int(value) if value is not None else default
+    except ValueError:
+        return default
+
+
+def served_template_digest(model_dir: str | Path,
+                           vllm_args: tuple[str, ...] | list[str]) -> str | None:
+    """sha256 of the chat template the server renders with, read as vLLM reads it: the
+    `--chat-template` file, or its value as the template itself, else the tokenizer's own
+    (None: no template)."""
+    from ltv_vllm.tasks.chat import template_digest
+
+    value = _arg(vllm_args, ("--chat-template",))
+    if value is None:
+        from ltv_vllm.models.loading import load_tokenizer
+
+        template = getattr(load_tokenizer(str(model_dir)), "chat_template", None)
+    else:
+        path = Path(value)
+        template = path.read_text() if path.is_file() else value
+    return template_digest(template) if isinstance(template, str) and template else None
+
+
+def chat_fitted_vectors(vectors: dict[str, Path]) -> dict[str, str]:
+    """name → template sha256 of the chat-fitted vectors among `vectors` ("" for a fused
+    server's one)."""
+    out = {}
+    for name, path in vectors.items():
+        fmt = load_task_vector(path).provenance.prompt_format
+        if fmt and fmt.get("name") == "chat":
+            out[name] = fmt["template_sha256"]
+    return out
 
 
 def _api_servers(vllm_args: tuple[str, ...]) -> int:
@@ -484,6 +520,9 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         extra.insert(0, "--enforce-eager")
     settings = ServerSettings(max_body=opts.max_body_mib << 20)
     env = dict(task_env)
+    fitted = chat_fitted_vectors(parsed)  # the gate shifts their chat requests (`tasks.chat`)
+    if fitted:
+        env.update(chat_env(fitted, served_template_digest(model_dir, extra)))
     if probes:  # the engine holds the probes; the endpoint plugin checks them at start
         settings = replace(settings, selfcheck=True)
         env["VLLM_PLUGINS"] = store_plugins()

@@ -22,6 +22,9 @@ TASKS_ENV = "LTV_VLLM_TASKS"       # the served task names, for the frontend's r
 STORE_CONFIG_KEY = "ltv_task_store"  # hf_overrides: the task store's root (its tasks by key)
 CHAT_KEY = "ltv_chat"              # a request's `vllm_xargs` key: "allow" a shifted chat request
 CHAT_PATH = "/v1/chat/completions"
+CHAT_TASKS_ENV = "LTV_VLLM_CHAT_TASKS"  # JSON {task: template sha256} of chat-fitted vectors
+# ("" for a fused server's one vector)
+TEMPLATE_ENV = "LTV_VLLM_CHAT_TEMPLATE"  # sha256 of the template the server renders chat with
 # routes that render a chat template around the request's text (each vLLM's own)
 CHAT_PATHS = (CHAT_PATH, "/v1/chat/completions/batch", "/v1/responses", "/v1/messages")
 
@@ -120,3 +123,59 @@ def shifts_chat(xargs: Any) -> bool:
         return parse_steps(xargs[STEPS_KEY]) != 0 if STEPS_KEY in xargs else True
     except ValueError:
         return True  # refused anyway, as a bad policy
+
+
+def chat_env(fitted: dict[str, str], served_digest: str | None) -> dict[str, str]:
+    """What the gate needs of chat-fitted vectors (`tasks.chat`): each one's template digest
+    (name → sha256; "" for a fused server's vector) and the server's own template's."""
+    if not fitted:
+        return {}
+    return {CHAT_TASKS_ENV: json.dumps(fitted, sort_keys=True),
+            TEMPLATE_ENV: served_digest or ""}
+
+
+def chat_fitted(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    raw = (os.environ if environ is None else environ).get(CHAT_TASKS_ENV)
+    return dict(_digests(raw)) if raw else {}
+
+
+@functools.lru_cache(maxsize=4)
+def _digests(raw: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(json.loads(raw).items()))
+
+
+def rendering_refusal(task: str, fitted: str | None, payload: Mapping[str, Any], *,
+                      chat: bool, chat_path: bool,
+                      environ: Mapping[str, str] | None = None) -> str | None:
+    """Why a request a vector would shift is refused for how it is rendered, or None.
+
+    A completion-fitted vector (`fitted` None) shifts completion requests; a chat request is
+    refused unless it opts in. A chat-fitted vector (`fitted`: its template's sha256) shifts
+    chat completions rendered as it was fitted: the server's template the same, the request
+    not overriding it, the generation prompt on (the state it was fitted at); a completion
+    request, or a chat on another route, is refused unless it opts in. The opt-in
+    (`ltv_chat: "allow"`) and `ltv_steps: 0` (nothing shifted) are never refused."""
+    if not shifts_chat(payload.get("vllm_xargs")):
+        return None
+    if fitted is None:
+        return chat_refusal(task) if chat else None
+    opt_in = f'set vllm_xargs.{CHAT_KEY} to "allow" to shift it anyway'
+    if not chat:
+        return (f"task {task!r}: its vector was fitted through the model's chat template; send "
+                f"the request to {CHAT_PATH} (or {opt_in})")
+    if not chat_path:
+        return (f"task {task!r}: its chat-fitted vector is served on {CHAT_PATH}; {opt_in}")
+    if payload.get("chat_template") is not None:
+        return (f"task {task!r}: its vector was fitted through the server's chat template; a "
+                f"request's own chat_template renders another prompt ({opt_in})")
+    if payload.get("add_generation_prompt") is False or payload.get("continue_final_message"):
+        return (f"task {task!r}: its vector shifts the assistant's first token after the "
+                "generation prompt; add_generation_prompt false or continue_final_message "
+                f"renders another prompt ({opt_in})")
+    served = (os.environ if environ is None else environ).get(TEMPLATE_ENV) or ""
+    if served != fitted:
+        return (f"task {task!r}: its vector was fitted through chat template sha256 "
+                f"{fitted[:12]}, and this server renders chat with "
+                f"{served[:12] or 'no template'} (started with another --chat-template?); "
+                f"{opt_in}")
+    return None

@@ -204,6 +204,12 @@ class TaskStore:
         check_name(name)
         tv.check_model(identity_from_dir(model_dir))
         refuse_non_lora(tv)
+        fmt = tv.provenance.prompt_format
+        if fmt and fmt.get("name") == "chat":
+            # the gate learns a chat-fitted vector's template at start (`serve`), not from
+            # the store: served without it, its chat requests would be refused or misread
+            raise StoreError("a chat-fitted vector (extract --format chat) is served from the "
+                             "command line (serve --task-vector NAME=PATH), not the task store")
         if into is None:
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self.root))
         else:

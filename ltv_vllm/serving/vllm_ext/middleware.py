@@ -21,8 +21,12 @@ vLLM's authentication and before any handler reads a body. In order, for each HT
    - a malformed `ltv_steps`, `ltv_task` or `ltv_chat` (JSON `true` is not a count);
    - beam search wherever a vector shifts the request (vLLM runs each beam step as a new
      request without `vllm_xargs`): on a fused server, and for a task of a multi-task server;
-   - a chat request (chat, batch chat, responses, messages, /invocations with `messages`) a
-     vector would shift, unless it opts in (`ltv_chat: "allow"`);
+   - a request rendered otherwise than its vector was fitted (`step_policy.rendering_refusal`),
+     unless it opts in (`ltv_chat: "allow"`): a chat request (chat, batch chat, responses,
+     messages, /invocations with `messages`) to a completion-fitted vector; to a chat-fitted
+     one (`extract --format chat`) a completion request, a chat on another route, a
+     request's own `chat_template`, no generation prompt, or a server rendering with another
+     template than the vector's;
    - per-request tasks (`TaskGate`, the default): the gate alone maps a task's name (`model`,
      or `vllm_xargs.ltv_task`) to its engine key and counts the request in flight under that
      name (`in_flight`: DELETE waits for them); a task named on a route other than
@@ -58,10 +62,10 @@ from ltv_vllm.serving.step_policy import (
     RUNTIME,
     STEPS_KEY,
     TASK_KEY,
-    chat_refusal,
+    chat_fitted,
     named_tasks,
     parse_steps,
-    shifts_chat,
+    rendering_refusal,
     task_prompt_logprobs,
     unknown_task,
 )
@@ -343,9 +347,8 @@ class Gate:
         if ask.beam and not self.beam_follows:
             return beam_refusal("this server's task vector"), "BadRequestError", \
                 "use_beam_search"
-        if ask.chat and shifts_chat(ask.xargs):
-            return chat_refusal(ask.model if isinstance(ask.model, str) else "served"), \
-                "BadRequestError", "messages"
+        if ask.chat or ask.path in SHIFT_PATHS:
+            return ask.rendering("", ask.model if isinstance(ask.model, str) else "served")
         return None
 
     def rewrite(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
@@ -381,9 +384,9 @@ class LoraGate(Gate):
             return bad
         if ask.prompt_logprobs:
             return LORA_PROMPT_LOGPROBS, "BadRequestError", "prompt_logprobs"
-        if (ask.chat and isinstance(ask.model, str) and ask.model not in base_names(scope)
-                and shifts_chat(ask.xargs)):
-            return chat_refusal(ask.model), "BadRequestError", "messages"
+        if (isinstance(ask.model, str) and ask.model not in base_names(scope)
+                and (ask.chat or ask.path in SHIFT_PATHS)):
+            return ask.rendering(ask.model, ask.model)
         return None
 
     def counted(self, ask: Ask) -> Any:
@@ -448,9 +451,7 @@ class TaskGate(Gate):
             return beam_refusal(f"task {task!r}"), "BadRequestError", "use_beam_search"
         if ask.prompt_logprobs:  # the engine refuses them too; here before any stream starts
             return task_prompt_logprobs(), "BadRequestError", "prompt_logprobs"
-        if ask.chat and shifts_chat(ask.xargs):
-            return chat_refusal(task), "BadRequestError", "messages"
-        return None
+        return ask.rendering(task, task)
 
     def shown(self, scope: dict[str, Any], ask: Ask) -> str | None:
         # vLLM answers every request with its first served name; a task's request names
@@ -590,6 +591,13 @@ class Ask:
             return (f'vllm_xargs.{CHAT_KEY} takes one value, "allow"', "BadRequestError",
                     f"vllm_xargs.{CHAT_KEY}")
         return None
+
+    def rendering(self, key: str, task: str) -> tuple[str, ...] | None:
+        """A 400 for a request rendered otherwise than `task`'s vector was fitted (its
+        chat-fitted digest under `key`; `step_policy.rendering_refusal`), or None."""
+        why = rendering_refusal(task, chat_fitted().get(key), self.payload, chat=self.chat,
+                                chat_path=self.path == CHAT_PATH)
+        return (why, "BadRequestError", "messages" if self.chat else "prompt") if why else None
 
     def set_model(self, name: str) -> None:
         self.payload["model"] = self.model = name

@@ -1,0 +1,157 @@
+"""Chat-fitted task vectors through the real OpenAI server: `/v1/chat/completions` shifted
+without any opt-in when the request renders through the template the vector was fitted on,
+each answer equal to transformers' greedy loop over the template's rendering (shifted at
+exactly its policy's steps), streamed and not, mixed in one batch with completion tasks and
+the bare model; a completion request, another template and a request's own template
+refused in one line."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import openai
+import pytest
+import torch
+from test_server import PROMPTS, check_answer, start_server, stop
+
+from conftest import make_vllm_llama, plan
+from ltv_vllm.core.vector import TaskVector, model_identity
+from ltv_vllm.tasks.chat import chat_task
+from ltv_vllm.tasks.specs import BUILTIN_TASKS, label_token_ids
+
+pytestmark = pytest.mark.slow(seconds=45)  # see conftest's ordering
+
+# ChatML with a default system turn (as SmolLM2's and Qwen2.5's templates write it)
+CHATML = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+          "{{ '<s>system\nBe brief.</s>\n' }}{% endif %}"
+          "{{ '<s>' + m['role'] + '\n' + m['content'] + '</s>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<s>assistant\n' }}{% endif %}")
+OTHER = CHATML.replace("Be brief.", "Be kind.")
+SST2 = BUILTIN_TASKS["sst2"]
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory, tokenizer):
+    """A per-request multi-task server rendering chat with CHATML: `alpha` fitted on the
+    completion prompt, `delta` through CHATML (policy: the first token), `epsilon` through
+    another template; (url, model, vectors)."""
+    d = tmp_path_factory.mktemp("chat-model")
+    model = make_vllm_llama(tokenizer, seed=37, tie=False)
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    ident = model_identity(model, str(d))
+    vecs = {}
+    for name, template, seed in (("alpha", None, 1), ("delta", CHATML, 2),
+                                 ("epsilon", OTHER, 3)):
+        g = torch.Generator().manual_seed(seed)
+        task = SST2 if template is None else chat_task(SST2, tokenizer, template=template)
+        meta = {"task": {**SST2.to_dict(), "name": name}, "shift_steps": "first"}
+        if template is not None:
+            meta["prompt_format"] = task.record()
+        vecs[name] = TaskVector("hidden", 0.5 * torch.randn(128, 8, generator=g),
+                                torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None,
+                                ident, tuple(label_token_ids(task, tokenizer)), meta)
+    tmp = tmp_path_factory.mktemp("chat-server")
+    paths = [f"{n}={tv.save(tmp / f'{n}.pt')}" for n, tv in vecs.items()]
+    proc, url, log = start_server(d, paths, tmp, ("--chat-template", CHATML))
+    try:
+        yield url, model, vecs
+    finally:
+        stop(proc, log)
+
+
+def rendered(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         chat_template=CHATML, tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def chat_logprobs(chunks) -> SimpleNamespace:
+    """A chat answer's (or its streamed chunks') per-step tokens and top logprobs."""
+    steps = [s for c in chunks for ch in c.choices if ch.logprobs for s in ch.logprobs.content]
+    return SimpleNamespace(tokens=[s.token for s in steps], top_logprobs=[
+        {t.token: t.logprob for t in s.top_logprobs} for s in steps])
+
+
+def test_a_chat_fitted_task_is_shifted_through_chat(chat_server, tokenizer):
+    url, model, vecs = chat_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    tv = vecs["delta"]
+    prompt = rendered(tokenizer, PROMPTS[0])
+    assert prompt.startswith("<s>system\nBe brief.</s>\n<s>user\n")
+    for xargs, n in ((None, 1), ({"ltv_steps": "all"}, 3), ({"ltv_steps": 0}, 0)):
+        for stream in (False, True):
+            kw = dict(model="delta", messages=[{"role": "user", "content": PROMPTS[0]}],
+                      max_tokens=3, temperature=0.0, logprobs=True, top_logprobs=5,
+                      extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True,
+                                  **({"vllm_xargs": xargs} if xargs else {})})
+            chunks = (list(client.chat.completions.create(**kw, stream=True)) if stream
+                      else [client.chat.completions.create(**kw)])
+            assert {c.model for c in chunks} == {"delta"}
+            lp = chat_logprobs(chunks)
+            assert len(lp.tokens) == 3, (xargs, stream)
+            check_answer(lp, {k: plan(tv, k, 3) for k in (0, 1, 2, 3)}, n, model, tokenizer,
+                         prompt)
+
+
+def test_other_renderings_are_refused(chat_server):
+    url, _model, _vecs = chat_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    chat = dict(messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=2)
+    cases = [
+        (lambda: client.completions.create(model="delta", prompt=PROMPTS[0], max_tokens=2),
+         "fitted through the model's chat template; send the request to /v1/chat/completions"),
+        (lambda: client.chat.completions.create(model="delta", **chat, extra_body={
+            "chat_template": OTHER}), "a request's own chat_template"),
+        (lambda: client.chat.completions.create(model="delta", **chat, extra_body={
+            "add_generation_prompt": False}), "generation prompt"),
+        (lambda: client.chat.completions.create(model="epsilon", **chat),
+         "this server renders chat with"),
+        (lambda: client.chat.completions.create(model="alpha", **chat),
+         "fitted on the task's completion prompt"),
+    ]
+    for call, why in cases:
+        with pytest.raises(openai.BadRequestError, match=why):
+            call()
+    # the opt-in shifts it anyway; the bare model's chat is nobody's rendering
+    for name, xargs in (("delta", {"ltv_chat": "allow"}), ("epsilon", {"ltv_chat": "allow"})):
+        client.chat.completions.create(model=name, **chat, extra_body={"vllm_xargs": xargs})
+    client.completions.create(model="delta", prompt=PROMPTS[0], max_tokens=2,
+                              extra_body={"vllm_xargs": {"ltv_chat": "allow"}})
+
+
+def test_chat_and_completion_tasks_in_one_batch(chat_server, tokenizer):
+    """delta through chat, alpha through completions, the bare model both ways, in flight
+    together with staggered lengths: each answer is its own task's at its own steps and
+    ≥ 10× the tolerance from every other's."""
+    url, model, vecs = chat_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    base = client.models.list().data[0].id
+    jobs = [(name, route, p, 2 + r) for r in range(3) for p in PROMPTS
+            for name, route in (("delta", "chat"), ("alpha", "completion"), (base, "chat"),
+                                (base, "completion"))]
+    extra = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+
+    def call(i_job):
+        i, (name, route, text, n) = i_job
+        time.sleep(0.4 * i / len(jobs))
+        if route == "chat":
+            r = client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": text}], max_tokens=n,
+                temperature=0.0, logprobs=True, top_logprobs=5, extra_body=extra)
+            return chat_logprobs([r])
+        return client.completions.create(model=name, prompt=text, max_tokens=n,
+                                         temperature=0.0, logprobs=5,
+                                         extra_body=extra).choices[0].logprobs
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(call, enumerate(jobs)))
+    for (name, route, text, n), lp in zip(jobs, results, strict=True):
+        assert len(lp.tokens) == n, (name, route)
+        prompt = rendered(tokenizer, text) if route == "chat" else text
+        plans = {"delta": plan(vecs["delta"], 1, n), "alpha": plan(vecs["alpha"], 1, n),
+                 "(bare)": plan(None, 0, n)}
+        right = name if name in vecs else "(bare)"
+        check_answer(lp, plans, right, model, tokenizer, prompt)
