@@ -155,3 +155,31 @@ def test_chat_and_completion_tasks_in_one_batch(chat_server, tokenizer):
                  "(bare)": plan(None, 0, n)}
         right = name if name in vecs else "(bare)"
         check_answer(lp, plans, right, model, tokenizer, prompt)
+
+
+def test_classify_through_chat(chat_server, tokenizer):
+    """`classify(..., chat=True)` (and `ltv-vllm classify --chat`): the label-restricted
+    distribution at the assistant's first token of the rendered conversation, with the
+    task's shift, as transformers gives it; far from the bare model's and from the
+    completion prompt's."""
+    from conftest import reference_logprobs
+    from ltv_vllm.serving.client import classify
+
+    url, model, vecs = chat_server
+    task = chat_task(SST2, tokenizer, template=CHATML)
+    ids = label_token_ids(task, tokenizer)
+    texts = ["the plot is dull", "a gorgeous, witty movie", "leaders meet for peace talks"]
+    got = classify(url, SST2, texts, model="delta", chat=True)
+    for text, c in zip(texts, got, strict=True):
+        query = SST2.query(text)
+        want = {}
+        for name, prompt, tv in (("right", rendered(tokenizer, query), vecs["delta"]),
+                                 ("bare", rendered(tokenizer, query), None),
+                                 ("completion", query, vecs["delta"])):
+            lp = reference_logprobs(model, tokenizer, prompt, [], tv)[-1][ids]
+            want[name] = torch.softmax(lp, -1).tolist()
+        served = [c.probs[lab] for lab in SST2.labels]
+        assert max(abs(a - b) for a, b in zip(served, want["right"], strict=True)) < 1e-4
+        for other in ("bare", "completion"):
+            assert max(abs(a - b) for a, b in zip(served, want[other], strict=True)) > 1e-3
+        assert c.label == SST2.labels[max(range(2), key=lambda i: want["right"][i])]

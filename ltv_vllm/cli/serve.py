@@ -198,10 +198,13 @@ API_KEY = click.option("--api-key", envvar="LTV_VLLM_API_KEY", default=None,
 @click.option("--task", required=True, help="Task name (also the served model name) or spec.")
 @click.option("--model", "served_model", default=None,
               help="Served model name to ask [default: the task name].")
+@click.option("--chat", is_flag=True,
+              help="Ask through /v1/chat/completions (the query as the user's message): for "
+                   "a vector extracted with --format chat.")
 @API_KEY
 @friendly
 def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | None,
-             api_key: str | None) -> None:
+             chat: bool, api_key: str | None) -> None:
     """Classify TEXTS with a served task vector; prints label and restricted probabilities."""
     from ltv_vllm.serving.client import ClientError
     from ltv_vllm.serving.client import classify as run_classify
@@ -209,7 +212,8 @@ def classify(texts: tuple[str, ...], url: str, task: str, served_model: str | No
 
     t = get_task(task)
     try:
-        results = run_classify(url, t, list(texts), model=served_model, api_key=api_key)
+        results = run_classify(url, t, list(texts), model=served_model, api_key=api_key,
+                               chat=chat)
     except ClientError as e:
         raise click.ClickException(str(e)) from None
     for text, r in zip(texts, results, strict=True):

@@ -56,15 +56,16 @@ def _openai(base_url: str, api_key: str | None) -> Any:
 
 
 def label_ids_from_server(base_url: str, model: str, task: Task, *,
-                          api_key: str | None = None) -> list[int]:
-    """First token of " " + label for each label, from the server's own tokenizer."""
+                          api_key: str | None = None, chat: bool = False) -> list[int]:
+    """First token of " " + label for each label (of the label itself after a chat
+    template's generation prompt), from the server's own tokenizer."""
     import httpx
 
     ids = []
     for lab in task.labels:
         try:
             r = httpx.post(f"{base_url}/tokenize",
-                           json={"model": model, "prompt": " " + lab,
+                           json={"model": model, "prompt": lab if chat else " " + lab,
                                  "add_special_tokens": False},
                            headers=_auth(api_key), timeout=30)
         except httpx.HTTPError:
@@ -86,27 +87,37 @@ def classify(
     model: str | None = None,
     concurrency: int = 8,
     api_key: str | None = None,
+    chat: bool = False,
 ) -> list[Classification]:
-    """Classify `texts` with the server's task `model` (default: the task's name)."""
+    """Classify `texts` with the server's task `model` (default: the task's name). `chat`:
+    through /v1/chat/completions, the task's query as the user's message and the label read
+    at the assistant's first token (for a vector fitted with `extract --format chat`)."""
     import openai
 
     base_url = base_url.rstrip("/")
     model = model or task.name
-    ids = label_ids_from_server(base_url, model, task, api_key=api_key)
+    ids = label_ids_from_server(base_url, model, task, api_key=api_key, chat=chat)
     client = _openai(base_url, api_key)
+    body = {"allowed_token_ids": ids, "return_tokens_as_token_ids": True}
 
     def one(text: str) -> Classification:
+        query = Task.query(task, text)  # the task's own query (a chat rendering adds no tail)
         try:
-            r = client.completions.create(
-                model=model, prompt=task.query(text), max_tokens=1, temperature=0.0,
-                logprobs=len(ids),
-                extra_body={"allowed_token_ids": ids, "return_tokens_as_token_ids": True},
-            )
+            if chat:
+                r = client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": query}], max_tokens=1,
+                    temperature=0.0, logprobs=True, top_logprobs=len(ids), extra_body=body)
+                top = token_logprobs({t.token: t.logprob for t in
+                                      r.choices[0].logprobs.content[0].top_logprobs})
+            else:
+                r = client.completions.create(
+                    model=model, prompt=query, max_tokens=1, temperature=0.0,
+                    logprobs=len(ids), extra_body=body)
+                top = token_logprobs(r.choices[0].logprobs.top_logprobs[0])
         except openai.APIStatusError as e:
             raise ClientError(f"server refused ({e.status_code}): {_message(e)}") from None
         except openai.APIConnectionError:
             raise ClientError(f"cannot reach {base_url}") from None
-        top = token_logprobs(r.choices[0].logprobs.top_logprobs[0])  # type: ignore[union-attr]
         return classification(top, ids, task.labels)
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
