@@ -183,3 +183,21 @@ def test_classify_through_chat(chat_server, tokenizer):
         for other in ("bare", "completion"):
             assert max(abs(a - b) for a, b in zip(served, want[other], strict=True)) > 1e-3
         assert c.label == SST2.labels[max(range(2), key=lambda i: want["right"][i])]
+
+
+def test_docs_chat_blocks_run(chat_server, tmp_path):
+    """The docs' chat client blocks, run as scripts against this server (its URL; its
+    chat-fitted task `delta` for their `trec`)."""
+    import os
+    import subprocess
+    import sys
+
+    from test_docs import CHAT_CLIENT, stand_in
+
+    url, _model, _vecs = chat_server
+    for where, code in CHAT_CLIENT:
+        code = stand_in(code, {"http://localhost:8123/v1": f"{url}/v1",
+                               'model="trec"': 'model="delta"'})
+        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "OPENAI_API_KEY": "EMPTY"})
+        assert r.returncode == 0 and r.stdout, (where, r.stdout, r.stderr[-2000:])

@@ -102,9 +102,10 @@ def test_cli_lines_parse(where, args):
 # Python blocks are also run, as a reader would run them, with what the suite has no copy of
 # replaced by a stand-in: the packaged model by a tiny random one (saved with its tokenizer),
 # the vector file by one fitted to it, the README's server by a test server
-# (tests/test_server.py runs those).
+# (tests/test_server.py runs the completion clients, tests/test_chat_server.py the chat ones).
 LIBRARY = [(w, c) for w, c in PYTHON if "localhost:8123" not in c]
-CLIENT = [(w, c) for w, c in PYTHON if "localhost:8123" in c]
+CLIENT = [(w, c) for w, c in PYTHON if "localhost:8123" in c and "chat.completions" not in c]
+CHAT_CLIENT = [(w, c) for w, c in PYTHON if "localhost:8123" in c and "chat.completions" in c]
 
 # after a block that registers a method, the method is used, as the page goes on to say
 AFTER_REGISTER = """
@@ -115,7 +116,7 @@ assert r.artifact.kind == "hidden" and 0 <= r.metrics["half-mean"]["accuracy"] <
 
 
 def test_every_python_block_runs_somewhere():
-    assert len(LIBRARY) >= 3 and len(CLIENT) >= 2
+    assert len(LIBRARY) >= 3 and len(CLIENT) >= 2 and len(CHAT_CLIENT) >= 1
 
 
 @pytest.fixture(scope="module")
