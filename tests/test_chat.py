@@ -152,3 +152,36 @@ def test_a_bad_stored_prompt_format_is_refused(bad, match):
     with pytest.raises(VectorError, match=match):
         Provenance.from_dict({"prompt_format": bad})
     assert Provenance.from_dict({"prompt_format": {"name": "completion"}}).prompt_format
+
+
+def test_the_gate_reads_each_vectors_rendering(monkeypatch):
+    """`rendering_refusal` over the request shapes, for a fused server's one vector (key "")
+    fitted through a template: what `serve` puts in the API server's environment."""
+    from ltv_vllm.serving.step_policy import chat_env
+    from ltv_vllm.serving.vllm_ext.middleware import Ask
+
+    mine, other = template_digest(CHATML), template_digest("x")
+    for k, v in chat_env({"": mine}, mine).items():
+        monkeypatch.setenv(k, v)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+
+    def why(path, payload, key=""):
+        r = Ask.of(path, payload, {"headers": []}).rendering(key, "t")
+        return r[0] if r else None
+
+    assert why("/v1/chat/completions", chat) is None
+    assert why("/invocations", chat) is None  # served as a chat
+    assert "send the request to /v1/chat/completions" in why("/v1/completions", {"prompt": "x"})
+    assert "is served on /v1/chat/completions" in why("/v1/responses", {"input": "x"})
+    assert "own chat_template" in why("/v1/chat/completions", {**chat, "chat_template": "y"})
+    assert "generation prompt" in why("/v1/chat/completions",
+                                      {**chat, "continue_final_message": True})
+    for xargs in ({"ltv_chat": "allow"}, {"ltv_steps": 0}):  # the opt-in, nothing shifted
+        assert why("/v1/completions", {"prompt": "x", "vllm_xargs": xargs}) is None
+    # a vector fitted on the completion prompt (no entry): chat is the refused shape
+    assert why("/v1/completions", {"prompt": "x"}, key="alpha") is None
+    assert "completion prompt" in why("/v1/chat/completions", chat, key="alpha")
+    # the server renders with another template than the vector's
+    for k, v in chat_env({"": mine}, other).items():
+        monkeypatch.setenv(k, v)
+    assert "this server renders chat with" in why("/v1/chat/completions", chat)
