@@ -61,66 +61,72 @@ def main() -> None:
 
     torch.manual_seed(0)
     lm = load_model(a.model, dtype=a.dtype)
-    records: list[dict] = []
-    t_start = time.perf_counter()
-    for task in get_tasks(a.tasks):
+    # every episode is saved as it finishes; a rerun with the same settings resumes
+    config = {k: str(v) for k, v in vars(a).items()}
+    path = a.out / "results.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    records: list[dict] = old.get("records", []) if old.get("config") == config else []
+    done = {(r["task"], r["run"]) for r in records}
+    t_start = time.perf_counter() - (old.get("wall_seconds", 0) if records else 0)
+    tasks = get_tasks(a.tasks)
+    # run 0 of every task first, then run 1, ...: an interrupted measurement covers tasks
+    for run, task in ((r, t) for r in range(a.runs) for t in tasks):
+        if (task.name, run) in done:
+            continue
         forms = {"completion": task,
                  "chat, turns": chat_task(task, lm.tokenizer, "turns"),
                  "chat, inline": chat_task(task, lm.tokenizer, "inline")}
-        for run in range(a.runs):
-            opts = ExtractOptions(k=a.k, n=a.n, lam=a.lam, seed=run, n_test=a.n_test,
-                                  progress=False)
-            base = plan_episode(task, opts)
-            got: dict[str, dict] = {}
-            for form, t in forms.items():
-                ep = type(base)(t, base.seed, base.demos, base.queries, base.test,
-                                base.test_seed, base.val)
-                ids = label_token_ids(t, lm.tokenizer)
-                cap = Capturer(lm.model, lm.tokenizer, batch_size="auto", progress=False,
-                               special_tokens=t.special_tokens)
-                t0 = time.perf_counter()
-                c = capture_episode(cap, ep)
-                seconds = time.perf_counter() - t0
-                ctx = method_context(lm, cap, ep, ids, MethodOptions().replace(
-                    lam=a.lam, seed=run, batch_size=cap.batch_size, progress=False), c)
-                sc = score_methods(ctx, ["ltv", "mean"], c.h_zs_test, c.h_icl_test,
-                                   episode_labels(ep))
-                got[form] = {"scores": sc, "captures": c, "ids": ids,
-                             "capture_seconds": seconds}
-                rec = {"task": task.name, "run": run, "rendering": form,
-                       "capture_seconds": round(seconds, 2),
-                       "prompt_tokens": {
-                           "zero_shot": len(cap.encode(t.zero_shot(ep.test[0].text))),
-                           "icl": len(cap.encode(ep.demo_prefix() + t.query(ep.test[0].text)))},
-                       **{m: sc.metrics[m]["accuracy"] for m in ("zero-shot", "icl", "ltv",
-                                                                   "mean")}}
-                records.append(rec)
-            # the opt-in path: the completion-fitted vector shifting the chat rendering
-            tv = got["completion"]["scores"].artifacts["ltv"]
-            for form in ("chat, turns",):
-                g = got[form]
-                w_c, b_c = label_head(lm.model, g["ids"])
-                z = tv.shift_hidden(g["captures"].h_zs_test) @ w_c.T + b_c
-                labels = episode_labels(base)
-                acc = float((z.argmax(-1) == labels).float().mean())
-                records.append({"task": task.name, "run": run,
-                                "rendering": "chat, completion-fitted LTV (opt-in)",
-                                "ltv": acc})
-            print(task.name, run, {r["rendering"]: {k: round(v, 3) for k, v in r.items()
-                                                    if k in ("zero-shot", "icl", "ltv")}
-                                   for r in records if r["task"] == task.name
-                                   and r["run"] == run}, flush=True)
-    summary = summarise(records)
-    doc = {"command": "python benchmarks/chat_format.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
-           "machine": hardware(), "dtype": str(lm.model.dtype).removeprefix("torch."),
-           "config": {k: str(v) for k, v in vars(a).items()},
-           "wall_seconds": round(time.perf_counter() - t_start, 1),
-           "records": records, "summary": summary}
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (a.out / "README.md").write_text(report(doc, machine_line(doc["machine"])))
-    print(report(doc, machine_line(doc["machine"])))
+        opts = ExtractOptions(k=a.k, n=a.n, lam=a.lam, seed=run, n_test=a.n_test,
+                              progress=False)
+        base = plan_episode(task, opts)
+        got: dict[str, dict] = {}
+        for form, t in forms.items():
+            ep = type(base)(t, base.seed, base.demos, base.queries, base.test,
+                            base.test_seed, base.val)
+            ids = label_token_ids(t, lm.tokenizer)
+            cap = Capturer(lm.model, lm.tokenizer, batch_size="auto", progress=False,
+                           special_tokens=t.special_tokens)
+            t0 = time.perf_counter()
+            c = capture_episode(cap, ep)
+            seconds = time.perf_counter() - t0
+            ctx = method_context(lm, cap, ep, ids, MethodOptions().replace(
+                lam=a.lam, seed=run, batch_size=cap.batch_size, progress=False), c)
+            sc = score_methods(ctx, ["ltv", "mean"], c.h_zs_test, c.h_icl_test,
+                               episode_labels(ep))
+            got[form] = {"scores": sc, "captures": c, "ids": ids,
+                         "capture_seconds": seconds}
+            rec = {"task": task.name, "run": run, "rendering": form,
+                   "capture_seconds": round(seconds, 2),
+                   "prompt_tokens": {
+                       "zero_shot": len(cap.encode(t.zero_shot(ep.test[0].text))),
+                       "icl": len(cap.encode(ep.demo_prefix() + t.query(ep.test[0].text)))},
+                   **{m: sc.metrics[m]["accuracy"] for m in ("zero-shot", "icl", "ltv",
+                                                               "mean")}}
+            records.append(rec)
+        # the opt-in path: the completion-fitted vector shifting the chat rendering
+        tv = got["completion"]["scores"].artifacts["ltv"]
+        for form in ("chat, turns",):
+            g = got[form]
+            w_c, b_c = label_head(lm.model, g["ids"])
+            z = tv.shift_hidden(g["captures"].h_zs_test) @ w_c.T + b_c
+            labels = episode_labels(base)
+            acc = float((z.argmax(-1) == labels).float().mean())
+            records.append({"task": task.name, "run": run,
+                            "rendering": "chat, completion-fitted LTV (opt-in)",
+                            "ltv": acc})
+        print(task.name, run, {r["rendering"]: {k: round(v, 3) for k, v in r.items()
+                                                if k in ("zero-shot", "icl", "ltv")}
+                               for r in records if r["task"] == task.name
+                               and r["run"] == run}, flush=True)
+        doc = {"command": "python benchmarks/chat_format.py " + " ".join(
+                   f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
+               "machine": hardware(), "dtype": str(lm.model.dtype).removeprefix("torch."),
+               "config": config, "wall_seconds": round(time.perf_counter() - t_start, 1),
+               "episodes": sorted({(r["task"], r["run"]) for r in records}),
+               "records": records, "summary": summarise(records)}
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (a.out / "README.md").write_text(report(doc, machine_line(doc["machine"])))
 
 
 def summarise(records: list[dict]) -> dict:
@@ -142,8 +148,13 @@ def summarise(records: list[dict]) -> dict:
 
 
 def report(doc: dict, machine: str) -> str:
+    runs: dict[str, list[int]] = {}
+    for t, r in doc["episodes"]:
+        runs.setdefault(t, []).append(r)
     lines = ["# Chat-native task vectors", "", f"`{doc['command']}`", "",
              f"{machine}, {doc['dtype']}; {doc['wall_seconds']:.0f} s", "",
+             "Episodes measured (task: runs): " + ", ".join(
+                 f"{t}: {', '.join(map(str, rs))}" for t, rs in runs.items()) + ".", "",
              "Accuracy (mean over runs) on the test subset, label-restricted argmax at the "
              "answer's position. *recovered*: (LTV − zero-shot) / (ICL − zero-shot), where ICL "
              "beats zero-shot.", "",
