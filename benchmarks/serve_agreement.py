@@ -8,6 +8,8 @@ through it. Reports agreement, both accuracies and the largest gap in label prob
     python benchmarks/serve_agreement.py --model smollm2-135m --task sst2 --n-test 500
     python benchmarks/serve_agreement.py --model qwen2.5-coder-1.5b-l14 --task sst2 \
         --vector sst2.transfer.pt --n-test 100      # a cross-model (logit-space) vector
+    python benchmarks/serve_agreement.py --task trec --format chat --n-test 200 \
+        --out benchmarks/results/serve_agreement_chat   # fitted and asked through chat
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ltv_vllm.models.hardware import hardware, machine_line
 from ltv_vllm.models.loading import load_model
 from ltv_vllm.pipeline.extract import ExtractOptions, extract
 from ltv_vllm.serving.client import classify
+from ltv_vllm.tasks.chat import chat_task
 from ltv_vllm.tasks.data import load_dataset, sample_test
 from ltv_vllm.tasks.specs import get_task
 
@@ -48,12 +51,17 @@ def _port() -> int:
 @click.option("--n-test", default=500, show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--out", default="benchmarks/results/serve_agreement", show_default=True)
+@click.option("--format", "prompt_format", type=click.Choice(["completion", "chat"]),
+              default="completion", show_default=True,
+              help="chat: the vector fitted through the model's chat template, the server "
+                   "asked through /v1/chat/completions (no opt-in).")
 def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtype: str,
-         out: str) -> None:
+         out: str, prompt_format: str) -> None:
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    task = get_task(task_name)
+    plain = get_task(task_name)
     lm = load_model(model_spec, dtype=dtype)
+    task = chat_task(plain, lm.tokenizer) if prompt_format == "chat" else plain
     dtype = str(lm.model.dtype).removeprefix("torch.")  # resolved: the server gets the same
     if vector is None:
         tv = extract(lm, task, "ltv", ExtractOptions(n_test=n_test)).artifact
@@ -63,9 +71,9 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
     texts = [e.text for e in test]
     labels = torch.tensor([e.label for e in test])
 
-    cap = Capturer(lm.model, lm.tokenizer)
+    cap = Capturer(lm.model, lm.tokenizer, special_tokens=task.special_tokens)
     w, b = label_head(lm.model, tv.label_token_ids)
-    h = cap.hidden([task.query(t) for t in texts], desc="transformers ltv")
+    h = cap.hidden([task.zero_shot(t) for t in texts], desc="transformers ltv")
     if tv.kind == "hidden":
         z = tv.shift_hidden(h) @ w.T + b
     else:  # a cross-model transfer vector: z_zs + W̃ h on the label rows
@@ -93,7 +101,8 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
                 time.sleep(1)
         startup = time.time() - t0
         t1 = time.time()
-        res = classify(url, task, texts, model=tv.task_name, concurrency=16)
+        res = classify(url, plain, texts, model=tv.task_name, concurrency=16,
+                       chat=prompt_format == "chat")
         classify_s = time.time() - t1
     finally:
         proc.terminate()
@@ -110,7 +119,7 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
     ]
     doc = {
         "command": "python " + " ".join(sys.argv),
-        "model": model_spec, "task": task.name, "n": len(texts),
+        "model": model_spec, "task": task.name, "n": len(texts), "format": prompt_format,
         "dtype": dtype,
         "machine": hardware(),
         "agreement": agree,
@@ -127,6 +136,7 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
     }
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
     summary = (f"{task.name} on {model_spec} ({doc['dtype']}; {machine_line(doc['machine'])}), "
+               f"{'through chat, ' if prompt_format == 'chat' else ''}"
                f"{len(texts)} test texts: server vs "
                f"transformers agreement {100 * agree:.1f}%, "
                f"accuracy {100 * doc['accuracy_server']:.1f}% "
