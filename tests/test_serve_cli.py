@@ -304,3 +304,35 @@ def test_a_hub_id_not_cached_offline_is_one_line(setup, monkeypatch, tmp_path):
     assert r.exit_code == 0 and r.output.strip() == str(snap), r.output
     r = CliRunner().invoke(main, ["models", "prepare", "someorg/not-cached"])
     assert r.exit_code == 1 and "not in the Hugging Face cache" in r.output, r.output
+
+
+def test_dry_run_of_a_chat_fitted_vector(setup, monkeypatch):
+    """A chat-fitted vector: the gate is told its template's sha256 and the server's (the
+    tokenizer's, or `--chat-template`'s file or literal, as vLLM reads it); a server that
+    would render with another template says so in one warning line."""
+    from dataclasses import replace
+
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.tasks.chat import template_digest
+
+    tmp, good, _ = setup
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    mine = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tv = load_task_vector(good)
+    chat = replace(tv, provenance=replace(tv.provenance, prompt_format={
+        "name": "chat", "demos": "turns", "template_sha256": template_digest(mine)}))
+    path = chat.save(tmp / "chat.pt")
+    (tmp / "t.jinja").write_text(mine)
+    for template in (mine, str(tmp / "t.jinja")):
+        r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
+                                      f"c={path}", "--dry-run", "--chat-template", template])
+        assert r.exit_code == 0, r.output
+        assert f'LTV_VLLM_CHAT_TASKS=\'{{"c": "{template_digest(mine)}"}}\'' in r.output
+        assert f"LTV_VLLM_CHAT_TEMPLATE={template_digest(mine)}" in r.output
+        assert "warning" not in r.output
+    # the tiny tokenizer has no template of its own: every chat request would be refused
+    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
+                                  str(path), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "warning: the vector was fitted through another chat template" in r.output
+    assert 'LTV_VLLM_CHAT_TASKS=\'{"": ' in r.output

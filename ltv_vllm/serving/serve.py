@@ -522,7 +522,13 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     env = dict(task_env)
     fitted = chat_fitted_vectors(parsed)  # the gate shifts their chat requests (`tasks.chat`)
     if fitted:
-        env.update(chat_env(fitted, served_template_digest(model_dir, extra)))
+        served = served_template_digest(model_dir, extra)
+        env.update(chat_env(fitted, served))
+        notes += [f"warning: {name or 'the vector'} was fitted through another chat template "
+                  f"(sha256 {digest[:12]}) than this server renders with "
+                  f"({(served or 'none')[:12]}): its chat requests will be refused unless "
+                  "they opt in (ltv_chat: allow)"
+                  for name, digest in fitted.items() if digest != served]
     if probes:  # the engine holds the probes; the endpoint plugin checks them at start
         settings = replace(settings, selfcheck=True)
         env["VLLM_PLUGINS"] = store_plugins()
