@@ -188,16 +188,7 @@ def test_classify_through_chat(chat_server, tokenizer):
 def test_docs_chat_blocks_run(chat_server, tmp_path):
     """The docs' chat client blocks, run as scripts against this server (its URL; its
     chat-fitted task `delta` for their `trec`)."""
-    import os
-    import subprocess
-    import sys
-
-    from test_docs import CHAT_CLIENT, stand_in
+    from test_docs import CHAT_CLIENT, run_client_blocks
 
     url, _model, _vecs = chat_server
-    for where, code in CHAT_CLIENT:
-        code = stand_in(code, {"http://localhost:8123/v1": f"{url}/v1",
-                               'model="trec"': 'model="delta"'})
-        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300, env={**os.environ, "OPENAI_API_KEY": "EMPTY"})
-        assert r.returncode == 0 and r.stdout, (where, r.stdout, r.stderr[-2000:])
+    run_client_blocks(CHAT_CLIENT, url, "delta", tmp_path)

@@ -160,3 +160,14 @@ def test_library_blocks_run(where, code, doc_model, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (where, r.stderr[-3000:])
+
+
+def run_client_blocks(blocks: list[tuple[str, str]], url: str, model: str, cwd) -> None:
+    """Client blocks as scripts against a test server: its URL for the README's, its task
+    `model` for their `trec`; each exits 0 and prints."""
+    for where, code in blocks:
+        code = stand_in(code, {"http://localhost:8123/v1": f"{url}/v1",
+                               'model="trec"': f'model="{model}"'})
+        r = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "OPENAI_API_KEY": "EMPTY"})
+        assert r.returncode == 0 and r.stdout, (where, r.stdout, r.stderr[-2000:])

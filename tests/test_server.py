@@ -404,15 +404,10 @@ def test_multi_task_server(assets, tokenizer, multi_task_server):
 def test_docs_client_blocks_run(multi_task_server, tmp_path):
     """README's and the docs' `openai` client blocks, run as scripts against this server:
     its URL for the README's, its task `alpha` for their `trec` (test_docs runs the others)."""
-    from test_docs import CLIENT, stand_in
+    from test_docs import CLIENT, run_client_blocks
 
     url, _relu = multi_task_server
-    for where, code in CLIENT:
-        code = stand_in(code, {"http://localhost:8123/v1": f"{url}/v1",
-                               'model="trec"': 'model="alpha"'})
-        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300, env={**os.environ, "OPENAI_API_KEY": "EMPTY"})
-        assert r.returncode == 0 and r.stdout, (where, r.stdout, r.stderr[-2000:])
+    run_client_blocks(CLIENT, url, "alpha", tmp_path)
 
 
 def test_fused_server(assets, tokenizer, tmp_path):

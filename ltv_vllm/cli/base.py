@@ -387,12 +387,9 @@ class FormatFlags:
         """What a chat rendering cannot run, in one line, before any model loads."""
         if self.name != "chat":
             return
-        from ltv_vllm.pipeline.extract import states_methods
+        from ltv_vllm.pipeline.extract import check_chat_methods
 
-        other = [m for m in methods if m not in (*states_methods(), "zero-shot", "icl")]
-        if other:
-            raise ArgumentError(f"--format chat: {', '.join(other)} builds its own completion "
-                                f"prompts; chat-rendered methods: {', '.join(states_methods())}")
+        check_chat_methods(methods)
         if regression or transfer or engine != "transformers":
             raise ArgumentError("--format chat renders classification tasks captured by "
                                 "transformers (no regression task, --source-model or "

@@ -251,14 +251,20 @@ def check_format(methods: list[str], task: Task, lm: Any, episode: Episode) -> N
     first conversation. One line each, before any pass."""
     if task.prompt_format != "chat":
         return
-    other = [n for n in methods if n not in states_methods() and n not in ("zero-shot", "icl")]
-    if other:
-        raise ArgumentError(f"--format chat: {', '.join(other)} builds its own completion "
-                            f"prompts; chat-rendered methods: {', '.join(states_methods())}")
+    check_chat_methods(methods)
     if isinstance(lm, CapturedModel):
         raise ArgumentError("--format chat captures with transformers (--engine transformers)")
     text = (episode.test or episode.queries)[0].text
     task.check(lm.tokenizer, episode.demos, text)
+
+
+def check_chat_methods(methods: list[str]) -> None:
+    """Through a chat rendering only the methods fitted on the final states run (the others
+    build their own completion prompts): one line naming the others."""
+    other = [n for n in methods if n not in states_methods() and n not in ("zero-shot", "icl")]
+    if other:
+        raise ArgumentError(f"--format chat: {', '.join(other)} builds its own completion "
+                            f"prompts; chat-rendered methods: {', '.join(states_methods())}")
 
 
 def states_methods() -> list[str]:

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ltv_vllm.tasks.data import Example
 from ltv_vllm.tasks.specs import Task, TaskError
 
 DEMOS = ("turns", "inline")
@@ -168,12 +169,7 @@ def chat_task(task: Task, tokenizer: Any, demos: str = DEFAULT_DEMOS,
                    between=between)
     # a conversation of real turns, checked whole (the placeholders may hide a template's
     # habit, e.g. a turn rendered differently by its index)
-    probe = [_Example("a", 0), _Example("b", len(task.labels) - 1)]
+    probe = [Example("a", 0), Example("b", len(task.labels) - 1)]
     out.check(tokenizer, probe, "c")
     return out
 
-
-@dataclass(frozen=True)
-class _Example:
-    text: str
-    label: int
