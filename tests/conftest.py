@@ -147,6 +147,17 @@ def write_toy_task(directory, words, *, n: int = 240):
     return directory / "toy.json"
 
 
+def write_model_pair(root, words):
+    """A transfer's two tiny models sharing one tokenizer (`source` 96 wide, 3 layers;
+    `target` 64 wide, 2 layers) and a toy task (`toy.json`) in `root`."""
+    tok = make_tokenizer()
+    for name, hidden, layers, seed in [("source", 96, 3, 11), ("target", 64, 2, 12)]:
+        make_llama(len(tok), hidden=hidden, layers=layers, seed=seed).save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    write_toy_task(root, words)
+    return root
+
+
 def write_model_and_vectors(directory, tokenizer):
     """A tiny model directory `m`, a vector fitted to it (`good.pt`, task "alpha") and one
     fitted to another model (`other.pt`); returns their paths."""

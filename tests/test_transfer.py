@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import make_llama, make_tokenizer, write_toy_task
+from conftest import make_llama, make_tokenizer, write_model_pair
 from ltv_vllm.cli import main
 from ltv_vllm.core.ridge import ridge_fit
 from ltv_vllm.core.vector import load_task_vector
@@ -53,15 +53,10 @@ def direct_solve(h: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    tok = make_tokenizer()
-    for name, hidden, layers, seed in [("source", 96, 3, 11), ("target", 64, 2, 12)]:
-        make_llama(len(tok), hidden=hidden, layers=layers, seed=seed).save_pretrained(root / name)
-        tok.save_pretrained(root / name)
+    root = write_model_pair(tmp_path_factory.mktemp("pair"), WORDS)
     # a model whose tokenizer adds BOS: same vocabulary, other ids for every prompt
-    make_llama(len(tok), hidden=64, layers=2, seed=13).save_pretrained(root / "bos")
+    make_llama(len(make_tokenizer()), hidden=64, layers=2, seed=13).save_pretrained(root / "bos")
     make_tokenizer(bos=True).save_pretrained(root / "bos")
-    write_toy_task(root, WORDS)
     return root
 
 

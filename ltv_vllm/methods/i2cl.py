@@ -122,7 +122,10 @@ def calibrate(
     if len(prompts) < 1:
         raise MethodError("i2cl-cal: calibration needs demonstrations")
     g = torch.Generator().manual_seed(seed)
-    coef = nn.Parameter(initial_coef(c_attn.shape[0], lam, beta))
+    # the coefficients live on the model's device: `injected` moves them there, and a moved
+    # copy of a host parameter would never see the optimizer's updates (a flat loss on a GPU)
+    coef = nn.Parameter(initial_coef(c_attn.shape[0], lam, beta).to(
+        next(model.parameters()).device))
     opt = torch.optim.AdamW([coef], lr=lr, weight_decay=wd)
     per_epoch = max(1, len(prompts) // batch)
     total, warmup = epochs * per_epoch, int(0.05 * epochs * per_epoch)
@@ -143,7 +146,7 @@ def calibrate(
                 epoch.append(float(loss.detach()))
             losses.append(sum(epoch) / len(epoch))
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    return coef.detach().clone(), losses
+    return coef.detach().cpu().clone(), losses
 
 
 class I2CL(Method):
