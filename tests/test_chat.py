@@ -10,7 +10,7 @@ import torch
 from conftest import CORPUS, make_llama, make_tokenizer
 from ltv_vllm.core.vector import Provenance, VectorError
 from ltv_vllm.errors import UserError
-from ltv_vllm.tasks.chat import chat_task, template_digest
+from ltv_vllm.tasks.chat import chat_task, render, template_digest
 from ltv_vllm.tasks.data import Episode, Example
 from ltv_vllm.tasks.specs import Task, TaskError, label_token_ids
 
@@ -140,6 +140,50 @@ def test_a_chat_task_runs_only_the_state_methods(chat_tokenizer, tmp_path):
     assert r.artifact.provenance.prompt_format == toy.record()
     assert r.artifact.provenance.task["name"] == "toy"
     assert "prompt_format" in json.dumps(r.artifact.provenance.to_dict())
+
+
+def test_extract_through_another_template_and_serve_with_it(chat_tokenizer, tmp_path):
+    """`extract --format chat --chat-template FILE` renders through that template, not the
+    tokenizer's: the vector records its sha256, a server given the same --chat-template
+    takes it without a warning, one with the tokenizer's own warns; the option without
+    --format chat, or naming no file, is one line before any model loads."""
+    from click.testing import CliRunner
+
+    from conftest import write_toy_task
+    from ltv_vllm.cli import main
+    from ltv_vllm.core.vector import load_task_vector
+
+    make_llama(len(chat_tokenizer), seed=3).save_pretrained(tmp_path / "m")
+    chat_tokenizer.save_pretrained(tmp_path / "m")
+    spec = str(write_toy_task(tmp_path, ["dull", "witty", "plot"]))
+    plain = CHATML.replace("{% if loop.first and m['role'] != 'system' %}"
+                           "{{ '<s>system\nBe brief.</s>\n' }}{% endif %}", "")
+    assert plain != CHATML
+    (tmp_path / "plain.jinja").write_text(plain)
+    args = ["extract", "--model", str(tmp_path / "m"), "--task", spec, "--k", "4", "--n", "8",
+            "--n-test", "4", "--dtype", "float32", "--format", "chat"]
+    r = CliRunner().invoke(main, [*args, "--chat-template", str(tmp_path / "plain.jinja"),
+                                  "-o", str(tmp_path / "v.pt")])
+    assert r.exit_code == 0, r.output
+    fmt = load_task_vector(tmp_path / "v.pt").provenance.prompt_format
+    assert fmt["template_sha256"] == template_digest(plain) != template_digest(CHATML)
+    # the rendering is the given template's: its zero-shot prompt has no system turn
+    task = chat_task(TASK, chat_tokenizer, template=plain)
+    assert task.zero_shot("x") == render(chat_tokenizer, [{"role": "user",
+                                                           "content": TASK.query("x")}], plain)
+    assert "Be brief" not in task.zero_shot("x")
+    for template, warned in ((str(tmp_path / "plain.jinja"), False), (None, True)):
+        extra = ["--chat-template", template] if template else []
+        r = CliRunner().invoke(main, ["serve", "--model", str(tmp_path / "m"), "--task-vector",
+                                      f"t={tmp_path / 'v.pt'}", "--dry-run", *extra])
+        assert r.exit_code == 0, r.output
+        assert ("fitted through another chat template" in r.output) == warned, r.output
+    for bad, match in (([*args[:-2], "--chat-template", plain], "add --format chat"),
+                       ([*args, "--chat-template", str(tmp_path / "none.jinja")],
+                        "no such file, and not a Jinja template")):
+        r = CliRunner().invoke(main, [*bad, "-o", str(tmp_path / "bad.pt")])
+        assert r.exit_code != 0 and match in r.output and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "bad.pt").exists()
 
 
 @pytest.mark.parametrize("bad,match", [

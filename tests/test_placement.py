@@ -29,7 +29,7 @@ from ltv_vllm.pipeline import extract as pipeline_extract
 from ltv_vllm.tasks.data import load_dataset, sample_episode
 from ltv_vllm.tasks.specs import get_task, label_token_ids
 
-pytestmark = pytest.mark.slow(seconds=12)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=18)  # see conftest's ordering
 
 WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "movie"]
 

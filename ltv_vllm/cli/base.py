@@ -381,11 +381,14 @@ class FormatFlags:
 
     name: str
     demos: str
+    template: str | None = None  # --chat-template: a file or the Jinja text (vLLM's option)
 
     def check(self, methods: list[str], *, regression: bool = False, transfer: bool = False,
               engine: str = "transformers") -> None:
         """What a chat rendering cannot run, in one line, before any model loads."""
         if self.name != "chat":
+            if self.template is not None:
+                raise ArgumentError("--chat-template renders --format chat; add --format chat")
             return
         from ltv_vllm.pipeline.extract import check_chat_methods
 
@@ -399,9 +402,10 @@ class FormatFlags:
         """`task` as this format renders it for `tokenizer`'s model (its template checked)."""
         if self.name != "chat":
             return task
-        from ltv_vllm.tasks.chat import chat_task
+        from ltv_vllm.tasks.chat import chat_task, read_template
 
-        return chat_task(task, tokenizer, self.demos)
+        template = read_template(self.template) if self.template is not None else None
+        return chat_task(task, tokenizer, self.demos, template)
 
 
 _format_options = grouped(
@@ -415,6 +419,10 @@ _format_options = grouped(
                  type=click.Choice(["turns", "inline"]),
                  help="--format chat: the demonstrations as prior user/assistant turns, or "
                       "inside the one user message."),
+    click.option("--chat-template", "prompt_template", default=None, metavar="FILE|JINJA",
+                 help="--format chat: render through this template instead of the "
+                      "tokenizer's (a file, or the template itself, as vLLM's --chat-template "
+                      "takes it); serve the vector with the same --chat-template."),
     name="prompt_format", prefix="prompt_")
 
 

@@ -398,7 +398,7 @@ def served_template_digest(model_dir: str | Path,
     """sha256 of the chat template the server renders with, read as vLLM reads it: the
     `--chat-template` file, or its value as the template itself, else the tokenizer's own
     (None: no template)."""
-    from ltv_vllm.tasks.chat import template_digest
+    from ltv_vllm.tasks.chat import read_template, template_digest
 
     value = _arg(vllm_args, ("--chat-template",))
     if value is None:
@@ -406,8 +406,7 @@ def served_template_digest(model_dir: str | Path,
 
         template = getattr(load_tokenizer(str(model_dir)), "chat_template", None)
     else:
-        path = Path(value)
-        template = path.read_text() if path.is_file() else value
+        template = read_template(value)
     return template_digest(template) if isinstance(template, str) and template else None
 
 

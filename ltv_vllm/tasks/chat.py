@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from ltv_vllm.tasks.data import Example
@@ -43,6 +44,20 @@ _HOLE = ("\ue000", "\ue001", "\ue002")
 def template_digest(template: str) -> str:
     """What a vector records of the template it was fitted on (a server compares its own)."""
     return hashlib.sha256(template.encode("utf-8")).hexdigest()
+
+
+def read_template(value: str) -> str:
+    """A `--chat-template` value as vLLM reads it: the file's text, or the value itself when it
+    is a Jinja template; a path to no file is refused in one line."""
+    try:
+        if Path(value).is_file():
+            return Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        if isinstance(e, UnicodeDecodeError) or len(value) < 256:
+            raise TaskError(f"--chat-template {value!r}: cannot read it ({e})") from None
+    if any(c in value for c in "{}\n"):
+        return value
+    raise TaskError(f"--chat-template {value!r}: no such file, and not a Jinja template")
 
 
 def render(tokenizer: Any, messages: list[dict[str, str]], template: str | None = None) -> str:
