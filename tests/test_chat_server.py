@@ -34,9 +34,10 @@ SST2 = BUILTIN_TASKS["sst2"]
 
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory, tokenizer):
-    """A per-request multi-task server rendering chat with CHATML: `alpha` fitted on the
-    completion prompt, `delta` through CHATML (policy: the first token), `epsilon` through
-    another template; (url, model, vectors)."""
+    """A per-request multi-task server rendering chat with CHATML and keeping a task store:
+    `alpha` fitted on the completion prompt, `delta` through CHATML (policy: the first
+    token), `epsilon` through another template; (url, model, vectors, the directory of the
+    vector files, `zeta.pt` and `eta.pt` among them for uploads)."""
     d = tmp_path_factory.mktemp("chat-model")
     model = make_vllm_llama(tokenizer, seed=37, tie=False)
     model.save_pretrained(d)
@@ -53,11 +54,24 @@ def chat_server(tmp_path_factory, tokenizer):
         vecs[name] = TaskVector("hidden", 0.5 * torch.randn(128, 8, generator=g),
                                 torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None,
                                 ident, tuple(label_token_ids(task, tokenizer)), meta)
+    # zeta and eta: uploaded to the task store by a test (fitted through CHATML / OTHER)
+    for name, template, seed in (("zeta", CHATML, 4), ("eta", OTHER, 5)):
+        g = torch.Generator().manual_seed(seed)
+        task = chat_task(SST2, tokenizer, template=template)
+        meta = {"task": {**SST2.to_dict(), "name": name}, "shift_steps": "first",
+                "prompt_format": task.record()}
+        vecs[name] = TaskVector("hidden", 0.5 * torch.randn(128, 8, generator=g),
+                                torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None,
+                                ident, tuple(label_token_ids(task, tokenizer)), meta)
     tmp = tmp_path_factory.mktemp("chat-server")
-    paths = [f"{n}={tv.save(tmp / f'{n}.pt')}" for n, tv in vecs.items()]
-    proc, url, log = start_server(d, paths, tmp, ("--chat-template", CHATML))
+    paths = [f"{n}={tv.save(tmp / f'{n}.pt')}" for n, tv in vecs.items()
+             if n not in ("zeta", "eta")]
+    for n in ("zeta", "eta"):
+        vecs[n].save(tmp / f"{n}.pt")
+    proc, url, log = start_server(d, paths, tmp, ("--chat-template", CHATML,
+                                                  "--task-store", str(tmp / "store")))
     try:
-        yield url, model, vecs
+        yield url, model, vecs, tmp
     finally:
         stop(proc, log)
 
@@ -76,7 +90,7 @@ def chat_logprobs(chunks) -> SimpleNamespace:
 
 
 def test_a_chat_fitted_task_is_shifted_through_chat(chat_server, tokenizer):
-    url, model, vecs = chat_server
+    url, model, vecs, _tmp = chat_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     tv = vecs["delta"]
     prompt = rendered(tokenizer, PROMPTS[0])
@@ -97,7 +111,7 @@ def test_a_chat_fitted_task_is_shifted_through_chat(chat_server, tokenizer):
 
 
 def test_other_renderings_are_refused(chat_server):
-    url, _model, _vecs = chat_server
+    url, _model, _vecs, _tmp = chat_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     chat = dict(messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=2)
     cases = [
@@ -122,11 +136,59 @@ def test_other_renderings_are_refused(chat_server):
                               extra_body={"vllm_xargs": {"ltv_chat": "allow"}})
 
 
+def test_a_chat_fitted_upload_is_served_through_chat(chat_server, tokenizer):
+    """A chat-fitted vector uploaded to the task store is shifted through chat with no
+    opt-in (= transformers on the rendering, at its policy's steps) and refused through
+    completions; one fitted through another template than the server's is a 422 naming
+    both; after DELETE the name uploaded again as a completion-fitted vector is that
+    vector's: its chat refused, its completions shifted."""
+    from test_server import HTTP
+
+    url, model, vecs, tmp = chat_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    tasks = f"{url}/v1/ltv/tasks"
+
+    def post(name, file):
+        return HTTP.post(tasks, data={"name": name},
+                         files={"vector": (file, (tmp / file).read_bytes())}, timeout=60)
+
+    r = post("eta", "eta.pt")
+    assert r.status_code == 422 and "renders chat with" in r.text, r.text
+    assert "--chat-template" in r.json()["error"]["message"]
+    r = post("zeta", "zeta.pt")
+    assert r.status_code == 201, r.text
+    assert r.json()["prompt_format"] == vecs["zeta"].provenance.prompt_format
+    prompt = rendered(tokenizer, PROMPTS[1])
+    for stream in (False, True):
+        kw = dict(model="zeta", messages=[{"role": "user", "content": PROMPTS[1]}],
+                  max_tokens=3, temperature=0.0, logprobs=True, top_logprobs=5,
+                  extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+        chunks = (list(client.chat.completions.create(**kw, stream=True)) if stream
+                  else [client.chat.completions.create(**kw)])
+        check_answer(chat_logprobs(chunks), {k: plan(vecs["zeta"], k, 3) for k in (0, 1, 3)},
+                     1, model, tokenizer, prompt)
+    with pytest.raises(openai.BadRequestError, match="fitted through the model's chat template"):
+        client.completions.create(model="zeta", prompt=PROMPTS[1], max_tokens=2)
+    assert HTTP.delete(f"{tasks}/zeta").status_code == 200
+    r = post("zeta", "alpha.pt")  # the name again, now a completion-fitted vector
+    assert r.status_code == 201 and "prompt_format" not in r.json(), r.text
+    with pytest.raises(openai.BadRequestError, match="fitted on the task's completion prompt"):
+        client.chat.completions.create(model="zeta", max_tokens=2,
+                                       messages=[{"role": "user", "content": PROMPTS[1]}])
+    lp = client.completions.create(model="zeta", prompt=PROMPTS[1], max_tokens=2,
+                                   temperature=0.0, logprobs=5,
+                                   extra_body={"return_tokens_as_token_ids": True,
+                                               "ignore_eos": True}).choices[0].logprobs
+    check_answer(lp, {"alpha": plan(vecs["alpha"], 1, 2), "zeta": plan(vecs["zeta"], 1, 2)},
+                 "alpha", model, tokenizer, PROMPTS[1])
+    assert HTTP.delete(f"{tasks}/zeta").status_code == 200
+
+
 def test_chat_and_completion_tasks_in_one_batch(chat_server, tokenizer):
     """delta through chat, alpha through completions, the bare model both ways, in flight
     together with staggered lengths: each answer is its own task's at its own steps and
     ≥ 10× the tolerance from every other's."""
-    url, model, vecs = chat_server
+    url, model, vecs, _tmp = chat_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     base = client.models.list().data[0].id
     jobs = [(name, route, p, 2 + r) for r in range(3) for p in PROMPTS
@@ -165,7 +227,7 @@ def test_classify_through_chat(chat_server, tokenizer):
     from conftest import reference_logprobs
     from ltv_vllm.serving.client import classify
 
-    url, model, vecs = chat_server
+    url, model, vecs, _tmp = chat_server
     task = chat_task(SST2, tokenizer, template=CHATML)
     ids = label_token_ids(task, tokenizer)
     texts = ["the plot is dull", "a gorgeous, witty movie", "leaders meet for peace talks"]
@@ -190,5 +252,5 @@ def test_docs_chat_blocks_run(chat_server, tmp_path):
     chat-fitted task `delta` for their `trec`)."""
     from test_docs import CHAT_CLIENT, run_client_blocks
 
-    url, _model, _vecs = chat_server
+    url, _model, _vecs, _tmp = chat_server
     run_client_blocks(CHAT_CLIENT, url, "delta", tmp_path)

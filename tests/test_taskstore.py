@@ -75,17 +75,20 @@ def test_bad_names_and_wrong_model_are_refused_before_writing(setup):
     assert os.listdir(store.root) == []
 
 
-def test_a_chat_fitted_vector_is_served_from_the_command_line(setup):
-    """The gate learns a chat-fitted vector's template at start: the store refuses one."""
+def test_a_chat_fitted_entry_keeps_its_rendering(setup):
+    """A chat-fitted vector is stored as it is: the entry lists its rendering, and the gate's
+    template digest is read back from the vector itself."""
     from dataclasses import replace
 
     tmp, good, _ = setup
     store = TaskStore(tmp / "store")
-    chat = replace(good, provenance=replace(good.provenance, prompt_format={
-        "name": "chat", "demos": "turns", "template_sha256": "0" * 64}))
-    with pytest.raises(StoreError, match="chat-fitted vector"):
-        store.add("alpha", chat, tmp / "m")
-    assert os.listdir(store.root) == []
+    fmt = {"name": "chat", "demos": "turns", "template_sha256": "0" * 64}
+    chat = replace(good, provenance=replace(good.provenance, prompt_format=fmt))
+    entry = store.add("alpha", chat, tmp / "m")
+    assert entry.record["prompt_format"] == fmt and entry.chat_template() == "0" * 64
+    assert store.get("alpha").chat_template() == "0" * 64
+    assert "prompt_format" not in store.add("beta", good, tmp / "m").record
+    assert store.get("beta").chat_template() is None
 
 
 def test_a_crash_mid_write_leaves_no_entry(setup, monkeypatch):

@@ -476,6 +476,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     from ltv_vllm.models.hardware import engine_device
     from ltv_vllm.models.loading import local_model_dir
     from ltv_vllm.serving.lora import lora_rank as padded_rank
+    from ltv_vllm.serving.taskstore import VECTOR
 
     # a vLLM the plugin was not checked against, or its V2 runner asked for: one line,
     # before any model is resolved
@@ -520,14 +521,16 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     settings = ServerSettings(max_body=opts.max_body_mib << 20)
     env = dict(task_env)
     fitted = chat_fitted_vectors(parsed)  # the gate shifts their chat requests (`tasks.chat`)
-    if fitted:
+    # a task store's chat-fitted entries: the gate learns them from the store; warned here
+    kept = chat_fitted_vectors({n: p / VECTOR for n, p in (store or {}).items()})
+    if fitted or opts.task_store is not None:
         served = served_template_digest(model_dir, extra)
         env.update(chat_env(fitted, served))
         notes += [f"warning: {name or 'the vector'} was fitted through another chat template "
                   f"(sha256 {digest[:12]}) than this server renders with "
                   f"({(served or 'none')[:12]}): its chat requests will be refused unless "
                   "they opt in (ltv_chat: allow)"
-                  for name, digest in fitted.items() if digest != served]
+                  for name, digest in {**fitted, **kept}.items() if digest != served]
     if probes:  # the engine holds the probes; the endpoint plugin checks them at start
         settings = replace(settings, selfcheck=True)
         env["VLLM_PLUGINS"] = store_plugins()

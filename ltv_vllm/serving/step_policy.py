@@ -35,6 +35,12 @@ CHAT_PATHS = (CHAT_PATH, "/v1/chat/completions/batch", "/v1/responses", "/v1/mes
 RUNTIME: dict[str, str] = {}
 
 
+# This process's chat-fitted task-store tasks: name → the sha256 of the template each was
+# fitted through (`tasks.chat`); kept beside RUNTIME by the task endpoints, read by the gate
+# with the command line's (`chat_fitted`).
+RUNTIME_CHAT: dict[str, str] = {}
+
+
 def task_key(name: str, digest: str) -> str:
     return f"{name}@{digest}"
 
@@ -126,17 +132,23 @@ def shifts_chat(xargs: Any) -> bool:
 
 
 def chat_env(fitted: dict[str, str], served_digest: str | None) -> dict[str, str]:
-    """What the gate needs of chat-fitted vectors (`tasks.chat`): each one's template digest
-    (name → sha256; "" for a fused server's vector) and the server's own template's."""
-    if not fitted:
-        return {}
+    """What the gate needs of chat-fitted vectors (`tasks.chat`): each command-line one's
+    template digest (name → sha256; "" for a fused server's vector) and the server's own
+    template's (a task store's uploads are checked against it too)."""
     return {CHAT_TASKS_ENV: json.dumps(fitted, sort_keys=True),
             TEMPLATE_ENV: served_digest or ""}
 
 
 def chat_fitted(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """name → template sha256 of every chat-fitted task served: the command line's and this
+    process's task-store tasks."""
     raw = (os.environ if environ is None else environ).get(CHAT_TASKS_ENV)
-    return dict(_digests(raw)) if raw else {}
+    return {**dict(_digests(raw)), **RUNTIME_CHAT} if raw else dict(RUNTIME_CHAT)
+
+
+def served_template(environ: Mapping[str, str] | None = None) -> str:
+    """sha256 of the template this server renders chat with ("" if none or not told)."""
+    return (os.environ if environ is None else environ).get(TEMPLATE_ENV) or ""
 
 
 @functools.lru_cache(maxsize=4)
@@ -172,7 +184,7 @@ def rendering_refusal(task: str, fitted: str | None, payload: Mapping[str, Any],
         return (f"task {task!r}: its vector shifts the assistant's first token after the "
                 "generation prompt; add_generation_prompt false or continue_final_message "
                 f"renders another prompt ({opt_in})")
-    served = (os.environ if environ is None else environ).get(TEMPLATE_ENV) or ""
+    served = served_template(environ)
     if served != fitted:
         return (f"task {task!r}: its vector was fitted through chat template sha256 "
                 f"{fitted[:12]}, and this server renders chat with "

@@ -106,6 +106,16 @@ class Entry:
     def vector(self) -> TaskVector:
         return load_task_vector(self.vector_path)
 
+    def chat_template(self) -> str | None:
+        """sha256 of the chat template a chat-fitted entry's vector was fitted through (read
+        from the vector, validated on load; None: fitted on the completion prompt)."""
+        return chat_template_of(self.vector())
+
+
+def chat_template_of(tv: TaskVector) -> str | None:
+    fmt = tv.provenance.prompt_format
+    return fmt["template_sha256"] if fmt and fmt.get("name") == "chat" else None
+
 
 def record_of(name: str, tv: TaskVector, *, source: str, lora_rank: int,
               full_rank: int | None = None,
@@ -119,7 +129,8 @@ def record_of(name: str, tv: TaskVector, *, source: str, lora_rank: int,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "task": p.task, "kind": tv.kind, "rank": tv.rank, "full_rank": full_rank or tv.rank,
         "lora_rank": lora_rank, "k": p.k_used, "n": p.n, "lam": p.lam, "episode": p.episode,
-        "metrics": p.metrics, "model": tv.model.to_dict(), **(extra or {})})
+        "metrics": p.metrics, "model": tv.model.to_dict(),
+        **({"prompt_format": p.prompt_format} if p.prompt_format else {}), **(extra or {})})
 
 
 class TaskStore:
@@ -204,12 +215,6 @@ class TaskStore:
         check_name(name)
         tv.check_model(identity_from_dir(model_dir))
         refuse_non_lora(tv)
-        fmt = tv.provenance.prompt_format
-        if fmt and fmt.get("name") == "chat":
-            # the gate learns a chat-fitted vector's template at start (`serve`), not from
-            # the store: served without it, its chat requests would be refused or misread
-            raise StoreError("a chat-fitted vector (extract --format chat) is served from the "
-                             "command line (serve --task-vector NAME=PATH), not the task store")
         if into is None:
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self.root))
         else:

@@ -56,7 +56,13 @@ from fastapi import APIRouter, Request
 
 from ltv_vllm.serving.compile import ENTRY
 from ltv_vllm.serving.settings import ServerSettings
-from ltv_vllm.serving.step_policy import RUNTIME, named_tasks, task_key
+from ltv_vllm.serving.step_policy import (
+    RUNTIME,
+    RUNTIME_CHAT,
+    named_tasks,
+    served_template,
+    task_key,
+)
 from ltv_vllm.serving.vllm_ext.middleware import drained, in_flight, media_type
 
 logger = logging.getLogger(__name__)
@@ -119,9 +125,11 @@ class TaskEndpoints:
         # compiles do not outlive their server: what a previous one left is dropped
         shutil.rmtree(self.store.root / ".jobs", ignore_errors=True)
         (self.store.root / ".jobs").mkdir()
-        if not self.lora:  # per-request tasks: the entries `serve` kept are served by key
-            for entry in self.store.entries():
+        for entry in self.store.entries():  # what `serve` kept
+            if not self.lora:  # per-request tasks: served by key
                 RUNTIME[entry.name] = task_key(entry.name, vector_digest(entry.vector_path))
+            if (digest := entry.chat_template()) is not None:
+                RUNTIME_CHAT[entry.name] = digest  # the gate shifts its chat requests
 
     async def _selfcheck(self, engine_client: Any, args: Any,
                          lora: dict[str, str] | None) -> None:
@@ -291,6 +299,7 @@ class TaskEndpoints:
             if lora is not None:  # no new request gets the task from here on
                 await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
             RUNTIME.pop(name, None)  # per-request tasks: likewise
+            RUNTIME_CHAT.pop(name, None)
             self.deleting.add(name)
         # The removal runs to its end whatever happens to this request (a client that gives
         # up, a proxy's timeout): the name stays taken until the files are gone.
@@ -385,7 +394,7 @@ class TaskEndpoints:
         with weights_only); `stage` checks it against the served model."""
         from ltv_vllm.core.vector import VectorError, load_task_vector, sniff_suffix
         from ltv_vllm.serving.lora import VLLM_LORA_RANKS
-        from ltv_vllm.serving.taskstore import full_disk
+        from ltv_vllm.serving.taskstore import chat_template_of, full_disk
 
         with tempfile.TemporaryDirectory(dir=self.store.root, prefix=".up-") as d:
             path = Path(d) / f"upload{sniff_suffix(data)}"
@@ -396,6 +405,12 @@ class TaskEndpoints:
                     raise
                 raise full from e
             tv = load_task_vector(path)
+        fitted, served = chat_template_of(tv), served_template()
+        if fitted is not None and fitted != served:
+            raise VectorError(f"a chat-fitted vector: fitted through chat template sha256 "
+                              f"{fitted[:12]}, and this server renders chat with "
+                              f"{served[:12] or 'no template'}; extract it with --chat-template "
+                              "set to the server's")
         if tv.rank > VLLM_LORA_RANKS[-1]:
             raise VectorError(f"rank {tv.rank}: an upload may have rank {VLLM_LORA_RANKS[-1]} "
                               f"at most (vLLM's largest LoRA rank); this server serves rank "
@@ -428,15 +443,22 @@ class TaskEndpoints:
         the lock)."""
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
+        from ltv_vllm.errors import UserError
         from ltv_vllm.serving.taskstore import vector_digest
 
+        try:
+            chat = await asyncio.to_thread(entry.chat_template)
+            digest = (await asyncio.to_thread(vector_digest, entry.vector_path)
+                      if not self.lora else "")
+        except (OSError, UserError) as e:
+            await asyncio.to_thread(self.store.remove, entry.name)
+            return self._fail(500, f"task {entry.name!r} does not read: {e}",
+                              "InternalServerError")
+        if chat is not None:  # known to the gate before any request can name the task
+            RUNTIME_CHAT[entry.name] = chat
+        else:
+            RUNTIME_CHAT.pop(entry.name, None)
         if not self.lora:
-            try:
-                digest = await asyncio.to_thread(vector_digest, entry.vector_path)
-            except OSError as e:
-                await asyncio.to_thread(self.store.remove, entry.name)
-                return self._fail(500, f"task {entry.name!r} does not read: {e}",
-                                  "InternalServerError")
             RUNTIME[entry.name] = task_key(entry.name, digest)
             return None
         try:
@@ -446,6 +468,7 @@ class TaskEndpoints:
             res = e
         if isinstance(res, str):
             return None
+        RUNTIME_CHAT.pop(entry.name, None)
         await asyncio.to_thread(self.store.remove, entry.name)
         message = getattr(getattr(res, "error", None), "message", str(res))
         return self._fail(500, f"vLLM could not load task {entry.name!r}: {message}",
