@@ -166,7 +166,35 @@ def report(doc: dict, machine: str) -> str:
                                                                       "mean")]
             rec = f"{100 * s['recovered']:.0f} %" if "recovered" in s else ""
             lines.append(f"| {task} | {form} | " + " | ".join(cell) + f" | {rec} |")
+    lines += ["", *cost_table(doc["records"])]
     return "\n".join(lines) + "\n"
+
+
+def cost_table(records: list[dict]) -> list[str]:
+    """What each rendering costs against the completion prompt: its prompt tokens (the first
+    test query's, zero-shot and with the demonstrations) and the whole capture pass (train
+    and test, zero-shot and ICL, the shared-demo cache on), as ratios per episode averaged."""
+    base = {(r["task"], r["run"]): r for r in records if r["rendering"] == "completion"}
+    by: dict[str, list[tuple[float, float, float, float, float]]] = {}
+    for r in records:
+        b = base.get((r["task"], r["run"]))
+        if "capture_seconds" not in r or b is None:
+            continue
+        by.setdefault(r["rendering"], []).append((
+            r["prompt_tokens"]["zero_shot"], r["prompt_tokens"]["icl"], r["capture_seconds"],
+            r["prompt_tokens"]["icl"] / b["prompt_tokens"]["icl"],
+            r["capture_seconds"] / b["capture_seconds"]))
+    out = ["Cost, mean over the episodes: prompt tokens of a test query (zero-shot; with the "
+           "demonstrations), and the seconds of the episode's whole capture (train and test "
+           "queries, zero-shot and ICL, the demonstrations' KV cached once; wall time on the "
+           "machine above, which other work shared: rough); × completion: per-episode ratio.",
+           "", "| rendering | zero-shot tokens | ICL tokens | ICL tokens × completion | "
+           "capture s | capture × completion |", "|---|---|---|---|---|---|"]
+    for form, xs in by.items():
+        m = [statistics.mean(x[i] for x in xs) for i in range(5)]
+        out.append(f"| {form} | {m[0]:.0f} | {m[1]:.0f} | {m[3]:.2f} | {m[2]:.0f} | "
+                   f"{m[4]:.2f} |")
+    return out
 
 
 if __name__ == "__main__":

@@ -96,6 +96,9 @@ CASES = [
     (["bench", "serving", *M, "--concurrency", "0"], "--concurrency must be at least 1"),
     (["bench", "serving", *M, "--tasks", "nope"], "unknown task 'nope'"),
     (["bench", "serving", *M, "--out", "a_file"], "is a file"),
+    # writable by its permission bits (root), yet no file can be made there
+    (["bench", "serving", *M, "--out", "/proc/ltv-out"], "/proc is not writable"),
+    (["bench", "icl-cost", *M, "--out", "/proc/ltv-out"], "/proc is not writable"),
     (["bench", "icl-cost", *M, "--ks", "0,-1"], "--ks must be at least 0"),
     (["bench", "rank", *M, "--ranks", "0,4"], "--rank must be at least 1"),
     (["bench", "rank", *M, "--lam", "-2"], "--lam must be a positive number"),

@@ -64,4 +64,9 @@ def check_writable(path: str | Path, *, option: str, suffixes: tuple[str, ...] =
         raise ArgumentError(f"{option} {path}: {probe} is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ArgumentError(f"{option} {path}: {probe} is not writable")
+    try:  # what the permission bits do not tell (/proc, a read-only mount, root's access)
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise ArgumentError(f"{option} {path}: {probe} is not writable ({e.strerror})") from None
     return path
