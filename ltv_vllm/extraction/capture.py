@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -97,6 +98,19 @@ def positions(mask: torch.Tensor, offset: int = 0) -> torch.Tensor:
 class Prefix:
     ids: list[int]
     cache: DynamicCache
+
+
+def zero_shot_states(cap: Any, task: Any, texts: Sequence[str], desc: str) -> torch.Tensor:
+    """h at the answer position of each text's zero-shot prompt. (n, d)
+
+    A task whose zero-shot prompts all begin with one head (a chat template's system turn
+    and user-turn opening: `ChatTask.head`) runs the head once and each query after its KV
+    cache, as ICL runs its demonstrations (`Capturer.icl`; a token boundary that would differ
+    falls back to the whole prompt); the completion format has no head."""
+    head = getattr(task, "zero_shot_prefix", "")
+    if head:
+        return cap.icl(head, [task.query(t) for t in texts], desc=desc)
+    return cap.hidden([task.zero_shot(t) for t in texts], desc=desc)
 
 
 class Capturer:

@@ -44,6 +44,7 @@ from ltv_vllm.extraction.capture import (
     full_head,
     label_head,
     lm_head,
+    zero_shot_states,
 )
 from ltv_vllm.models.hardware import hardware
 from ltv_vllm.tasks.data import Episode, Example
@@ -216,8 +217,8 @@ class Context:
             cap = self.cap
             if cap is None:
                 raise MethodError("no model to capture the train states with")
-            self.h_zs = cap.hidden([task.zero_shot(e.text) for e in self.episode.queries],
-                                   desc=f"{task.name} zero-shot train")
+            self.h_zs = zero_shot_states(cap, task, [e.text for e in self.episode.queries],
+                                         desc=f"{task.name} zero-shot train")
             self.h_icl = cap.icl(self.episode.demo_prefix(), queries,
                                  desc=f"{task.name} icl train")
             self.capture_seconds = time.perf_counter() - t0

@@ -24,7 +24,7 @@ from ltv_vllm.core.metrics import accuracy, d_ntp
 from ltv_vllm.core.ridge import Factors, truncate
 from ltv_vllm.core.vector import DEFAULT_SHIFT_STEPS, ModelIdentity, Provenance, TaskVector
 from ltv_vllm.errors import ArgumentError
-from ltv_vllm.extraction.capture import Capturer, full_head
+from ltv_vllm.extraction.capture import Capturer, full_head, zero_shot_states
 from ltv_vllm.extraction.states import PromptStates
 from ltv_vllm.extraction.store import CallRecorder, StoredCapturer
 from ltv_vllm.extraction.transfer import (
@@ -151,8 +151,8 @@ class Captures:
 
 def capture_test_zero_shot(cap: Any, task: Task, episode: Episode) -> torch.Tensor:
     """h_zs on the test subset: it does not depend on the demos, so runs share it. (n_test, d)"""
-    return cap.hidden([task.zero_shot(e.text) for e in episode.test],
-                      desc=f"{task.name} zero-shot test")
+    return zero_shot_states(cap, task, [e.text for e in episode.test],
+                            desc=f"{task.name} zero-shot test")
 
 
 def capture_episode(
@@ -163,8 +163,8 @@ def capture_episode(
     prefix = episode.demo_prefix()
     queries = [task.query(e.text) for e in episode.queries]
     t0 = time.perf_counter()
-    h_zs = cap.hidden([task.zero_shot(e.text) for e in episode.queries],
-                      desc=f"{task.name} zero-shot train")  # (N, d)
+    h_zs = zero_shot_states(cap, task, [e.text for e in episode.queries],
+                            desc=f"{task.name} zero-shot train")  # (N, d)
     h_icl = cap.icl(prefix, queries, desc=f"{task.name} icl train")   # (N, d)
     t1 = time.perf_counter()
     if not episode.test:  # a compiled task without labelled examples: nothing to score

@@ -88,8 +88,9 @@ class ChatTask(Task):
     def query(self, text: str) -> str:
         return super().query(text) + self.tail
 
-    def zero_shot(self, text: str) -> str:
-        return self.head + self.query(text)
+    @property
+    def zero_shot_prefix(self) -> str:
+        return self.head
 
     def demos_text(self, demos: Sequence[Any]) -> str:
         if self.demos == "inline":

@@ -62,7 +62,12 @@ class Task:
 
     def zero_shot(self, text: str) -> str:
         """The zero-shot prompt (a chat rendering puts the conversation's head first)."""
-        return self.query(text)
+        return self.zero_shot_prefix + self.query(text)
+
+    @property
+    def zero_shot_prefix(self) -> str:
+        """What every zero-shot prompt has before `query(text)` (captured once)."""
+        return ""
 
     def demos_text(self, demos: Sequence[Any]) -> str:
         """What an ICL prompt has before `query(text)`."""
