@@ -413,11 +413,12 @@ def served_template_digest(model_dir: str | Path,
 def chat_fitted_vectors(vectors: dict[str, Path]) -> dict[str, str]:
     """name → template sha256 of the chat-fitted vectors among `vectors` ("" for a fused
     server's one)."""
+    from ltv_vllm.serving.taskstore import chat_template_of
+
     out = {}
     for name, path in vectors.items():
-        fmt = load_task_vector(path).provenance.prompt_format
-        if fmt and fmt.get("name") == "chat":
-            out[name] = fmt["template_sha256"]
+        if (digest := chat_template_of(load_task_vector(path))) is not None:
+            out[name] = digest
     return out
 
 
