@@ -254,3 +254,31 @@ def test_docs_chat_blocks_run(chat_server, tmp_path):
 
     url, _model, _vecs, _tmp = chat_server
     run_client_blocks(CHAT_CLIENT, url, "delta", tmp_path)
+
+
+def test_a_chat_fitted_store_entry_is_served_after_a_restart(chat_server, tokenizer, tmp_path):
+    """A chat-fitted entry already in the store when a server starts: the gate learns its
+    template from the stored vector (not from an upload), so its chat requests are shifted
+    with no opt-in and its completions refused, as before the restart."""
+    from pathlib import Path
+
+    from ltv_vllm.serving.taskstore import TaskStore
+
+    url, model, vecs, _tmp = chat_server
+    base = openai.OpenAI(base_url=f"{url}/v1", api_key="x").models.list().data[0].id
+    store = TaskStore(tmp_path / "store")
+    store.add("zeta", vecs["zeta"], Path(base))
+    proc, url2, log = start_server(base, [], tmp_path, ("--chat-template", CHATML,
+                                                        "--task-store", str(store.root)))
+    try:
+        client = openai.OpenAI(base_url=f"{url2}/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(
+            model="zeta", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=2,
+            temperature=0.0, logprobs=True, top_logprobs=5,
+            extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+        check_answer(chat_logprobs([r]), {k: plan(vecs["zeta"], k, 2) for k in (0, 1, 2)}, 1,
+                     model, tokenizer, rendered(tokenizer, PROMPTS[0]))
+        with pytest.raises(openai.BadRequestError, match="fitted through the model's chat"):
+            client.completions.create(model="zeta", prompt=PROMPTS[0], max_tokens=2)
+    finally:
+        stop(proc, log)
