@@ -20,6 +20,10 @@
 #  (4) `bench extraction --shape qwen2.5-32b`;
 #  (5) a profile of one `extract()` at the 8B shape at the default batch: device-busy time
 #      against wall time, the top kernels and host ops.
+#  (0, first when asked for) benchmarks/capture_overheads.py: each capture variant in a cold
+#      process at the 8B shape, and the code in device-carry/old/ (an older checkout's
+#      ltv_vllm, if there).
+# STEPS=overheads,8b,matrix,agree,32b,profile picks steps (default: all but overheads).
 # --quick: a smaller grid (a dry run of the script, also on a CPU with DEVICE=cpu).
 # The GPU machine's $OUT returns at most 8 files, hence one archive.
 set -uo pipefail
@@ -44,7 +48,7 @@ SITE=$(mktemp -d)
 WORK=$(mktemp -d)
 $PY -m pip install -q --no-index --no-deps --target "$SITE" "$CARRY"/wheels/*.whl || exit 1
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 export LTV_VLLM_CACHE=${LTV_VLLM_CACHE:-$WORK/cache}
 exec > >(tee "$OUT/log.txt") 2>&1
 DEADLINE=$((SECONDS + 100000))
@@ -52,8 +56,11 @@ left() { local n=$((DEADLINE - SECONDS)); echo $((n > 1 ? n : 1)); }
 py() { timeout "$(left)" $PY "$@"; }  # every process of a step ends by the step's deadline
 ltv() { py -m ltv_vllm.cli "$@"; }
 pack() { tar -C "$RES" -czf "$OUT/device_results.tgz" . ; }
-step() {  # step SECONDS NAME FUNCTION...: one step, timed, its failure logged, not fatal
-  local limit=$1 name=$2; shift 2
+STEPS=${STEPS:-8b,matrix,agree,32b,profile}
+wants() { case ",$STEPS," in *",$1,"*) return 0 ;; esac; return 1; }
+step() {  # step KEY SECONDS NAME FUNCTION...: one step, timed, its failure logged, not fatal
+  local key=$1 limit=$2 name=$3; shift 3
+  wants "$key" || return 0
   local t0=$SECONDS
   limit=$((limit * ${SCALE:-1}))  # SCALE=10: a dry run on a slow CPU
   DEADLINE=$((SECONDS + limit))
@@ -74,15 +81,31 @@ else
   packaged=(--k 30 --n 256 --n-test 200)
 fi
 
+# (0) one process per capture variant, cold
+overheads() {
+  local q=() v
+  [ "$QUICK" = --quick ] && q=(--layers 2 --n 32 --n-test 16)
+  if [ -d "$CARRY/old/ltv_vllm" ]; then
+    PYTHONPATH="$PWD/$CARRY/old:$PYTHONPATH" py benchmarks/capture_overheads.py --variant code \
+        --label old --tokenizer "$CARRY/tokenizer" --device "$DEVICE" "${q[@]}" \
+        --out "$RES/capture_overheads.jsonl" || return 1
+  fi
+  for v in ${VARIANTS:-code no-buckets efficient}; do
+    py benchmarks/capture_overheads.py --variant "$v" --label new --tokenizer "$CARRY/tokenizer" \
+        --device "$DEVICE" "${q[@]}" --out "$RES/capture_overheads.jsonl" || return 1
+  done
+}
+step overheads 200 "capture overheads" overheads
+
 # (1) the whole extract() at the 8B shape, per batch size
 bench() {
   ltv bench extraction --shape "$1" --device "$DEVICE" --model "$CARRY/tokenizer" \
       --tasks trec "${grid[@]}" --out "$RES/extraction_${1}_${DEVICE}"
 }
-step 200 "extraction at llama-3.1-8b" bench llama-3.1-8b
+step 8b 200 "extraction at llama-3.1-8b" bench llama-3.1-8b
 
 # (2) every method, a regression task and a transfer on the CPU and on the device
-$PY - "$CARRY/tokenizer" "$WORK/small" "$WORK/source" <<'EOF'
+wants matrix && $PY - "$CARRY/tokenizer" "$WORK/small" "$WORK/source" <<'EOF'
 import sys, torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
@@ -135,12 +158,12 @@ for kind in ("methods", "regression", "transfer"):
           f" {len(diff)} differ by more than 1e-6: {diff}")
 EOF
 }
-step 60 "method matrix on cpu" matrix cpu
-step 120 "method matrix on $DEVICE" matrix "$DEVICE"
-step 30 "tables compared" compare
+step matrix 60 "method matrix on cpu" matrix cpu
+step matrix 120 "method matrix on $DEVICE" matrix "$DEVICE"
+step matrix 30 "tables compared" compare
 
 # (3) extract at the packaged model's shape on the CPU and on the device: the same vector
-$PY - "$CARRY/tokenizer" "$WORK/packaged" <<'EOF'
+wants agree && $PY - "$CARRY/tokenizer" "$WORK/packaged" <<'EOF'
 import sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 torch.manual_seed(0)
@@ -167,11 +190,11 @@ print(f"packaged shape (SmolLM2-135M, random float32 weights), trec: U Vᵀ rela
       f" | {sys.argv[2]} {b.provenance.metrics}")
 EOF
 }
-step 120 "vector agreement at the packaged shape" agree
+step agree 120 "vector agreement at the packaged shape" agree
 
 # (4) the 32B shape
 if [ "$QUICK" != --quick ]; then
-  step 200 "extraction at qwen2.5-32b" bench qwen2.5-32b
+  step 32b 200 "extraction at qwen2.5-32b" bench qwen2.5-32b
 fi
 
 # (5) where the time of one extract() at the 8B shape goes, at the default batch
@@ -199,7 +222,9 @@ with profile(activities=acts) as prof:
     r = extract(lm, task, "ltv", opts)
     sync(device); wall = time.perf_counter() - t0
 events = prof.key_averages()
-busy = sum(e.self_device_time_total for e in events) / 1e6 if device != "cpu" else float("nan")
+from torch.autograd import DeviceType
+busy = (sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
+        if device != "cpu" else float("nan"))  # kernels only, not the ops that launch them
 print(f"extract() at batch auto ({r.timings.get('batch_size')}), profiled: wall {wall:.2f} s, "
       f"device kernels {busy:.2f} s ({100 * busy / wall:.0f} % busy); capture "
       f"{r.timings['capture_seconds']:.2f} s, fit {r.timings['fit_seconds']:.2f} s, test "
@@ -209,5 +234,5 @@ print(events.table(sort_by=key, row_limit=15, max_name_column_width=60))
 print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
 EOF
 }
-step 150 "profile at llama-3.1-8b" profile
+step profile 150 "profile at llama-3.1-8b" profile
 echo "=== done; results in $OUT/device_results.tgz"

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from conftest import make_llama, make_tokenizer
-from ltv_vllm.extraction.capture import CaptureError, Capturer, label_head, lm_head
+from ltv_vllm.extraction.capture import (
+    CaptureError,
+    Capturer,
+    base_model,
+    bucketed,
+    label_head,
+    lm_head,
+)
 from ltv_vllm.tasks.specs import Task
 
 TASK = Task("toy", "Review", "Sentiment", ("negative", "positive"), "unused")
@@ -35,9 +42,11 @@ def test_hidden_is_lm_head_input(tiny_model, tokenizer):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bucket", [False, True])
 @pytest.mark.parametrize("batch_size", [1, 3, 16])
-def test_left_padded_batch_equals_unbatched(tiny_model, tokenizer, batch_size):
+def test_left_padded_batch_equals_unbatched(tiny_model, tokenizer, batch_size, bucket):
     cap = Capturer(tiny_model, tokenizer, batch_size=batch_size, progress=False)
+    cap.bucket = bucket  # a GPU's default; extra left padding changes no state
     prompts = [TASK.query(t) for t in TEXTS]
     batched = cap.hidden(prompts)
     single = torch.cat([cap.hidden([p]) for p in prompts])
@@ -48,11 +57,13 @@ def test_left_padded_batch_equals_unbatched(tiny_model, tokenizer, batch_size):
 @pytest.mark.parametrize("bos", [False, True])
 @pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_shared_demo_cache_equals_naive_full_forward(batch_size, bos, pack, attn):
+@pytest.mark.parametrize("bucket", [False, True])
+def test_shared_demo_cache_equals_naive_full_forward(batch_size, bos, pack, attn, bucket):
     tok = make_tokenizer(bos=bos)
     model = make_llama(len(tok), seed=1)
     model.config._attn_implementation = attn
     cap = Capturer(model, tok, batch_size=batch_size, progress=False, pack=pack)
+    cap.bucket = bucket  # pad tokens after the packed queries, or more left padding
     assert cap.packed == pack
     prompts = [TASK.query(t) for t in TEXTS]
     cached = cap.icl(PREFIX, prompts)
@@ -61,6 +72,35 @@ def test_shared_demo_cache_equals_naive_full_forward(batch_size, bos, pack, attn
     assert err <= 1e-4, err
     # and the ICL state really differs from zero-shot (the prefix is not ignored)
     assert (cached - cap.hidden(prompts)).abs().max() > 1e-2
+
+
+def test_bucketed_lengths():
+    """At most 1/8 more than asked, a multiple of 8 or of a power of two ≥ n/16."""
+    assert [bucketed(n) for n in (1, 8, 9, 17, 64, 65, 127, 128, 129, 2000, 2049)] == \
+        [8, 8, 16, 24, 64, 72, 128, 128, 144, 2048, 2304]
+    for n in range(1, 5000):
+        b = bucketed(n)
+        assert n <= b <= max(n + 7, n * 9 // 8 + 1)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_gpu_capture_feeds_bucketed_lengths(tiny_model, tokenizer, pack):
+    """With buckets (a GPU's default) every forward's length is a bucket's: the passes reuse
+    a few shapes instead of one per batch."""
+    cap = Capturer(tiny_model, tokenizer, batch_size=2, progress=False, pack=pack)
+    assert cap.bucket is False  # the CPU's default
+    cap.bucket = True
+    widths: list[int] = []
+    handle = base_model(tiny_model).register_forward_pre_hook(
+        lambda _m, _a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        cap.icl(PREFIX, [TASK.query(t) for t in TEXTS])
+        cap.hidden([TASK.query(t) for t in TEXTS])
+    finally:
+        handle.remove()
+    prefix_pass = 1
+    assert len(widths) > prefix_pass + 2
+    assert all(w == bucketed(w) for w in widths[prefix_pass:]), widths
 
 
 def test_prefix_boundary_merge_falls_back_to_full_prompt(tiny_model, tokenizer):

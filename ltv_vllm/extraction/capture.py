@@ -77,8 +77,19 @@ def _batches(n: int, size: int) -> Iterator[range]:
         yield range(start, min(n, start + size))
 
 
-def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
+def bucketed(n: int) -> int:
+    """n rounded up to a multiple of max(8, the largest power of two ≤ n/8): at most 1/8
+    more, and few distinct values per doubling. A GPU builds a plan per new input shape
+    (cuDNN's attention, cuBLAS's heuristics); every batch of a capture has its own length,
+    so without buckets every batch paid that again."""
+    step = max(8, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int,
+             width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and their mask, `width` columns (default: the longest's length)."""
+    width = max(width or 0, max(len(s) for s in seqs))
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -146,28 +157,52 @@ class Capturer:
         # chat route tokenizes them)
         self.special_tokens = special_tokens
         self._prefix: Prefix | None = None  # last demo prefix: callers pass one in chunks
+        # lengths rounded up to `bucketed` on a GPU (a new shape costs a plan there; on a
+        # CPU padding is only waste): measured on an H200 in benchmarks/capture_overheads.py
+        self.bucket = self.device.type == "cuda"
 
     # -- tokenisation -------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
         """One string with the tokenizer's default special tokens (the reference's convention;
         none for a chat rendering)."""
-        ids = self.tokenizer(prompt, add_special_tokens=self.special_tokens)["input_ids"]
-        if self.max_length is not None and len(ids) > self.max_length:
+        return self.encode_many([prompt])[0]
+
+    def encode_many(self, prompts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each prompt, in one tokenizer call: a fast tokenizer encodes a list in
+        Rust, with its own threads where allowed. An ICL pass tokenizes the demonstrations again
+        with every query (to find where they end), ~570 tokens a prompt at k = 30: one at a
+        time that was a quarter of extract()'s wall time on a GPU, the device idle meanwhile."""
+        if not prompts:
+            return []
+        seqs = self.tokenizer(list(prompts), add_special_tokens=self.special_tokens)["input_ids"]
+        longest = max(len(ids) for ids in seqs)
+        if self.max_length is not None and longest > self.max_length:
             raise CaptureError(
-                f"prompt of {len(ids)} tokens exceeds the model context of {self.max_length} tokens"
+                f"prompt of {longest} tokens exceeds the model context of {self.max_length} tokens"
                 " (lower --k or use shorter demonstrations)"
             )
-        return ids
+        return [list(ids) for ids in seqs]
 
     # -- forward passes -----------------------------------------------------------------
-    @torch.no_grad()
     def forward_last(
         self,
         ids: torch.Tensor,
         mask: torch.Tensor,
         prefix: Prefix | None = None,
     ) -> torch.Tensor:
-        """Post-norm hidden state at column -1 of a left-padded batch, (B, d) float32."""
+        """Post-norm hidden state at column -1 of a left-padded batch, (B, d) float32 on the
+        host."""
+        return self._last(ids, mask, prefix).float().cpu()
+
+    @torch.no_grad()
+    def _last(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        prefix: Prefix | None = None,
+    ) -> torch.Tensor:
+        """`forward_last` left on the model's device, in its dtype: a pass copies its rows to
+        the host once at its end, so no batch waits for the device before the next is sent."""
         bsz = ids.shape[0]
         offset = 0
         cache = None
@@ -192,7 +227,8 @@ class Capturer:
             past_key_values=cache,
             use_cache=cache is not None,
         )
-        return out.last_hidden_state[:, -1].float().cpu()
+        # a copy: a view would keep the whole (B, T, d) output alive until the pass ends
+        return out.last_hidden_state[:, -1].clone()
 
     def _run(
         self, seqs: list[list[int]], desc: str, prefix: Prefix | None = None
@@ -205,11 +241,14 @@ class Capturer:
         size = self._size(prefix, [len(s) for s in seqs], packed=False)
         for idx in _batches(len(order), size):
             batch = [seqs[order[i]] for i in idx]
-            ids, mask = left_pad(batch, self.pad_id)
-            rows.append(self.forward_last(ids, mask, prefix))
+            longest = max(len(x) for x in batch)
+            ids, mask = left_pad(batch, self.pad_id,
+                                 bucketed(longest) if self.bucket else longest)
+            rows.append(self._last(ids, mask, prefix))
             bar.update(len(batch))
         bar.close()
-        h = torch.cat(rows) if rows else torch.empty(0, self.model.config.hidden_size)
+        h = (torch.cat(rows).float().cpu() if rows
+             else torch.empty(0, self.model.config.hidden_size))
         out = torch.empty_like(h)
         out[torch.tensor(order, dtype=torch.long)] = h
         return out  # (n, d)
@@ -228,7 +267,7 @@ class Capturer:
 
     def hidden(self, prompts: Sequence[str], desc: str = "forward") -> torch.Tensor:
         """h(p) for each full prompt, batched. (n, d)"""
-        return self._run([self.encode(p) for p in prompts], desc)
+        return self._run(self.encode_many(prompts), desc)
 
     @torch.no_grad()
     def encode_prefix(self, prefix: str, then: str | None = None) -> Prefix:
@@ -262,8 +301,7 @@ class Capturer:
         n_pre = len(pre.ids)
         suffixes: list[list[int]] = []
         fallback: list[int] = []
-        for i, p in enumerate(prompts):
-            full = self.encode(prefix + p)
+        for i, full in enumerate(self.encode_many([prefix + p for p in prompts])):
             if full[:n_pre] == pre.ids and len(full) > n_pre:
                 suffixes.append(full[n_pre:])
             else:
@@ -295,14 +333,20 @@ class Capturer:
                    leave=False)
         size = self._size(prefix, [len(s) for s in seqs], packed=True)
         for idx in _batches(len(seqs), size):
-            rows.append(self.forward_packed([seqs[i] for i in idx], prefix))
+            rows.append(self._packed([seqs[i] for i in idx], prefix))
             bar.update(len(idx))
         bar.close()
-        return torch.cat(rows)  # (n, d)
+        return torch.cat(rows).float().cpu()  # (n, d)
+
+    def forward_packed(self, seqs: list[list[int]], prefix: Prefix) -> torch.Tensor:
+        """Several queries after one shared prefix, packed into a single row: (B, d) float32
+        on the host (`_packed`)."""
+        return self._packed(seqs, prefix).float().cpu()
 
     @torch.no_grad()
-    def forward_packed(self, seqs: list[list[int]], prefix: Prefix) -> torch.Tensor:
-        """Several queries after one shared prefix, packed into a single row. (B, d)
+    def _packed(self, seqs: list[list[int]], prefix: Prefix) -> torch.Tensor:
+        """Several queries after one shared prefix, packed into a single row. (B, d) on the
+        model's device.
 
         `[prefix | q1 | q2 | ...]` with a block mask: every query token sees the whole prefix
         and the earlier tokens of its own query only, at positions continuing from the prefix.
@@ -312,27 +356,38 @@ class Capturer:
         n_pre = len(prefix.ids)
         lens = torch.tensor([len(s) for s in seqs])
         total = int(lens.sum())
-        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]  # (1, T)
+        flat = [t for s in seqs for t in s]
         within = torch.cat([torch.arange(n) for n in lens.tolist()])  # position inside its query
         seg = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # which query a token is in
-        sees = (seg[:, None] == seg[None, :]) & (within[None, :] <= within[:, None])  # (T, T)
-        allowed = torch.cat([torch.ones(total, n_pre, dtype=torch.bool), sees], dim=1)
+        if self.bucket:  # pad tokens at the end: in no query (seg −1), seen by none of them
+            extra = bucketed(total) - total
+            flat += [self.pad_id] * extra
+            within = torch.cat([within, torch.zeros(extra, dtype=within.dtype)])
+            seg = torch.cat([seg, torch.full((extra,), -1, dtype=seg.dtype)])
+            total += extra
+        ids = torch.tensor(flat, dtype=torch.long)[None]  # (1, T)
+        # the (T, n_pre + T) mask is built where it is used: T vectors go to the device, not
+        # T² mask entries (10 MB a batch of 128 at k = 30), and the host does no T² work
+        dev = self.device
+        w, g = within.to(dev), seg.to(dev)
+        sees = (g[:, None] == g[None, :]) & (w[None, :] <= w[:, None])  # (T, T)
         dtype = self.model.dtype
-        mask = torch.zeros(1, 1, total, n_pre + total, dtype=dtype)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)  # additive: eager and SDPA agree
+        mask = torch.zeros(1, 1, total, n_pre + total, dtype=dtype, device=dev)
+        # additive: eager and SDPA agree; every query token sees the whole prefix
+        mask[0, 0, :, n_pre:].masked_fill_(~sees, torch.finfo(dtype).min)
         cache = DynamicCache(
             ddp_cache_data=[(layer.keys, layer.values) for layer in prefix.cache.layers],
             config=self.model.config,
         )
         out = self.base(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=(within + n_pre)[None].to(self.device),
+            input_ids=ids.to(dev),
+            attention_mask=mask,
+            position_ids=(w + n_pre)[None],
             past_key_values=cache,
             use_cache=True,
         )
         last = lens.cumsum(0) - 1  # index of each query's last token
-        return out.last_hidden_state[0, last.to(self.device)].float().cpu()
+        return out.last_hidden_state[0, last.to(dev)]
 
     def naive(self, prompts: Sequence[str], desc: str = "naive") -> torch.Tensor:
         """One full forward per prompt, batch 1: what the paper's reference code does."""
