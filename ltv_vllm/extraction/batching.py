@@ -18,7 +18,8 @@ What a batch holds at its peak, per decoder layer kept or passed through (bytes)
 The batch is the largest that fits in `FRACTION` of the free memory (the rest: the
 allocator's fragmentation, the hidden states gathered so far, what other processes take
 meanwhile), at most `CAP` on a GPU (measured on an H200 at the Llama-3.1-8B and Qwen2.5-32B
-shapes: the whole extraction was fastest at 128; 256 was no faster) and `CPU_CAP` on a CPU,
+shapes, benchmarks/results/extraction_*_cuda: the whole extraction was fastest at 128; 256
+was no faster, before and after the capture's length buckets) and `CPU_CAP` on a CPU,
 which is compute-bound: there a packed row of many queries spends its time on the masked
 attention between them (quadratic in the packed tokens), and SmolLM2-135M's TREC extraction
 (`extract --task trec --batch-size 16` / `128`, float32, AMD EPYC AVX2, 2 cores) captured in
