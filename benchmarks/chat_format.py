@@ -60,12 +60,23 @@ def main() -> None:
     from ltv_vllm.tasks.specs import get_tasks, label_token_ids
 
     torch.manual_seed(0)
-    lm = load_model(a.model, dtype=a.dtype)
-    # every episode is saved as it finishes; a rerun with the same settings resumes
+    # every episode is saved as it finishes; a rerun with the same settings resumes, and
+    # one with more tasks or runs adds only the episodes missing (an episode is a task and
+    # a run); other settings are refused rather than the measured episodes dropped
     config = {k: str(v) for k, v in vars(a).items()}
     path = a.out / "results.json"
     old = json.loads(path.read_text()) if path.exists() else {}
-    records: list[dict] = old.get("records", []) if old.get("config") == config else []
+
+    def settings(c: dict) -> dict:
+        return {k: v for k, v in c.items() if k not in ("tasks", "runs")}
+
+    if old.get("records") and settings(old.get("config", {})) != settings(config):
+        theirs = settings(old.get("config", {}))
+        diff = {k: (theirs.get(k), v) for k, v in settings(config).items() if theirs.get(k) != v}
+        raise SystemExit(f"{path} holds episodes measured with other settings (was, now: "
+                         f"{diff}); give another --out, or move it away")
+    records: list[dict] = old.get("records", [])
+    lm = load_model(a.model, dtype=a.dtype)  # after the checks above: they need no model
     done = {(r["task"], r["run"]) for r in records}
     t_start = time.perf_counter() - (old.get("wall_seconds", 0) if records else 0)
     tasks = get_tasks(a.tasks)
