@@ -146,3 +146,31 @@ def test_every_help_is_unchanged():
     walk(main, [])
     assert sorted(got) == sorted(want)
     assert [k for k in want if got[k] != want[k]] == []
+
+
+def test_a_vector_below_zero_shot_is_warned_where_it_is_read(env):
+    """A vector whose extraction scored it below zero-shot (beyond 1/√n_test): `inspect` and
+    `serve --dry-run` say so in one line each, and serve still plans (a warning, not a refusal);
+    a vector above zero-shot gets no line."""
+    tv = load_task_vector(env / "good.pt")
+    for name, ltv, warned in (("low", 0.30, True), ("fine", 0.55, False)):
+        meta = {"method": "ltv", "n_test": 100, "task": {"name": name},
+                "metrics": {"zero-shot": {"accuracy": 0.57, "d_ntp": 0.4},
+                            "icl": {"accuracy": 0.28, "d_ntp": 0.0},
+                            "ltv": {"accuracy": ltv, "d_ntp": 0.04}}}
+        TaskVector(tv.kind, tv.U, tv.V, None, tv.model, tv.label_token_ids,
+                   meta).save(env / f"{name}.pt")
+        r = CliRunner().invoke(main, ["inspect", f"{name}.pt"])
+        assert r.exit_code == 0, r.output
+        lines = [x for x in r.output.splitlines() if x.startswith("warning: ")]
+        assert lines == (["warning: ltv scored 30.0 % on 100 held-out queries, below "
+                          "zero-shot's 57.0 %: serving it lowers accuracy on prompts like "
+                          "these; ICL is below zero-shot too (28.0 %) and the vector imitates "
+                          "ICL, so this model gains nothing from it on this prompt format"]
+                         if warned else []), r.output
+        r = CliRunner().invoke(main, ["serve", *M, "--task-vector", f"{name}=good.pt",
+                                      "--task-vector", f"x={name}.pt", "--dry-run"])
+        assert r.exit_code == 0, r.output
+        # one line, for x only (good.pt, served as the other task, records no metrics)
+        assert [x for x in r.output.splitlines() if "held-out" in x] == (
+            [f"warning: x: {lines[0].removeprefix('warning: ')}"] if warned else []), r.output

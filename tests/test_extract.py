@@ -116,6 +116,9 @@ def test_cli_extract_inspect_evaluate(tmp_path, model_dir, task_file):
     # --batch-size auto (the default): the batch planned from free memory, printed and kept
     assert f"batch {int(pv.timings['batch_size'])} (auto)" in r.output, r.output
     assert pv.timings["batch_size"] == 12  # the last pass: all 12 test prompts at once
+    # a vector below zero-shot by more than 1/√12 of the test queries is warned (hand count)
+    low = pv.metrics["zero-shot"]["accuracy"] - pv.metrics["ltv"]["accuracy"] > 12 ** -0.5
+    assert ("warning: ltv scored" in r.output) == low, r.output
     r = runner.invoke(main, ["inspect", str(out)])
     assert r.exit_code == 0 and "hidden task vector" in r.output
     assert "extracted on: " in r.output and pv.hardware["cpu_capability"] in r.output

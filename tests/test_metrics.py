@@ -51,3 +51,35 @@ def test_pearson_and_spearman_against_numpy():
     rx, ry = [4, 1.5, 1.5, 5, 3, 6], [3, 5.5, 4, 2, 5.5, 1]
     assert spearman(x, y) == pytest.approx(np.corrcoef(rx, ry)[0, 1])
     assert pearson([1, 2], [3, 4]) is None and pearson([1, 1, 1], [1, 2, 3]) is None
+
+
+def test_shortfall_warns_when_the_vector_is_below_zero_shot_beyond_noise():
+    """The warning's condition against a hand count: 100 queries → noise 1/√100 = 10 points."""
+    from ltv_vllm.core.metrics import shortfall
+
+    def m(zs, icl, ltv):
+        return {"zero-shot": {"accuracy": zs, "d_ntp": 0.4}, "icl": {"accuracy": icl},
+                "ltv": {"accuracy": ltv, "d_ntp": 0.05}}
+
+    # ICL helps, the vector falls 21 points below zero-shot: warned, without the ICL clause
+    line = shortfall(m(0.57, 0.80, 0.36), "ltv", 100)
+    assert line.startswith("ltv scored 36.0 % on 100 held-out queries, below zero-shot's 57.0 %")
+    assert "ICL is below" not in line and "\n" not in line
+    # ICL itself below zero-shot (SmolLM2's sst2 through chat): the clause says why
+    line = shortfall(m(0.79, 0.61, 0.56), "ltv", 100)
+    assert "ICL is below zero-shot too (61.0 %)" in line
+    # within noise (10 points at n = 100; 2.5 at n = 1600) or above: nothing
+    assert shortfall(m(0.57, 0.80, 0.48), "ltv", 100) is None
+    assert shortfall(m(0.57, 0.80, 0.53), "ltv", 1600) is not None
+    assert shortfall(m(0.57, 0.80, 0.60), "ltv", 100) is None
+    # without n, any gap counts
+    assert shortfall(m(0.57, 0.80, 0.56), "ltv", None) is not None
+    # a file's metrics are untrusted: missing, None (a non-finite value), wrong types → no line
+    for bad in (None, {}, {"ltv": {"accuracy": 0.1}}, {"zero-shot": {"accuracy": 0.9}},
+                {"zero-shot": {"accuracy": None}, "ltv": {"accuracy": 0.1}},
+                {"zero-shot": {"accuracy": "0.9"}, "ltv": {"accuracy": 0.1}},
+                {"zero-shot": {"accuracy": True}, "ltv": {"accuracy": 0.1}},
+                {"zero-shot": [0.9], "ltv": {"accuracy": 0.1}}):
+        assert shortfall(bad, "ltv", 100) is None
+    assert shortfall(m(0.9, 0.9, 0.1), None, 100) is None  # no method recorded
+    assert shortfall(m(0.9, 0.9, 0.1), "tv", 100) is None  # not in the metrics

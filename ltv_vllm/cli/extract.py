@@ -158,6 +158,10 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
     click.echo(f"\n{t.name} on {lm.spec}{src}{through}: k={pv.k_used} demos, {what}, "
                f"{pv.n_test} test queries")
     _print_metrics(metrics)
+    from ltv_vllm.core.metrics import shortfall
+
+    if low := shortfall(metrics, pv.method if large else method, pv.n_test):
+        click.echo(f"warning: {low}", err=True)
     auto = " (auto)" if episode.batch_size == "auto" else ""
     hw = f"{pv.dtype or '?'} on {device_line(device)}" + (
         f", vLLM TP {engine.tensor_parallel_size} × PP {engine.pipeline_parallel_size}"
@@ -332,6 +336,10 @@ def inspect(path: Path) -> None:
         click.echo(f"extracted on: {machine_line(pv.hardware)}, {pv.dtype}")
     if pv.metrics:
         _print_metrics(pv.metrics)
+        from ltv_vllm.core.metrics import shortfall
+
+        if low := shortfall(pv.metrics, pv.method, pv.n_test):
+            click.echo(f"warning: {low}", err=True)
 
 
 @main.command("export-lora")

@@ -46,6 +46,38 @@ def d_ntp(icl_logits: torch.Tensor, tv_logits: torch.Tensor) -> float:
     return float(kl_per_query(icl_logits, tv_logits).mean())
 
 
+def shortfall(metrics: dict[str, Any] | None, method: str | None,
+              n_test: int | None = None) -> str | None:
+    """One line when `method`'s held-out accuracy is below zero-shot's by more than noise
+    (None otherwise, and when the metrics lack either): serving the vector would lower
+    accuracy on prompts like the ones it was scored on. Says whether ICL is below zero-shot
+    too (then the vector imitates an ICL that does not help: more queries will not fix it).
+
+    Noise: 1/√n of the test queries (a binomial accuracy's standard error is ≤ 0.5/√n, a
+    difference of two ≤ 0.71/√n); without n, any gap. Reads a file's untrusted `metrics`:
+    a missing or non-numeric entry is no warning, never an error.
+    """
+
+    def acc(name: str | None) -> float | None:
+        v = (metrics or {}).get(name) if name else None
+        a = v.get("accuracy") if isinstance(v, dict) else None
+        return float(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else None
+
+    a_m, a_zs, a_icl = acc(method), acc("zero-shot"), acc("icl")
+    if a_m is None or a_zs is None:
+        return None
+    noise = 1 / math.sqrt(n_test) if n_test else 0.0
+    if a_zs - a_m <= noise:
+        return None
+    on = f" on {n_test} held-out queries" if n_test else " on the held-out queries"
+    line = (f"{method} scored {100 * a_m:.1f} %{on}, below zero-shot's {100 * a_zs:.1f} %: "
+            "serving it lowers accuracy on prompts like these")
+    if a_icl is not None and a_icl < a_zs:
+        return (line + f"; ICL is below zero-shot too ({100 * a_icl:.1f} %) and the vector "
+                "imitates ICL, so this model gains nothing from it on this prompt format")
+    return line
+
+
 def pearson(x: list[float], y: list[float]) -> float | None:
     """Pearson's r; None when fewer than 3 points or either side is constant."""
     if len(x) < 3:

@@ -422,6 +422,19 @@ def chat_fitted_vectors(vectors: dict[str, Path]) -> dict[str, str]:
     return out
 
 
+def shortfall_notes(vectors: dict[str, Path]) -> list[str]:
+    """A warning per vector whose extraction scored it below zero-shot (`metrics.shortfall`):
+    served, it would lower accuracy; the operator hears it before the engine starts."""
+    from ltv_vllm.core.metrics import shortfall
+
+    out = []
+    for name, path in vectors.items():
+        pv = load_task_vector(path).provenance
+        if low := shortfall(pv.metrics, pv.method, pv.n_test):
+            out.append(f"warning: {name or 'the vector'}: {low}")
+    return out
+
+
 def _api_servers(vllm_args: tuple[str, ...]) -> int:
     """vLLM's --api-server-count / -asc as given (1 when absent or unreadable)."""
     return _int_arg(vllm_args, ("--api-server-count", "-asc"))
@@ -521,6 +534,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         extra.insert(0, "--enforce-eager")
     settings = ServerSettings(max_body=opts.max_body_mib << 20)
     env = dict(task_env)
+    notes += shortfall_notes(parsed)
     fitted = chat_fitted_vectors(parsed)  # the gate shifts their chat requests (`tasks.chat`)
     # a task store's chat-fitted entries: the gate learns them from the store; warned here
     kept = chat_fitted_vectors({n: p / VECTOR for n, p in (store or {}).items()})
