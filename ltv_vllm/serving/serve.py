@@ -410,29 +410,23 @@ def served_template_digest(model_dir: str | Path,
     return template_digest(template) if isinstance(template, str) and template else None
 
 
-def chat_fitted_vectors(vectors: dict[str, Path]) -> dict[str, str]:
+def chat_fitted_vectors(vectors: dict[str, TaskVector]) -> dict[str, str]:
     """name → template sha256 of the chat-fitted vectors among `vectors` ("" for a fused
     server's one)."""
     from ltv_vllm.serving.taskstore import chat_template_of
 
-    out = {}
-    for name, path in vectors.items():
-        if (digest := chat_template_of(load_task_vector(path))) is not None:
-            out[name] = digest
-    return out
+    return {name: digest for name, tv in vectors.items()
+            if (digest := chat_template_of(tv)) is not None}
 
 
-def shortfall_notes(vectors: dict[str, Path]) -> list[str]:
+def shortfall_notes(vectors: dict[str, TaskVector]) -> list[str]:
     """A warning per vector whose extraction scored it below zero-shot (`metrics.shortfall`):
     served, it would lower accuracy; the operator hears it before the engine starts."""
     from ltv_vllm.core.metrics import shortfall
 
-    out = []
-    for name, path in vectors.items():
-        pv = load_task_vector(path).provenance
-        if low := shortfall(pv.metrics, pv.method, pv.n_test):
-            out.append(f"warning: {name or 'the vector'}: {low}")
-    return out
+    return [f"warning: {name or 'the vector'}: {low}" for name, tv in vectors.items()
+            if (low := shortfall(tv.provenance.metrics, tv.provenance.method,
+                                 tv.provenance.n_test))]
 
 
 def _api_servers(vllm_args: tuple[str, ...]) -> int:
@@ -534,10 +528,12 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         extra.insert(0, "--enforce-eager")
     settings = ServerSettings(max_body=opts.max_body_mib << 20)
     env = dict(task_env)
-    notes += shortfall_notes(parsed)
-    fitted = chat_fitted_vectors(parsed)  # the gate shifts their chat requests (`tasks.chat`)
+    given = {n: load_task_vector(p) for n, p in parsed.items()}  # each file read once here
+    notes += shortfall_notes(given)
+    fitted = chat_fitted_vectors(given)  # the gate shifts their chat requests (`tasks.chat`)
     # a task store's chat-fitted entries: the gate learns them from the store; warned here
-    kept = chat_fitted_vectors({n: p / VECTOR for n, p in (store or {}).items()})
+    kept = chat_fitted_vectors({n: load_task_vector(p / VECTOR)
+                                for n, p in (store or {}).items()})
     if fitted or opts.task_store is not None:
         served = served_template_digest(model_dir, extra)
         env.update(chat_env(fitted, served))
