@@ -136,6 +136,44 @@ def test_other_renderings_are_refused(chat_server):
                               extra_body={"vllm_xargs": {"ltv_chat": "allow"}})
 
 
+def test_what_vllm_parses_is_what_the_gate_reads(chat_server):
+    """The gate once read raw JSON while vLLM parses more: `add_generation_prompt` as 0,
+    "false", "no", "off", "f" or 0.0 (all false to vLLM's request model) rendered without the
+    generation prompt and was shifted by the chat-fitted vector (W1); /invocations with
+    messages vLLM cannot validate ("x", [], a role that is a number, or valid messages with
+    a completion's integer `logprobs`) is served by vLLM as a completion, and was shifted as
+    one by a chat-fitted vector without consent (W2). Now the gate reads the request as vLLM's
+    own models parse it: each is refused, in one line, and the server stays up."""
+    import httpx
+
+    url, _model, _vecs, _tmp = chat_server
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    for lax in (0, "false", "no", "off", "f", 0.0, "0", "n"):
+        r = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": "delta", "messages": msgs, "max_tokens": 2,
+            "add_generation_prompt": lax}, timeout=60)
+        assert r.status_code == 400 and "generation prompt" in r.text, (lax, r.text)
+    for bad in ("x", [{"role": 5, "content": "hi"}], []):
+        r = httpx.post(f"{url}/invocations", json={
+            "model": "delta", "messages": bad, "prompt": PROMPTS[0], "max_tokens": 2},
+            timeout=60)
+        # ([] is a chat request to vLLM's model: its own 400, an empty conversation)
+        why = "empty conversation" if bad == [] else "send the request to /v1/chat/completions"
+        assert r.status_code == 400 and why in r.text, (bad, r.text)
+    r = httpx.post(f"{url}/invocations", json={
+        "model": "delta", "messages": msgs, "prompt": PROMPTS[0], "logprobs": 5,
+        "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and "send the request to /v1/chat/completions" in r.text, \
+        r.text
+    # the same through chat with true spellings: served (and named as the task)
+    for on in (1, "true", "yes"):
+        r = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": "delta", "messages": msgs, "max_tokens": 2,
+            "add_generation_prompt": on}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "delta", (on, r.text)
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
 def test_a_chat_fitted_upload_is_served_through_chat(chat_server, tokenizer):
     """A chat-fitted vector uploaded to the task store is shifted through chat with no
     opt-in (= transformers on the rendering, at its policy's steps) and refused through

@@ -188,8 +188,11 @@ class Server:
         self.store.add("alpha", probe_vector(model, d, "alpha", "all"), d)
         beta = probe_vector(model, d, "beta", "first").save(tmp / "beta.pt")
         self.defaults: dict[str, int | None] = {"alpha": None, "beta": 1}
+        # scale-out's token-in/token-out routes (/inference/v1/generate) carry raw
+        # sampling params; responses may run in the background (stored): both reach the
+        # engine past the routes the gate serves tasks on
         self.args = ("--task-store", str(self.store.root), "--max-tasks", "3",
-                     "--multi-task", mode, "--max-num-seqs", "2")
+                     "--multi-task", mode, "--max-num-seqs", "2", "--enable-scale-out")
         self.beta, self.tmp, self.nonce = beta, tmp, 0
         self.start()
 
@@ -197,7 +200,7 @@ class Server:
         # DELETE answers after 1 s at most (202 while the task's requests run on)
         self.proc, self.url, self.log = start_server(
             self.d, [f"beta={self.beta}"], self.tmp, self.args,
-            env_extra={"LTV_VLLM_DELETE_WAIT": "1"})
+            env_extra={"LTV_VLLM_DELETE_WAIT": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1"})
 
     def restart(self) -> None:
         """After an engine death (what the fuzzer reports): the store's tasks as served."""
@@ -464,6 +467,83 @@ def test_routes_that_bypassed_the_gate(server):
                   headers={"Content-Type": "APPLICATION/JSON"}, timeout=60)
     assert r.status_code == 400, r.text
     srv.alive()
+
+
+def test_routes_the_gate_does_not_serve_tasks_on_cannot_shift(server):
+    """Requests that reached the engine past the gate: scale-out's /inference/v1/generate
+    with `sampling_params.extra_args` naming the self-check's probe (answered with its
+    vector) or a store task's raw key (its queued request then outlived a DELETE: engine
+    dead), E3; a background response for a LoRA task, which outlived the gate's count (E2);
+    /generative_scoring for a LoRA task (W3). Now the engine shifts only what the gate
+    admitted (its stamp, checked where vLLM admits every request of every route), and in
+    LoRA mode a task is served on the proven routes only: each is a 4xx, a forged stamp
+    too, and the bare model is still served on those routes."""
+    srv = server
+    ids = HTTP.post(f"{srv.url}/tokenize", json={"model": srv.base, "prompt": PROMPTS[2]},
+                    timeout=60).json()["tokens"]
+
+    def generate(model: str, extra: dict | None) -> dict:
+        params = {"max_tokens": 3, "temperature": 0, **({"extra_args": extra} if extra
+                                                          else {})}
+        return {"token_ids": ids, "model": model, "sampling_params": params}
+
+    refused = [("/v1/completions", completion(srv.base, vllm_xargs={"ltv_admit": "0" * 32})),
+               ("/v1/completions", completion("beta", vllm_xargs={"ltv_admit": "0" * 32})),
+               ("/v1/responses", {"model": "beta", "input": PROMPTS[0], "background": True,
+                                  "max_output_tokens": 3}),
+               ("/v1/responses", {"model": "alpha", "input": PROMPTS[0], "background": True,
+                                  "max_output_tokens": 3}),
+               ("/generative_scoring", {"model": "beta", "query": PROMPTS[0],
+                                        "items": [" good"], "label_token_ids": [5, 6]})]
+    if srv.mode == "shift":
+        refused += [("/inference/v1/generate", generate(srv.base, x)) for x in (
+            {"ltv_task": "@selfcheck-all"}, {"ltv_task": srv.raw_key("alpha")},
+            {"ltv_task": "beta"}, {"ltv_task": "beta", "ltv_admit": "0" * 32},
+            {"ltv_task": "beta", "ltv_steps": 0})]
+    else:
+        refused += [("/inference/v1/generate", generate("beta", None))]
+    for path, body in refused:
+        r = post(srv, path, body)
+        assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text[:300])
+        clean_error(r, srv.keys())
+        srv.alive()
+    # the bare model on those routes: served, with no task's token
+    r = post(srv, "/inference/v1/generate", generate(srv.base, None))
+    assert r.status_code == 200, r.text
+    toks = [t for c in r.json()["choices"] for t in c["token_ids"]]
+    check_tokens(toks, None, 0, "bare generate")
+    r = post(srv, "/generative_scoring", {"model": srv.base, "query": PROMPTS[0],
+                                          "items": [" good"], "label_token_ids": [5, 6]})
+    assert r.status_code == 200, r.text
+    srv.alive()
+
+
+def test_a_second_server_on_a_held_store_refuses_to_start(server, tmp_path):
+    """Two servers on one store once killed each other's engines: a DELETE on one removed
+    files the other's engine loaded next, and the second's start swept the first's compiles
+    and quarantined entries under it (E1). Now the store is locked by the server that holds
+    it: a second `serve` on it exits non-zero in one line before it touches anything (its
+    dry run warns), and the first serves on."""
+    import subprocess
+    import sys
+
+    srv = server
+    before = sorted(p.name for p in srv.store.root.iterdir())
+    cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", str(srv.d),
+           "--task-store", str(srv.store.root), "--port", "1", "--dtype", "float32"]
+    env = {**__import__("os").environ, "LTV_VLLM_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode != 0, r.stderr[-2000:]
+    lines = [x for x in r.stderr.splitlines() if "served by another running server" in x]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert sorted(p.name for p in srv.store.root.iterdir()) == before
+    r = subprocess.run([*cmd, "--dry-run"], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 0 and "this server would refuse to start" in r.stderr, r.stderr
+    srv.alive()
+    r = post(srv, "/v1/completions", completion("alpha"))
+    assert r.status_code == 200, r.text
+    check_tokens(answer_tokens(r, False)[0], "alpha", srv.steps("alpha", {}), "alpha")
 
 
 def test_listing_survives_concurrent_deletes(server):

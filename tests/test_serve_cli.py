@@ -323,9 +323,14 @@ def test_dry_run_of_a_chat_fitted_vector(setup, monkeypatch):
         "name": "chat", "demos": "turns", "template_sha256": template_digest(mine)}))
     path = chat.save(tmp / "chat.pt")
     (tmp / "t.jinja").write_text(mine)
-    for template in (mine, str(tmp / "t.jinja")):
+    # every spelling vLLM's own parser takes (it reads `--chat_template`, `--flag=value` and
+    # a `--config` YAML as `--chat-template`): the gate must compare the template vLLM renders
+    (tmp / "vllm.yaml").write_text(f"chat-template: {tmp / 't.jinja'}\n")
+    for flags in (["--chat-template", mine], ["--chat-template", str(tmp / "t.jinja")],
+                  ["--chat_template", str(tmp / "t.jinja")],
+                  [f"--chat-template={tmp / 't.jinja'}"], ["--config", str(tmp / "vllm.yaml")]):
         r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
-                                      f"c={path}", "--dry-run", "--chat-template", template])
+                                      f"c={path}", "--dry-run", *flags])
         assert r.exit_code == 0, r.output
         assert f'LTV_VLLM_CHAT_TASKS=\'{{"c": "{template_digest(mine)}"}}\'' in r.output
         assert f"LTV_VLLM_CHAT_TEMPLATE={template_digest(mine)}" in r.output

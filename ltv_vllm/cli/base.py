@@ -176,10 +176,18 @@ def main() -> None:
 
 
 def _print_metrics(metrics: dict[str, dict[str, float]]) -> None:
-    width = max(10, *(len(m) for m in metrics))
+    """The metrics table; a vector file's metrics are untrusted: an entry that is missing or
+    not a finite number prints as "-" (never a traceback)."""
+    from ltv_vllm.core.metrics import untrusted_number
+
+    width = max(10, *(len(str(m)) for m in metrics))
     click.echo(f"{'method':<{width}} {'accuracy':>9} {'d_NTP':>8}")
     for m, v in metrics.items():
-        click.echo(f"{m:<{width}} {100 * v['accuracy']:>8.1f}% {v['d_ntp']:>8.4f}")
+        acc, d = (untrusted_number(v.get(k)) if isinstance(v, dict) else None
+                  for k in ("accuracy", "d_ntp"))
+        a_s = f"{100 * acc:>8.1f}%" if acc is not None else f"{'-':>9}"
+        d_s = f"{d:>8.4f}" if d is not None else f"{'-':>8}"
+        click.echo(f"{str(m)[:width]:<{width}} {a_s} {d_s}")
 
 
 DEVICE_HELP = "auto: CUDA when there is a GPU, else the CPU; or cpu, cuda, cuda:1, ..."

@@ -177,7 +177,11 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], store: StoreFlags, h
                                     **asdict(store), **asdict(http), **asdict(shift)))
     for line in plan.warnings(done=not dry_run):
         click.echo(line, err=True)
-    click.echo(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in plan.env.items()),
+    from ltv_vllm.serving.step_policy import ADMIT_ENV
+
+    # the admission key is the server's secret: never printed (a fresh one each start)
+    shown = {k: "<a fresh key>" if k == ADMIT_ENV else v for k, v in plan.env.items()}
+    click.echo(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown.items()),
                          *(shlex.quote(a) for a in plan.argv)]), err=True)
     if dry_run:
         if plan.lora is not None and (n := len(plan.lora.adapters) - len(plan.lora.prebuilt)):

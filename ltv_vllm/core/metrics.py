@@ -46,6 +46,18 @@ def d_ntp(icl_logits: torch.Tensor, tv_logits: torch.Tensor) -> float:
     return float(kl_per_query(icl_logits, tv_logits).mean())
 
 
+def untrusted_number(v: Any) -> float | None:
+    """A number read from a file's untrusted metrics as a finite float; None for anything
+    else (a string, a bool, an int too large for a float, NaN, infinity)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def shortfall(metrics: dict[str, Any] | None, method: str | None,
               n_test: int | None = None) -> str | None:
     """One line when `method`'s held-out accuracy is below zero-shot's by more than noise
@@ -59,13 +71,14 @@ def shortfall(metrics: dict[str, Any] | None, method: str | None,
     """
 
     def acc(name: str | None) -> float | None:
-        v = (metrics or {}).get(name) if name else None
-        a = v.get("accuracy") if isinstance(v, dict) else None
-        return float(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else None
+        v = (metrics or {}).get(name) if isinstance(metrics, dict) and name else None
+        return untrusted_number(v.get("accuracy") if isinstance(v, dict) else None)
 
     a_m, a_zs, a_icl = acc(method), acc("zero-shot"), acc("icl")
     if a_m is None or a_zs is None:
         return None
+    if not (isinstance(n_test, int) and not isinstance(n_test, bool) and 0 < n_test < 1 << 53):
+        n_test = None  # junk in the file (negative, huge): no noise margin, never an error
     noise = 1 / math.sqrt(n_test) if n_test else 0.0
     if a_zs - a_m <= noise:
         return None

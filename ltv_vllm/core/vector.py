@@ -132,11 +132,18 @@ def parse_steps(value: Any) -> int | None:
         return ALL
     if value == "first" and isinstance(value, str):
         return 1
-    if isinstance(value, str) and value.isascii() and value.isdigit():
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 19:
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"ltv_steps must be 'all', 'first' or a count ≥ 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_STEPS:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ValueError(f"ltv_steps must be 'all', 'first' or a count from 0 to "
+                         f"{MAX_STEPS - 1}, got {shown}")
     return value
+
+
+# counts past this are "all" in effect; vLLM reads xargs numbers as int64 (and Python's int()
+# refuses over 4,300 digits with a message of its own): a clear 400 here instead
+MAX_STEPS = 1 << 62
 _DICT_FIELDS = ("task", "hardware", "timings", "source_model", "source_load", "metrics",
                 "engine", "prompt_format")
 PROMPT_DEMOS = ("turns", "inline")

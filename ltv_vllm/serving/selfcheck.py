@@ -43,6 +43,7 @@ from ltv_vllm.serving.probes import (
     probe_tokens,
     probe_vectors,
 )
+from ltv_vllm.serving.step_policy import ADMIT_KEY, STEPS_KEY, TASK_KEY, admission, stamp
 
 
 class SelfCheckFailed(UserError):
@@ -298,9 +299,11 @@ def probe_params(p: Probe) -> Any:
 
     xargs: dict[str, Any] = {}
     if p.task is not None and p.task not in LORA_PROBES:  # (an adapter is the LoRARequest)
-        xargs["ltv_task"] = p.task
+        xargs[TASK_KEY] = p.task
     if p.steps is not None:
-        xargs["ltv_steps"] = p.steps
+        xargs[STEPS_KEY] = p.steps
+    if (adm := admission()) is not None:  # in a server: stamped as its gate would
+        xargs[ADMIT_KEY] = stamp(adm, xargs.get(TASK_KEY, ""), xargs.get(STEPS_KEY))
     sampling = {"temperature": 0.0 if p.n == 1 else 1.0}
     # FINAL_ONLY: one output per request with all n choices (a streaming kind would hand
     # the choices over one child at a time)

@@ -9,6 +9,7 @@ file is refused with one line before any engine process starts.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,7 @@ from ltv_vllm.serving.step_policy import (
     STORE_CONFIG_KEY,
     TASKS_CONFIG_KEY,
     chat_env,
+    new_admission,
     parse_steps,
     tasks_env,
 )
@@ -373,8 +375,40 @@ def check_pipeline_parallel(pp: int, cuda: bool | None = None) -> None:
                             "backend (0.32 fails its first step); use --tensor-parallel-size")
 
 
+def vllm_flags(vllm_args: tuple[str, ...] | list[str]) -> Any:
+    """vLLM's own arguments as vLLM's server parses them (its parser: `--chat_template`,
+    `--flag=value`, `--config FILE.yaml` and every other spelling it accepts), so what
+    ltv-vllm reads of them is what vLLM will use; None when there are none or vLLM's parser
+    refuses them (the server then refuses them itself, in its own words)."""
+    if not vllm_args:
+        return None
+    return _vllm_flags(tuple(vllm_args))
+
+
+@functools.lru_cache(maxsize=8)
+def _vllm_flags(vllm_args: tuple[str, ...]) -> Any:
+    import contextlib
+    import io
+
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return make_arg_parser(FlexibleArgumentParser()).parse_args(
+                ["--model", "-", *vllm_args])
+    except (SystemExit, Exception):  # noqa: BLE001 - vLLM refuses them at its start
+        return None
+
+
 def _arg(vllm_args: tuple[str, ...] | list[str], flags: tuple[str, ...]) -> str | None:
-    """A vLLM flag's value as given (`--flag value` or `--flag=value`; None: absent)."""
+    """A vLLM flag's value as vLLM reads it (None: absent); the first flag's long name is
+    its attribute in vLLM's parsed arguments. Read as given (`--flag value`,
+    `--flag=value`) only where vLLM's parser does not take the arguments."""
+    parsed = vllm_flags(vllm_args)
+    if parsed is not None:
+        value = getattr(parsed, flags[0].lstrip("-").replace("-", "_"), None)
+        return None if value is None else str(value)
     for i, a in enumerate(vllm_args):
         for flag in flags:
             value = (vllm_args[i + 1] if a == flag and i + 1 < len(vllm_args)
@@ -444,10 +478,19 @@ class ServerPlan:
     notes: list[str] = field(default_factory=list)  # other warnings, one line each
 
     def warnings(self, done: bool = True) -> list[str]:
-        """One line per task-store entry this server does not serve, then the notes."""
+        """One line per task-store entry this server does not serve, then the notes; a dry
+        run (`done` False) also says when another server holds the store (`prepare` refuses
+        to start then, in its own line)."""
         verb = "moved to .quarantine/" if done else "would be moved to .quarantine/"
-        return [*(f"warning: task store entry {name!r} is not served ({why}); {verb}"
-                  for name, why in self.quarantine.items()), *self.notes]
+        held = []
+        if not done and (root := ServerSettings.from_env(self.env).task_store):
+            from ltv_vllm.serving.taskstore import TaskStore
+
+            if TaskStore(root, create=False).held():
+                held = [f"warning: task store {root} is served by another running server: "
+                        "this server would refuse to start"]
+        return [*held, *(f"warning: task store entry {name!r} is not served ({why}); {verb}"
+                         for name, why in self.quarantine.items()), *self.notes]
 
     def prepare(self) -> None:
         """Write what the server needs (adapters; the task store, swept; entries it cannot
@@ -460,6 +503,7 @@ class ServerPlan:
             from ltv_vllm.serving.taskstore import TaskStore
 
             store = TaskStore(root)  # created if new
+            store.hold()  # before anything is touched: one server per store
             store.sweep()  # what interrupted writes left, removed
             for name, why in self.quarantine.items():
                 store.quarantine(name, why)
@@ -555,6 +599,11 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     # the per-request step policy's processor (`vllm_ext.steps`) has the V1 runner's
     # interface: what the CPU backend runs, and what a GPU build runs when told to
     env.update(runner)
+    if lora is None:
+        # the engine shifts only requests its gate admitted (`step_policy.stamp`): a fused
+        # vector shifts every request, so every request needs the stamp; per-request tasks,
+        # those that name a task. (LoRA adapters are chosen by `model` alone: the gate's)
+        env.update(new_admission(every="" in parsed))
     if store is not None:
         settings = replace(settings, task_store=str(Path(opts.task_store).absolute()),
                            max_tasks=opts.max_tasks,

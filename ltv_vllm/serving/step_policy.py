@@ -6,9 +6,12 @@ served task names with it; the engine side is `vllm_ext.steps`."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 # re-exported: the grammar of a step policy is the vector file's (`meta.shift_steps`)
@@ -25,6 +28,8 @@ CHAT_PATH = "/v1/chat/completions"
 CHAT_TASKS_ENV = "LTV_VLLM_CHAT_TASKS"  # JSON {task: template sha256} of chat-fitted vectors
 # ("" for a fused server's one vector)
 TEMPLATE_ENV = "LTV_VLLM_CHAT_TEMPLATE"  # sha256 of the template the server renders chat with
+ADMIT_KEY = "ltv_admit"            # a request's `vllm_xargs` key: the gate's stamp (`stamp`)
+ADMIT_ENV = "LTV_VLLM_ADMIT"       # JSON {"key": hex, "every": bool}: a served engine's stamp key
 # routes that render a chat template around the request's text (each vLLM's own)
 CHAT_PATHS = (CHAT_PATH, "/v1/chat/completions/batch", "/v1/responses", "/v1/messages")
 
@@ -191,3 +196,70 @@ def rendering_refusal(task: str, fitted: str | None, payload: Mapping[str, Any],
                 f"{served[:12] or 'no template'} (started with another --chat-template?); "
                 f"{opt_in}")
     return None
+
+
+# -- admission: the gate's stamp, checked where every route's request enters the engine -------
+# A task (or a fused vector) shifts only a request the gate admitted: the gate reads the
+# request as vLLM parsed it on a route whose path through vLLM is proven, and writes an HMAC of
+# what it admitted (task and step policy) into `vllm_xargs`. The engine's request check
+# (`vllm_ext.steps`), which vLLM runs for every request of every route (present or added by a
+# vLLM upgrade: `/inference/v1/generate`, scoring, background responses...), refuses a request
+# that carries a task without a valid stamp, and the engine shifts no row without one. The key
+# is made by `serve` for each start and lives only in the server's environment; a client never
+# sees a stamp (vLLM does not echo `vllm_xargs`).
+TASK_ROUTES_TEXT = "/v1/completions, /v1/chat/completions, /invocations"
+
+
+@dataclass(frozen=True)
+class Admission:
+    key: bytes     # the HMAC key
+    every: bool    # every request needs a stamp (a fused server: its vector shifts them all)
+
+
+def new_admission(every: bool) -> dict[str, str]:
+    """The environment that makes a server's engine check stamps (a fresh key per start)."""
+    import secrets
+
+    return {ADMIT_ENV: json.dumps({"key": secrets.token_hex(32), "every": every})}
+
+
+def admission(environ: Mapping[str, str] | None = None) -> Admission | None:
+    """This process's stamp key (None: not a served engine — offline engines admit all)."""
+    raw = (os.environ if environ is None else environ).get(ADMIT_ENV)
+    return _admission(raw) if raw else None
+
+
+@functools.lru_cache(maxsize=4)
+def _admission(raw: str) -> Admission:
+    d = json.loads(raw)
+    return Admission(bytes.fromhex(d["key"]), bool(d["every"]))
+
+
+def canonical_steps(value: Any) -> str | int:
+    """A valid `ltv_steps` as the gate hands it on: "all" or a count (ValueError: invalid)."""
+    n = parse_steps(value)
+    return "all" if n is ALL else int(n)
+
+
+def stamp(adm: Admission, task: str, steps: Any) -> str:
+    """The stamp of an admitted request: its task key ("" for a fused vector) and its
+    `ltv_steps` as handed on (None: not given)."""
+    msg = json.dumps([task, steps], separators=(",", ":")).encode()
+    return hmac.new(adm.key, msg, hashlib.sha256).hexdigest()[:32]
+
+
+def not_admitted() -> str:
+    return ("this request was not admitted by the server's task gate: a task vector shifts "
+            f"requests on {TASK_ROUTES_TEXT} only, as the gate reads them")
+
+
+def admitted(args: Mapping[str, Any], adm: Admission | None) -> bool:
+    """Whether a request's `vllm_xargs` may be shifted: not a served engine (`adm` None); or
+    it names no task on a server where only tasks need a stamp; or it carries a valid stamp."""
+    if adm is None:
+        return True
+    given = args.get(ADMIT_KEY)
+    if given is None:
+        return not adm.every and TASK_KEY not in args
+    want = stamp(adm, args.get(TASK_KEY, ""), args.get(STEPS_KEY))
+    return isinstance(given, str) and hmac.compare_digest(given, want)

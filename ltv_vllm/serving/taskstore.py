@@ -15,6 +15,8 @@
     ROOT/.jobs/                   compiles under way (the server's; dropped at its start)
     ROOT/.quarantine/NAME-TIME/   an entry a server could not serve at start, moved aside
                                   with `reason.txt` (never deleted by ltv-vllm)
+    ROOT/.lock                    held (flock) by the one server serving the store, for its
+                                  whole life: a second server refuses to start (`hold`)
 
 A directory rename is atomic, so a reader (the server, vLLM's filesystem LoRA resolver) sees
 a whole entry or none: a crash mid-write leaves only a `.tmp-` directory, which `sweep()`
@@ -42,7 +44,7 @@ from ltv_vllm.errors import UserError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 FORMAT = 1
-VECTOR, RECORD = "vector.safetensors", "entry.json"
+VECTOR, RECORD, LOCK = "vector.safetensors", "entry.json", ".lock"
 
 
 class StoreError(UserError):
@@ -55,6 +57,10 @@ class EntryExists(StoreError):
 
 class NoSuchEntry(StoreError):
     """No complete entry of that name (HTTP 404)."""
+
+
+class StoreHeld(StoreError):
+    """Another running server serves this store."""
 
 
 class StoreFull(StoreError):
@@ -148,6 +154,48 @@ class TaskStore:
             raise StoreError(f"task store {self.root}: cannot create it ({e.strerror})") from None
         if not os.access(self.root, os.W_OK):
             raise StoreError(f"task store {self.root}: not writable")
+
+    def hold(self) -> int:
+        """Lock the store for this process and every process it becomes (`execve` keeps the
+        descriptor, so vLLM's server holds it until it exits; the kernel drops it then, even
+        after a kill -9). StoreHeld, in one line, if another server holds it: two servers on
+        one store would remove each other's files (a DELETE on one, the start-up sweep of the
+        other) while their engines load them."""
+        import fcntl
+
+        path = self.root / LOCK
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                who = os.read(fd, 64).decode("ascii", "replace").strip()
+            except OSError:
+                who = ""
+            os.close(fd)
+            raise StoreHeld(f"task store {self.root} is served by another running server"
+                            f"{f' (pid {who})' if who.isdigit() else ''}; stop it, or give "
+                            "this server another --task-store") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        os.set_inheritable(fd, True)
+        return fd
+
+    def held(self) -> bool:
+        """Whether a running server holds the store (what `serve --dry-run` reports)."""
+        import fcntl
+
+        path = self.root / LOCK
+        if not path.is_file():
+            return False
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+        return False
 
     def sweep(self) -> list[str]:
         """Remove what interrupted writes and removals left; the names removed."""

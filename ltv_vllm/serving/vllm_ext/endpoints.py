@@ -205,7 +205,13 @@ class TaskEndpoints:
         return None
 
     def _public(self, message: str) -> str:
-        """`message` without the server's paths (the store's and the model's)."""
+        """`message` without the server's paths: an upload's staging file is "the upload",
+        the store's and the model's directories are named by what they are."""
+        import re
+
+        root = re.escape(str(self.store.root))
+        message = re.sub(root + r"/\.(?:up|tmp)-[^/\s:'\"]*/[^\s:'\"]*", "the upload",
+                         message)
         for path, shown in ((self.store.root, "<task store>"), (self.model_dir, "<model>")):
             message = message.replace(str(path), shown)
         return message

@@ -44,17 +44,19 @@ Otherwise the body read here is handed on unchanged: the handlers downstream rea
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
 import os
 import secrets
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ltv_vllm.serving.settings import ServerSettings
 from ltv_vllm.serving.step_policy import (
+    ADMIT_KEY,
     CHAT_KEY,
     CHAT_PATH,
     CHAT_PATHS,
@@ -62,10 +64,13 @@ from ltv_vllm.serving.step_policy import (
     RUNTIME,
     STEPS_KEY,
     TASK_KEY,
+    admission,
+    canonical_steps,
     chat_fitted,
     named_tasks,
     parse_steps,
     rendering_refusal,
+    stamp,
     task_prompt_logprobs,
     unknown_task,
 )
@@ -301,6 +306,7 @@ class Gate:
                             model = counted
                         shown = self.shown(scope, ask)
                         changed = self.rewrite(scope, ask)
+                        changed = self.admit(ask) or changed
                         if ask.route == INVOCATIONS:  # the model decided, in body and header
                             changed = ask.pin_model() or changed
                         if changed:
@@ -348,7 +354,9 @@ class Gate:
             return beam_refusal("this server's task vector"), "BadRequestError", \
                 "use_beam_search"
         if ask.chat or ask.path in SHIFT_PATHS:
-            return ask.rendering("", ask.model if isinstance(ask.model, str) else "served")
+            # named as the server's first served name: the vector's task (`serve`), whatever
+            # name the request used (the base model's may be a path)
+            return ask.rendering("", base_name(scope))
         return None
 
     def rewrite(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
@@ -359,6 +367,25 @@ class Gate:
     def counted(self, ask: Ask) -> Any:  # noqa: ARG002 - the subclasses' hook
         """The name a request is counted under while in flight (`in_flight`; None: not)."""
         return None
+
+    def shifts(self, ask: Ask) -> bool:
+        """Whether this request, admitted, is one a vector shifts: here (a fused server) every
+        request on a route the shift is proven on."""
+        return ask.path in SHIFT_PATHS
+
+    def admit(self, ask: Ask) -> bool:
+        """Stamp a request this gate admits for a shift (`step_policy.stamp`: the engine
+        shifts no request without one, whatever route it came by); its `ltv_steps` handed on
+        as the engine reads it ("all" or a count). Whether the body changed."""
+        adm = admission()
+        if adm is None or not self.shifts(ask):
+            return False
+        xargs = dict(ask.xargs) if isinstance(ask.xargs, dict) else {}
+        if STEPS_KEY in xargs:
+            xargs[STEPS_KEY] = canonical_steps(xargs[STEPS_KEY])  # valid: `malformed`
+        xargs[ADMIT_KEY] = stamp(adm, xargs.get(TASK_KEY, ""), xargs.get(STEPS_KEY))
+        ask.payload["vllm_xargs"] = xargs
+        return True
 
     def shown(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
               ask: Ask) -> str | None:  # noqa: ARG002
@@ -384,7 +411,13 @@ class LoraGate(Gate):
             return bad
         if ask.prompt_logprobs:
             return LORA_PROMPT_LOGPROBS, "BadRequestError", "prompt_logprobs"
-        if (isinstance(ask.model, str) and ask.model not in base_names(scope)
+        adapter = isinstance(ask.model, str) and ask.model not in base_names(scope)
+        if adapter and ask.path not in (*SHIFT_PATHS, *NO_SHIFT_PATHS):
+            # vLLM chooses an adapter by `model` on every route; only these are proven
+            # (a background response, scoring, scale-out generate outlive or bypass them)
+            return (f"task {ask.model!r}: tasks are served on {', '.join(TASK_ROUTES)} only",
+                    "BadRequestError", "model")
+        if (adapter
                 and (ask.chat or ask.path in SHIFT_PATHS)):
             return ask.rendering(ask.model, ask.model)
         return None
@@ -453,6 +486,10 @@ class TaskGate(Gate):
             return task_prompt_logprobs(), "BadRequestError", "prompt_logprobs"
         return ask.rendering(task, task)
 
+    def shifts(self, ask: Ask) -> bool:
+        # after `rewrite`: a task's request carries its engine key (refused otherwise)
+        return ask.path in SHIFT_PATHS and isinstance(ask.named, str)
+
     def shown(self, scope: dict[str, Any], ask: Ask) -> str | None:
         # vLLM answers every request with its first served name; a task's request names
         # the task it got (by `model`, or by `vllm_xargs.ltv_task` beside the base name)
@@ -502,6 +539,43 @@ def _false(v: Any) -> bool:
     return isinstance(v, str) and v.strip().lower() in _FALSE_WORDS
 
 
+# what the gate reads of a request, as vLLM's request model parsed it (`Ask.view`)
+VIEW_FIELDS = ("use_beam_search", "echo", "logprobs", "prompt_logprobs",
+               "add_generation_prompt", "continue_final_message", "chat_template")
+
+
+@functools.cache
+def _request_types() -> tuple[tuple[Any, str], ...]:
+    """vLLM's request models of the routes a task is served on, as pydantic validators, in
+    the order `/invocations` tries them (vLLM's own list: `get_generate_invocation_types`).
+    A request type vLLM adds there that is not one of these is served as a route without
+    tasks (the allowlist)."""
+    import pydantic
+    from vllm.entrypoints.generate.factories import get_generate_invocation_types
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    paths = {ChatCompletionRequest: CHAT_PATH, CompletionRequest: "/v1/completions"}
+    return tuple((pydantic.TypeAdapter(t), paths.get(t, f"<{getattr(t, '__name__', t)}>"))
+                 for t, _ in get_generate_invocation_types(("generate",)))
+
+
+def vllm_parsed(path: str, body: dict[str, Any]) -> tuple[str, Any] | None:
+    """(the route vLLM serves `body` on, the request as vLLM's model parses it) for the
+    routes a task is served on; None where vLLM's model refuses the body (vLLM answers it with
+    its own 400 and nothing runs) or the route is not one of those."""
+    import pydantic
+
+    for adapter, served in _request_types():
+        if path != INVOCATIONS and path != served:
+            continue
+        try:
+            return served, adapter.validate_python(body)
+        except pydantic.ValidationError:
+            continue
+    return None
+
+
 def beam_refusal(what: str) -> str:
     return (f"beam search cannot carry {what}: vLLM runs each beam step as a new request "
             "without the request's vllm_xargs, so the task and its step policy would be lost; "
@@ -510,28 +584,41 @@ def beam_refusal(what: str) -> str:
 
 @dataclass
 class Ask:
-    """What a JSON request asks of the shift, read as vLLM will read it: `path` is the route
-    that serves it (`/invocations` resolved to chat or completions, as vLLM tries a chat
-    request first), `model` the name it asks for (on `/invocations`, SageMaker's adapter
-    header's when sent). The gate rewrites `payload` in place."""
+    """What a JSON request asks of the shift, read as vLLM reads it: `path` is the route
+    that serves it (`/invocations` resolved as vLLM resolves it: the first of its request
+    types that validates the body), `model` the name it asks for (on `/invocations`,
+    SageMaker's adapter header's when sent), `view` the fields the gate decides on as vLLM's
+    own request model parsed them (its coercions: `"add_generation_prompt": "no"` is false
+    there, so it is false here), else as sent. The gate rewrites `payload` in place."""
 
     path: str
     payload: dict[str, Any]
     model: Any
     route: str = ""  # the path it arrived on
+    view: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, path: str, payload: dict[str, Any], scope: dict[str, Any]) -> Ask:
         path = path.rstrip("/")
         model = payload.get("model")
         served_as = path
+        body = payload
         if path == INVOCATIONS:
-            served_as = CHAT_PATH if "messages" in payload else "/v1/completions"
             for k, v in scope.get("headers") or []:
                 if k == ADAPTER_HEADER:
                     model = v.decode("latin-1")
+                    body = {**payload, "model": model}  # as vLLM injects it before parsing
                     break
-        return cls(served_as, payload, model, path)
+        parsed = vllm_parsed(path, body)
+        if path == INVOCATIONS:
+            # no request type validates: vLLM answers it with its own 400 and runs nothing;
+            # read as a completion here (the gate's refusals still apply)
+            served_as = parsed[0] if parsed is not None else "/v1/completions"
+        view = dict(payload)
+        if parsed is not None:
+            view.update({k: getattr(parsed[1], k) for k in VIEW_FIELDS
+                         if hasattr(parsed[1], k)})
+        return cls(served_as, payload, model, path, view)
 
     @property
     def xargs(self) -> Any:
@@ -546,7 +633,7 @@ class Ask:
     @property
     def ltv_keys(self) -> list[str]:
         xargs = self.xargs
-        return [k for k in LTV_KEYS if isinstance(xargs, dict) and k in xargs]
+        return [k for k in (*LTV_KEYS, ADMIT_KEY) if isinstance(xargs, dict) and k in xargs]
 
     @property
     def chat(self) -> bool:
@@ -554,14 +641,14 @@ class Ask:
 
     @property
     def beam(self) -> bool:
-        return not _false(self.payload.get("use_beam_search"))
+        return not _false(self.view.get("use_beam_search"))
 
     @property
     def prompt_logprobs(self) -> bool:
         """Whether the engine will compute prompt logprobs, as vLLM decides: `prompt_logprobs`
         (0 included), else `echo` with a completion's `logprobs`, or a chat's `echo` alone
         (its `top_logprobs` defaults to 0)."""
-        p = self.payload
+        p = self.view
         if p.get("prompt_logprobs") is not None:
             return True
         if _false(p.get("echo")):
@@ -587,6 +674,9 @@ class Ask:
             # server's own, never a client's
             return (f"vllm_xargs.{TASK_KEY} names a task by its name (a name with '@' is "
                     "the server's own)", "BadRequestError", f"vllm_xargs.{TASK_KEY}")
+        if ADMIT_KEY in xargs:
+            return (f"vllm_xargs.{ADMIT_KEY} is the server's own", "BadRequestError",
+                    f"vllm_xargs.{ADMIT_KEY}")
         if CHAT_KEY in xargs and xargs[CHAT_KEY] != "allow":
             return (f'vllm_xargs.{CHAT_KEY} takes one value, "allow"', "BadRequestError",
                     f"vllm_xargs.{CHAT_KEY}")
@@ -595,7 +685,7 @@ class Ask:
     def rendering(self, key: str, task: str) -> tuple[str, ...] | None:
         """A 400 for a request rendered otherwise than `task`'s vector was fitted (its
         chat-fitted digest under `key`; `step_policy.rendering_refusal`), or None."""
-        why = rendering_refusal(task, chat_fitted().get(key), self.payload, chat=self.chat,
+        why = rendering_refusal(task, chat_fitted().get(key), self.view, chat=self.chat,
                                 chat_path=self.path == CHAT_PATH)
         return (why, "BadRequestError", "messages" if self.chat else "prompt") if why else None
 

@@ -53,7 +53,10 @@ from ltv_vllm.serving.step_policy import (
     STORE_CONFIG_KEY,
     TASK_KEY,
     TASKS_CONFIG_KEY,
+    admission,
+    admitted,
     check_request,
+    not_admitted,
     parse_steps,
     served_tasks,
 )
@@ -149,7 +152,12 @@ class LTVStepPolicy(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        # in the process that admits the request: a bad value is a ValueError, an HTTP 400
+        # in the process that admits the request: a bad value is a ValueError, an HTTP 400.
+        # vLLM runs this for every request of every route, so a request the gate did not
+        # admit (no stamp: a route it does not serve tasks on) cannot carry a task here
+        args = sampling_params.extra_args or {}
+        if not admitted(args, admission()):
+            raise ValueError(not_admitted())
         check_request(sampling_params.extra_args or {},
                       # 0 asks for them too (the prompt tokens' own logprobs)
                       prompt_logprobs=sampling_params.prompt_logprobs is not None,
@@ -167,6 +175,7 @@ class LTVStepPolicy(LogitsProcessor):
             self.defaults[name] = parse_steps(spec.get("steps", "all"))
         # task-store tasks: the server's --shift-steps, else each vector's own
         self.store_default = getattr(hf, DEFAULT_KEY, None)
+        self.admission = admission()  # a served engine's stamp key (None: offline)
         STORE.root = STORE.root or getattr(hf, STORE_CONFIG_KEY, None)
         PLAN.source = self  # one input batch per worker process
 
@@ -179,6 +188,10 @@ class LTVStepPolicy(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         def entry(params: SamplingParams, _prompt: Any, out: list[int]) -> Any:
             args = params.extra_args or {}
+            if not admitted(args, self.admission):
+                # refused at admission already (`validate_params`); a request that reached
+                # the engine another way is never shifted
+                return FUSED, 0, out
             task = args.get(TASK_KEY, FUSED)
             if STEPS_KEY in args:
                 n = parse_steps(args[STEPS_KEY])
@@ -208,6 +221,8 @@ class LTVStepsRefused(LTVStepPolicy):
                 raise ValueError(f"{key} needs the per-request shift (a fused vector without "
                                  "--fold, or multi-task serving without --multi-task lora); "
                                  "this server shifts every generated token")
+        if not admitted(args, admission()):  # a folded head: every request needs a stamp
+            raise ValueError(not_admitted())
 
     def __init__(self, vllm_config: Any, device: torch.device,  # noqa: ARG002 - vLLM's
                  is_pin_memory: bool) -> None:  # noqa: ARG002 - signature
