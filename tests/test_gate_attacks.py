@@ -573,8 +573,22 @@ def test_listing_survives_concurrent_deletes(server):
 # -- the fuzzer ------------------------------------------------------------------------------
 ROUTES = ["/v1/completions", "/v1/completions", "/v1/chat/completions", "/v1/chat/completions",
           "/invocations", "/invocations", "/v1/chat/completions/batch", "/v1/responses",
-          "/v1/messages", "/tokenize", "/detokenize", "/v1/completions/"]
-STEP_VALUES = ["first", "all", 0, 1, 2, "3", True, False, "١", "２", -1, 1.5, "x", "00"]
+          "/v1/messages", "/tokenize", "/detokenize", "/v1/completions/",
+          "/inference/v1/generate", "/generative_scoring"]
+STEP_VALUES = ["first", "all", 0, 1, 2, "3", True, False, "١", "２", -1, 1.5, "x", "00",
+               "9" * 30, 2 ** 64]
+# operator routes of the live server that change it for every request (never fuzzed)
+NOT_FUZZED = ("/scale_elastic_ep", "/is_scaling_elastic_ep", "/v1/ltv/tasks")
+# vLLM's lax booleans (pydantic): what the gate must read as vLLM does
+LAX_TRUE, LAX_FALSE = [True, "true", 1, "yes", "on", "t", "1"], [False, 0, "no", "off", "f", 0.0]
+
+
+def live_routes(srv: Server) -> list[str]:
+    """Every POST route the live server's /openapi.json lists (scale-out's, hidden ones and
+    whatever a vLLM upgrade adds), but its operator routes."""
+    spec = HTTP.get(f"{srv.url}/openapi.json", timeout=60).json()
+    return sorted(p for p, ops in spec["paths"].items()
+                  if "post" in ops and "{" not in p and p not in NOT_FUZZED)
 
 
 def fuzz_body(rng: random.Random, srv: Server, route: str) -> tuple[dict, dict]:
@@ -605,16 +619,37 @@ def fuzz_body(rng: random.Random, srv: Server, route: str) -> tuple[dict, dict]:
     elif route in ("/tokenize", "/detokenize"):
         body.update({"prompt": rng.choice(PROMPTS)} if route == "/tokenize"
                     else {"tokens": [5, 6, 7]})
+    elif route == "/inference/v1/generate" or route not in ROUTES:
+        # raw sampling params: extra_args is the engine's own view of vllm_xargs; any other
+        # live route gets every shape at once (each takes what its model knows)
+        body.update({"token_ids": [5, 6, 7, 8], "sampling_params": {
+            "max_tokens": rng.randint(1, 4), "temperature": 0,
+            **({"extra_args": xargs} if xargs else {})}, "prompt": rng.choice(PROMPTS),
+            "messages": msgs, "input": rng.choice(PROMPTS)})
+        if rng.random() < 0.5:
+            body["background"] = True
+    elif route == "/generative_scoring":
+        body.update({"query": rng.choice(PROMPTS), "items": [" good", " bad"],
+                     "label_token_ids": [5, 6]})
     elif chat:
-        body["messages"] = msgs
+        body["messages"] = rng.choice([msgs, msgs, msgs, "x", [{"role": 5, "content": "x"}]]) \
+            if route == "/invocations" else msgs
+        if route == "/invocations" and body["messages"] is not msgs:
+            body["prompt"] = rng.choice(PROMPTS)  # vLLM serves it as a completion
+        if rng.random() < 0.15:
+            body["add_generation_prompt"] = rng.choice(LAX_TRUE + LAX_FALSE)
     else:
         body["prompt"] = rng.choice([rng.choice(PROMPTS), PROMPTS[:2]])
-    if route not in ("/tokenize", "/detokenize", "/v1/messages"):
+    if route == "/v1/responses" and rng.random() < 0.5:
+        body["background"] = True  # outlives the HTTP request (the response store is on)
+    if route not in ("/tokenize", "/detokenize", "/v1/messages", "/inference/v1/generate",
+                     "/generative_scoring") and route in ROUTES:
         body.update({"max_tokens": rng.randint(1, 6), "return_token_ids": True})
         for key, values in [("n", [1, 2, 3]), ("temperature", [0, 0.7, 2.0]),
-                            ("use_beam_search", [True, "true", 1, False]),
+                            ("use_beam_search", LAX_TRUE + LAX_FALSE),
                             ("logprobs", [0, 2]), ("prompt_logprobs", [0, 1]),
-                            ("echo", [True]), ("stop", [["\n"]]), ("stream", [True]),
+                            ("echo", [True, "yes", 1, "off"]), ("stop", [["\n"]]),
+                            ("stream", [True]),
                             ("top_k", [5]), ("repetition_penalty", [1.5]), ("seed", [7]),
                             ("structured_outputs", [{"choice": ["negative", "positive"]}])]:
             if rng.random() < 0.15:
@@ -652,18 +687,28 @@ def check_answer(srv: Server, route: str, body: dict, headers: dict, r: httpx.Re
         return
     task, xargs = intended(srv, route, body, headers)
     served_as = route.rstrip("/")
-    if served_as == "/invocations":
-        served_as = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    chat_body = isinstance(body.get("messages"), list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in body["messages"])
+    if served_as == "/invocations":  # as vLLM tries its request types: chat, then completion
+        served_as = "/v1/chat/completions" if chat_body else "/v1/completions"
     if served_as in ("/tokenize", "/detokenize"):
         return
-    # per-request tasks ride on vllm_xargs, which only these routes carry; a LoRA adapter is
-    # vLLM's own `model`, which every route serves
+    if served_as == "/inference/v1/generate":
+        # no task on this route (nor its raw extra_args): the bare model's tokens only
+        toks = [t for c in r.json().get("choices", []) for t in c.get("token_ids") or []]
+        check_tokens(toks, None, 0, where)
+        return
+    # a task is served on the proven routes only (per-request tasks ride on vllm_xargs, a
+    # LoRA adapter on `model`): anywhere else it is a 400
     assert served_as in ("/v1/completions", "/v1/chat/completions") or task is None \
-        or srv.mode == "lora", f"{where}: a task answered on a route that cannot carry it"
-    if task is not None and "messages" in body and srv.mode == "shift":
+        or served_as.endswith(("/render", "/derender", "/count_tokens")), \
+        f"{where}: a task answered on a route that cannot carry it"
+    if task is not None and chat_body and srv.mode == "shift" and served_as != \
+            "/v1/completions":
         assert xargs.get("ltv_chat") == "allow" or srv.steps(task, xargs) == 0, \
             f"{where}: a task's chat answered without consent"
-    if task is not None and srv.mode == "lora" and "messages" in body:
+    if task is not None and srv.mode == "lora" and chat_body and served_as != \
+            "/v1/completions":
         assert xargs.get("ltv_chat") == "allow", f"{where}: chat without consent"
     if served_as not in ("/v1/completions", "/v1/chat/completions"):
         return
@@ -689,21 +734,26 @@ def check_answer(srv: Server, route: str, body: dict, headers: dict, r: httpx.Re
 
 
 def _false_word(v) -> bool:
-    return v in (None, False, 0, "false")
+    return v is None or v in LAX_FALSE or v in ("0", "n", "false")
 
 
 def test_request_fuzzer(server):
-    """300 generated request bodies (every route above; random task and model names, raw
-    engine keys, vllm_xargs values, n, beam search, logprobs, prompt_logprobs, echo, stop,
-    streaming, structured outputs, SageMaker's adapter header, odd content types), four at a
-    time beside store uploads (good and bad fields) and DELETEs of tasks with requests in
-    flight: no 5xx; the engine alive after every batch; every 200 answered by the task the
+    """300 generated request bodies (every route above and every POST route the live
+    server's /openapi.json lists — scale-out's /inference/v1/generate with raw extra_args,
+    /generative_scoring, background responses, render routes; random task and model names,
+    raw engine keys, vllm_xargs values, n, beam search, logprobs, prompt_logprobs, echo and
+    add_generation_prompt in vLLM's lax boolean spellings, /invocations messages vLLM cannot
+    validate (served as a completion), stop, streaming, structured outputs, SageMaker's
+    adapter header, odd content types), four at a time beside store uploads (good and bad
+    fields) and DELETEs of tasks with requests in flight: no 5xx; the engine alive after
+    every batch; every 200 answered by the task the
     request names (or the bare model) at its own steps, under that name; no error shows a
     path, a traceback or an engine key. Every violation is collected (a dead engine is
     reported with the requests it died under, and the server restarted), then all are
     reported together."""
     srv = server
     rng = random.Random(37 if srv.mode == "shift" else 38)
+    routes = ROUTES + [r for r in live_routes(srv) if r not in ROUTES]
     found: list[str] = []
     pool = ThreadPoolExecutor(4)
 
@@ -717,7 +767,7 @@ def test_request_fuzzer(server):
         for batch in range(75):
             jobs = []
             for _ in range(4):
-                route = rng.choice(ROUTES)
+                route = rng.choice(routes)
                 body, headers = fuzz_body(rng, srv, route)
                 jobs.append((route, body, headers, pool.submit(send, route, body, headers)))
             if batch % 15 == 7:  # a store change while those are in flight

@@ -341,3 +341,45 @@ def test_dry_run_of_a_chat_fitted_vector(setup, monkeypatch):
     assert r.exit_code == 0, r.output
     assert "warning: the vector was fitted through another chat template" in r.output
     assert 'LTV_VLLM_CHAT_TASKS=\'{"": ' in r.output
+
+
+def test_untrusted_metrics_in_a_vector_file_never_crash_the_cli(setup, monkeypatch):
+    """A vector file's metrics are the uploader's: `meta.n_test = -4` crashed `serve` (and
+    its dry run) with "math domain error", 10**400 with OverflowError; `inspect` raised
+    KeyError for an entry without d_ntp and ValueError for an accuracy given as a string.
+    Now each is read as "no figure": exit 0, a table with "-" where a figure is junk, and
+    the below-zero-shot warning only where the figures are numbers."""
+    from safetensors.torch import save_file
+
+    from ltv_vllm.core.vector import load_task_vector, read_safetensors
+
+    tmp, good, _ = setup
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    base = load_task_vector(good).save(tmp / "base.safetensors")
+    header_json, held = read_safetensors(base)
+    for i, (n_test, metrics) in enumerate([
+            (-4, {"zero-shot": {"accuracy": 0.9, "d_ntp": 1.0},
+                  "ltv": {"accuracy": 0.2, "d_ntp": 0.1}}),
+            (10 ** 400, {"zero-shot": {"accuracy": 0.9, "d_ntp": 1.0},
+                         "ltv": {"accuracy": 0.2, "d_ntp": 0.1}}),
+            (100, {"zero-shot": {"accuracy": "0.9"}, "ltv": {"accuracy": 10 ** 400},
+                   "mean": {"d_ntp": float("nan")}})]):
+        header = json.loads(header_json)
+        header["meta"].update({"n_test": n_test, "metrics": metrics, "method": "ltv"})
+        path = tmp / f"junk{i}.safetensors"
+        save_file({k: t.contiguous() for k, t in held.items()}, str(path),
+                  metadata={"ltv_vllm": json.dumps(header)})
+        for args in (["inspect", str(path)],
+                     ["serve", "--model", str(tmp / "m"), "--task-vector", str(path),
+                      "--dry-run"]):
+            r = CliRunner().invoke(main, args)
+            assert r.exit_code == 0 and r.exception is None, (args, r.output, r.exception)
+            warned = [x for x in r.output.splitlines() if "below zero-shot" in x]
+            # the first two: accuracies are numbers, so the shortfall is told (no noise
+            # margin from a junk n_test); the third: no number to compare
+            assert len(warned) == (1 if i < 2 else 0), (i, r.output)
+        if i == 2:
+            r = CliRunner().invoke(main, ["inspect", str(path)])
+            rows = {x.split()[0]: x.split()[1:] for x in r.output.splitlines()
+                    if x.split() and x.split()[0] in ("zero-shot", "ltv", "mean")}
+            assert rows["zero-shot"] == ["-", "-"] and rows["mean"] == ["-", "-"], r.output

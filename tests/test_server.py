@@ -426,8 +426,41 @@ def test_fused_server(assets, tokenizer, tmp_path):
         with pytest.raises(openai.BadRequestError, match="ltv_steps must be"):
             client.completions.create(model="alpha", prompt=PROMPTS[0], max_tokens=2,
                                       extra_body={"vllm_xargs": {"ltv_steps": "most"}})
+        check_fused_admission(url, d)
     finally:
         stop(proc, log)
+    # folded into the head: the same admission rule (and beam search refused: its steps
+    # carry no stamp)
+    proc, url, log = start_server(d, [str(path)], tmp_path, ("--fold",))
+    try:
+        check_fused_admission(url, d)
+        r = httpx.post(f"{url}/v1/completions", json={
+            "model": "alpha", "prompt": PROMPTS[0], "max_tokens": 2, "n": 2,
+            "use_beam_search": "yes"}, timeout=60)
+        assert r.status_code == 400 and "beam search" in r.text, r.text
+    finally:
+        stop(proc, log)
+
+
+def check_fused_admission(url: str, d: Path) -> None:
+    """On a fused server every request is shifted, so every request must be one the gate
+    admitted: a route it does not serve the vector on (/generative_scoring once scored a
+    completion-shaped prompt shifted by a chat-fitted fused vector, W3) is a 4xx from the
+    engine's admission check, as is a forged stamp; the served routes answer."""
+    scoring = {"model": "alpha", "query": PROMPTS[0], "items": [" good"],
+               "label_token_ids": [5, 6]}
+    for path, body in (("/generative_scoring", scoring),
+                       ("/generative_scoring", {**scoring, "model": str(d)}),
+                       ("/v1/completions", {"model": "alpha", "prompt": PROMPTS[0],
+                                            "max_tokens": 2,
+                                            "vllm_xargs": {"ltv_admit": "0" * 32}})):
+        r = httpx.post(f"{url}{path}", json=body, timeout=60)
+        assert 400 <= r.status_code < 500, (path, r.status_code, r.text)
+        assert "Traceback" not in r.text
+    r = httpx.post(f"{url}/v1/completions", json={"model": "alpha", "prompt": PROMPTS[0],
+                                                  "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
 
 
 def test_regression_vector_server(assets, tokenizer, multi_task_server):

@@ -396,9 +396,9 @@ class Gate:
 
 class FoldedGate(Gate):
     """A fused server whose vector is folded into the LM head: every token of every request
-    is shifted by the weights themselves, beam search's included."""
-
-    beam_follows = True
+    is shifted by the weights themselves. Its engine admits only stamped requests (so no
+    route the gate does not serve can reach the shifted head), and vLLM's beam search sends
+    each step as a new request without the stamp: refused here, as on an unfolded server."""
 
 
 class LoraGate(Gate):
