@@ -20,7 +20,10 @@ uploaded, compiled and deleted, every answer checked against transformers.
    Besides plain completions, `--attack-share` of the requests come in shapes the server
    must either answer right or refuse (400): `/invocations` (the model in the body or in
    SageMaker's adapter header), beam search (a task's refused, the bare model's answered
-   and checked), a raw engine key (refused), a task's chat without consent (refused). The
+   and checked; also spelled "yes"), a raw engine key (refused), a task's chat without
+   consent (refused), the task named by `vllm_xargs.ltv_task` beside the base model
+   (answered, checked), a background response and scale-out's `/inference/v1/generate`
+   naming the task or its raw key in `extra_args` (refused: the admission rule). The
    engine's batch (`--max-num-seqs`, 8) is below the concurrency, so DELETEs meet queued
    requests. Any other answer is an error; an engine death ends the server.
 
@@ -82,7 +85,11 @@ class Live:
 
 # request shapes beside plain completions (`--attack-share` of the requests): each is either
 # answered right (checked like the rest) or refused as it must be (400), never anything else
-SHAPES = ("invocations", "invocations-header", "beam", "raw-key", "chat-no-consent")
+SHAPES = ("invocations", "invocations-header", "beam", "raw-key", "chat-no-consent",
+          # issue 49: the task named by vllm_xargs beside the base model (answered, checked);
+          # beam search in a lax spelling; a background response and scale-out's raw
+          # generate route naming the task (refused: no route but the three carries one)
+          "xargs-task", "beam-lax", "background", "scale-out", "scale-out-raw-key")
 
 
 def client(url: str, live: Live, prompts: list[str], quota: list[int], log: list,
@@ -106,10 +113,11 @@ def client(url: str, live: Live, prompts: list[str], quota: list[int], log: list
                 path = "/invocations"
                 if shape == "invocations-header":  # SageMaker names the model in a header
                     headers["X-Amzn-SageMaker-Adapter-Identifier"] = body.pop("model")
-            elif shape == "beam":  # a task's beam search is refused; the bare model's runs
-                body.update(use_beam_search=True, n=1)
+            elif shape in ("beam", "beam-lax"):  # a task's beam search is refused; the
+                # bare model's runs (vLLM reads "yes" as true: so must the gate)
+                body.update(use_beam_search=True if shape == "beam" else "yes", n=1)
                 refused = name != base
-            elif shape == "raw-key":  # an engine key is the server's, never a client's
+            elif shape in ("raw-key", "scale-out-raw-key"):  # the server's, never a client's
                 try:
                     entry = store.get(name)
                     key = f"{name}@{vector_digest(entry.vector_path)}"
@@ -117,6 +125,22 @@ def client(url: str, live: Live, prompts: list[str], quota: list[int], log: list
                     key = f"{name}@0000000000000000"
                 body.update(model=base, vllm_xargs={"ltv_task": key})
                 refused = True
+                if shape == "scale-out-raw-key":
+                    path = "/inference/v1/generate"
+                    body = raw_generate(http, url, base, prompt, n, {"ltv_task": key})
+            elif shape == "xargs-task":  # named beside the base model: answered as the task
+                if name != base:
+                    body.update(model=base, vllm_xargs={"ltv_task": name})
+            elif shape == "background":
+                path = "/v1/responses"
+                body = {"model": name, "input": prompt, "background": True,
+                        "max_output_tokens": n}
+                refused = name != base
+            elif shape == "scale-out":
+                path = "/inference/v1/generate"
+                body = raw_generate(http, url, base, prompt, n,
+                                    {"ltv_task": name} if name != base else None)
+                refused = name != base
             elif shape == "chat-no-consent":
                 path = "/invocations"
                 body = {"model": name, "messages": [{"role": "user", "content": prompt}],
@@ -132,7 +156,9 @@ def client(url: str, live: Live, prompts: list[str], quota: list[int], log: list
                 out = r.json() if r.headers.get("content-type", "").startswith(
                     "application/json") else {"text": r.text[:300]}
                 rec.update(t1=time.time(), status=r.status_code)
-                if r.status_code == 200 and shape != "chat-no-consent":
+                if r.status_code == 200 and shape in ("background", "scale-out"):
+                    pass  # the bare model's (not checked: no logprobs on these routes)
+                elif r.status_code == 200 and shape != "chat-no-consent":
                     choice = out["choices"][0]
                     lp = choice.get("logprobs") or {}
                     rec["tokens"] = ([int(t.split(":", 1)[1]) for t in lp["tokens"]]
@@ -140,12 +166,24 @@ def client(url: str, live: Live, prompts: list[str], quota: list[int], log: list
                     rec["top"] = [{int(k.split(":", 1)[1]): v for k, v in top.items()}
                                   for top in lp.get("top_logprobs") or []]
                     rec["model_answered"] = out.get("model")
+                    if shape == "xargs-task":
+                        rec["model_answered"] = name if out.get("model") == name else \
+                            f"{out.get('model')} (for {name})"
                 elif r.status_code != 200:
                     rec["error"] = json.dumps(out)[:300]
             except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
                 # no answer, or not the answer's shape: an error, never a lost record
                 rec.update(t1=time.time(), status=None, error=repr(e))
             log.append(rec)
+
+
+def raw_generate(http: httpx.Client, url: str, base: str, prompt: str, n: int,
+                 extra: dict | None) -> dict:
+    """A scale-out /inference/v1/generate body: token ids and raw sampling params (their
+    `extra_args` are the engine's own view of `vllm_xargs`)."""
+    ids = http.post(f"{url}/tokenize", json={"model": base, "prompt": prompt}).json()["tokens"]
+    params = {"max_tokens": n, "temperature": 0.0, **({"extra_args": extra} if extra else {})}
+    return {"model": base, "token_ids": ids, "sampling_params": params}
 
 
 def controller(url: str, store: TaskStore, live: Live, vectors: dict[str, Path],
@@ -293,7 +331,8 @@ def main() -> None:
     plan = plan_server(ServeOptions(a.model, (f"cli={vectors[names[0]]}",), host=HOST,
                                     port=port, dtype="float32", task_store=str(store.root),
                                     max_tasks=3, vllm_args=("--api-key", KEY, "--max-num-seqs",
-                                                               str(a.max_num_seqs))))
+                                                               str(a.max_num_seqs),
+                                                               "--enable-scale-out")))
     plan.prepare()
     url = f"http://{HOST}:{port}"
     from ltv_vllm.core.vector import load_task_vector
@@ -305,7 +344,8 @@ def main() -> None:
     events: list = []
     errors: list = []
     done = threading.Event()
-    with Server(plan.argv[3:], url=url, env={**plan.env, "TOKENIZERS_PARALLELISM": "false"},
+    with Server(plan.argv[3:], url=url, env={**plan.env, "TOKENIZERS_PARALLELISM": "false",
+                                             "VLLM_ENABLE_RESPONSES_API_STORE": "1"},
                 log_path=work / "server.log") as srv:
         res["server_startup_seconds"] = srv.startup_s
         t0 = time.time()

@@ -546,6 +546,53 @@ def test_a_second_server_on_a_held_store_refuses_to_start(server, tmp_path):
     check_tokens(answer_tokens(r, False)[0], "alpha", srv.steps("alpha", {}), "alpha")
 
 
+def test_a_delete_frees_the_name_at_once(server):
+    """A client that held a stream for a task held its DELETE (202 "deleting") and its name
+    (409 on a new upload) for as long as it kept the request open (R1). Now, with per-request
+    tasks, a DELETE removes the entry at once (200, the name free: a new upload of it is a
+    201 while the old requests run on), the requests admitted before finish on the vector
+    they started with (its pin), and the pin goes when they are done. (LoRA mode keeps the
+    name until its requests are done: vLLM's adapter slots are by name.)"""
+    srv = server
+    if srv.mode == "lora":
+        pytest.skip("LoRA mode drains before the name is free (documented)")
+    assert srv.upload("gamma", "all").status_code == 201
+    old_key = srv.raw_key("gamma")
+    long = completion("gamma", max_tokens=200, ignore_eos=True, stream=True)
+    results: dict[int, httpx.Response] = {}
+
+    def send(i: int) -> None:
+        results[i] = post(srv, "/v1/completions", long)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # four long streams, two running and two queued (--max-num-seqs 2)
+    t0 = time.time()
+    r = srv.delete("gamma")
+    assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+    assert time.time() - t0 < 5
+    assert any(t.is_alive() for t in threads), "the requests ended before the DELETE"
+    assert HTTP.get(f"{srv.url}/v1/ltv/tasks/gamma").status_code == 404
+    assert srv.upload("gamma", "first").status_code == 201  # the name, free at once
+    assert srv.raw_key("gamma") != old_key
+    r = post(srv, "/v1/completions", completion("gamma", max_tokens=4))
+    check_tokens(answer_tokens(r, False)[0], "gamma", 1, "the new gamma")
+    for t in threads:
+        t.join(120)
+    for i in range(4):  # each finished on the vector it started with: every step shifted
+        assert results[i].status_code == 200, results[i].text
+        check_tokens(answer_tokens(results[i], True)[0], "gamma", None, f"old gamma {i}")
+    pins = srv.store.root / ".pins"
+    deadline = time.time() + 60
+    while (pins / f"{old_key}.safetensors").exists():
+        assert time.time() < deadline, "the deleted key's pin was never removed"
+        time.sleep(0.2)
+    assert (pins / f"{srv.raw_key('gamma')}.safetensors").is_file()
+    assert srv.delete("gamma").status_code == 200
+    srv.alive()
+
+
 def test_listing_survives_concurrent_deletes(server):
     """GET /v1/ltv/tasks once failed (500) when a DELETE renamed an entry away between the
     listing and its read. Listing in a tight loop through 6 add/delete cycles: always 200."""
@@ -577,6 +624,8 @@ ROUTES = ["/v1/completions", "/v1/completions", "/v1/chat/completions", "/v1/cha
           "/inference/v1/generate", "/generative_scoring"]
 STEP_VALUES = ["first", "all", 0, 1, 2, "3", True, False, "١", "２", -1, 1.5, "x", "00",
                "9" * 30, 2 ** 64]
+# routes that generate nothing: any 200 is right (render routes only render a prompt)
+NO_GENERATION = ("/ping", "/health", "/tokenize", "/detokenize", "/inference/v1/abort_requests")
 # operator routes of the live server that change it for every request (never fuzzed)
 NOT_FUZZED = ("/scale_elastic_ep", "/is_scaling_elastic_ep", "/v1/ltv/tasks")
 # vLLM's lax booleans (pydantic): what the gate must read as vLLM does
@@ -671,7 +720,8 @@ def intended(srv: Server, route: str, body: dict, headers: dict) -> tuple[str | 
     model = headers.get("X-Amzn-SageMaker-Adapter-Identifier", body.get("model")) \
         if route == "/invocations" else body.get("model")
     xargs = body.get("vllm_xargs") if isinstance(body.get("vllm_xargs"), dict) else {}
-    named = xargs.get("ltv_task")
+    # LoRA mode: a task is the adapter `model` names (the engine refuses an ltv_task)
+    named = xargs.get("ltv_task") if srv.mode == "shift" else None
     if isinstance(named, str) and "@" in named:
         named = named.partition("@")[0]
     if isinstance(model, str) and model in srv.defaults:
@@ -691,7 +741,12 @@ def check_answer(srv: Server, route: str, body: dict, headers: dict, r: httpx.Re
         isinstance(m, dict) and isinstance(m.get("role"), str) for m in body["messages"])
     if served_as == "/invocations":  # as vLLM tries its request types: chat, then completion
         served_as = "/v1/chat/completions" if chat_body else "/v1/completions"
-    if served_as in ("/tokenize", "/detokenize"):
+    if served_as in NO_GENERATION or served_as.endswith(("/render", "/derender",
+                                                         "/count_tokens")):
+        return  # nothing generated: a 200 shows no shift (a liveness probe ignores the body)
+    stream = bool(body.get("stream"))
+    if stream and '"error"' in r.text:  # vLLM refuses some requests inside the stream
+        clean_error(r, srv.keys())
         return
     if served_as == "/inference/v1/generate":
         # no task on this route (nor its raw extra_args): the bare model's tokens only
@@ -700,8 +755,7 @@ def check_answer(srv: Server, route: str, body: dict, headers: dict, r: httpx.Re
         return
     # a task is served on the proven routes only (per-request tasks ride on vllm_xargs, a
     # LoRA adapter on `model`): anywhere else it is a 400
-    assert served_as in ("/v1/completions", "/v1/chat/completions") or task is None \
-        or served_as.endswith(("/render", "/derender", "/count_tokens")), \
+    assert served_as in ("/v1/completions", "/v1/chat/completions") or task is None, \
         f"{where}: a task answered on a route that cannot carry it"
     if task is not None and chat_body and srv.mode == "shift" and served_as != \
             "/v1/completions":
@@ -711,10 +765,6 @@ def check_answer(srv: Server, route: str, body: dict, headers: dict, r: httpx.Re
             "/v1/completions":
         assert xargs.get("ltv_chat") == "allow", f"{where}: chat without consent"
     if served_as not in ("/v1/completions", "/v1/chat/completions"):
-        return
-    stream = bool(body.get("stream"))
-    if stream and '"error"' in r.text:  # vLLM refuses some requests inside the stream
-        clean_error(r, srv.keys())
         return
     shown = response_model(r, stream)
     want = task if task is not None else None

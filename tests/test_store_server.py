@@ -233,7 +233,9 @@ def test_task_store_server(assets, tokenizer, tmp_path):
             assert len(r.json()["error"]["message"].splitlines()) == 1
             no_paths(r, store.root, d)
         assert store.names() == ["alpha"]
-        assert sorted(p.name for p in store.root.iterdir()) == [".jobs", "alpha"]
+        # the server's lock and its pins (the engine loads a task from its pin)
+        assert sorted(p.name for p in store.root.iterdir()) == [".jobs", ".lock", ".pins",
+                                                                  "alpha"]
         assert not any((store.root / ".jobs").iterdir())
 
         # NaN metrics in a header: stored as null, served, listed as strict JSON
@@ -258,7 +260,9 @@ def test_task_store_server(assets, tokenizer, tmp_path):
             got = wait_status(url, "c6", "failed", time.time() + 300)
         assert "disk is full" in got["error"], got
         assert HTTP.delete(f"{tasks}/c6").status_code == 200
-        assert sorted(p.name for p in store.root.iterdir()) == [".jobs", "alpha"]
+        # the server's lock and its pins (the engine loads a task from its pin)
+        assert sorted(p.name for p in store.root.iterdir()) == [".jobs", ".lock", ".pins",
+                                                                  "alpha"]
         assert not any((store.root / ".jobs").iterdir())
 
         # rank 300 > the served rank 128 (= d): stored cut, and the cut vector is served

@@ -17,6 +17,11 @@
                                   with `reason.txt` (never deleted by ltv-vllm)
     ROOT/.lock                    held (flock) by the one server serving the store, for its
                                   whole life: a second server refuses to start (`hold`)
+    ROOT/.pins/NAME@DIGEST.safetensors
+                                  the vector an engine loads for a served task's key (a hard
+                                  link of the entry's vector, `pin`): a DELETE removes the
+                                  entry at once (its name is free again) and the pin only
+                                  when the requests admitted with that key are done
 
 A directory rename is atomic, so a reader (the server, vLLM's filesystem LoRA resolver) sees
 a whole entry or none: a crash mid-write leaves only a `.tmp-` directory, which `sweep()`
@@ -44,7 +49,7 @@ from ltv_vllm.errors import UserError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 FORMAT = 1
-VECTOR, RECORD, LOCK = "vector.safetensors", "entry.json", ".lock"
+VECTOR, RECORD, LOCK, PINS = "vector.safetensors", "entry.json", ".lock", ".pins"
 
 
 class StoreError(UserError):
@@ -197,8 +202,40 @@ class TaskStore:
             os.close(fd)
         return False
 
+    def pin(self, entry: Entry, key: str) -> Path:
+        """The entry's vector as the engines load it for `key` (NAME@DIGEST): a hard link
+        (a copy where the filesystem has none), made whole before it appears; kept as it is
+        when there already (the same key is the same bytes)."""
+        pins = self.root / PINS
+        pins.mkdir(exist_ok=True)
+        path = self.pinned(key)
+        if path.is_file():
+            return path
+        tmp = pins / f".{key}.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(entry.vector_path, tmp)
+        except OSError:
+            shutil.copyfile(entry.vector_path, tmp)
+        os.replace(tmp, path)
+        return path
+
+    def pinned(self, key: str) -> Path:
+        """Where the engines load `key`'s vector (a key is NAME@DIGEST: checked, so no key
+        names a path outside the store)."""
+        name, sep, digest = key.partition("@")
+        check_name(name)
+        if not sep or not re.fullmatch(r"[0-9a-f]{16}", digest):
+            raise StoreError(f"not a task store key: {key[:80]!r}")
+        return self.root / PINS / f"{key}.safetensors"
+
+    def unpin(self, key: str) -> None:
+        self.pinned(key).unlink(missing_ok=True)
+
     def sweep(self) -> list[str]:
-        """Remove what interrupted writes and removals left; the names removed."""
+        """Remove what interrupted writes and removals left, and every pin (no engine runs
+        while a server starts on its store; it pins what it serves); the names removed."""
+        shutil.rmtree(self.root / PINS, ignore_errors=True)
         gone = []
         for p in self.root.iterdir():
             if p.is_dir() and p.name.startswith((".tmp-", ".del-", ".up-")):

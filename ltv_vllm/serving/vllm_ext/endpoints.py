@@ -15,8 +15,10 @@ server load an arbitrary path.
                                   202 and compiled by a worker process; served when ready
                                   multipart: `name` and a task-vector file `vector`
                                   → checked against the model, stored, served: 201
-    DELETE /v1/ltv/tasks/{name}   unserved and removed (a compile: stopped): 200; or 202
-                                  when its requests outlast DRAIN_SECONDS (removed after)
+    DELETE /v1/ltv/tasks/{name}   unserved and removed (a compile: stopped): 200, the name
+                                  free at once (per-request tasks: the requests in flight
+                                  finish on the key's pin, removed after them); LoRA mode:
+                                  200, or 202 when its requests outlast DRAIN_SECONDS
 
 A compile runs in `python -m ltv_vllm.serving.compile JOB_DIR` (transformers on the served model's
 directory, one thread, so the engine keeps the other cores), one at a time; the worker only
@@ -27,10 +29,11 @@ dies when:
 - a published entry is served by this server, or rolled back (removed) before the request
   that made it is answered; a worker that dies leaves nothing in the store;
 - until an entry is served its name is not: a request for it gets vLLM's 404, never another
-  task's shift; DELETE unserves the name first, waits for the requests in flight for it
-  (`middleware.in_flight`, with no deadline), then for the engine to have done everything
-  sent before, removes the adapter from the engine, then the files: no engine process
-  reads a task's files after they are removed;
+  task's shift; DELETE unserves the name first; per-request tasks are loaded from a pin
+  (`TaskStore.pin`, by engine key), removed only after the requests admitted with that key
+  (`middleware.in_flight`, with no deadline) and a round trip through the engine; in LoRA
+  mode DELETE waits for them, removes the adapter from the engine, then the files: no
+  engine process reads a file after it is removed;
 - a name is in one state only: queued / compiling / failed (a job), ready (an entry), or
   deleting.
 
@@ -126,8 +129,10 @@ class TaskEndpoints:
         shutil.rmtree(self.store.root / ".jobs", ignore_errors=True)
         (self.store.root / ".jobs").mkdir()
         for entry in self.store.entries():  # what `serve` kept
-            if not self.lora:  # per-request tasks: served by key
-                RUNTIME[entry.name] = task_key(entry.name, vector_digest(entry.vector_path))
+            if not self.lora:  # per-request tasks: served by key, from its pin
+                key = task_key(entry.name, vector_digest(entry.vector_path))
+                self.store.pin(entry, key)
+                RUNTIME[entry.name] = key
             if (digest := entry.chat_template()) is not None:
                 RUNTIME_CHAT[entry.name] = digest  # the gate shifts its chat requests
 
@@ -304,8 +309,24 @@ class TaskEndpoints:
             lora = self.models.lora_requests.get(name) if self.lora else None
             if lora is not None:  # no new request gets the task from here on
                 await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
-            RUNTIME.pop(name, None)  # per-request tasks: likewise
+            key = RUNTIME.pop(name, None)  # per-request tasks: likewise
             RUNTIME_CHAT.pop(name, None)
+            if key is not None:
+                # per-request tasks: the name is free at once (a new upload may take it), as
+                # the entry goes now; requests admitted with the key finish on its pin, which
+                # goes when they are done — a client that never reads its stream holds the
+                # pin's few MB, not the name
+                try:
+                    await asyncio.to_thread(self.store.remove, name)
+                except Exception as e:  # noqa: BLE001 - unserved already; reported
+                    logger.error("ltv-vllm: task %r was unserved but its entry was not "
+                                 "removed: %s", name, self._public(str(e)))
+                    return self._fail(500, f"task {name!r} is no longer served, but its "
+                                      f"files were not removed: {e}", "InternalServerError")
+                unpin = asyncio.ensure_future(self._unpin_drained(key))
+                self.removals.add(unpin)
+                unpin.add_done_callback(self.removals.discard)
+                return {"object": "ltv.task.deleted", "name": name, "deleted": True}
             self.deleting.add(name)
         # The removal runs to its end whatever happens to this request (a client that gives
         # up, a proxy's timeout): the name stays taken until the files are gone.
@@ -350,6 +371,21 @@ class TaskEndpoints:
                          name, self._public(str(e)))
         finally:
             self.deleting.discard(name)
+
+    async def _unpin_drained(self, key: str) -> None:
+        """Remove a deleted task's pin once no request admitted with its key is queued or
+        running (the gate counts them by key), after a round trip through the engine (no
+        step sent before can load it later); kept if the same key is served again
+        meanwhile (the same name and bytes uploaded again)."""
+        try:
+            await drained(key)
+            await self._barrier()
+            async with self.lock:
+                if key not in RUNTIME.values() and in_flight.get(key, 0) == 0:
+                    await asyncio.to_thread(self.store.unpin, key)
+        except Exception as e:  # noqa: BLE001 - logged; a restart sweeps pins
+            logger.error("ltv-vllm: the pin of a deleted task was not removed: %s",
+                         self._public(str(e)))
 
     async def _barrier(self) -> None:
         """Wait until the engine core and its workers have done everything sent before."""
@@ -465,7 +501,15 @@ class TaskEndpoints:
         else:
             RUNTIME_CHAT.pop(entry.name, None)
         if not self.lora:
-            RUNTIME[entry.name] = task_key(entry.name, digest)
+            key = task_key(entry.name, digest)
+            try:  # the engines load the key's pin, made before any request can name it
+                await asyncio.to_thread(self.store.pin, entry, key)
+            except (OSError, UserError) as e:
+                RUNTIME_CHAT.pop(entry.name, None)
+                await asyncio.to_thread(self.store.remove, entry.name)
+                return self._fail(500, f"task {entry.name!r} could not be pinned: {e}",
+                                  "InternalServerError")
+            RUNTIME[entry.name] = key
             return None
         try:
             res = await self.models.load_lora_adapter(

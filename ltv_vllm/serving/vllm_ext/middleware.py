@@ -453,7 +453,10 @@ class TaskGate(Gate):
         return named if self.is_task(named) else None
 
     def counted(self, ask: Ask) -> Any:
-        return self.task(ask)
+        # a store task by its engine key: a DELETE frees the name at once and waits, for the
+        # key's pin, only for the requests admitted with that key
+        task = self.task(ask)
+        return RUNTIME.get(task, task) if task is not None else None
 
     def refuse(self, scope: dict[str, Any], ask: Ask) -> tuple[str, ...] | None:
         if (bad := ask.malformed()) is not None:

@@ -66,9 +66,10 @@ FUSED = ""  # the task key of the engine's own (fused) vector
 
 class StoreVectors:
     """Task-store vectors in an engine process, by key "NAME@DIGEST", loaded on first use
-    from ROOT/NAME (the server admits a key only while the entry is served, and removes an
-    entry's files only after its requests are done) and checked against the digest, so a
-    key always means the vector it was made from. Least recently used ones are dropped."""
+    from the key's pin (`TaskStore.pin`: the server pins a key before it admits a request
+    with it, and unpins it only after every request admitted with it is done, whatever
+    happened to the entry's name meanwhile) and checked against the digest, so a key always
+    means the vector it was made from. Least recently used ones are dropped."""
 
     def __init__(self, root: str | None, keep: int = 64) -> None:
         from collections import OrderedDict
@@ -77,10 +78,8 @@ class StoreVectors:
         self.cache: OrderedDict[str, Any] = OrderedDict()
 
     def get(self, key: str) -> Any:
-        from pathlib import Path
-
         from ltv_vllm.core.vector import load_task_vector
-        from ltv_vllm.serving.taskstore import VECTOR, check_name, vector_digest
+        from ltv_vllm.serving.taskstore import TaskStore, vector_digest
 
         if key in self.cache:
             self.cache.move_to_end(key)
@@ -88,7 +87,7 @@ class StoreVectors:
         name, sep, digest = key.partition("@")
         if self.root is None or not sep:
             raise RuntimeError(f"{TASK_KEY} {key!r} is not a task this engine holds")
-        path = Path(self.root) / check_name(name) / VECTOR
+        path = TaskStore(self.root, create=False).pinned(key)
         if vector_digest(path) != digest:
             # fail the engine loudly rather than answer with another vector
             raise RuntimeError(f"task store entry {name!r} changed under key {key!r}")
