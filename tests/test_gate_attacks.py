@@ -281,6 +281,39 @@ def server(request, probe, tmp_path_factory):
         stop(srv.proc, srv.log)
 
 
+class FusedServer(Server):
+    """A fused server: the probe task alpha's vector (every step) shifts every request; no
+    store (so no raw key to name), the self-check's probes held beside it."""
+
+    mode = "fused"
+
+    def __init__(self, d: Path, tmp: Path, model) -> None:  # noqa: D107 - no store
+        self.d, self.model, self.tmp, self.nonce = d, model, tmp, 0
+        self.store = TaskStore(tmp / "no-store")  # empty: nothing is named by key
+        self.defaults = {"alpha": None}
+        self.vector = probe_vector(model, d, "alpha", "all").save(tmp / "alpha.pt")
+        self.start()
+
+    def start(self) -> None:
+        self.proc, self.url, self.log = start_server(
+            self.d, [str(self.vector)], self.tmp, ("--max-num-seqs", "2", "--enable-scale-out"),
+            env_extra={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+
+    def restart(self) -> None:
+        stop(self.proc, self.log)
+        self.start()
+
+
+@pytest.fixture(scope="module")
+def fused_server(probe, tmp_path_factory):
+    d, model, _ = probe
+    srv = FusedServer(d, tmp_path_factory.mktemp("gate-fused"), model)
+    try:
+        yield srv
+    finally:
+        stop(srv.proc, srv.log)
+
+
 def post(srv: Server, path: str, body, headers: dict | None = None,
          content: bytes | None = None) -> httpx.Response:
     data = content if content is not None else json.dumps(body).encode()
@@ -729,6 +762,8 @@ def intended(srv: Server, route: str, body: dict, headers: dict) -> tuple[str | 
     model = headers.get("X-Amzn-SageMaker-Adapter-Identifier", body.get("model")) \
         if route == "/invocations" else body.get("model")
     xargs = body.get("vllm_xargs") if isinstance(body.get("vllm_xargs"), dict) else {}
+    if srv.mode == "fused":  # one vector shifts every request the server answers
+        return "alpha", xargs
     # LoRA mode: a task is the adapter `model` names (the engine refuses an ltv_task)
     named = xargs.get("ltv_task") if srv.mode == "shift" else None
     if isinstance(named, str) and "@" in named:
@@ -758,7 +793,9 @@ def check_answer(srv: Server, route: str, body: dict, headers: dict, r: httpx.Re
         clean_error(r, srv.keys())
         return
     if served_as == "/inference/v1/generate":
-        # no task on this route (nor its raw extra_args): the bare model's tokens only
+        # no task on this route (nor its raw extra_args): the bare model's tokens only, and
+        # on a fused server (whose every answer is shifted) no answer at all
+        assert srv.mode != "fused", f"{where}: answered past the gate on a fused server"
         toks = [t for c in r.json().get("choices", []) for t in c.get("token_ids") or []]
         check_tokens(toks, None, 0, where)
         return
@@ -766,7 +803,7 @@ def check_answer(srv: Server, route: str, body: dict, headers: dict, r: httpx.Re
     # LoRA adapter on `model`): anywhere else it is a 400
     assert served_as in ("/v1/completions", "/v1/chat/completions") or task is None, \
         f"{where}: a task answered on a route that cannot carry it"
-    if task is not None and chat_body and srv.mode == "shift" and served_as != \
+    if task is not None and chat_body and srv.mode in ("shift", "fused") and served_as != \
             "/v1/completions":
         assert xargs.get("ltv_chat") == "allow" or srv.steps(task, xargs) == 0, \
             f"{where}: a task's chat answered without consent"
@@ -810,8 +847,21 @@ def test_request_fuzzer(server):
     path, a traceback or an engine key. Every violation is collected (a dead engine is
     reported with the requests it died under, and the server restarted), then all are
     reported together."""
-    srv = server
-    rng = random.Random(37 if srv.mode == "shift" else 38)
+    run_fuzzer(server, random.Random(37 if server.mode == "shift" else 38))
+
+
+def test_request_fuzzer_on_a_fused_server(fused_server):
+    """The fuzzer against a fused server (one vector shifts every request): every 200 on
+    /v1/completions or /v1/chat/completions (with consent) carries the vector's token at
+    its steps; any route the gate does not serve the vector on is refused by the engine's
+    admission check (scale-out's generate, scoring, background responses...), never an
+    answer, shifted or bare."""
+    run_fuzzer(fused_server, random.Random(39))
+
+
+def run_fuzzer(srv: Server, rng: random.Random) -> None:
+    """75 batches of four generated requests (`fuzz_body`), store changes between them on a
+    store server, every answer checked (`check_answer`); all violations reported at once."""
     routes = ROUTES + [r for r in live_routes(srv) if r not in ROUTES]
     found: list[str] = []
     pool = ThreadPoolExecutor(4)
@@ -829,7 +879,7 @@ def test_request_fuzzer(server):
                 route = rng.choice(routes)
                 body, headers = fuzz_body(rng, srv, route)
                 jobs.append((route, body, headers, pool.submit(send, route, body, headers)))
-            if batch % 15 == 7:  # a store change while those are in flight
+            if batch % 15 == 7 and srv.mode != "fused":  # a store change meanwhile
                 try:
                     store_change(rng, srv, jobs)
                 except (AssertionError, httpx.HTTPError) as e:
