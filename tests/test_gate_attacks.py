@@ -283,31 +283,80 @@ def server(request, probe, tmp_path_factory):
 
 class FusedServer(Server):
     """A fused server: the probe task alpha's vector (every step) shifts every request; no
-    store (so no raw key to name), the self-check's probes held beside it."""
+    store (so no raw key to name), the self-check's probes held beside it. `fold`: the
+    vector folded into the LM head (`folded_probe`), where a request cannot set ltv_steps."""
 
-    mode = "fused"
-
-    def __init__(self, d: Path, tmp: Path, model) -> None:  # noqa: D107 - no store
-        self.d, self.model, self.tmp, self.nonce = d, model, tmp, 0
+    def __init__(self, d: Path, tmp: Path, model, fold: bool = False) -> None:  # noqa: D107
+        self.mode = "folded" if fold else "fused"
+        self.model, self.tmp, self.nonce = model, tmp, 0
         self.store = TaskStore(tmp / "no-store")  # empty: nothing is named by key
         self.defaults = {"alpha": None}
-        self.vector = probe_vector(model, d, "alpha", "all").save(tmp / "alpha.pt")
+        if fold:
+            self.d, tv = folded_probe(model, tmp / "folded-model")
+        else:
+            self.d, tv = d, probe_vector(model, d, "alpha", "all")
+        self.vector = tv.save(tmp / "alpha.pt")
         self.start()
 
     def start(self) -> None:
+        fold = ("--fold",) if self.mode == "folded" else ()
         self.proc, self.url, self.log = start_server(
-            self.d, [str(self.vector)], self.tmp, ("--max-num-seqs", "2", "--enable-scale-out"),
+            self.d, [str(self.vector)], self.tmp,
+            ("--max-num-seqs", "2", "--enable-scale-out", *fold),
             env_extra={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+
+    def steps(self, task: str | None, xargs: dict) -> int | None:
+        if self.mode == "folded":  # the head itself is shifted: ltv_steps is refused
+            assert "ltv_steps" not in xargs, f"ltv_steps {xargs['ltv_steps']!r} accepted"
+            return None
+        return super().steps(task, xargs)
 
     def restart(self) -> None:
         stop(self.proc, self.log)
         self.start()
 
 
-@pytest.fixture(scope="module")
-def fused_server(probe, tmp_path_factory):
+def folded_probe(model, directory: Path) -> tuple[Path, TaskVector]:
+    """The probe model with alpha's token the only LM-head row reading coordinate 0 (its
+    −4·e_0; every other row's weight there zeroed), saved to `directory`, and a hidden-space
+    vector a head can fold that lifts it: h ← h + U Vᵀ h with V = e_0, U = −25·e_0 turns the
+    constant h_0 ∈ [6, 8] into −24·h_0, alpha's logit into 96·h_0 ≥ 576, and moves no other
+    token. Its margin (≥ 50 over every other token, 12 greedy steps) is checked here in
+    transformers, as `test_probe_margins` checks the others'."""
+    import copy
+
+    folded = copy.deepcopy(model)
+    t = PROBES["alpha"]
+    with torch.no_grad():
+        col = folded.lm_head.weight[:, 0].clone()
+        folded.lm_head.weight[:, 0] = 0
+        folded.lm_head.weight[t, 0] = col[t]
+    folded.save_pretrained(directory)
+    tok = make_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(directory)
+    hidden = folded.lm_head.weight.shape[1]
+    U, V = torch.zeros(hidden, 1), torch.zeros(hidden, 1)
+    U[0, 0], V[0, 0] = -25.0, 1.0
+    meta = {"task": {"name": "alpha", "in_prefix": "Review", "label_prefix": "Sentiment",
+                     "labels": ["negative", "positive"]}, "shift_steps": "all"}
+    tv = TaskVector("hidden", U, V, None, model_identity(folded, str(directory)), (t,), meta)
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            seq = folded.generate(ids, max_new_tokens=12, do_sample=False)
+            h = folded(seq, output_hidden_states=True).hidden_states[-1][0]
+            logits = folded.lm_head(h + tv.delta(h))
+        others = torch.cat([logits[:, :t], logits[:, t + 1:]], -1).max(-1).values
+        assert (logits[:, t] - others).min() > 50
+    return directory, tv
+
+
+@pytest.fixture(scope="module", params=["fused", "folded"])
+def fused_server(request, probe, tmp_path_factory):
     d, model, _ = probe
-    srv = FusedServer(d, tmp_path_factory.mktemp("gate-fused"), model)
+    srv = FusedServer(d, tmp_path_factory.mktemp(f"gate-{request.param}"), model,
+                      fold=request.param == "folded")
     try:
         yield srv
     finally:
@@ -376,6 +425,12 @@ def test_bad_stored_fields_are_refused_at_upload(server):
         r = srv.upload("gamma", steps)
         assert r.status_code == 422 and "shift_steps" in r.json()["error"]["message"], r.text
         clean_error(r, srv.keys())
+    # a file that is not a vector: the message names "the upload", not its staging path
+    r = HTTP.post(f"{srv.url}/v1/ltv/tasks", data={"name": "gamma"},
+                  files={"vector": ("x.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}")},
+                  timeout=60)
+    assert r.status_code == 422 and ".up-" not in r.text and "<task store>" not in r.text, \
+        r.text
     assert "gamma" not in srv.store.names()
     # rank 300 (> the served 256) with a gram that is not positive definite
     tv = probe_vector(srv.model, srv.d, "gamma", "first")
@@ -400,31 +455,42 @@ def test_delete_waits_for_queued_requests(server):
     """DELETE once removed files a queued request still needed, and the engine died loading
     them: (a) a request naming the raw engine key was not counted, so DELETE returned at
     once; (b) a drain deadline deleted anyway. Now the raw key is refused (400; no error
-    lists one), and DELETE of a task with requests queued behind a full batch
-    (--max-num-seqs 2) answers within its wait (1 s on this server: 200, or 202 "deleting")
-    and removes the files only when they are done: each is answered with the task's shift."""
+    lists one), and a DELETE of a task with requests queued behind a full batch
+    (--max-num-seqs 2) — named by `model`, or by `vllm_xargs.ltv_task` beside the base
+    model — never removes what they load before they are done: each is answered with the
+    task's shift, on a task its engine has not loaded yet (their first use), and each ends
+    after the DELETE was sent (the overlap this test is about, asserted). Per-request tasks:
+    the DELETE answers at once and the pin goes after them; LoRA: it answers within its wait
+    (1 s on this server: 200, or 202 "deleting") and the files go after them."""
     srv = server
     long = completion(srv.base, max_tokens=230, ignore_eos=True)
-    for queued in (["raw"], ["delta", "delta"]):
-        if srv.mode == "lora" and queued == ["raw"]:
-            continue
+    for queued in (["raw"], ["delta", "delta"], ["xargs", "xargs"]):
+        if srv.mode == "lora" and queued != ["delta", "delta"]:
+            continue  # an engine key or an ltv_task is no LoRA task's name (refused)
         assert srv.upload("delta", None).status_code == 201
+        key = srv.raw_key("delta")
         steps = srv.steps("delta", {})
         bodies = [completion("delta", max_tokens=3, prompt=PROMPTS[i]) if q == "delta" else
-                  completion(srv.base, max_tokens=3, vllm_xargs={"ltv_task":
-                                                                 srv.raw_key("delta")})
+                  completion(srv.base, max_tokens=3, prompt=PROMPTS[i],
+                             vllm_xargs={"ltv_task": "delta"}) if q == "xargs" else
+                  completion(srv.base, max_tokens=3, vllm_xargs={"ltv_task": key})
                   for i, q in enumerate(queued)]
         results: dict[int, httpx.Response] = {}
+        ended: dict[int, float] = {}
 
-        def send(i: int, body: dict, results: dict = results) -> None:
+        def send(i: int, body: dict, results: dict = results, ended: dict = ended) -> None:
             results[i] = post(srv, "/v1/completions", body)
+            ended[i] = time.time()
 
-        threads = [threading.Thread(target=send, args=(-1 - i, long)) for i in range(2)]
+        # eight long requests ahead of them: four rounds of the engine's batch of 2, so the
+        # delta requests are still queued when the DELETE is sent, on a fast CPU too
+        threads = [threading.Thread(target=send, args=(-1 - i, long)) for i in range(8)]
         threads += [threading.Thread(target=send, args=(i, b)) for i, b in enumerate(bodies)]
         for t in threads:
             t.start()
-            time.sleep(0.05)
+            time.sleep(0.02)
         time.sleep(0.3)  # the delta requests wait behind the long ones
+        sent = time.time()
         r = srv.delete("delta")
         assert r.status_code in (200, 202), r.text
         if r.status_code == 202:
@@ -438,8 +504,10 @@ def test_delete_waits_for_queued_requests(server):
             else:
                 assert results[i].status_code == 200, results[i].text
                 check_tokens(answer_tokens(results[i], False)[0], "delta", steps, f"q{i}")
+                assert ended[i] > sent, "the request ended before the DELETE: no overlap"
         deadline = time.time() + 60
-        while HTTP.get(f"{srv.url}/v1/ltv/tasks/delta").status_code != 404:
+        while HTTP.get(f"{srv.url}/v1/ltv/tasks/delta").status_code != 404 or (
+                srv.store.root / ".pins" / f"{key}.safetensors").exists():
             assert time.time() < deadline, "the deleted task's files were never removed"
             time.sleep(0.1)
         assert "delta" not in srv.store.names()
@@ -462,6 +530,10 @@ def test_routes_that_bypassed_the_gate(server):
                 ("/v1/completions", completion("beta", vllm_xargs={"ltv_steps": True}), None),
                 ("/v1/completions", completion("beta", vllm_xargs={"ltv_steps": "١"}), None),
                 ("/v1/completions", completion("beta", vllm_xargs={"ltv_steps": "２"}), None),
+                # past what Python's int() and vLLM's int64 take: our one line, not theirs
+                ("/v1/completions", completion("beta", vllm_xargs={"ltv_steps": "9" * 4301}),
+                 None),
+                ("/v1/completions", completion("beta", vllm_xargs={"ltv_steps": 2 ** 64}), None),
                 # the start-up self-check's probes are the engine's, never a client's
                 ("/v1/completions", completion(srv.base, vllm_xargs={
                     "ltv_task": "@selfcheck-first"}), None)]
@@ -477,6 +549,11 @@ def test_routes_that_bypassed_the_gate(server):
         r = post(srv, path, body, headers)
         assert r.status_code == 400, (path, body, r.text)
         clean_error(r, srv.keys())
+        steps = (body.get("vllm_xargs") or {}).get("ltv_steps")
+        if isinstance(steps, int) and not isinstance(steps, bool) or (
+                isinstance(steps, str) and len(steps) > 100):
+            assert "ltv_steps must be 'all', 'first' or a count" in r.text and \
+                len(r.text) < 600, r.text
     # the same requests without a content type (FastAPI reads such a body as JSON)
     r = HTTP.post(f"{srv.url}/v1/completions", content=json.dumps(completion(
         "beta", use_beam_search=True, n=2)).encode(), timeout=60)
@@ -600,9 +677,9 @@ def test_a_delete_frees_the_name_at_once(server):
     for t in threads:
         t.start()
     time.sleep(0.5)  # four long streams, two running and two queued (--max-num-seqs 2)
+    assert any(t.is_alive() for t in threads), "the requests ended before the DELETE"
     t0 = time.time()
     r = srv.delete("gamma")
-    assert any(t.is_alive() for t in threads), "the requests ended before the DELETE"
     if srv.mode == "shift":
         assert r.status_code == 200 and r.json()["deleted"] is True, r.text
         assert time.time() - t0 < 5
@@ -611,9 +688,11 @@ def test_a_delete_frees_the_name_at_once(server):
         assert srv.raw_key("gamma") != old_key
         r = post(srv, "/v1/completions", completion("gamma", max_tokens=4))
         check_tokens(answer_tokens(r, False)[0], "gamma", 1, "the new gamma")
-    else:
-        assert r.status_code == 202 and r.json()["status"] == "deleting", r.text
+    elif r.status_code == 202:  # LoRA: still draining after this server's 1 s wait
+        assert r.json()["status"] == "deleting", r.text
         assert srv.upload("gamma", "first").status_code == 409
+    else:  # LoRA: drained within the wait (the streams were short enough)
+        assert r.status_code == 200, r.text
     for t in threads:
         t.join(120)
     for i in range(4):  # each finished on the vector it started with: every step shifted
@@ -762,7 +841,7 @@ def intended(srv: Server, route: str, body: dict, headers: dict) -> tuple[str | 
     model = headers.get("X-Amzn-SageMaker-Adapter-Identifier", body.get("model")) \
         if route == "/invocations" else body.get("model")
     xargs = body.get("vllm_xargs") if isinstance(body.get("vllm_xargs"), dict) else {}
-    if srv.mode == "fused":  # one vector shifts every request the server answers
+    if srv.mode in ("fused", "folded"):  # one vector shifts every request it answers
         return "alpha", xargs
     # LoRA mode: a task is the adapter `model` names (the engine refuses an ltv_task)
     named = xargs.get("ltv_task") if srv.mode == "shift" else None
@@ -795,7 +874,8 @@ def check_answer(srv: Server, route: str, body: dict, headers: dict, r: httpx.Re
     if served_as == "/inference/v1/generate":
         # no task on this route (nor its raw extra_args): the bare model's tokens only, and
         # on a fused server (whose every answer is shifted) no answer at all
-        assert srv.mode != "fused", f"{where}: answered past the gate on a fused server"
+        assert srv.mode not in ("fused", "folded"), \
+            f"{where}: answered past the gate on a fused server"
         toks = [t for c in r.json().get("choices", []) for t in c.get("token_ids") or []]
         check_tokens(toks, None, 0, where)
         return
@@ -803,8 +883,8 @@ def check_answer(srv: Server, route: str, body: dict, headers: dict, r: httpx.Re
     # LoRA adapter on `model`): anywhere else it is a 400
     assert served_as in ("/v1/completions", "/v1/chat/completions") or task is None, \
         f"{where}: a task answered on a route that cannot carry it"
-    if task is not None and chat_body and srv.mode in ("shift", "fused") and served_as != \
-            "/v1/completions":
+    if task is not None and chat_body and srv.mode in ("shift", "fused", "folded") and \
+            served_as != "/v1/completions":
         assert xargs.get("ltv_chat") == "allow" or srv.steps(task, xargs) == 0, \
             f"{where}: a task's chat answered without consent"
     if task is not None and srv.mode == "lora" and chat_body and served_as != \
@@ -851,12 +931,13 @@ def test_request_fuzzer(server):
 
 
 def test_request_fuzzer_on_a_fused_server(fused_server):
-    """The fuzzer against a fused server (one vector shifts every request): every 200 on
+    """The fuzzer against a fused server, its vector in the head's input or folded into the
+    head (one vector shifts every request): every 200 on
     /v1/completions or /v1/chat/completions (with consent) carries the vector's token at
     its steps; any route the gate does not serve the vector on is refused by the engine's
     admission check (scale-out's generate, scoring, background responses...), never an
     answer, shifted or bare."""
-    run_fuzzer(fused_server, random.Random(39))
+    run_fuzzer(fused_server, random.Random(39 if fused_server.mode == "fused" else 40))
 
 
 def run_fuzzer(srv: Server, rng: random.Random) -> None:
@@ -879,7 +960,7 @@ def run_fuzzer(srv: Server, rng: random.Random) -> None:
                 route = rng.choice(routes)
                 body, headers = fuzz_body(rng, srv, route)
                 jobs.append((route, body, headers, pool.submit(send, route, body, headers)))
-            if batch % 15 == 7 and srv.mode != "fused":  # a store change meanwhile
+            if batch % 15 == 7 and srv.mode in ("shift", "lora"):  # a store change meanwhile
                 try:
                     store_change(rng, srv, jobs)
                 except (AssertionError, httpx.HTTPError) as e:

@@ -241,10 +241,14 @@ def test_listing_skips_an_entry_removed_while_it_is_read(setup, monkeypatch):
 
 def test_engine_store_vectors_check_the_digest_and_drop_the_least_recent(setup):
     """The engine's store-vector cache (`vllm_ext.steps.StoreVectors`): a key NAME@DIGEST
-    loads the entry's vector only while the file is the one the digest names (an entry
-    replaced under the name fails loudly, never serves the new vector under the old key);
-    a loaded key keeps its vector; past `keep` keys the least recently used one is dropped,
-    and is read (and checked) again when next asked for."""
+    loads its pin (`TaskStore.pin`, made when the server serves the entry) only while the
+    pin is the file the digest names (a pin changed under its key fails loudly, never serves
+    another vector under the old key); a pin outlives its entry (a DELETE removes the entry
+    at once, the requests admitted before still load the vector); a loaded key keeps its
+    vector; past `keep` keys the least recently used one is dropped, and is read (and
+    checked) again when next asked for."""
+    import shutil
+
     from ltv_vllm.serving.step_policy import task_key
     from ltv_vllm.serving.taskstore import vector_digest
     from ltv_vllm.serving.vllm_ext.steps import StoreVectors
@@ -256,28 +260,41 @@ def test_engine_store_vectors_check_the_digest_and_drop_the_least_recent(setup):
     for n in "abc":
         e = store.add(n, vecs[n], tmp / "m")
         keys[n] = task_key(n, vector_digest(e.vector_path))
+        assert store.pin(e, keys[n]).stat().st_ino == e.vector_path.stat().st_ino  # a link
     cache = StoreVectors(str(store.root), keep=2)
     for n in "ab":
         assert torch.equal(cache.get(keys[n]).U, vecs[n].U)
     assert torch.equal(cache.get(keys["a"]).U, vecs["a"].U)  # a is now the most recent
     assert torch.equal(cache.get(keys["c"]).U, vecs["c"].U)  # b, the least recent, goes
-    # b replaced under its name: its old key is refused (it was dropped, so it is re-read)
+    # b's name deleted and added again with another vector: the old key still loads the
+    # old vector (its pin), the new entry is another key
     store.remove("b")
-    store.add("b", vecs["b2"], tmp / "m")
+    e = store.add("b", vecs["b2"], tmp / "m")
+    new_b = task_key("b", vector_digest(e.vector_path))
+    store.pin(e, new_b)
+    assert new_b != keys["b"]
+    assert torch.equal(cache.get(keys["b"]).U, vecs["b"].U)  # re-read from its pin
+    # a pin changed under its key is refused (it was dropped, so it is re-read)
+    assert torch.equal(cache.get(keys["a"]).U, vecs["a"].U)  # b2 read next: c goes
+    assert torch.equal(cache.get(new_b).U, vecs["b2"].U)
+    pinned_c = store.pinned(keys["c"])
+    pinned_c.unlink()
+    shutil.copyfile(e.vector_path, pinned_c)
     with pytest.raises(RuntimeError, match="changed under key"):
-        cache.get(keys["b"])
-    # a and c were kept: their vectors are served from memory, files or not
-    store.remove("a")
-    assert torch.equal(cache.get(keys["a"]).U, vecs["a"].U)
-    new_b = task_key("b", vector_digest(store.get("b").vector_path))
-    assert torch.equal(cache.get(new_b).U, vecs["b2"].U)  # now c goes (a was asked later)
-    store.remove("c")
-    with pytest.raises(FileNotFoundError):  # dropped: read again, and its files are gone
         cache.get(keys["c"])
-    assert torch.equal(cache.get(keys["a"]).U, vecs["a"].U)  # kept
-    for bad in ("a", "../a@" + keys["c"].partition("@")[2]):
+    # a kept key is served from memory, files or not; an unpinned, dropped one is gone
+    store.remove("a")
+    store.unpin(keys["a"])
+    assert torch.equal(cache.get(keys["a"]).U, vecs["a"].U)
+    store.unpin(keys["b"])
+    with pytest.raises(FileNotFoundError):  # dropped: read again, and its pin is gone
+        cache.get(keys["b"])
+    for bad in ("a", "../a@" + keys["c"].partition("@")[2], "a@../../x"):
         with pytest.raises((RuntimeError, UserError)):
             cache.get(bad)
+    # a restart's sweep removes every pin (the server pins what it serves again)
+    store.sweep()
+    assert not (store.root / ".pins").exists()
 
 
 def replace_uv(tv, seed: int):

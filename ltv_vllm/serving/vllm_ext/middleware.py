@@ -341,7 +341,6 @@ class Gate:
                 del in_flight[model]
 
     # -- 3. what a request asks of the shift ----------------------------------------------------
-    beam_follows = False  # beam search keeps the shift (a folded head: in the weights)
 
     def refuse(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
                ask: Ask) -> tuple[str, ...] | None:
@@ -350,9 +349,14 @@ class Gate:
         request's step policy), a chat request without consent."""
         if (bad := ask.malformed()) is not None:
             return bad
-        if ask.beam and not self.beam_follows:
+        if ask.beam:
             return beam_refusal("this server's task vector"), "BadRequestError", \
                 "use_beam_search"
+        if ask.chat and ask.path not in SHIFT_PATHS:
+            # responses, messages, batch chat: the engine refuses them (no stamp), here in
+            # one line first — and before a background response is accepted, only to fail
+            return (f"this server's task vector is served on {', '.join(TASK_ROUTES)} only",
+                    "BadRequestError", "model")
         if ask.chat or ask.path in SHIFT_PATHS:
             # named as the server's first served name: the vector's task (`serve`), whatever
             # name the request used (the base model's may be a path)
