@@ -383,3 +383,26 @@ def test_untrusted_metrics_in_a_vector_file_never_crash_the_cli(setup, monkeypat
             rows = {x.split()[0]: x.split()[1:] for x in r.output.splitlines()
                     if x.split() and x.split()[0] in ("zero-shot", "ltv", "mean")}
             assert rows["zero-shot"] == ["-", "-"] and rows["mean"] == ["-", "-"], r.output
+
+
+def test_every_server_kind_asks_vllm_for_the_v1_runner(setup, monkeypatch):
+    """Every server kind `serve` builds (fused, folded, per-request tasks, LoRA, a task
+    store in either mode) asks vLLM for the runner its logits processors are written for
+    (`VLLM_USE_V2_MODEL_RUNNER=0` in the server's environment): removing that setting once
+    passed the suite, because this CPU build falls back to V1 without Triton while a GPU
+    build would start V2. (The runner each engine actually got is what the start-up
+    self-check names, read from vLLM's own config: test_selfcheck.)"""
+    tmp, good, _ = setup
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    kinds = {"fused": ["--task-vector", str(good)],
+             "folded": ["--task-vector", str(good), "--fold"],
+             "per-request": ["--task-vector", f"a={good}", "--task-vector", f"b={good}"],
+             "lora": ["--task-vector", f"a={good}", "--multi-task", "lora"],
+             "store": ["--task-vector", f"a={good}", "--task-store", str(tmp / "s1")],
+             "lora store": ["--task-vector", f"a={good}", "--multi-task", "lora",
+                            "--task-store", str(tmp / "s2")]}
+    for kind, args in kinds.items():
+        r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), *args, "--dry-run"])
+        assert r.exit_code == 0, (kind, r.output)
+        assert "VLLM_USE_V2_MODEL_RUNNER=0 " in r.output, (kind, r.output)

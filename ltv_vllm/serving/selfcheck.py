@@ -239,8 +239,9 @@ def run_selfcheck(opts: SelfCheckOptions) -> dict[str, Any]:
         outs = llm.generate([p.prompt for p in batch], params, use_tqdm=False,
                             lora_request=lora_requests(batch, adapters) if opts.lora else None)
         check_s = time.perf_counter() - t1
-    found = lora_verdict(batch, outs, ref, tokens, where()) if opts.lora else verdict(
-        batch, outs, tokens, where())
+    ran_on = where(llm.llm_engine.vllm_config)
+    found = lora_verdict(batch, outs, ref, tokens, ran_on) if opts.lora else verdict(
+        batch, outs, tokens, ran_on)
     return {**found, "engine_start_seconds": round(start, 2),
             "check_seconds": round(check_s, 3), "options": asdict(opts)}
 
@@ -278,14 +279,15 @@ def lora_verdict(batch: list[Probe], outs: list[Any], bare: dict[int, Any],
             "tokens": sum(len(t) for o in tops for t in o)}
 
 
-def where() -> str:
-    """What the probes ran on, for the verdict's line: vLLM's version, runner and device."""
+def where(vllm_config: Any) -> str:
+    """What the probes ran on, for the verdict's line: vLLM's version, the model runner the
+    engine was built with — read from vLLM's own config (`use_v2_model_runner`: the setting,
+    and what overrides it), not from what ltv-vllm asked for — and the device."""
     import vllm
 
     from ltv_vllm.models.hardware import engine_device
-    from ltv_vllm.serving.vllm_support import RUNNER_ENV
 
-    runner = "V1" if os.environ.get(RUNNER_ENV) == "0" else "V2"
+    runner = "V2" if vllm_config.use_v2_model_runner else "V1"
     return f"vLLM {vllm.__version__}, {runner} runner, {engine_device()}"
 
 
@@ -361,7 +363,7 @@ async def engine_selfcheck(engine_client: Any, model_dir: str | Path,
     t0 = time.perf_counter()
     if not lora:
         outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
-        return {**verdict(batch, outs, tokens, where()),
+        return {**verdict(batch, outs, tokens, where(engine_client.vllm_config)),
                 "check_seconds": round(time.perf_counter() - t0, 3)}
     # the bare rows first, alone, before any probe adapter is loaded: their reference
     bare = [i for i, p in enumerate(batch) if p.task is None]
@@ -372,7 +374,7 @@ async def engine_selfcheck(engine_client: Any, model_dir: str | Path,
     finally:
         for r in {r.lora_int_id for r in loras if r is not None}:
             await engine_client.remove_lora(r)  # their slots are the server's again
-    return {**lora_verdict(batch, outs, ref, tokens, where()),
+    return {**lora_verdict(batch, outs, ref, tokens, where(engine_client.vllm_config)),
             "check_seconds": round(time.perf_counter() - t0, 3)}
 
 
