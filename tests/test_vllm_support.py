@@ -40,15 +40,17 @@ def test_the_installed_vllm_is_read_without_importing_it():
     assert version_problem() is None
 
 
-def test_the_v1_runner_is_asked_for_and_v2_refused():
-    assert runner_env({}) == {RUNNER_ENV: "0"} == runner_env({RUNNER_ENV: "0"})
-    for value in ("1", "true"):
-        with pytest.raises(UnsupportedVLLM, match="V2 runner is not supported yet"):
-            runner_env({RUNNER_ENV: value})
+def test_the_v1_runner_is_asked_for_unless_the_user_chose_one():
+    """Unset: ltv-vllm asks for V1 (its servers' verified runner); a runner the user chose
+    is obeyed, V2 included (the processor has both interfaces: test_v2_runner)."""
+    assert runner_env({}) == {RUNNER_ENV: "0"} == runner_env({RUNNER_ENV: ""})
+    for value in ("0", "1", "true"):
+        assert runner_env({RUNNER_ENV: value}) == {}
 
 
-def test_serve_refuses_an_unsupported_vllm_and_the_v2_runner(monkeypatch, tmp_path):
-    """Before any model is resolved: one line, exit 1."""
+def test_serve_refuses_an_unsupported_vllm(monkeypatch, tmp_path):
+    """Before any model is resolved: one line, exit 1. (The V2 runner, when the user asks
+    for it, is no longer refused.)"""
     from ltv_vllm.cli import main
     from ltv_vllm.serving import vllm_support
 
@@ -61,7 +63,7 @@ def test_serve_refuses_an_unsupported_vllm_and_the_v2_runner(monkeypatch, tmp_pa
     monkeypatch.setattr(vllm_support, "installed_version", lambda: "0.32.0")
     monkeypatch.setenv(RUNNER_ENV, "1")
     r = CliRunner().invoke(main, args)
-    assert r.exit_code == 1 and "V2 runner is not supported yet" in r.output, r.output
+    assert "V2 runner" not in r.output and "no such directory" in r.output, r.output
 
 
 def test_the_plugin_registers_nothing_on_an_unsupported_vllm(monkeypatch, caplog):

@@ -131,6 +131,14 @@ class LTVMixin:
                 out[idx, : delta.shape[-1]] += delta
         return out
 
+    @classmethod
+    def get_model_state_cls(cls) -> type:
+        """vLLM's V2 runner asks the model for its state class (V1 never does): ours plans
+        each step's rows for the per-request shift (`vllm_ext.v2`)."""
+        from ltv_vllm.serving.vllm_ext.v2 import LTVModelState
+
+        return LTVModelState
+
     def load_weights(self, weights):
         loaded = super().load_weights(weights)  # type: ignore[misc]
         if self._ltv_fold:

