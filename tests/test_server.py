@@ -72,15 +72,29 @@ def make_assets(tmp_path_factory, tokenizer, tie: bool = True):
     return d, model, vecs
 
 
+def runner_env(runner: str | None) -> dict[str, str]:
+    """The environment that starts an engine on vLLM's V1 ("0") or V2 ("1") runner; V2 on
+    this CPU build through `tests/v2shim` (test scaffolding: Triton's interpreter)."""
+    if runner is None:
+        return {}
+    env = {"VLLM_USE_V2_MODEL_RUNNER": runner}
+    if runner == "1":
+        shim = str(Path(__file__).parent / "v2shim")
+        env.update(LTV_TEST_TRITON_CPU_SHIM="1", PYTHONPATH=os.pathsep.join(
+            p for p in (shim, os.environ.get("PYTHONPATH", "")) if p))
+    return env
+
+
 def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
                  extra: tuple[str, ...] = (), *, cwd: Path | None = None,
                  env_extra: dict[str, str] | None = None, attempts: int = 3,
-                 kv_bytes: int = 64 << 20):
+                 kv_bytes: int = 64 << 20, runner: str | None = None):
     """`ltv-vllm serve` on a free port; (process, url, log). `model_dir` may be relative to
     `cwd` (then it is also the served base model's name). The server runs in a process group
     of its own (`stop` ends all of it). A port taken between `free_port` and the server's
     bind (another process may win it) is retried on a new port. `kv_bytes`: the KV cache
-    (the default, 64 MiB, holds some 65,000 tokens of this model: nothing is preempted)."""
+    (the default, 64 MiB, holds some 65,000 tokens of this model: nothing is preempted).
+    `runner`: vLLM's model runner ("1": V2, through `tests/v2shim`; None: as `serve` picks)."""
     for attempt in range(attempts):
         port = free_port()
         env = {**os.environ, "HF_HUB_OFFLINE": "1",
@@ -89,7 +103,7 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
                # (the "uni" executor) instead of a third process: ~10 s less per start here;
                # the API server and the engine core stay separate processes, as served
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               **(env_extra or {})}
+               **runner_env(runner), **(env_extra or {})}
         cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", str(model_dir),
                "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
                *[a for v in vector_args for a in ("--task-vector", v)], *extra,
