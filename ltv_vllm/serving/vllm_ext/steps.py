@@ -28,11 +28,11 @@ Since the shift happens at the LM head only, requests for different tasks share 
 common prefix (vLLM's prefix-cache key holds no `extra_args`), unlike LoRA adapters, whose
 names are part of that key.
 
-Relies on vLLM's V1 model runner (0.32 and 0.33: docs/architecture.md, "The vLLM contract";
-what the CPU backend runs; every engine ltv-vllm builds sets VLLM_USE_V2_MODEL_RUNNER=0,
-`serving.vllm_support`, so a GPU build runs it too). The V2 runner has another processor
-interface and is not wired: there this class is not loaded, the engine fails to start rather
-than shift wrongly, and a plan that does not match a step's rows raises (`RowPlanError`).
+On vLLM's V1 model runner (0.32 and 0.33: docs/architecture.md, "The vLLM contract"; what
+the CPU backend runs, and what ltv-vllm asks for when `VLLM_USE_V2_MODEL_RUNNER` is unset)
+the processor plans the rows. On the V2 runner (the user's choice) the same class is loaded
+through V2's interface and only checks requests; the model's V2 state plans the rows
+(`vllm_ext.v2`). A plan that does not match a step's rows raises (`RowPlanError`).
 """
 
 from __future__ import annotations
