@@ -275,7 +275,7 @@ class Server:
 @pytest.fixture(scope="module", params=["shift", "lora", "shift-v2"])
 def server(request, probe, tmp_path_factory):
     """A store server with per-request tasks ("shift") or LoRA adapters, on vLLM's V1
-    runner; "shift-v2": per-request tasks on the V2 runner (`test_server.runner_env`)."""
+    runner; "shift-v2": per-request tasks on the V2 runner (`test_server.runner_test_env`)."""
     d, model, _ = probe
     mode, _, v2 = request.param.partition("-")
     srv = Server(d, tmp_path_factory.mktemp(f"gate-{request.param}"), model, mode,

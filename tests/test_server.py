@@ -72,7 +72,7 @@ def make_assets(tmp_path_factory, tokenizer, tie: bool = True):
     return d, model, vecs
 
 
-def runner_env(runner: str | None) -> dict[str, str]:
+def runner_test_env(runner: str | None) -> dict[str, str]:
     """The environment that starts an engine on vLLM's V1 ("0") or V2 ("1") runner; V2 on
     this CPU build through `tests/v2shim` (test scaffolding: Triton's interpreter)."""
     if runner is None:
@@ -103,7 +103,7 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
                # (the "uni" executor) instead of a third process: ~10 s less per start here;
                # the API server and the engine core stay separate processes, as served
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               **runner_env(runner), **(env_extra or {})}
+               **runner_test_env(runner), **(env_extra or {})}
         cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", str(model_dir),
                "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
                *[a for v in vector_args for a in ("--task-vector", v)], *extra,

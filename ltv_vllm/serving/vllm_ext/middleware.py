@@ -342,8 +342,7 @@ class Gate:
 
     # -- 3. what a request asks of the shift ----------------------------------------------------
 
-    def refuse(self, scope: dict[str, Any],  # noqa: ARG002 - the subclasses' hook
-               ask: Ask) -> tuple[str, ...] | None:
+    def refuse(self, scope: dict[str, Any], ask: Ask) -> tuple[str, ...] | None:
         """(message, type, param) of a 400 for this request, or None. Here, for a server whose
         one vector shifts every request: a malformed `ltv_*` value, beam search (it loses the
         request's step policy), a chat request without consent."""
@@ -355,8 +354,7 @@ class Gate:
         if ask.chat and ask.path not in SHIFT_PATHS:
             # responses, messages, batch chat: the engine refuses them (no stamp), here in
             # one line first — and before a background response is accepted, only to fail
-            return (f"this server's task vector is served on {', '.join(TASK_ROUTES)} only",
-                    "BadRequestError", "model")
+            return route_refusal("this server's task vector")
         if ask.chat or ask.path in SHIFT_PATHS:
             # named as the server's first served name: the vector's task (`serve`), whatever
             # name the request used (the base model's may be a path)
@@ -419,8 +417,7 @@ class LoraGate(Gate):
         if adapter and ask.path not in (*SHIFT_PATHS, *NO_SHIFT_PATHS):
             # vLLM chooses an adapter by `model` on every route; only these are proven
             # (a background response, scoring, scale-out generate outlive or bypass them)
-            return (f"task {ask.model!r}: tasks are served on {', '.join(TASK_ROUTES)} only",
-                    "BadRequestError", "model")
+            return route_refusal(f"task {ask.model!r}")
         if (adapter
                 and (ask.chat or ask.path in SHIFT_PATHS)):
             return ask.rendering(ask.model, ask.model)
@@ -481,9 +478,8 @@ class TaskGate(Gate):
             return None  # nothing is generated: a task's name stands for the model's tokenizer
         if ask.path not in SHIFT_PATHS:
             if task is not None or ask.ltv_keys:
-                what = f"task {task!r}" if task is not None else f"vllm_xargs.{ask.ltv_keys[0]}"
-                return (f"{what}: tasks are served on {', '.join(TASK_ROUTES)} only",
-                        "BadRequestError", "model")
+                return route_refusal(f"task {task!r}" if task is not None
+                                     else f"vllm_xargs.{ask.ltv_keys[0]}")
             return None
         if task is None:
             return None  # the bare model
@@ -581,6 +577,12 @@ def vllm_parsed(path: str, body: dict[str, Any]) -> tuple[str, Any] | None:
         except pydantic.ValidationError:
             continue
     return None
+
+
+def route_refusal(what: str) -> tuple[str, str, str]:
+    """The 400 for a task (or a fused server's vector) on a route it is not served on."""
+    return (f"{what}: tasks are served on {', '.join(TASK_ROUTES)} only", "BadRequestError",
+            "model")
 
 
 def beam_refusal(what: str) -> str:
