@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections import OrderedDict
 from typing import ClassVar
 
 import torch
@@ -33,7 +34,7 @@ from vllm.model_executor.models.utils import PPMissingLayer
 
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
 from ltv_vllm.serving.step_policy import STORE_CONFIG_KEY, TASKS_CONFIG_KEY
-from ltv_vllm.serving.vllm_ext.steps import FUSED, STORE, take_plan
+from ltv_vllm.serving.vllm_ext.steps import FUSED, PLAN, STORE, take_plan
 
 CONFIG_KEY = "ltv_task_vector"
 FOLD_KEY = "ltv_fold"
@@ -53,6 +54,7 @@ class LTVMixin:
         for name, spec in json.loads(getattr(config, TASKS_CONFIG_KEY, None) or "{}").items():
             self._vectors[name] = load_task_vector(spec["path"])
         self._casts = {}
+        self._cast_keys: OrderedDict[str, None] = OrderedDict()  # store keys, oldest first
         self._store = getattr(config, STORE_CONFIG_KEY, None)  # runtime tasks (`StoreVectors`)
         if self._store:
             STORE.root = self._store
@@ -95,14 +97,26 @@ class LTVMixin:
         size of the distances themselves), and a linear shift loses what rounding each
         product loses. The shift is ~1 % of the LM head's work (r ≪ vocab), so the cost is
         small; only its sum with h is rounded back to the engine's dtype."""
+        return self._cast(task, h.device).delta(h.float(), part)  # rank-r, never d×d
+
+    def _cast(self, task: str, device: torch.device) -> TaskVector:
+        """`task`'s vector on the engine's device in float32 (`_ltv_delta` says why)."""
         # One cast to the engine's device, on first use (vLLM may build the module on the
         # meta device and move it; the hidden states tell us where we really run).
         cast = self._casts.get(task)
-        if cast is None or cast.U.device != h.device:
-            if len(self._casts) > 2 * STORE.keep:  # store keys come and go
-                self._casts.clear()
-            cast = self._casts[task] = self._vector(task).to(h.device, torch.float32)
-        return cast.delta(h.float(), part)  # (n, d_out): rank-r, never a dense d×d
+        if cast is None or cast.U.device != device:
+            cast = self._casts[task] = self._vector(task).to(device, torch.float32)
+            if task not in self._vectors:
+                # store keys come and go: keep as many casts as the store keeps vectors,
+                # dropping the least recently cast (never all at once: with more tasks in
+                # flight than that, clearing would recast every task at every step)
+                self._cast_keys[task] = None
+                self._cast_keys.move_to_end(task)
+                while len(self._cast_keys) > STORE.keep:
+                    self._casts.pop(self._cast_keys.popitem(last=False)[0], None)
+        elif task in self._cast_keys:
+            self._cast_keys.move_to_end(task)
+        return cast
 
     def _ltv_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """h shifted by the engine's own vector, every row (the paths without a row plan)."""
@@ -111,24 +125,45 @@ class LTVMixin:
         return (h.float() + self._ltv_delta(h)).to(h.dtype)
 
     def _shifted(self, h: torch.Tensor, plan: dict[str, list[int] | None], kind: str,
-                 out: torch.Tensor) -> torch.Tensor:
+                 out: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """`out` plus, for every task of `kind` in the plan, its delta on its own rows (a
         hidden vector's delta is added to h, a logit vector's to the logits' first columns).
-        Rows of one task are gathered and shifted together: one rank-r product per task."""
-        for task, rows in plan.items():
-            tv = self._vector(task)
-            if tv is None or tv.kind != kind:
-                continue  # FUSED in multi-task serving: the bare model
-            if out is h or out.dtype != torch.float32:
-                # a float32 copy: h itself is vLLM's buffer, and the sum is taken in float32
-                out = out.float() if out.dtype != torch.float32 else out.clone()
-            if rows is None:
-                delta = self._ltv_delta(h, task=task)
-                out[..., : delta.shape[-1]] += delta
+        `mask` (rows,): only the rows it marks get their delta (the others get 0 × delta).
+
+        One task on every row: one rank-r product. Several: their rows are gathered in task
+        order once, each task's delta is one rank-r product on its contiguous slice, and
+        the deltas go back in one scatter, so a step's cost in tensor operations grows by
+        two or three per distinct task, not by a gather and a scatter each
+        (`benchmarks/k_tasks.py`: K distinct tasks in one batch)."""
+        jobs = [(task, rows) for task, rows in plan.items()
+                if (tv := self._vector(task)) is not None and tv.kind == kind]
+        if not jobs:
+            return out  # FUSED in multi-task serving (the bare model), or the other kind
+        # a float32 copy: h itself is vLLM's buffer, and the sum is taken in float32
+        out = out.float() if out.dtype != torch.float32 else out.clone()
+        if len(jobs) == 1 and jobs[0][1] is None:
+            delta = self._ltv_delta(h, task=jobs[0][0])
+            if mask is not None:
+                delta = delta * mask.unsqueeze(1)
+            out[..., : delta.shape[-1]] += delta
+            return out
+        order = [r for _, rows in jobs for r in (range(h.shape[0]) if rows is None else rows)]
+        idx = _row_index(order, h.device)
+        hs = h.index_select(0, idx).float()
+        width = self._sizes[0] if kind == "hidden" else self._sizes[1]
+        delta = torch.empty(len(order), width, device=h.device, dtype=torch.float32)
+        start = 0
+        for task, rows in jobs:
+            end = start + (h.shape[0] if rows is None else len(rows))
+            cast = self._cast(task, h.device)
+            if cast.map == "linear" and cast.bias is None:
+                torch.mm(hs[start:end] @ cast.V, cast.U.T, out=delta[start:end])
             else:
-                idx = _row_index(rows, h.device)
-                delta = self._ltv_delta(h.index_select(0, idx), task=task)
-                out[idx, : delta.shape[-1]] += delta
+                delta[start:end] = cast.delta(hs[start:end])
+            start = end
+        if mask is not None:
+            delta *= mask.index_select(0, idx).unsqueeze(1)
+        out[:, :width].index_add_(0, idx, delta)
         return out
 
     @classmethod
@@ -175,12 +210,13 @@ class LTVMixin:
         # this step's per-request shifts (`steps`), taken on the main call only; without a
         # plan the engine's own vector (if any) shifts every row
         plan = take_plan(hidden_states.shape[0])
+        mask = PLAN.mask
         if plan is None:
             plan = {FUSED: None}
-        h = self._shifted(hidden_states, plan, "hidden", hidden_states)
+        h = self._shifted(hidden_states, plan, "hidden", hidden_states, mask)
         logits = super().compute_logits(h.to(hidden_states.dtype))  # type: ignore[misc]
         if logits is not None:
-            shifted = self._shifted(hidden_states, plan, "logit", logits)
+            shifted = self._shifted(hidden_states, plan, "logit", logits, mask)
             if shifted is not logits:
                 logits = shifted.to(logits.dtype)
         return logits

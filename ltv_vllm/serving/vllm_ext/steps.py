@@ -72,7 +72,7 @@ class StoreVectors:
     happened to the entry's name meanwhile) and checked against the digest, so a key always
     means the vector it was made from. Least recently used ones are dropped."""
 
-    def __init__(self, root: str | None, keep: int = 64) -> None:
+    def __init__(self, root: str | None, keep: int = 256) -> None:
         from collections import OrderedDict
 
         self.root, self.keep = root, keep
@@ -110,6 +110,9 @@ class _Plan:
         self.armed = False
         self.ready: dict[str, list[int] | None] | None = None
         self.rows = 0
+        # V2 under speculative decoding: which rows are at a shifted step, on the device
+        self.ready_mask: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None  # the taken plan's (None: every planned row)
 
 
 PLAN = _Plan()
@@ -123,11 +126,15 @@ class RowPlanError(RuntimeError):
 def take_plan(rows: int) -> dict[str, list[int] | None] | None:
     """This step's shift for the main `compute_logits` call: task key → the rows it shifts
     (None: every row), or None: no plan (no processor, or not the main call), so the engine's
-    own vector shifts every row as before. A plan whose batch is not these rows raises
+    own vector shifts every row as before; `PLAN.mask` is then the plan's row mask (V2 under
+    speculative decoding: the planned rows at a shifted step) or None. A plan whose batch is
+    not these rows raises
     `RowPlanError`: a runner whose rows are not the batch's slots in order (another vLLM,
     another runner) must fail loudly, never shift the wrong rows."""
+    PLAN.mask = None
     if PLAN.ready is not None:  # V2: built from the step's own row layout (`vllm_ext.v2`)
         plan, PLAN.ready = PLAN.ready, None
+        PLAN.mask, PLAN.ready_mask = PLAN.ready_mask, None
         if rows != PLAN.rows:
             raise RowPlanError(f"ltv-vllm: compute_logits got {rows} rows for a step of "
                                f"{PLAN.rows} logits rows (V2 runner)")
