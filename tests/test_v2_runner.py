@@ -37,7 +37,6 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE / "vllm_workers"))
 from runner_mix import PROMPTS, STEPS, TASKS, TOKENS  # noqa: E402
 
-
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 
