@@ -34,9 +34,6 @@ if __name__ == "__main__":
     from ltv_vllm.serving.probes import probe_tokens, probe_vectors
     from ltv_vllm.serving.selfcheck import probe_batch, probe_params, verdict
     from ltv_vllm.serving.serve import task_engine
-    from ltv_vllm.serving.vllm_support import use_v1_runner
-
-    use_v1_runner()
     model_dir = str(resolve_model(a.model))
     dtype = resolve_for_model(a.dtype, model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -385,13 +385,15 @@ def test_untrusted_metrics_in_a_vector_file_never_crash_the_cli(setup, monkeypat
             assert rows["zero-shot"] == ["-", "-"] and rows["mean"] == ["-", "-"], r.output
 
 
-def test_every_server_kind_asks_vllm_for_the_v1_runner(setup, monkeypatch):
+def test_every_server_kind_leaves_the_runner_to_vllm(setup, monkeypatch):
     """Every server kind `serve` builds (fused, folded, per-request tasks, LoRA, a task
-    store in either mode) asks vLLM for the runner its logits processors are written for
-    (`VLLM_USE_V2_MODEL_RUNNER=0` in the server's environment): removing that setting once
-    passed the suite, because this CPU build falls back to V1 without Triton while a GPU
-    build would start V2. (The runner each engine actually got is what the start-up
-    self-check names, read from vLLM's own config: test_selfcheck.)"""
+    store in either mode) leaves vLLM's model runner to the user and vLLM: nothing in the
+    server's environment names one (a GPU build runs V2 by default, a CPU build V1), so a
+    user's `VLLM_USE_V2_MODEL_RUNNER` reaches the engine as set. Which runner each engine
+    really got is what the start-up self-check names, read from vLLM's own config
+    (test_server, test_gate_attacks: V1 and V2 servers). Speculative decoding where vLLM
+    would run V1 (which refuses our logits processor beside drafts) is refused in one line
+    before anything is resolved."""
     tmp, good, _ = setup
     monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
@@ -405,4 +407,21 @@ def test_every_server_kind_asks_vllm_for_the_v1_runner(setup, monkeypatch):
     for kind, args in kinds.items():
         r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), *args, "--dry-run"])
         assert r.exit_code == 0, (kind, r.output)
-        assert "VLLM_USE_V2_MODEL_RUNNER=0 " in r.output, (kind, r.output)
+        assert "VLLM_USE_V2_MODEL_RUNNER" not in r.output, (kind, r.output)
+    ngram = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    for runner, method, expect in ((None, "ngram", "no Triton backend"),
+                                   ("0", "ngram", "VLLM_USE_V2_MODEL_RUNNER=0 asks for V1"),
+                                   ("1", "suffix", "'suffix' on V1 only")):
+        if runner is None:
+            monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", runner)
+        spec = ngram if method == "ngram" else [ngram[0], '{"method": "suffix"}']
+        r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "nowhere"), "--task-vector",
+                                      str(good), "--dry-run", *spec])
+        assert r.exit_code != 0 and expect in r.output, (runner, r.output)
+        assert len(r.output.strip().splitlines()) == 1, r.output
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # asked for: planned as usual
+    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
+                                  str(good), "--dry-run", *ngram])
+    assert r.exit_code == 0 and "--speculative-config" in r.output, r.output

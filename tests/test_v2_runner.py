@@ -10,11 +10,12 @@ answers), and V2 equals V1 token for token. A wrong V2 row plan (another task's 
 step off) gives one of those other answers and fails here.
 
 Speculative decoding (V2 only: V1 refuses custom logits processors beside it): with vLLM's
-n-gram proposer the same batch gives the same tokens as without it, and each row is again
-its own plan's greedy loop to 1e-4, with drafts proposed and accepted (a run where no draft
-was verified would prove nothing). Under drafts a request owns several logits rows a step,
-and which of them are at a shifted step is decided on the device (`vllm_ext.v2.step_mask`):
-a `first` request must be shifted on the row that samples its first token only.
+n-gram proposer, and with a draft model, the same batch gives the same tokens as without
+drafts, and each row is again its own plan's greedy loop to 1e-4, with drafts proposed and
+accepted (a run where no draft was verified would prove nothing). Under drafts a request
+owns several logits rows a step, and which of them are at a shifted step is decided on the
+device (`vllm_ext.v2.step_mask`): a `first` request must be shifted on the row that samples
+its first token only.
 """
 
 from __future__ import annotations
@@ -104,13 +105,23 @@ def test_per_request_tasks_on_the_v2_runner(mix, tokenizer):
     assert_rows_are_their_plans(v2, model, tokenizer, tvs)
 
 
-def test_speculative_decoding_on_the_v2_runner(mix, tokenizer):
+@pytest.fixture(scope="module")
+def v2_plain(mix):
+    tmp, d, _, _, paths = mix
+    return run("1", d, paths, tmp / "v2-plain.json")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_on_the_v2_runner(mix, v2_plain, tokenizer, method):
+    """vLLM's n-gram proposer, and a draft model (the same checkpoint, loaded by vLLM as its
+    stock class: its drafts are unshifted, and the shifted target verifies them)."""
     tmp, d, model, tvs, paths = mix
-    plain = run("1", d, paths, tmp / "v2-plain.json")
-    spec = run("1", d, paths, tmp / "v2-ngram.json", NGRAM)
-    proposed, accepted = spec["drafts"]
-    assert proposed > 0 and accepted > 0, spec["drafts"]  # drafts really were verified
-    assert plain["drafts"] == [0, 0]
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(d),
+                                            "num_speculative_tokens": 2}
+    out = run("1", d, paths, tmp / f"v2-{method}.json", spec)
+    proposed, accepted = out["drafts"]
+    assert proposed > 0 and accepted > 0, out["drafts"]  # drafts really were verified
+    assert v2_plain["drafts"] == [0, 0]
     for i in range(len(TASKS)):
-        assert spec["rows"][i][0] == plain["rows"][i][0], (i, "drafts changed the answer")
-    assert_rows_are_their_plans(spec, model, tokenizer, tvs)
+        assert out["rows"][i][0] == v2_plain["rows"][i][0], (i, "drafts changed the answer")
+    assert_rows_are_their_plans(out, model, tokenizer, tvs)

@@ -14,7 +14,7 @@ from ltv_vllm.serving.vllm_support import (
     UnsupportedVLLM,
     check_version,
     installed_version,
-    runner_env,
+    speculative_problem,
     version_problem,
 )
 
@@ -40,12 +40,19 @@ def test_the_installed_vllm_is_read_without_importing_it():
     assert version_problem() is None
 
 
-def test_the_v1_runner_is_asked_for_unless_the_user_chose_one():
-    """Unset: ltv-vllm asks for V1 (its servers' verified runner); a runner the user chose
-    is obeyed, V2 included (the processor has both interfaces: test_v2_runner)."""
-    assert runner_env({}) == {RUNNER_ENV: "0"} == runner_env({RUNNER_ENV: ""})
-    for value in ("0", "1", "true"):
-        assert runner_env({RUNNER_ENV: value}) == {}
+def test_speculative_decoding_needs_the_v2_runner():
+    """V1 refuses custom logits processors beside drafts: refused where vLLM would run V1
+    (asked for, no Triton, a V1-only method), let through where it runs V2."""
+    ngram = {"method": "ngram"}
+    assert speculative_problem(None, False, {}) is None
+    assert speculative_problem(ngram, True, {}) is None  # a GPU build: V2 by default
+    assert speculative_problem(ngram, False, {RUNNER_ENV: "1"}) is None
+    assert "no Triton backend" in speculative_problem(ngram, False, {})
+    for off in ("0", "false"):
+        assert f"{RUNNER_ENV}={off} asks for V1" in speculative_problem(ngram, True,
+                                                                        {RUNNER_ENV: off})
+    for method in ("suffix", "medusa", "mlp_speculator"):
+        assert "V1 only" in speculative_problem({"method": method}, True, {RUNNER_ENV: "1"})
 
 
 def test_serve_refuses_an_unsupported_vllm(monkeypatch, tmp_path):

@@ -77,9 +77,6 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM
 
     from ltv_vllm.serving.offline import parse_classification
-    from ltv_vllm.serving.vllm_support import use_v1_runner
-
-    use_v1_runner()  # the shift modes' logits processors have the V1 runner's interface
     t0 = time.perf_counter()
     llm = LLM(**job["llm_kwargs"], logprobs_mode="processed_logprobs", disable_log_stats=False)
     startup = time.perf_counter() - t0

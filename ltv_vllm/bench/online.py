@@ -26,7 +26,6 @@ import httpx
 from ltv_vllm.bench import BenchError
 from ltv_vllm.serving.client import classification, token_logprobs
 from ltv_vllm.serving.serve import SERVER_MODULE
-from ltv_vllm.serving.vllm_support import runner_env
 
 KV_GAUGE = "vllm:kv_cache_usage_perc"
 
@@ -70,8 +69,7 @@ class Server:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, *self.args],
                                      stdout=self._log, stderr=subprocess.STDOUT,
-                                     # our logits processors: vLLM's V1 runner
-                                     env={**os.environ, **runner_env(), **self.env},
+                                     env={**os.environ, **self.env},
                                      start_new_session=True)
         t0 = time.time()
         try:

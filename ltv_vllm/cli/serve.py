@@ -53,10 +53,9 @@ def selfcheck(model_spec: str | None, dtype: str, tensor_parallel_size: int,
     from ltv_vllm.models.cache import DEFAULT_MODEL
     from ltv_vllm.models.loading import local_model_dir
     from ltv_vllm.serving.selfcheck import SelfCheckOptions, selfcheck_in_subprocess
-    from ltv_vllm.serving.vllm_support import check_version, runner_env
+    from ltv_vllm.serving.vllm_support import check_version
 
     check_version()
-    runner_env()
     for flag, value in (("--tensor-parallel-size", tensor_parallel_size),
                         ("--max-num-batched-tokens", max_num_batched_tokens),
                         ("--max-model-len", max_model_len), ("--max-num-seqs", max_num_seqs)):

@@ -15,7 +15,7 @@ from typing import Any
 
 from ltv_vllm.serving.client import Classification, classification
 from ltv_vllm.serving.jobs import job_main, run_job
-from ltv_vllm.serving.vllm_support import check_version, use_v1_runner
+from ltv_vllm.serving.vllm_support import check_version
 from ltv_vllm.tasks.specs import Task, label_token_ids
 
 
@@ -38,7 +38,6 @@ def make_llm(
     from ltv_vllm.serving.serve import engine_kwargs
 
     check_version()
-    use_v1_runner()  # our logits processors have the V1 runner's interface
     model_dir = local_model_dir(model_spec or DEFAULT_MODEL)
     dtype = resolve_for_model(dtype, model_dir)
     kwargs: dict[str, Any] = (
@@ -98,7 +97,6 @@ def run_generation_job(job: dict[str, Any]) -> dict[str, Any]:
     # `ltv_steps`), in one batch, policy after policy in the output
     kwargs = (engine_kwargs(job["model"], job["vector"], shift_steps="all") if job.get("vector")
               else {"model": job["model"]})
-    use_v1_runner()
     t0 = time.perf_counter()
     llm = LLM(**kwargs, dtype=job["dtype"], max_model_len=job["max_model_len"],
               enforce_eager=True, enable_prefix_caching=True, seed=0)

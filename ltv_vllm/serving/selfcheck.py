@@ -193,10 +193,9 @@ def run_selfcheck(opts: SelfCheckOptions) -> dict[str, Any]:
 
     from ltv_vllm.models.hardware import resolve_for_model
     from ltv_vllm.serving.serve import plan_lora, task_engine
-    from ltv_vllm.serving.vllm_support import check_version, use_v1_runner
+    from ltv_vllm.serving.vllm_support import check_version
 
     check_version()
-    use_v1_runner()
     tok = AutoTokenizer.from_pretrained(opts.model_dir)
     tokens = probe_tokens(tok, LORA_TOKENS if opts.lora else len(PROBES))
     t0 = time.perf_counter()

@@ -30,7 +30,7 @@ from ltv_vllm.serving.step_policy import (
     parse_steps,
     tasks_env,
 )
-from ltv_vllm.serving.vllm_support import check_version, runner_env
+from ltv_vllm.serving.vllm_support import check_version, speculative_problem
 
 
 def base_architecture(model_dir: str | Path) -> str:
@@ -517,6 +517,19 @@ class ServerPlan:
         os.execve(sys.executable, self.argv, {**os.environ, **self.env})
 
 
+def check_speculative(vllm_args: tuple[str, ...] | list[str]) -> None:
+    """`--speculative-config` on a runner that cannot serve it beside the shift: one line
+    (`vllm_support.speculative_problem`)."""
+    parsed = vllm_flags(vllm_args)
+    spec = getattr(parsed, "speculative_config", None) if parsed is not None else None
+    if not spec:
+        return
+    from vllm.triton_utils import HAS_TRITON
+
+    if (problem := speculative_problem(spec, HAS_TRITON)) is not None:
+        raise ArgumentError(problem)
+
+
 def plan_server(opts: ServeOptions) -> ServerPlan:
     """Everything checked (model, vectors, architecture) and the vLLM command built; no file
     is written and no engine started (`ServerPlan.start` does both)."""
@@ -530,10 +543,10 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     from ltv_vllm.serving.lora import lora_rank as padded_rank
     from ltv_vllm.serving.taskstore import VECTOR
 
-    # a vLLM the plugin was not checked against, or its V2 runner asked for: one line,
-    # before any model is resolved
+    # a vLLM the plugin was not checked against, or drafts on a runner that refuses our
+    # logits processor beside them: one line, before any model is resolved
     check_version()
-    runner = runner_env()
+    check_speculative(opts.vllm_args)
     spec = opts.model_spec or DEFAULT_MODEL
     model_dir = local_model_dir(spec)  # a hub id: fetched, or found in the cache offline
     parsed = parse_vector_specs(list(opts.vectors))
@@ -596,9 +609,6 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     # only where the user gave neither)
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and not user_sized_kv_cache(extra):
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB; read by the CPU backend only
-    # the per-request step policy's processor (`vllm_ext.steps`) has the V1 runner's
-    # interface: what the CPU backend runs, and what a GPU build runs when told to
-    env.update(runner)
     if lora is None:
         # the engine shifts only requests its gate admitted (`step_policy.stamp`): a fused
         # vector shifts every request, so every request needs the stamp; per-request tasks,

