@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import resource
 import signal
 import socket
@@ -33,7 +34,7 @@ from ltv_vllm.core.vector import TaskVector, model_identity
 from ltv_vllm.serving.client import classify
 from ltv_vllm.tasks.specs import BUILTIN_TASKS, label_token_ids
 
-pytestmark = pytest.mark.slow(seconds=55)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=215)  # see conftest's ordering
 
 PROMPTS = ["Review: the plot is dull\nSentiment:", "News: leaders meet for peace talks\nType:"]
 SST2 = BUILTIN_TASKS["sst2"]
@@ -85,6 +86,22 @@ def runner_test_env(runner: str | None) -> dict[str, str]:
     return env
 
 
+RUNNERS = ["0", "1"]  # vLLM's V1 and V2 model runners: every serving configuration on both
+
+
+def assert_runner(log, runner: str | None) -> None:
+    """The runner this server's engine was built with is the one asked for ("0": V1, "1":
+    V2, None: vLLM's default, V1 on this CPU build): vLLM's own start-up line says V2 when
+    it chose V2, and the start-up self-check (where the server runs one) names the runner
+    it read from vLLM's config."""
+    want = "V2" if runner == "1" else "V1"
+    text = Path(log.name).read_text(errors="replace")
+    assert ("Using V2 Model Runner" in text) == (want == "V2"), f"not the {want} runner"
+    check = re.search(r"selfcheck passed on vLLM [^,]+, (V\d) runner", text)
+    if check is not None:
+        assert check[1] == want, check[0]
+
+
 def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
                  extra: tuple[str, ...] = (), *, cwd: Path | None = None,
                  env_extra: dict[str, str] | None = None, attempts: int = 3,
@@ -129,6 +146,7 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
                 raise RuntimeError(text[-3000:])
             try:
                 if HTTP.get(f"{url}/health", timeout=2).status_code == 200:
+                    assert_runner(log, runner)
                     return proc, url, log
             except httpx.HTTPError:
                 pass
@@ -319,11 +337,12 @@ SCHEDULER = ("--max-num-batched-tokens", "32", "--max-num-seqs", "8")
 KV_BYTES = 256 << 10  # 512 tokens of this model (vLLM's start-up log: 2,048 per MiB)
 
 
-@pytest.fixture(scope="module")
-def multi_task_server(assets, tmp_path_factory):
-    """One server for both tests of its configuration (a start is two fresh interpreters
+@pytest.fixture(scope="module", params=RUNNERS, ids=["v1", "v2"])
+def multi_task_server(assets, tmp_path_factory, request):
+    """One server for the tests of its configuration (a start is two fresh interpreters
     importing vLLM): named vectors, per-request tasks (the default), the three vectors of
-    `assets` and a regression vector `relu` extracted on the same model; (url, relu path)."""
+    `assets` and a regression vector `relu` extracted on the same model; (url, relu path).
+    On vLLM's V1 and V2 runners (V2 through `tests/v2shim`)."""
     from click.testing import CliRunner
 
     from ltv_vllm.cli import main
@@ -337,7 +356,7 @@ def multi_task_server(assets, tmp_path_factory):
     assert r.exit_code == 0, r.output
     names = [f"{n}={p}" for n, (_, p) in vecs.items()] + [f"relu={relu}"]
     proc, url, log = start_server(d, names, tmp, ("--chat-template", PLAIN_CHAT, *SCHEDULER),
-                                  kv_bytes=KV_BYTES)
+                                  kv_bytes=KV_BYTES, runner=request.param)
     try:
         yield url, relu
     finally:
@@ -424,10 +443,12 @@ def test_docs_client_blocks_run(multi_task_server, tmp_path):
     run_client_blocks(CLIENT, url, "alpha", tmp_path)
 
 
-def test_fused_server(assets, tokenizer, tmp_path):
+@pytest.mark.parametrize("runner", RUNNERS, ids=["v1", "v2"])
+def test_fused_server(assets, tokenizer, tmp_path, runner):
     d, model, vecs = assets
     tv, path = vecs["alpha"]
-    proc, url, log = start_server(d, [str(path)], tmp_path, ("--chat-template", PLAIN_CHAT))
+    proc, url, log = start_server(d, [str(path)], tmp_path, ("--chat-template", PLAIN_CHAT),
+                                  runner=runner)
     try:
         check_chat(url, "alpha", tv, model, tokenizer)
         # fused: every request is shifted, whichever served name it uses
@@ -445,7 +466,7 @@ def test_fused_server(assets, tokenizer, tmp_path):
         stop(proc, log)
     # folded into the head: the same admission rule (and beam search refused: its steps
     # carry no stamp)
-    proc, url, log = start_server(d, [str(path)], tmp_path, ("--fold",))
+    proc, url, log = start_server(d, [str(path)], tmp_path, ("--fold",), runner=runner)
     try:
         check_fused_admission(url, d)
         r = httpx.post(f"{url}/v1/completions", json={
