@@ -14,14 +14,14 @@ from types import SimpleNamespace
 import openai
 import pytest
 import torch
-from test_server import PROMPTS, check_answer, start_server, stop
+from test_server import PROMPTS, RUNNERS, check_answer, start_server, stop
 
 from conftest import make_vllm_llama, plan
 from ltv_vllm.core.vector import TaskVector, model_identity
 from ltv_vllm.tasks.chat import chat_task
 from ltv_vllm.tasks.specs import BUILTIN_TASKS, label_token_ids
 
-pytestmark = pytest.mark.slow(seconds=45)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=120)  # see conftest's ordering
 
 # ChatML with a default system turn (as SmolLM2's and Qwen2.5's templates write it)
 CHATML = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
@@ -32,12 +32,13 @@ OTHER = CHATML.replace("Be brief.", "Be kind.")
 SST2 = BUILTIN_TASKS["sst2"]
 
 
-@pytest.fixture(scope="module")
-def chat_server(tmp_path_factory, tokenizer):
+@pytest.fixture(scope="module", params=RUNNERS, ids=["v1", "v2"])
+def chat_server(tmp_path_factory, tokenizer, request):
     """A per-request multi-task server rendering chat with CHATML and keeping a task store:
     `alpha` fitted on the completion prompt, `delta` through CHATML (policy: the first
     token), `epsilon` through another template; (url, model, vectors, the directory of the
-    vector files, `zeta.pt` and `eta.pt` among them for uploads)."""
+    vector files, `zeta.pt` and `eta.pt` among them for uploads). On vLLM's V1 and V2
+    runners."""
     d = tmp_path_factory.mktemp("chat-model")
     model = make_vllm_llama(tokenizer, seed=37, tie=False)
     model.save_pretrained(d)
@@ -69,7 +70,8 @@ def chat_server(tmp_path_factory, tokenizer):
     for n in ("zeta", "eta"):
         vecs[n].save(tmp / f"{n}.pt")
     proc, url, log = start_server(d, paths, tmp, ("--chat-template", CHATML,
-                                                  "--task-store", str(tmp / "store")))
+                                                  "--task-store", str(tmp / "store")),
+                                  runner=request.param)
     try:
         yield url, model, vecs, tmp
     finally:
@@ -294,7 +296,8 @@ def test_docs_chat_blocks_run(chat_server, tmp_path):
     run_client_blocks(CHAT_CLIENT, url, "delta", tmp_path)
 
 
-def test_a_chat_fitted_store_entry_is_served_after_a_restart(chat_server, tokenizer, tmp_path):
+def test_a_chat_fitted_store_entry_is_served_after_a_restart(chat_server, tokenizer, tmp_path,
+                                                             request):
     """A chat-fitted entry already in the store when a server starts: the gate learns its
     template from the stored vector (not from an upload), so its chat requests are shifted
     with no opt-in and its completions refused, as before the restart."""
@@ -307,7 +310,8 @@ def test_a_chat_fitted_store_entry_is_served_after_a_restart(chat_server, tokeni
     store = TaskStore(tmp_path / "store")
     store.add("zeta", vecs["zeta"], Path(base))
     proc, url2, log = start_server(base, [], tmp_path, ("--chat-template", CHATML,
-                                                        "--task-store", str(store.root)))
+                                                        "--task-store", str(store.root)),
+                                   runner=request.node.callspec.params["chat_server"])
     try:
         client = openai.OpenAI(base_url=f"{url2}/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(
