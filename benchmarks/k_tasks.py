@@ -1,7 +1,7 @@
 """Cost as the number of distinct tasks in a batch grows: K per-request tasks in flight.
 
 One round is R requests in one `generate` (every one in the same batches: max_num_seqs = R),
-request i naming task i mod K, every generated step shifted (`ltv_steps: all`): classify
+request i naming task i mod K (so min(K, R) distinct tasks), every generated step shifted (`ltv_steps: all`): classify
 (one greedy token) and generate (16 greedy tokens, EOS ignored). The same prompts run on a
 stock engine (zero-shot, the baseline) and on one per-request multi-task engine holding
 K_max vectors (`serve.task_engine`); on that engine also with no task named (the wrapper's
@@ -153,7 +153,10 @@ def main() -> None:
         zs = seconds[f"{shape}/zs"]
         for k in ("zs", "none", *map(str, KS)):
             s = seconds[f"{shape}/{k}"]
-            rows.append({"shape": shape, "K": k, "seconds": round(s, 4),
+            distinct = {"zs": 0, "none": 0}.get(k, min(int(k) if k.isdigit() else 0,
+                                                         a.requests))
+            rows.append({"shape": shape, "K": k, "distinct_tasks": distinct,
+                         "seconds": round(s, 4),
                          "requests_per_s": round(a.requests / s, 2),
                          "ratio_to_zero_shot": round(zs / s, 3), "tokens": tokens})
     res = {"command": " ".join(["python", "benchmarks/k_tasks.py", *sys.argv[1:]]),
@@ -161,8 +164,9 @@ def main() -> None:
            "requests": a.requests, "rank": a.rank, "rounds": a.rounds, "rows": rows}
     (a.out / f"results_{a.runner}.json").write_text(json.dumps(res, indent=1) + "\n")
     for row in rows:
-        print(f"{a.runner} {row['shape']:9s} K={row['K']:>4s} {row['requests_per_s']:8.2f} "
-              f"req/s  {row['ratio_to_zero_shot']:.3f}× zero-shot")
+        print(f"{a.runner} {row['shape']:9s} K={row['K']:>4s} ({row['distinct_tasks']:3d} "
+              f"distinct) {row['requests_per_s']:8.2f} req/s  "
+              f"{row['ratio_to_zero_shot']:.3f}× zero-shot")
 
 
 if __name__ == "__main__":

