@@ -131,10 +131,14 @@ class LTVMixin:
         `mask` (rows,): only the rows it marks get their delta (the others get 0 × delta).
 
         One task on every row: one rank-r product. Several: their rows are gathered in task
-        order once, each task's delta is one rank-r product on its contiguous slice, and
-        the deltas go back in one scatter, so a step's cost in tensor operations grows by
-        two or three per distinct task, not by a gather and a scatter each
-        (`benchmarks/k_tasks.py`: K distinct tasks in one batch)."""
+        order once and the deltas go back in one scatter; between, a task with many rows is
+        one rank-r product on its contiguous slice, and the tasks with few rows (≤ SMALL, the
+        usual case with many distinct tasks: a request or two each) of a linear hidden map
+        of one rank are shifted together in two batched products on a GPU
+        (`_batched_delta`, `batches_small_tasks`). So there the number of kernel launches
+        does not grow with the number of distinct tasks, which is what their cost was
+        (`benchmarks/k_tasks_shift.py`: 256 tasks took 30 µs of launches each at
+        Llama-8B's width); what still grows is reading each task's U and V once per step."""
         jobs = [(task, rows) for task, rows in plan.items()
                 if (tv := self._vector(task)) is not None and tv.kind == kind]
         if not jobs:
@@ -153,14 +157,20 @@ class LTVMixin:
         width = self._sizes[0] if kind == "hidden" else self._sizes[1]
         delta = torch.empty(len(order), width, device=h.device, dtype=torch.float32)
         start = 0
+        few: dict[int, list[tuple[int, int, TaskVector]]] = {}  # rank → (start, end, vector)
         for task, rows in jobs:
             end = start + (h.shape[0] if rows is None else len(rows))
             cast = self._cast(task, h.device)
             if cast.map == "linear" and cast.bias is None:
-                torch.mm(hs[start:end] @ cast.V, cast.U.T, out=delta[start:end])
+                if kind == "hidden" and end - start <= SMALL and batches_small_tasks(h.device):
+                    few.setdefault(cast.V.shape[1], []).append((start, end, cast))
+                else:
+                    torch.mm(hs[start:end] @ cast.V, cast.U.T, out=delta[start:end])
             else:
                 delta[start:end] = cast.delta(hs[start:end])
             start = end
+        for group in few.values():
+            _batched_delta(hs, delta, group)
         if mask is not None:
             delta *= mask.index_select(0, idx).unsqueeze(1)
         out[:, :width].index_add_(0, idx, delta)
@@ -226,6 +236,40 @@ class LTVMixin:
             # these entry points have no row plan: they would shift no request's task
             raise VectorError(f"{what} cannot apply per-request tasks (vLLM's V2 runner and "
                               "draft models are not supported in multi-task serving)")
+
+
+SMALL = 8  # a task with at most this many rows in a step is shifted in a batch of such tasks
+
+
+def batches_small_tasks(device: torch.device) -> bool:
+    """Whether small tasks are shifted together (`_batched_delta`) on this device: where a
+    kernel launch costs more than copying the tasks' U and V into one stack — a GPU (at
+    Llama-8B's width, 256 tasks: 2.2 ms against 7.9 ms one task at a time on an H200) —
+    but not on a CPU, where the copy is the cost (SmolLM2, 256 tasks: 102 ms against
+    15 ms; `benchmarks/k_tasks_shift.py`)."""
+    return device.type != "cpu"
+
+
+def _batched_delta(hs: torch.Tensor, delta: torch.Tensor,
+                   group: list[tuple[int, int, TaskVector]]) -> None:
+    """delta[s:e] = (hs[s:e] V) Uᵀ for every (s, e, vector) of `group` (linear maps of one
+    rank, at most SMALL rows each), in two batched products: each task's rows padded to the
+    group's most (with its last row again; those outputs are dropped), the tasks' V and U
+    stacked. Pure tensor maths; the indices are built on the host and copied once."""
+    if len(group) == 1:
+        s, e, tv = group[0]
+        torch.mm(hs[s:e] @ tv.V, tv.U.T, out=delta[s:e])
+        return
+    m = max(e - s for s, e, _ in group)
+    pad = [s + min(j, e - s - 1) for s, e, _ in group for j in range(m)]
+    keep = [i * m + j for i, (s, e, _) in enumerate(group) for j in range(e - s)]
+    dest = [r for s, e, _ in group for r in range(s, e)]
+    idx = _row_index(pad + keep + dest, hs.device)
+    pad_idx, keep_idx, dest_idx = idx.split([len(pad), len(keep), len(dest)])
+    hp = hs.index_select(0, pad_idx).view(len(group), m, hs.shape[1])
+    z = torch.bmm(hp, torch.stack([tv.V for _, _, tv in group]))  # (tasks, m, r)
+    out = torch.bmm(z, torch.stack([tv.U for _, _, tv in group]).transpose(1, 2))
+    delta.index_copy_(0, dest_idx, out.view(-1, out.shape[-1]).index_select(0, keep_idx))
 
 
 def _row_index(rows: list[int], device: torch.device) -> torch.Tensor:

@@ -29,10 +29,10 @@ common prefix (vLLM's prefix-cache key holds no `extra_args`), unlike LoRA adapt
 names are part of that key.
 
 On vLLM's V1 model runner (0.32 and 0.33: docs/architecture.md, "The vLLM contract"; what
-the CPU backend runs, and what ltv-vllm asks for when `VLLM_USE_V2_MODEL_RUNNER` is unset)
-the processor plans the rows. On the V2 runner (the user's choice) the same class is loaded
-through V2's interface and only checks requests; the model's V2 state plans the rows
-(`vllm_ext.v2`). A plan that does not match a step's rows raises (`RowPlanError`).
+a CPU build runs by default) the processor plans the rows. On the V2 runner (a GPU build's
+default) the same class is loaded through V2's interface and only checks requests; the
+model's V2 state plans the rows (`vllm_ext.v2`), drafts included. A plan that does not
+match a step's rows raises (`RowPlanError`).
 """
 
 from __future__ import annotations
