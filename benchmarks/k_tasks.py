@@ -1,8 +1,8 @@
 """Cost as the number of distinct tasks in a batch grows: K per-request tasks in flight.
 
 One round is R requests in one `generate` (every one in the same batches: max_num_seqs = R),
-request i naming task i mod K (so min(K, R) distinct tasks), every generated step shifted (`ltv_steps: all`): classify
-(one greedy token) and generate (16 greedy tokens, EOS ignored). The same prompts run on a
+request i naming task i mod K (so min(K, R) distinct tasks), every generated step shifted
+(`ltv_steps: all`): classify (one greedy token) and generate (16 greedy tokens, EOS ignored). The same prompts run on a
 stock engine (zero-shot, the baseline) and on one per-request multi-task engine holding
 K_max vectors (`serve.task_engine`); on that engine also with no task named (the wrapper's
 own cost). Each engine in a fresh process (vLLM keeps global state), the fastest of

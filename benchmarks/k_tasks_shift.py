@@ -28,7 +28,7 @@ def _stand_in_vllm() -> None:
     import importlib.machinery
 
     class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path, target=None):
+        def find_spec(self, name, path, target=None):  # noqa: ARG002
             if name == "vllm" or name.startswith("vllm."):
                 return importlib.machinery.ModuleSpec(name, self, is_package=True)
             return None
@@ -40,14 +40,14 @@ def _stand_in_vllm() -> None:
             def attr(name: str):
                 if name.startswith("__"):
                     raise AttributeError(name)
-                value = type(name, (), {}) if name[:1].isupper() else (lambda *a, **k: None)
+                value = type(name, (), {}) if name[:1].isupper() else (lambda *_, **__: None)
                 setattr(mod, name, value)
                 return value
 
             mod.__getattr__ = attr
             return mod
 
-        def exec_module(self, module):
+        def exec_module(self, module):  # noqa: ARG002
             return None
 
     sys.meta_path.insert(0, Finder())

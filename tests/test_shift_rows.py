@@ -51,7 +51,7 @@ VECTORS |= {"r6": vector(20, 6), "r6b": vector(21, 6),  # another rank
 def test_every_row_gets_its_own_task_and_nothing_else(seed, batched, monkeypatch):
     """Both ways of shifting small tasks: one product per task (the CPU's), and batched
     (a GPU's: `batches_small_tasks`), here forced on the CPU."""
-    monkeypatch.setattr(models, "batches_small_tasks", lambda device: batched)
+    monkeypatch.setattr(models, "batches_small_tasks", lambda _device: batched)
     rng = random.Random(seed)
     tasks = [*VECTORS, "", ""]  # "": the bare model (no vector: FUSED in multi-task serving)
     rows = ["big"] * (SMALL + 3) + [rng.choice(tasks) for _ in range(40)]

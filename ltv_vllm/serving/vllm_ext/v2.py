@@ -53,10 +53,9 @@ class LTVModelState(DefaultModelState):
             self.slots.pop(req_index, None)
             return
         task, n = self.shift.of(params)
-        prompt = new_req_data.prompt_token_ids
-        if prompt is None:  # prompt embeddings: the prefill is the prompt on first entry
-            prompt = new_req_data.prefill_token_ids or []
-        self.slots[req_index] = (task, n, len(prompt))
+        # the prompt's own length (token ids or embeddings), as V2's request states take it:
+        # a request resumed after preemption is prefilled with its outputs too
+        self.slots[req_index] = (task, n, int(new_req_data.prompt_len))
 
     def preprocess_state(self, input_batch: Any, *args: Any, **kwargs: Any) -> None:
         super().preprocess_state(input_batch, *args, **kwargs)
