@@ -2,13 +2,14 @@
 
 One round is R requests in one `generate` (every one in the same batches: max_num_seqs = R),
 request i naming task i mod K (so min(K, R) distinct tasks), every generated step shifted
-(`ltv_steps: all`): classify (one greedy token) and generate (16 greedy tokens, EOS ignored). The same prompts run on a
-stock engine (zero-shot, the baseline) and on one per-request multi-task engine holding
-K_max vectors (`serve.task_engine`); on that engine also with no task named (the wrapper's
-own cost). Each engine in a fresh process (vLLM keeps global state), the fastest of
---rounds rounds per cell, the cells interleaved round by round. Vectors are random, at the
-rank and shape of a real fit (rank N = 256 on SmolLM2's 576-wide hidden state); their values
-do not change the cost. Reported: requests per second and the ratio to zero-shot.
+(`ltv_steps: all`): classify (one greedy token) and generate (16 greedy tokens, EOS
+ignored). The same prompts run on a stock engine (zero-shot, the baseline) and on one
+per-request multi-task engine holding K_max vectors (`serve.task_engine`); on that engine
+also with no task named (the wrapper's own cost). Each engine in a fresh process (vLLM keeps
+global state), the fastest of --rounds rounds per cell, the cells interleaved round by
+round. Vectors are random, at the rank and shape of a real fit (rank N = 256 on SmolLM2's
+576-wide hidden state); their values do not change the cost. Reported: requests per second
+and the ratio to zero-shot.
 
     python benchmarks/k_tasks.py --runner v1 --out benchmarks/results/k_tasks_smollm2-135m
 
