@@ -64,7 +64,9 @@ def v2(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """A fresh interpreter on vLLM's V2 runner (the shim must be in place before vLLM is
     imported: this pytest worker's forkserver imported it without)."""
     env = {**os.environ, **runner_test_env("1"), "LTV_VLLM_CACHE": str(cwd / "cache"),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
+           # as `run_worker`'s jobs: vLLM's CPU default reserves 92 % of the memory
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
     return subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True,
                           text=True, timeout=600)
 

@@ -234,8 +234,9 @@ class LTVMixin:
     def _single_task(self, what: str) -> None:
         if set(self._vectors) - {FUSED} or self._store:
             # these entry points have no row plan: they would shift no request's task
-            raise VectorError(f"{what} cannot apply per-request tasks (vLLM's V2 runner and "
-                              "draft models are not supported in multi-task serving)")
+            raise VectorError(f"{what} cannot apply per-request tasks (vLLM's batch-sharded "
+                              "sampling and a draft model's local argmax reduction are not "
+                              "supported in multi-task serving)")
 
 
 SMALL = 8  # a task with at most this many rows in a step is shifted in a batch of such tasks
