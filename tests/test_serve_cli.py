@@ -159,7 +159,9 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     overrides = json.loads(r.output.split("--hf-overrides ")[1].split("' ")[0].strip("'"))
     assert overrides["ltv_task_store"] == str(store.absolute())
     assert f'"task_store": "{store}"' in r.output and '"store_lora": false' in r.output
-    assert "VLLM_PLUGINS=ltv_vllm,ltv_tasks" in r.output
+    # our two, beside the other plugins vLLM would load unset (test_other_installed_plugins_…)
+    assert {"ltv_vllm", "ltv_tasks"} <= set(
+        next(x for x in r.output.split() if x.startswith("VLLM_PLUGINS="))[13:].split(","))
     r = run("--task-store", str(store), "--shift-steps", "2")  # the store tasks' default too
     assert r.exit_code == 0 and '"ltv_shift_steps": "2"' in r.output, r.output
     r = run("--task-store", str(store), "--multi-task", "lora")
@@ -425,3 +427,35 @@ def test_every_server_kind_leaves_the_runner_to_vllm(setup, monkeypatch):
     r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
                                   str(good), "--dry-run", *ngram])
     assert r.exit_code == 0 and "--speculative-config" in r.output, r.output
+
+
+def test_other_installed_plugins_keep_loading(setup, monkeypatch, tmp_path):
+    """Our endpoint plugin must be named in VLLM_PLUGINS, which is one allowlist for every
+    plugin group: with the variable unset, a server that needs it names every plugin vLLM
+    would load unset (here a third-party general plugin, installed for the test), and no
+    other endpoint plugin (those load only when named) nor vLLM's hub LoRA resolver (it reads
+    being named as consent to download); a user's own list is kept, ours added."""
+    from ltv_vllm.serving.serve import store_plugins
+
+    dist = tmp_path / "site" / "other_plugin-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: other-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nother_general = other_plugin:register\n\n"
+        "[vllm.stat_logger_plugins]\nother_logger = other_plugin:Logger\n\n"
+        "[vllm.endpoint_plugins]\nother_routes = other_plugin:Routes\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    allow = store_plugins().split(",")
+    assert {"ltv_vllm", "ltv_tasks", "other_general", "other_logger"} <= set(allow), allow
+    assert "other_routes" not in allow and "lora_hf_hub_resolver" not in allow, allow
+    tmp, good, _ = setup
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
+                                  f"a={good}", "--task-store", str(tmp / "s3"), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.split() if x.startswith("VLLM_PLUGINS="))
+    assert set(line.split("=", 1)[1].split(",")) == set(allow), line
+    monkeypatch.setenv("VLLM_PLUGINS", "mine")
+    assert store_plugins() == "mine,ltv_vllm,ltv_tasks"
+    assert store_plugins({"VLLM_PLUGINS": ""}, {}) == "ltv_vllm,ltv_tasks"
