@@ -503,3 +503,24 @@ def test_hub_halves_and_missing_field(monkeypatch: pytest.MonkeyPatch) -> None:
         load_dataset(BUILTIN_TASKS["dbpedia"])
     with pytest.raises(DataError, match="names no hub dataset"):
         load_dataset(_task("packaged:sst2"), source="hub")
+
+
+def test_a_task_spec_with_a_key_nobody_reads_is_refused(tmp_path: Path) -> None:
+    """An instruction, a `template` or a misspelt key would be ignored without a word (the
+    prompt is fixed); refused in one line naming it, as regression specs refuse theirs. The
+    keys a spec may hold still load."""
+    from ltv_vllm.tasks.specs import TaskError, get_task
+
+    (tmp_path / "t.jsonl").write_text('{"text": "late bill", "label": "billing"}\n')
+    spec = {"name": "tickets", "in_prefix": "Ticket", "label_prefix": "Team",
+            "labels": ["billing", "outage"], "data": "t.jsonl"}
+    (tmp_path / "ok.json").write_text(json.dumps({**spec, "kind": "classification",
+                                                  "hub": {}}))
+    task = get_task(str(tmp_path / "ok.json"))
+    assert task.labels == ("billing", "outage") and task.source == str(tmp_path / "t.jsonl")
+    for extra, words in (({"template": "Q: {text}"}, r"unknown keys \['template'\]"),
+                         ({"lables": ["a"]}, r"unknown keys \['lables'\]"),
+                         ({"kind": "ranking"}, "unknown kind 'ranking'")):
+        (tmp_path / "bad.json").write_text(json.dumps({**spec, **extra}))
+        with pytest.raises(TaskError, match=words):
+            get_task(str(tmp_path / "bad.json"))

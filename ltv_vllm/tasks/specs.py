@@ -246,6 +246,11 @@ def list_tasks() -> list[Task]:
     return list(BUILTIN_TASKS.values())
 
 
+# what a classification spec file may hold (`data` or `source`: where its examples are)
+SPEC_KEYS = frozenset({"name", "in_prefix", "label_prefix", "labels", "data", "source", "hub",
+                       "kind"})
+
+
 def load_task_file(path: str | Path) -> AnyTask:
     """A user task from a JSON or YAML spec: name, in_prefix, label_prefix, labels, data.
 
@@ -272,6 +277,17 @@ def load_task_file(path: str | Path) -> AnyTask:
     d.setdefault("name", path.stem)
     if "family" in d or d.get("kind") == "regression":
         return RegressionTask.from_dict(d)  # synthetic: no data file
+    if d.get("kind", "classification") != "classification":
+        raise TaskError(f"task spec {path}: unknown kind {d['kind']!r}; "
+                        "classification or regression")
+    # a key this code does not read would be ignored without a word (an instruction or a
+    # "template" would change nothing): refused, as regression specs refuse theirs
+    unknown = set(d) - SPEC_KEYS
+    if unknown:
+        raise TaskError(f"task spec {path} has unknown keys {sorted(unknown)}; known: "
+                        f"{sorted(SPEC_KEYS)} (the prompt is fixed: "
+                        "'{in_prefix}: {text}\\n{label_prefix}:')")
+    d.pop("kind", None)
     src = d.pop("data", None) or d.get("source")
     if not src:
         raise TaskError(f"task spec {path} needs a `data` file")
