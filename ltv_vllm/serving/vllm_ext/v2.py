@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
+from ltv_vllm.serving.vllm_ext.models import _row_index
 from ltv_vllm.serving.vllm_ext.steps import ALL, PLAN, RequestShift, RowPlanError
 
 
@@ -66,8 +66,8 @@ class LTVModelState(DefaultModelState):
         PLAN.ready, PLAN.rows, prompt_len, n = row_plan(input_batch, self.slots,
                                                         every_step=True)
         mask = step_mask(input_batch.positions, input_batch.logits_indices[:PLAN.rows],
-                         _to(prompt_len, input_batch.positions.device),
-                         _to(n, input_batch.positions.device))
+                         _row_index(prompt_len, input_batch.positions.device),
+                         _row_index(n, input_batch.positions.device))
         if mask.device.type == "cpu":
             # free on the CPU, where the host's counts are exact (no async scheduling)
             host = row_plan(input_batch, self.slots)[0]
@@ -128,14 +128,6 @@ def step_mask(positions: torch.Tensor, logits_indices: torch.Tensor,
     (n < 0: every g ≥ 0). Pure tensor maths on the engine's device. (rows,) bool"""
     g = positions.index_select(0, logits_indices).long() + 1 - prompt_len
     return (g >= 0) & ((n < 0) | (g < n))
-
-
-def _to(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host ints on the engine's device without blocking the host (pinned, non_blocking)."""
-    t = torch.from_numpy(np.asarray(values, dtype=np.int64))
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _rows_of(plan: dict[str, list[int] | None], rows: int) -> list[bool]:
