@@ -34,7 +34,7 @@ from vllm.model_executor.models.utils import PPMissingLayer
 
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
 from ltv_vllm.serving.step_policy import STORE_CONFIG_KEY, TASKS_CONFIG_KEY
-from ltv_vllm.serving.vllm_ext.steps import FUSED, PLAN, STORE, take_plan
+from ltv_vllm.serving.vllm_ext.steps import FUSED, PLAN, STORE, row_index, take_plan
 
 CONFIG_KEY = "ltv_task_vector"
 FOLD_KEY = "ltv_fold"
@@ -152,7 +152,7 @@ class LTVMixin:
             out[..., : delta.shape[-1]] += delta
             return out
         order = [r for _, rows in jobs for r in (range(h.shape[0]) if rows is None else rows)]
-        idx = _row_index(order, h.device)
+        idx = row_index(order, h.device)
         hs = h.index_select(0, idx).float()
         width = self._sizes[0] if kind == "hidden" else self._sizes[1]
         delta = torch.empty(len(order), width, device=h.device, dtype=torch.float32)
@@ -265,22 +265,12 @@ def _batched_delta(hs: torch.Tensor, delta: torch.Tensor,
     pad = [s + min(j, e - s - 1) for s, e, _ in group for j in range(m)]
     keep = [i * m + j for i, (s, e, _) in enumerate(group) for j in range(e - s)]
     dest = [r for s, e, _ in group for r in range(s, e)]
-    idx = _row_index(pad + keep + dest, hs.device)
+    idx = row_index(pad + keep + dest, hs.device)
     pad_idx, keep_idx, dest_idx = idx.split([len(pad), len(keep), len(dest)])
     hp = hs.index_select(0, pad_idx).view(len(group), m, hs.shape[1])
     z = torch.bmm(hp, torch.stack([tv.V for _, _, tv in group]))  # (tasks, m, r)
     out = torch.bmm(z, torch.stack([tv.U for _, _, tv in group]).transpose(1, 2))
     delta.index_copy_(0, dest_idx, out.view(-1, out.shape[-1]).index_select(0, keep_idx))
-
-
-def _row_index(rows: list[int], device: torch.device) -> torch.Tensor:
-    """A task's rows as an index on the engine's device: built on the host and, for an
-    accelerator, copied from pinned memory without blocking the host (a plain
-    `torch.tensor(rows, device=cuda)` waits for the copy on every mixed step)."""
-    idx = torch.tensor(rows, dtype=torch.long)
-    if device.type == "cpu":
-        return idx
-    return idx.pin_memory().to(device, non_blocking=True)
 
 
 class LTVLocalMixin(LTVMixin):

@@ -283,3 +283,13 @@ class LTVLoraRefused(LTVStepsRefused):
         super().validate_params(sampling_params)
         if sampling_params.prompt_logprobs is not None:
             raise ValueError(LORA_PROMPT_LOGPROBS)
+
+
+def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """A task's rows as an index on the engine's device: built on the host and, for an
+    accelerator, copied from pinned memory without blocking the host (a plain
+    `torch.tensor(rows, device=cuda)` waits for the copy on every mixed step)."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    if device.type == "cpu":
+        return idx
+    return idx.pin_memory().to(device, non_blocking=True)

@@ -31,8 +31,7 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-from ltv_vllm.serving.vllm_ext.models import _row_index
-from ltv_vllm.serving.vllm_ext.steps import ALL, PLAN, RequestShift, RowPlanError
+from ltv_vllm.serving.vllm_ext.steps import ALL, PLAN, RequestShift, RowPlanError, row_index
 
 
 class LTVModelState(DefaultModelState):
@@ -66,8 +65,8 @@ class LTVModelState(DefaultModelState):
         PLAN.ready, PLAN.rows, prompt_len, n = row_plan(input_batch, self.slots,
                                                         every_step=True)
         mask = step_mask(input_batch.positions, input_batch.logits_indices[:PLAN.rows],
-                         _row_index(prompt_len, input_batch.positions.device),
-                         _row_index(n, input_batch.positions.device))
+                         row_index(prompt_len, input_batch.positions.device),
+                         row_index(n, input_batch.positions.device))
         if mask.device.type == "cpu":
             # free on the CPU, where the host's counts are exact (no async scheduling)
             host = row_plan(input_batch, self.slots)[0]
