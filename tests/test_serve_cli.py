@@ -30,13 +30,15 @@ def test_dry_run_commands(setup, monkeypatch):
     overrides = json.loads(r.output.split("--hf-overrides ")[1].split("' ")[0].strip("'"))
     assert overrides == {"architectures": ["LTVLlamaForCausalLM"],
                          "ltv_task_vector": str(good.resolve()), "ltv_fold": True}
-    # the user's own compilation flag is passed on, and serve adds no second one
-    assert r.output.rstrip().endswith("--enforce-eager")
+    # the user's own compilation flag is passed on (before serve's: vLLM keeps a flag's last
+    # value, and serve's hold the user's merged in), and serve adds no second one
+    assert r.output.split(" -m vllm.entrypoints.launchers.api_server.entry ")[1].startswith(
+        "--enforce-eager --model")
     assert r.output.count("--enforce-eager") == 1
     r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector", str(good),
                                   "--dry-run", "-O3"])
     assert r.exit_code == 0, r.output
-    assert "--enforce-eager" not in r.output and r.output.rstrip().endswith("-O3")
+    assert "--enforce-eager" not in r.output and " -O3 --model" in r.output
     if not torch.cuda.is_available():  # the CPU backend starts eager by default
         r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
                                       str(good), "--dry-run"])
@@ -459,3 +461,92 @@ def test_other_installed_plugins_keep_loading(setup, monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_PLUGINS", "mine")
     assert store_plugins() == "mine,ltv_vllm,ltv_tasks"
     assert store_plugins({"VLLM_PLUGINS": ""}, {}) == "ltv_vllm,ltv_tasks"
+
+
+def _vllm_argv(output: str) -> list[str]:
+    """The vLLM server argv a dry run printed, as vLLM's parser takes it."""
+    import shlex
+
+    line = next(x for x in output.splitlines() if "api_server.entry" in x)
+    argv = shlex.split(line)
+    return argv[argv.index("vllm.entrypoints.launchers.api_server.entry") + 1:]
+
+
+def _parsed(output: str):
+    """What vLLM's own parser reads of that argv (the last of a flag given twice wins)."""
+    from ltv_vllm.serving.serve import vllm_flags
+
+    parsed = vllm_flags(_vllm_argv(output))
+    assert parsed is not None, output
+    return parsed
+
+
+def test_user_flags_kept_merged_or_refused(setup, monkeypatch, tmp_path):
+    """A user's vLLM flags that serve sets too are never silently replaced: read back through
+    vLLM's own parser, the served names keep the user's (the bare model) beside the tasks,
+    overrides and logits processors are merged, a user's LoRA adapter joins the tasks'
+    slot table in LoRA mode (its rank, targets and a slot added); conflicts are one line."""
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.serving.lora import export_lora
+
+    tmp, good, _ = setup
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    # the user's own adapter: rank 16 on q_proj and lm_head (PEFT's config is what is read)
+    adapter = export_lora(load_task_vector(good), tmp / "m", tmp_path / "mine")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {**config, "r": 16, "target_modules": ["q_proj", "lm_head"]}))
+    base = ["serve", "--model", str(tmp / "m"), "--dry-run"]
+    user = ["--served-model-name", "mine", "base", "--hf-overrides", '{"rope_theta": 5000.0}',
+            "--logits-processors", "my_pkg:MyProc", "--port", "9001"]
+    r = CliRunner().invoke(main, [*base, "--task-vector", f"a={good}", *user])
+    assert r.exit_code == 0, r.output
+    got = _parsed(r.output)
+    assert got.served_model_name == ["mine", "base", "a"]  # the first: the bare model's
+    assert got.hf_overrides["rope_theta"] == 5000.0
+    assert got.hf_overrides["architectures"] == ["LTVLlamaForCausalLM"]
+    assert "a" in json.loads(got.hf_overrides["ltv_tasks"])
+    assert got.logits_processors == ["my_pkg:MyProc",
+                                     "ltv_vllm.serving.vllm_ext.steps:LTVStepPolicy"]
+    assert got.port == 9001 and got.lora_modules is None
+    # shift mode: the user's adapter served beside the tasks, as they gave it
+    r = CliRunner().invoke(main, [*base, "--task-vector", f"a={good}", "--enable-lora",
+                                  "--lora-modules", f"ad={adapter}", "--max-lora-rank", "16"])
+    assert r.exit_code == 0, r.output
+    got = _parsed(r.output)
+    assert [m.name for m in got.lora_modules] == ["ad"] and got.enable_lora
+    # LoRA mode: one slot table, the tasks' adapters and the user's
+    r = CliRunner().invoke(main, [*base, "--task-vector", f"a={good}", "--multi-task", "lora",
+                                  "--lora-modules", f"ad={adapter}", "--max-loras", "2"])
+    assert r.exit_code == 0, r.output
+    got = _parsed(r.output)
+    assert [m.name for m in got.lora_modules] == ["a", "ad"]
+    assert got.max_lora_rank == 16  # the user's adapter's r (the task's: 8)
+    assert sorted(got.lora_target_modules) == ["lm_head", "q_proj"]
+    # a slot per task and probe adapter... plus the user's two
+    assert got.max_loras == 2 + 2
+    for extra, message in (
+            ([f"{tmp / 'm'}={good}", "--served-model-name", "x"], None),
+            (["mine=" + str(good), "--served-model-name", "mine"], "a --served-model-name name"),
+            (["ad=" + str(good), "--lora-modules", f"ad={adapter}"], "an adapter's name"),
+            ([str(good), "--lora-modules", f"ad={adapter}"], "a fused vector shifts every"),
+            ([f"a={good}", "--hf-overrides", '{"architectures": ["X"]}'], "'architectures'"),
+            # a vLLM config file (`--config`) is read as vLLM reads it: its model and port
+            ([f"a={good}", "--config", str(_yaml(tmp_path, model="other"))],
+             "--model other in vLLM's arguments"),
+            ([f"a={good}", "--logprobs-mode", "raw_logprobs"], "--logprobs-mode raw_logprobs"),
+            ([f"a={good}", "--port", "9001", "--config", str(_yaml(tmp_path, port=9002))],
+             "--port given twice")):
+        r = CliRunner().invoke(main, [*base, "--task-vector", *extra])
+        if message is None:  # the model's path as a task name is free once the user names it
+            assert r.exit_code == 0, r.output
+            continue
+        assert r.exit_code != 0 and message in r.output, (extra, r.output)
+        assert len(r.output.strip().splitlines()) == 1, r.output
+
+
+def _yaml(directory: Path, **settings) -> Path:
+    """A vLLM `--config` file."""
+    path = directory / f"vllm-{'-'.join(settings)}.yaml"
+    path.write_text("".join(f"{k}: {v}\n" for k, v in settings.items()))
+    return path

@@ -31,6 +31,14 @@ from ltv_vllm.serving.step_policy import (
     parse_steps,
     tasks_env,
 )
+from ltv_vllm.serving.user_flags import (
+    UserFlags,
+    check_fused_lora,
+    check_names,
+    chosen,
+    merged_overrides,
+    read_user_flags,
+)
 from ltv_vllm.serving.vllm_support import check_version, speculative_problem
 
 
@@ -235,18 +243,30 @@ class LoraPlan:
                 # slower than serving.
                 "lora_target_modules": ["lm_head"], "max_loras": self.max_loras}
 
-    def server_args(self) -> list[str]:
-        """The same settings as OpenAI-server flags, plus what only a server needs."""
+    def server_args(self, user: UserFlags | None = None) -> list[str]:
+        """The same settings as OpenAI-server flags, plus what only a server needs; the
+        user's own adapters (`user`) in the same slot table: their slots, rank and target
+        modules added to the tasks' (`user_flags`)."""
+        from ltv_vllm.serving.lora import lora_rank
+
+        user = user or UserFlags()
         kw = self.engine_kwargs()
-        return ["--hf-overrides", json.dumps(kw["hf_overrides"]),
-                "--enable-lora", "--max-lora-rank", str(self.max_rank),
-                "--lora-target-modules", *kw["lora_target_modules"],
-                "--max-loras", str(self.max_loras),
+        modules = user.adapter_modules() if user.lora else ()
+        rank = max(self.max_rank, lora_rank(user.adapter_rank()) if user.lora else 0)
+        slots = self.max_loras + (user.max_loras or len(user.adapters) if user.lora else 0)
+        modules_flag = ([] if modules is None else  # None: every module, as vLLM does
+                        ["--lora-target-modules",
+                         *sorted({*kw["lora_target_modules"], *modules})])
+        adapters = [*(f"{n}={p}" for n, p in self.adapters.items()),
+                    *(a.flag() for a in user.adapters)]
+        return ["--hf-overrides", json.dumps(merged_overrides(kw["hf_overrides"],
+                                                              user.hf_overrides)),
+                "--enable-lora", "--max-lora-rank", str(rank), *modules_flag,
+                "--max-loras", str(slots),
                 # the key on every route, body limits, and prompt_logprobs refused (with an
                 # lm_head LoRA it crashes the CPU engine and is wrong on GPU)
                 "--middleware", "ltv_vllm.serving.vllm_ext.middleware.LoraGate",
-                *(["--lora-modules", *(f"{n}={p}" for n, p in self.adapters.items())]
-                  if self.adapters else [])]
+                *(["--lora-modules", *adapters] if adapters else [])]
 
     def write(self) -> None:
         """Export every adapter (PEFT format) where the plan says."""
@@ -396,8 +416,7 @@ def _vllm_flags(vllm_args: tuple[str, ...]) -> Any:
 
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            return make_arg_parser(FlexibleArgumentParser()).parse_args(
-                ["--model", "-", *vllm_args])
+            return make_arg_parser(FlexibleArgumentParser()).parse_args(list(vllm_args))
     except (SystemExit, Exception):  # noqa: BLE001 - vLLM refuses them at its start
         return None
 
@@ -518,6 +537,25 @@ class ServerPlan:
         os.execve(sys.executable, self.argv, {**os.environ, **self.env})
 
 
+def user_flags(vllm_args: tuple[str, ...] | list[str]) -> UserFlags:
+    """The user's vLLM flags that ltv-vllm sets too, as vLLM parses them (`user_flags`);
+    `--model` (the model is serve's own option) and a `--logprobs-mode` other than the
+    processed logprobs classification reads are refused in one line."""
+    parsed = vllm_flags(vllm_args)
+    user = read_user_flags(parsed, _vllm_flags(()))
+    if _gave(vllm_args, "--logprobs-mode") and parsed is not None:  # vLLM's default, given
+        user = replace(user, logprobs_mode=parsed.logprobs_mode)
+    if user.model is not None:
+        raise ArgumentError(f"--model {user.model} in vLLM's arguments: the model is "
+                            "ltv-vllm serve's own --model (its task vectors are checked "
+                            "against it)")
+    if user.logprobs_mode not in (None, "processed_logprobs"):
+        raise ArgumentError(f"--logprobs-mode {user.logprobs_mode}: ltv-vllm serves "
+                            "processed_logprobs (a label-restricted request's distribution, "
+                            "which `ltv-vllm classify` reads); drop the flag")
+    return user
+
+
 def check_speculative(vllm_args: tuple[str, ...] | list[str]) -> None:
     """`--speculative-config` on a runner that cannot serve it beside the shift: one line
     (`vllm_support.speculative_problem`)."""
@@ -548,6 +586,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     # logits processor beside them: one line, before any model is resolved
     check_version()
     check_speculative(opts.vllm_args)
+    user = user_flags(opts.vllm_args)
     spec = opts.model_spec or DEFAULT_MODEL
     model_dir = local_model_dir(spec)  # a hub id: fetched, or found in the cache offline
     parsed = parse_vector_specs(list(opts.vectors))
@@ -571,7 +610,11 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         f"adapters need rank {LORA_PAIRS}); `ltv-vllm selfcheck --multi-task lora` runs it"])
     args, lora, task_env = server_args(
         model_dir, parsed, lora_dir=cache_dir() / "adapters" / digest, served_name=spec,
-        host=opts.host, port=opts.port, dtype=opts.dtype, max_model_len=opts.max_model_len,
+        host=chosen("--host", opts.host, ServeOptions.host, user.host),
+        port=chosen("--port", opts.port, ServeOptions.port, user.port),
+        dtype=chosen("--dtype", opts.dtype, ServeOptions.dtype, user.dtype),
+        max_model_len=chosen("--max-model-len", opts.max_model_len, None, user.max_model_len),
+        user=user,
         fold=opts.fold, shift_steps=opts.shift_steps, lora_rank_cap=opts.lora_rank, store=store,
         max_tasks=opts.max_tasks, lora=opts.lora,
         store_root=Path(opts.task_store).absolute() if opts.task_store is not None else None,
@@ -624,7 +667,8 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
                            max_upload=upload_limit(model_dir))
         env["VLLM_PLUGINS"] = store_plugins()
     env.update(settings.to_env())
-    return ServerPlan([sys.executable, "-m", SERVER_MODULE, *args, *extra], env, lora,
+    # ours after the user's: vLLM keeps a flag's last value, and ours hold theirs merged in
+    return ServerPlan([sys.executable, "-m", SERVER_MODULE, *extra, *args], env, lora,
                       quarantine, probes or lora_probes, notes)
 
 
@@ -647,6 +691,7 @@ def server_args(
     store_root: Path | None = None,
     probes: dict[str, dict[str, str]] | None = None,
     lora_min_rank: int = 1,
+    user: UserFlags | None = None,
 ) -> tuple[list[str], LoraPlan | None, dict[str, str]]:
     """argv for vLLM's OpenAI server (after `-m SERVER_MODULE`), for LoRA multi-task
     serving the plan whose adapters must be written before it starts, and what the server's
@@ -661,9 +706,15 @@ def server_args(
     `store` (task-store entries at `store_root`, name → directory): tasks added while the
     server runs, loaded by the engine from the store on first use (per-request tasks), or, with
     `lora=True`, LoRA slots for `max_tasks` tasks at the rank a compiled task needs.
+    `user`: the user's own vLLM flags that ltv-vllm sets too (`user_flags`): their served
+    names replace `served_name`, their overrides, processors and adapters are merged in; the
+    argv returned goes after theirs (vLLM keeps a flag's last value).
     """
     from ltv_vllm.models.hardware import resolve_for_model
 
+    user = user or UserFlags()
+    names = list(user.served_names) or [served_name]
+    check_names([*vectors, *(store or {})], user)
     model_dir = Path(model_dir)
     wrapper_architecture(model_dir)
     dtype = resolve_for_model(dtype, model_dir)  # vLLM's own "auto" would keep bf16 on any CPU
@@ -680,14 +731,16 @@ def server_args(
         if lora_rank_cap is not None:
             raise VectorError("a LoRA rank applies to multi-task serving (name=path vectors), "
                               "not to one fused vector")
+        check_fused_lora(user)
         overrides, tv = _fused_overrides(model_dir, vectors[""], fold, shift_steps)
         task_env: dict[str, str] = {}
         if probes:  # the fused vector, and the probes by name (`serving.selfcheck`)
             overrides[TASKS_CONFIG_KEY] = json.dumps(probes)
             task_env = tasks_env(list(probes))
-        args += ["--hf-overrides", json.dumps(overrides),
-                 "--logits-processors", step_processor(per_request=not fold),
-                 "--served-model-name", tv.task_name, served_name,
+        args += ["--hf-overrides", json.dumps(merged_overrides(overrides, user.hf_overrides)),
+                 "--logits-processors", *user.logits_processors,
+                 step_processor(per_request=not fold),
+                 "--served-model-name", tv.task_name, *names,
                  # the key on every route (vLLM's own included), body limits, and the
                  # request shapes the shift cannot follow refused
                  "--middleware", "ltv_vllm.serving.vllm_ext.middleware."
@@ -697,8 +750,8 @@ def server_args(
         raise VectorError("--fold applies to one fused vector, not to multi-task serving")
     if lora_rank_cap is not None and not lora:
         raise VectorError("a LoRA rank applies to LoRA multi-task serving (--multi-task lora)")
-    if served_name in vectors:
-        raise VectorError(f"task {served_name!r} has the served model's name; rename it")
+    if clash := [n for n in names if n in vectors]:
+        raise VectorError(f"task {clash[0]!r} has the served model's name; rename it")
     if not lora:
         engine = task_engine(model_dir, vectors, shift_steps=shift_steps)
         overrides = dict(engine.overrides)
@@ -714,11 +767,12 @@ def server_args(
             overrides[STORE_CONFIG_KEY] = str(store_root)
             if shift_steps is not None:  # the store tasks' default too
                 overrides[DEFAULT_KEY] = shift_steps
-        return [*args, "--hf-overrides", json.dumps(overrides),
-                "--logits-processors", step_processor(per_request=True),
+        return [*args, "--hf-overrides", json.dumps(merged_overrides(overrides,
+                                                                     user.hf_overrides)),
+                "--logits-processors", *user.logits_processors, step_processor(per_request=True),
                 # every task is a served name of the one model; the gate sets a request's
                 # task (`vllm_xargs.ltv_task`) from its `model`
-                "--served-model-name", served_name, *vectors,
+                "--served-model-name", *names, *vectors,
                 "--middleware", "ltv_vllm.serving.vllm_ext.middleware.TaskGate"], None, task_env
     # a task-store server holds its command-line tasks and up to max_tasks store tasks at
     # once (more when the store already holds more): a LoRA slot for each
@@ -727,9 +781,10 @@ def server_args(
         "min_rank": max(store_rank(model_dir), lora_min_rank)}
     plan = plan_lora(model_dir, vectors, lora_dir=lora_dir, rank_cap=lora_rank_cap,
                      store=store, **room)
-    return [*args, "--served-model-name", served_name,
-            "--logits-processors", step_processor(per_request=False, lora=True),
-            *plan.server_args()], plan, {}
+    return [*args, "--served-model-name", *names,
+            "--logits-processors", *user.logits_processors,
+            step_processor(per_request=False, lora=True),
+            *plan.server_args(user)], plan, {}
 
 
 # -- a task store behind the server (compiled / uploaded tasks, added at runtime) ------------

@@ -471,8 +471,9 @@ class TaskGate(Gate):
                     "name one", "BadRequestError", "vllm_xargs")
         if named is not None and ask.model is not None and not self.is_task(ask.model) \
                 and (not isinstance(ask.model, str) or ask.model not in base_names(scope)):
-            return (f"model {str(ask.model)[:80]!r} is not served here; beside "
-                    f"vllm_xargs.{TASK_KEY} name the served base model or the task itself",
+            return (f"model {str(ask.model)[:80]!r} beside vllm_xargs.{TASK_KEY}: a task's "
+                    "vector shifts the base model it was fitted on; name the served base "
+                    "model or the task itself, not another model or a LoRA adapter",
                     "BadRequestError", "model")
         if ask.path in NO_SHIFT_PATHS:
             return None  # nothing is generated: a task's name stands for the model's tokenizer
