@@ -45,6 +45,9 @@ _API = {
     "evaluate": "ltv_vllm.evaluation.evaluate",
     "EvalConfig": "ltv_vllm.evaluation.evaluate",
     "UserError": "ltv_vllm.errors",
+    "make_llm": "ltv_vllm.serving.offline",
+    "task_llm": "ltv_vllm.serving.offline",
+    "classify_offline": "ltv_vllm.serving.offline",
 }
 
 __all__ = ["__version__", *sorted(_API)]

@@ -90,24 +90,26 @@ def generate(model_dir: str, vector: str | dict, prompts: list[str], max_tokens:
     of `max_tokens`, `steps` and `xargs` as above (engines are the expensive part of a test:
     one engine answers every question asked of its configuration); their outputs under
     "more", in order."""
-    import os
 
     from vllm import LLM
 
-    from ltv_vllm.serving.serve import engine_kwargs, task_engine
+    from ltv_vllm import task_llm
+    from ltv_vllm.serving.serve import engine_kwargs
 
-    if isinstance(vector, dict):
-        engine = task_engine(model_dir, vector, shift_steps=shift_steps)
-        os.environ.update(engine.env)  # the task names this process admits
-        kwargs = engine.kwargs
+    common = dict(enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.5, seed=0,
+                  tensor_parallel_size=tp)
+    if isinstance(vector, dict):  # the exported offline API, as a user calls it
+        llm = task_llm(model_dir, vector, shift_steps=shift_steps, dtype="float32",
+                       engine_args=common)
+        kwargs = None
     elif vector == "-":
         kwargs = {"model": model_dir}
     else:
         fold = vector.startswith("fold:")
         kwargs = engine_kwargs(model_dir, vector.removeprefix("fold:"), fold=fold,
                                shift_steps=shift_steps)
-    llm = LLM(**kwargs, dtype="float32", enforce_eager=True, max_model_len=512,
-              gpu_memory_utilization=0.5, seed=0, tensor_parallel_size=tp)
+    if kwargs is not None:
+        llm = LLM(**kwargs, dtype="float32", **common)
     result = _batch(llm, prompts, max_tokens, steps, xargs, lengths)
     extra = [_batch(llm, prompts, b["max_tokens"], b.get("steps"), b.get("xargs"))
              for b in more or []]

@@ -6,7 +6,6 @@ runner the environment asks for, optionally with speculative decoding; writes
 """
 
 import json
-import os
 import sys
 
 # repetitive prompts: the n-gram proposer finds drafts in them (and in the loops a tiny
@@ -18,17 +17,16 @@ STEPS = ["all", "first", 2, "all", 0, "all", 3, "first"]
 TOKENS = 10
 
 if __name__ == "__main__":
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from ltv_vllm.serving.serve import task_engine
+    from ltv_vllm import task_llm
 
     model_dir, vectors, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     spec = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
-    engine = task_engine(model_dir, vectors)
-    os.environ.update(engine.env)
-    llm = LLM(**engine.kwargs, dtype="float32", enforce_eager=True, max_model_len=256,
-              kv_cache_memory_bytes=64 << 20, max_num_seqs=4, seed=0,
-              speculative_config=spec, disable_log_stats=False)
+    # the exported offline API, every other engine argument passed through
+    llm = task_llm(model_dir, vectors, dtype="float32", engine_args=dict(
+        enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=4,
+        seed=0, speculative_config=spec, disable_log_stats=False))
     params = [SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=3, extra_args={
         **({"ltv_task": t} if t else {}), "ltv_steps": s}) for t, s in zip(TASKS, STEPS,
                                                                          strict=True)]
