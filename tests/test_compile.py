@@ -86,7 +86,7 @@ def test_compile_equals_a_direct_ridge_solve(model_dir, tokenizer, tmp_path):
     ({"queries": [3]}, "queries[0]: a non-empty string"),
     ({"task": {**TASK, "labels": ["zq1", "zq2"]}}, "share their first token"),
     ({"task": {**TASK, "labels": ["negative"]}}, "at least two labels"),
-    ({"task": {**TASK, "extra": 1}}, "exactly in_prefix, label_prefix and labels"),
+    ({"task": {**TASK, "extra": 1}}, "in_prefix, label_prefix and labels, and optionally"),
     ({"lam": -1}, "lam: a positive finite number or \"auto\", got -1"),
     ({"lam": True}, "lam: a positive finite number or \"auto\", got true"),
     ({"lam": float("inf")}, "got Infinity"),

@@ -247,37 +247,38 @@ def _jsonl(path: str, what: str) -> list[Any]:
 
 def compile_request(name: str, task: str, demos: str, queries: str, test: str | None,
                     lam: float | str) -> dict[str, Any]:
-    """The JSON body of a compile from files (checked again, fully, by the server)."""
-    from pathlib import Path
+    """The JSON body of a compile from files (checked again, fully, by the server). `task`:
+    a built-in task or the same spec file `extract` reads (its `data` not needed here); with
+    an `input` template, each line's text is made from its fields as the data's are."""
+    from ltv_vllm.serving.compile import compile_spec
+    from ltv_vllm.tasks.data import input_text
+    from ltv_vllm.tasks.specs import get_task
 
-    from ltv_vllm.errors import UserError
-    from ltv_vllm.tasks.specs import BUILTIN_TASKS
+    t = get_task(task)
 
-    if task in BUILTIN_TASKS:
-        t = BUILTIN_TASKS[task]
-        spec = {"in_prefix": t.in_prefix, "label_prefix": t.label_prefix,
-                "labels": list(t.labels)}
-    else:
-        try:
-            spec = json.loads(Path(task).read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"--task: a built-in task name or a JSON file with in_prefix, "
-                            f"label_prefix and labels ({e})") from None
+    def texts(path: str, what: str, labelled: bool) -> list[Any]:
+        rows = _jsonl(path, what)
+        if not t.input:
+            return rows
+        return [{"text": input_text(t.input, r, f"{path}:{i}"),
+                 **({"label": r.get("label")} if labelled else {})}
+                if isinstance(r, dict) else r for i, r in enumerate(rows, 1)]
+
     qs = [q["text"] if isinstance(q, dict) and "text" in q else q
-          for q in _jsonl(queries, 'one {"text": ...} or "string" per line')]
-    body = {"name": name, "task": spec,
-            "demos": _jsonl(demos, 'one {"text": ..., "label": ...} per line'),
+          for q in texts(queries, 'one {"text": ...} or "string" per line', False)]
+    body = {"name": name, "task": compile_spec(t),
+            "demos": texts(demos, 'one {"text": ..., "label": ...} per line', True),
             "queries": qs, "lam": lam}
     if test:
-        body["test"] = _jsonl(test, 'one {"text": ..., "label": ...} per line')
+        body["test"] = texts(test, 'one {"text": ..., "label": ...} per line', True)
     return body
 
 
 @main.command("compile")
 @click.option("--name", required=True, help="The new task's name (the OpenAI `model` field).")
 @click.option("--task", required=True,
-              help="A built-in task's template (e.g. sst2) or a JSON file: in_prefix, "
-                   "label_prefix, labels.")
+              help="A built-in task (e.g. sst2) or a task spec file, as `extract --task` "
+                   "takes (its data file is not read).")
 @click.option("--demos", required=True, type=click.Path(exists=True, dir_okay=False),
               help='JSONL, one {"text", "label"} demonstration per line (k of them).')
 @click.option("--queries", required=True, type=click.Path(exists=True, dir_okay=False),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ltv_vllm.errors import UserError
+from ltv_vllm.tasks.chat import system_turn
 from ltv_vllm.tasks.specs import Task
 
 
@@ -101,11 +102,14 @@ def classify(
     body = {"allowed_token_ids": ids, "return_tokens_as_token_ids": True}
 
     def one(text: str) -> Classification:
-        query = Task.query(task, text)  # the task's own query (a chat rendering adds no tail)
+        # the task's instruction line and query (a chat rendering adds no tail); through chat
+        # the task's system turn before it, as the vector was fitted
+        query = task.lead + Task.query(task, text)
         try:
             if chat:
+                messages = [*system_turn(task), {"role": "user", "content": query}]
                 r = client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": query}], max_tokens=1,
+                    model=model, messages=messages, max_tokens=1,
                     temperature=0.0, logprobs=True, top_logprobs=len(ids), extra_body=body)
                 top = token_logprobs({t.token: t.logprob for t in
                                       r.choices[0].logprobs.content[0].top_logprobs})

@@ -43,6 +43,7 @@ MAX_TEXT = 20_000  # characters per input
 ENTRY = "entry"    # JOB_DIR/entry: the staged entry a worker leaves for the server to publish
 FIELDS = {"name", "task", "demos", "queries", "test", "lam"}
 TASK_FIELDS = {"in_prefix", "label_prefix", "labels"}
+TASK_OPTIONAL = {"instruction", "prompt"}  # `Task`'s: an instruction line, the query template
 
 
 class CompileError(UserError):
@@ -73,12 +74,18 @@ class CompileRequest:
     def to_dict(self) -> dict[str, Any]:
         labs = self.task.labels
         return {"name": self.name,
-                "task": {"in_prefix": self.task.in_prefix,
-                         "label_prefix": self.task.label_prefix, "labels": list(labs)},
+                "task": compile_spec(self.task),
                 "demos": [{"text": e.text, "label": labs[e.label]} for e in self.demos],
                 "queries": list(self.queries),
                 "test": [{"text": e.text, "label": labs[e.label]} for e in self.test],
                 "lam": self.lam}
+
+
+def compile_spec(task: Task) -> dict[str, Any]:
+    """A task as a compile request's `task` object (the server's `parse_request` reads it)."""
+    return {"in_prefix": task.in_prefix, "label_prefix": task.label_prefix,
+            "labels": list(task.labels),
+            **{k: getattr(task, k) for k in sorted(TASK_OPTIONAL) if getattr(task, k)}}
 
 
 def _text(x: Any, where: str) -> str:
@@ -116,14 +123,21 @@ def parse_request(body: Any, *, tokenizer: Any, max_model_len: int) -> CompileRe
             raise CompileError(f"missing field {f!r}")
     name = check_name(body["name"])
     spec = body["task"]
-    if not isinstance(spec, dict) or set(spec) != TASK_FIELDS:
-        raise CompileError("task: an object with exactly in_prefix, label_prefix and labels")
+    if not isinstance(spec, dict) or not TASK_FIELDS <= set(spec) <= TASK_FIELDS | TASK_OPTIONAL:
+        raise CompileError("task: an object with in_prefix, label_prefix and labels, and "
+                           "optionally instruction and prompt")
     labels = spec["labels"]
     if not isinstance(labels, list) or not all(isinstance(x, str) and x.strip() for x in labels):
         raise CompileError("task.labels: a list of label words")
-    task = Task(name, _text(spec["in_prefix"], "task.in_prefix"),
-                _text(spec["label_prefix"], "task.label_prefix"), tuple(labels),
-                source="compiled")  # TaskError on fewer than two or duplicate labels
+    optional = {k: _text(spec[k], f"task.{k}") for k in sorted(TASK_OPTIONAL) if k in spec}
+
+    def prefix(key: str) -> str:  # beside a prompt of its own a prefix may be empty
+        if "prompt" in optional and isinstance(spec[key], str):
+            return spec[key]
+        return _text(spec[key], f"task.{key}")
+
+    task = Task(name, prefix("in_prefix"), prefix("label_prefix"), tuple(labels),
+                source="compiled", **optional)  # TaskError: < 2 labels, duplicates, a bad prompt
     label_token_ids(task, tokenizer)  # TaskError when two labels share a first token
     demos = _examples(body["demos"], "demos", task.labels, MAX_DEMOS)
     if missing := [lab for i, lab in enumerate(task.labels) if all(e.label != i for e in demos)]:

@@ -135,7 +135,8 @@ def parse_classification(
 def classify_offline(llm: Any, task: Task, texts: Sequence[str]) -> list[Classification]:
     """One batched `generate` over all texts; each gets its label and restricted probabilities."""
     ids = label_token_ids(task, llm.get_tokenizer())
-    outs = llm.generate([task.query(t) for t in texts], classification_params(ids), use_tqdm=True)
+    outs = llm.generate([task.zero_shot(t) for t in texts], classification_params(ids),
+                        use_tqdm=True)
     return [parse_classification(o, ids, task.labels) for o in outs]
 
 

@@ -90,14 +90,16 @@ class ChatTask(Task):
 
     @property
     def zero_shot_prefix(self) -> str:
-        return self.head
+        # the instruction line opens the first user message
+        return self.head + self.lead
 
     def demos_text(self, demos: Sequence[Any]) -> str:
         if self.demos == "inline":
-            return self.head + "".join(self._completion_demo(e) for e in demos)
+            return self.head + self.lead + "".join(self._completion_demo(e) for e in demos)
         to_label, to_user = self.between
-        return self.head + "".join(f"{Task.query(self, e.text)}{to_label}"
-                                   f"{self.labels[e.label]}{to_user}" for e in demos)
+        return self.head + self.lead + "".join(f"{Task.query(self, e.text)}{to_label}"
+                                               f"{self.labels[e.label]}{to_user}"
+                                               for e in demos)
 
     def label_text(self, label: str) -> str:
         return label
@@ -107,15 +109,19 @@ class ChatTask(Task):
         return f"{Task.query(self, e.text)} {self.labels[e.label]}\n"
 
     def messages(self, demos: Sequence[Any], text: str) -> list[dict[str, str]]:
-        """The conversation a chat client would send for `text` after `demos`."""
+        """The conversation a chat client would send for `text` after `demos`: the task's
+        system turn (if it has one), its instruction line opening the first user message."""
         q = Task.query(self, text)
         if self.demos == "inline":
-            return [{"role": "user",
-                     "content": "".join(self._completion_demo(e) for e in demos) + q}]
-        turns = [m for e in demos for m in ({"role": "user", "content": Task.query(self, e.text)},
-                                            {"role": "assistant",
-                                             "content": self.labels[e.label]})]
-        return [*turns, {"role": "user", "content": q}]
+            turns = [{"role": "user", "content": "".join(self._completion_demo(e)
+                                                         for e in demos) + q}]
+        else:
+            turns = [*(m for e in demos for m in (
+                {"role": "user", "content": Task.query(self, e.text)},
+                {"role": "assistant", "content": self.labels[e.label]})),
+                {"role": "user", "content": q}]
+        turns[0] = {**turns[0], "content": self.lead + turns[0]["content"]}
+        return [*system_turn(self), *turns]
 
     def record(self) -> dict[str, str]:
         """`meta.prompt_format` of a vector fitted on this rendering."""
@@ -141,6 +147,11 @@ class ChatTask(Task):
         return Task.to_dict(plain_task(self))
 
 
+def system_turn(task: Task) -> list[dict[str, str]]:
+    """The task's system message, or none (the chat template writes its default)."""
+    return [{"role": "system", "content": task.system}] if task.system else []
+
+
 def plain_task(task: Task) -> Task:
     """The completion-format task a ChatTask renders."""
     if not isinstance(task, ChatTask):
@@ -164,14 +175,15 @@ def chat_task(task: Task, tokenizer: Any, demos: str = DEFAULT_DEMOS,
     task = plain_task(task)
     a, b, c = _HOLE
     q_a, q_c = task.query(a), task.query(c)
-    one = render(tokenizer, [{"role": "user", "content": q_a}], template)
+    system = system_turn(task)
+    one = render(tokenizer, [*system, {"role": "user", "content": q_a}], template)
     if one.count(q_a) != 1:
         raise TaskError("the chat template does not show the user's message as it is; "
                         "--format chat cannot use it")
     head, tail = one.split(q_a)
     between = ("", "")
     if demos == "turns":
-        two = render(tokenizer, [{"role": "user", "content": q_a},
+        two = render(tokenizer, [*system, {"role": "user", "content": q_a},
                                  {"role": "assistant", "content": b},
                                  {"role": "user", "content": q_c}], template)
         if not (two.startswith(head + q_a) and two.endswith(q_c + tail)

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     import torch
 
 from ltv_vllm.errors import UserError
-from ltv_vllm.tasks.specs import RegressionTask, Task
+from ltv_vllm.tasks.specs import NO_DATA, RegressionTask, Task
 
 
 class DataError(UserError):
@@ -321,8 +321,9 @@ def _label_index(value: object, labels: Sequence[str], where: str) -> int:
     return value
 
 
-def _read_local_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """(where, record) pairs; `where` is "file:line" for messages."""
+def _read_local_rows(path: Path, text: bool = True) -> list[tuple[str, dict[str, Any]]]:
+    """(where, record) pairs; `where` is "file:line" for messages. `text`: a CSV must have a
+    `text` column (not when the task's `input` makes the text from others)."""
     suffix = path.suffix.lower()
     if suffix not in (".jsonl", ".csv"):
         raise DataError(f"data file {path} must be .jsonl or .csv")
@@ -348,7 +349,7 @@ def _read_local_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
         return rows
     reader = csv.DictReader(io.StringIO(raw, newline=""))
     header = reader.fieldnames or []
-    missing = [f for f in ("text", "label") if f not in header]
+    missing = [f for f in (("text", "label") if text else ("label",)) if f not in header]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}; header is {header}")
     for rec in reader:
@@ -356,8 +357,21 @@ def _read_local_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return rows
 
 
-def _load_local(path: Path, labels: tuple[str, ...]) -> tuple[list[Example], list[Example], str]:
-    rows = _read_local_rows(path)
+def input_text(template: str, rec: dict[str, Any], where: str) -> str:
+    """An example's text from its columns (`Task.input`); a column it names and the row
+    lacks is one DataError line."""
+    try:
+        return template.format(**{k: "" if v is None else v for k, v in rec.items()})
+    except KeyError as e:
+        raise DataError(f"{where}: no column {e.args[0]!r}, which the task's `input` names; "
+                        f"columns are {sorted(rec)}") from None
+
+
+def _load_local(path: Path, labels: tuple[str, ...],
+                input_template: str = "") -> tuple[list[Example], list[Example], str]:
+    rows = _read_local_rows(path, text=not input_template)
+    if input_template:
+        rows = [(w, {**rec, "text": input_text(input_template, rec, w)}) for w, rec in rows]
     if not rows:
         raise DataError(f"data file {path} has no rows")
     with_split = sum("split" in rec for _, rec in rows)
@@ -390,7 +404,7 @@ def _load_local(path: Path, labels: tuple[str, ...]) -> tuple[list[Example], lis
 
 
 def _load_hub(
-    source: str, hub: dict[str, Any], labels: tuple[str, ...]
+    source: str, hub: dict[str, Any], labels: tuple[str, ...], input_template: str = ""
 ) -> tuple[list[Example], list[Example], str]:
     hint = "needs the `datasets` package and a reachable hub (or HF_DATASETS_OFFLINE cache)"
     spec = source.removeprefix("hub:")
@@ -416,7 +430,8 @@ def _load_hub(
                 f"hub dataset {ds_id} ({split}) {hint}: {type(e).__name__}: {msg}"
             ) from None
         cols = list(ds.column_names)
-        missing = [f for f in (text_field, label_field) if f not in cols]
+        missing = [f for f in ((label_field,) if input_template else (text_field, label_field))
+                   if f not in cols]
         if missing:
             raise DataError(f"hub dataset {ds_id} ({split}) has no field(s) {missing}; "
                             f"fields are {cols}")
@@ -427,7 +442,8 @@ def _load_hub(
                 label = value  # out-of-range ints (GLUE test -1, extra classes) dropped below
             else:
                 label = _label_index(value, labels, f"{ds_id} ({split}) row {i}")
-            out.append((str(rec[text_field]), label))
+            out.append((input_text(input_template, rec, f"{ds_id} ({split}) row {i}")
+                        if input_template else str(rec[text_field]), label))
         return out
 
     def keep(pairs: list[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -469,15 +485,19 @@ def _source_stamp(source: str) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=32)
 def _load_cached(
-    source: str, hub_json: str, labels: tuple[str, ...], stamp: tuple[int, int]
+    source: str, hub_json: str, labels: tuple[str, ...], stamp: tuple[int, int],
+    input_template: str = "",
 ) -> tuple[tuple[Example, ...], tuple[Example, ...], str]:
     del stamp  # only part of the cache key
     if source.startswith("packaged:"):
+        if input_template:
+            raise DataError(f"{source}: a packaged dataset has one text column; `input` "
+                            "applies to a local file or a hub dataset")
         train, test, note = _load_packaged(source.removeprefix("packaged:"), len(labels))
     elif source.startswith("hub:"):
-        train, test, note = _load_hub(source, json.loads(hub_json), labels)
+        train, test, note = _load_hub(source, json.loads(hub_json), labels, input_template)
     else:
-        train, test, note = _load_local(Path(source), labels)
+        train, test, note = _load_local(Path(source), labels, input_template)
     for name, part in (("train", train), ("test", test)):
         counts = [0] * len(labels)
         for e in part:
@@ -502,8 +522,12 @@ def load_dataset(task: Task, source: str | None = None) -> Dataset:
         if not task.hub.get("id"):
             raise DataError(f"task {task.name!r} names no hub dataset")
         src = "hub:" + str(task.hub["id"])
+    if src == NO_DATA:
+        raise DataError(f"task {task.name!r} names no data: add `data` (a .jsonl/.csv file, "
+                        "packaged:NAME or hub:ID) to its spec")
     hub_json = json.dumps(task.hub, sort_keys=True, default=str)
-    train, test, note = _load_cached(src, hub_json, task.labels, _source_stamp(src))
+    train, test, note = _load_cached(src, hub_json, task.labels, _source_stamp(src),
+                                     getattr(task, "input", ""))
     return Dataset(task=task, train=train, test=test, split_note=note)
 
 

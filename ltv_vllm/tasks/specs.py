@@ -6,12 +6,18 @@ templates and label words are those of the paper (after I2CL):
     query = "{in_prefix}: {text}\\n{label_prefix}:"       (no trailing space)
     demo  = query + " " + label + "\\n"
     label token = first token of " " + label
+
+A user's spec may change the query (`prompt`, a template over {text}), put an instruction
+line once before every prompt (zero-shot: before the query; ICL: before the demonstrations),
+make an example's text from several data columns (`input`, e.g. a premise and a hypothesis)
+and give chat prompts a system turn (`system`, `tasks.chat`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import string
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -34,6 +40,10 @@ class Task:
     # a path to a local .jsonl/.csv file. Hub details (text field, splits) live in `hub`.
     source: str
     hub: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+    instruction: str = ""  # once before every prompt, on a line of its own ("": none)
+    prompt: str = ""       # the query, over {text} ("": the paper's, `query`)
+    input: str = ""        # an example's text from the data's columns ("": the `text` column)
+    system: str = ""       # chat prompts' system turn ("": the chat template's default)
     kind = "classification"
     prompt_format = "completion"  # or "chat" (`tasks.chat.ChatTask`)
     special_tokens = True  # prompts are tokenized with the tokenizer's special tokens
@@ -45,16 +55,37 @@ class Task:
             )
         if len(set(self.labels)) != len(self.labels):
             raise TaskError(f"task {self.name!r}: duplicate label words {list(self.labels)}")
+        if self.prompt:
+            named = template_fields(self.prompt, f"task {self.name!r}: prompt")
+            if unknown := named - {"text", "in_prefix", "label_prefix"}:
+                raise TaskError(f"task {self.name!r}: prompt names {sorted(unknown)}; it may "
+                                "name {text}, {in_prefix} and {label_prefix} (the data's "
+                                "columns go in `input`)")
+            if "text" not in named:
+                raise TaskError(f"task {self.name!r}: prompt has no {{text}}")
+            if self.prompt != self.prompt.rstrip():
+                raise TaskError(f"task {self.name!r}: prompt ends in white space; the label "
+                                "follows it after one space")
+        if self.input:
+            template_fields(self.input, f"task {self.name!r}: input")
 
     @property
     def num_classes(self) -> int:
         return len(self.labels)
 
     def query(self, text: str) -> str:
-        return f"{self.in_prefix}: {text}\n{self.label_prefix}:"
+        if not self.prompt:
+            return f"{self.in_prefix}: {text}\n{self.label_prefix}:"
+        return self.prompt.format(text=text, in_prefix=self.in_prefix,
+                                  label_prefix=self.label_prefix)
 
     def demo(self, text: str, label: int) -> str:
         return f"{self.query(text)} {self.labels[label]}\n"
+
+    @property
+    def lead(self) -> str:
+        """The instruction line every prompt starts with ("" without one)."""
+        return self.instruction + "\n" if self.instruction else ""
 
     def icl_prompt(self, demo_prefix: str, text: str) -> str:
         # Demos are concatenated with nothing between them; the query follows directly.
@@ -67,11 +98,11 @@ class Task:
     @property
     def zero_shot_prefix(self) -> str:
         """What every zero-shot prompt has before `query(text)` (captured once)."""
-        return ""
+        return self.lead
 
     def demos_text(self, demos: Sequence[Any]) -> str:
         """What an ICL prompt has before `query(text)`."""
-        return "".join(self.demo(e.text, e.label) for e in demos)
+        return self.lead + "".join(self.demo(e.text, e.label) for e in demos)
 
     def label_text(self, label: str) -> str:
         """The text whose first token is the label's token, after the prompt."""
@@ -80,21 +111,46 @@ class Task:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["labels"] = list(self.labels)
+        for key in TEMPLATE_KEYS:  # unset: absent, as in files written before they existed
+            if not d[key]:
+                del d[key]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Task:
-        missing = {"name", "in_prefix", "label_prefix", "labels", "source"} - set(d)
+        needed = {"name", "labels", "source"} | (
+            set() if d.get("prompt") else {"in_prefix", "label_prefix"})
+        missing = needed - set(d)
         if missing:
             raise TaskError(f"task spec is missing {sorted(missing)}")
+        if bad := [k for k in TEMPLATE_KEYS if not isinstance(d.get(k, ""), str)]:
+            raise TaskError(f"task spec: {bad[0]} must be a string")
         return cls(
             name=str(d["name"]),
-            in_prefix=str(d["in_prefix"]),
-            label_prefix=str(d["label_prefix"]),
+            in_prefix=str(d.get("in_prefix", "")),
+            label_prefix=str(d.get("label_prefix", "")),
             labels=tuple(str(x) for x in d["labels"]),
             source=str(d["source"]),
             hub=dict(d.get("hub") or {}),
+            **{k: d.get(k, "") for k in TEMPLATE_KEYS},
         )
+
+
+# a Task's optional template keys (its fields; a spec file's keys too)
+TEMPLATE_KEYS = ("instruction", "prompt", "input", "system")
+
+
+def template_fields(template: str, where: str) -> set[str]:
+    """The {names} a format template uses (a bad template: one TaskError line)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise TaskError(f"{where}: {e} (write a literal brace as {{{{ or }}}})") from None
+    named = {f for _, f, _, _ in parsed if f is not None}
+    if bad := sorted(f for f in named if not f.isidentifier()):
+        raise TaskError(f"{where}: {{{bad[0]}}} is not a field name (write a literal brace "
+                        "as {{ or }})")
+    return named
 
 
 REGRESSION_FAMILIES = ("linear", "relu")
@@ -246,13 +302,16 @@ def list_tasks() -> list[Task]:
     return list(BUILTIN_TASKS.values())
 
 
+NO_DATA = "none"  # the source of a spec file that names no data
+
 # what a classification spec file may hold (`data` or `source`: where its examples are)
 SPEC_KEYS = frozenset({"name", "in_prefix", "label_prefix", "labels", "data", "source", "hub",
-                       "kind"})
+                       "kind", *TEMPLATE_KEYS})
 
 
 def load_task_file(path: str | Path) -> AnyTask:
-    """A user task from a JSON or YAML spec: name, in_prefix, label_prefix, labels, data.
+    """A user task from a JSON or YAML spec: name, in_prefix, label_prefix, labels, data;
+    optionally instruction, prompt, input and system (`Task`).
 
     `data` (or `source`) is a local .jsonl/.csv path, resolved relative to the spec file.
     A spec with a `family` (linear | relu) is a regression task: m, r, noise, decimals.
@@ -285,13 +344,11 @@ def load_task_file(path: str | Path) -> AnyTask:
     unknown = set(d) - SPEC_KEYS
     if unknown:
         raise TaskError(f"task spec {path} has unknown keys {sorted(unknown)}; known: "
-                        f"{sorted(SPEC_KEYS)} (the prompt is fixed: "
-                        "'{in_prefix}: {text}\\n{label_prefix}:')")
+                        f"{sorted(SPEC_KEYS)}")
     d.pop("kind", None)
-    src = d.pop("data", None) or d.get("source")
-    if not src:
-        raise TaskError(f"task spec {path} needs a `data` file")
-    if not str(src).startswith(("packaged:", "hub:")):
+    # without data a spec still serves `compile` (demonstrations sent) and `classify`
+    src = d.pop("data", None) or d.get("source") or NO_DATA
+    if not str(src).startswith(("packaged:", "hub:", NO_DATA)):
         p = Path(src)
         src = str(p if p.is_absolute() else (path.parent / p).resolve())
     d["source"] = src
