@@ -158,3 +158,63 @@ def test_one_spec_file_for_compile(tmp_path):
                         max_model_len=512)
     assert req.task.query(TEXT) == NLI.query(TEXT) and req.task.lead == NLI.lead
     assert req.episode().demo_prefix() == NLI.demos_text(DEMOS)
+
+
+def test_extract_with_chosen_demos_and_queries(tmp_path, tokenizer):
+    """`extract --demos D --queries Q`: the episode holds exactly the file's demonstrations
+    (in order) and queries, and the vector is the ridge fit on their states, the independent
+    solve of transformers' own hidden states over the prompts written out here; with a spec
+    that names no data nothing is scored; bad files are one line."""
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+    from ltv_vllm.core.vector import load_task_vector
+
+    d = tmp_path / "m"
+    model = make_llama(len(tokenizer), seed=5)
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    spec = write_nli(tmp_path)
+    demos = [{"premise": f"a cat {i}", "hypothesis": f"an animal {i}", "label": LABELS[i % 2]}
+             for i in range(4)]
+    queries = [{"premise": f"rain {i}", "hypothesis": f"wet {i}"} for i in range(6)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in demos))
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in queries))
+    args = ["extract", "--model", str(d), "--quiet", "--lam", "5", "--demos",
+            str(tmp_path / "d.jsonl"), "--queries", str(tmp_path / "q.jsonl")]
+    r = CliRunner().invoke(main, [*args, "--task", str(spec), "--n-test", "8",
+                                  "-o", str(tmp_path / "a.pt")])
+    assert r.exit_code == 0, r.output
+    tv = load_task_vector(tmp_path / "a.pt")
+    assert (tv.provenance.k_used, tv.provenance.n, tv.provenance.n_test) == (4, 6, 8)
+
+    def h(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            out = model.model(torch.tensor([tokenizer(text)["input_ids"]]))
+        return out.last_hidden_state[0, -1].double()
+
+    lead = NLI.instruction + "\n"
+    shown = "".join(f"Premise: {x['premise']}\nHypothesis: {x['hypothesis']}\nAnswer: "
+                    f"{x['label']}\n" for x in demos)
+    qs = [f"Premise: {x['premise']}\nHypothesis: {x['hypothesis']}\nAnswer:" for x in queries]
+    H = torch.stack([h(lead + q) for q in qs], 1)                     # (d, N)
+    Y = torch.stack([h(lead + shown + q) for q in qs], 1) - H          # (d, N)
+    W = Y @ H.T @ torch.linalg.inv(H @ H.T + 5 * torch.eye(H.shape[0], dtype=H.dtype))
+    got = (tv.U.double() @ tv.V.double().T)
+    torch.testing.assert_close(got, W, atol=2e-4, rtol=2e-3)
+    # a spec without data: the vector from the files alone, nothing scored
+    (tmp_path / "bare.yaml").write_text(
+        "".join(f"{k}: {json.dumps(v)}\n" for k, v in {
+            "name": "bare", "labels": list(LABELS), "instruction": NLI.instruction,
+            "prompt": NLI.prompt, "input": NLI.input}.items()))
+    r = CliRunner().invoke(main, [*args, "--task", str(tmp_path / "bare.yaml"),
+                                  "-o", str(tmp_path / "b.pt")])
+    assert r.exit_code == 0, r.output
+    assert load_task_vector(tmp_path / "b.pt").provenance.n_test == 0
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"premise": "x", "label": "no"}) + "\n")
+    for extra, message in ((["--demos", str(tmp_path / "bad.jsonl")], "no column 'hypothesis'"),
+                           (["--k", "4"], "drop --k"),
+                           (["--demos", str(tmp_path / "q.jsonl")], "missing field 'label'")):
+        r = CliRunner().invoke(main, [*args, "--task", str(spec), *extra])
+        assert r.exit_code == 1 and message in r.output, (extra, r.output)
+        assert len(r.output.strip().splitlines()) == 1, r.output

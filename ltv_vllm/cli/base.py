@@ -180,6 +180,9 @@ def _print_metrics(metrics: dict[str, dict[str, float]]) -> None:
     not a finite number prints as "-" (never a traceback)."""
     from ltv_vllm.core.metrics import untrusted_number
 
+    if not metrics:
+        click.echo("nothing scored (no labelled test examples: the task names no data)")
+        return
     width = max(10, *(len(str(m)) for m in metrics))
     click.echo(f"{'method':<{width}} {'accuracy':>9} {'d_NTP':>8}")
     for m, v in metrics.items():

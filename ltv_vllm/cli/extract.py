@@ -4,7 +4,7 @@ read and scored."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +64,21 @@ from ltv_vllm.errors import ArgumentError
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--n-val", default=32, show_default=True,  # EpisodeFlags.n_val
               help="Labelled validation examples (TV, FV, SV choose their layer on them).")
+@click.option("--demos", "demos_file", default=None,
+              type=click.Path(exists=True, dir_okay=False),
+              help="Your demonstrations (.jsonl/.csv, the data's format, in this order): "
+                   "k is their count [default: k sampled from the task's data].")
+@click.option("--queries", "queries_file", default=None,
+              type=click.Path(exists=True, dir_okay=False),
+              help="Your unlabeled queries (.jsonl/.csv, the data's format): N is their "
+                   "count [default: N sampled from the task's data].")
 @_source_options
 @_capture_options
 @friendly
 def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: FormatFlags,
-            output: Path | None, quiet: bool, method: str, source: SourceFlags,
-            capture: CaptureFlags, **method_flags: Any) -> None:
+            output: Path | None, quiet: bool, demos_file: str | None, queries_file: str | None,
+            method: str, source: SourceFlags, capture: CaptureFlags,
+            **method_flags: Any) -> None:
     """Extract a task vector (or a baseline's artifact) and report zero-shot / ICL / the
     method's accuracy and d_NTP on held-out queries.
 
@@ -108,6 +117,10 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
     t = get_task(task, regression=True)
     prompt_format.check([method], regression=t.kind == "regression",
                         transfer=source_opts is not None, engine=capture.engine)
+    given = _given_examples(t, demos_file, queries_file, episode)
+    if given.demos is not None or given.queries is not None:
+        opts = replace(opts, **({"k": len(given.demos)} if given.demos else {}),
+                       **({"n": len(given.queries)} if given.queries else {}))
     if t.kind == "regression" and on_vllm:
         raise ArgumentError(f"{t.name} is a regression task: it is scored on generated answers "
                             "(extract with --engine transformers)")
@@ -123,15 +136,16 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
     default = (f"{t.name}.transfer.pt" if source_opts else f"{t.name}.pt" if method == "ltv"
                else f"{t.name}.{method}{suffixes[0]}")
     if on_vllm and capture.dry_run:
-        return _print_plan(model.spec, [plan_episode(t, opts)], engine, capture)
+        return _print_plan(model.spec, [plan_episode(t, opts, **given.kw)], engine, capture)
     if source_on_vllm and capture.dry_run:  # the source: its whole LM head on the host
-        return _print_plan(source_opts.spec, [plan_episode(t, opts, transfer=True)], engine,
-                           capture, full_head=True)
+        return _print_plan(source_opts.spec, [plan_episode(t, opts, transfer=True, **given.kw)],
+                           engine, capture, full_head=True)
     output = check_writable(output or default, option="--output", suffixes=suffixes)
     tok = load_tokenizer(model.spec)
     t = prompt_format.render(t, tok)  # a chat template it cannot use: refused
     label_token_ids(t, tok)  # labels sharing a first token: refused
-    planned = plan_episode(t, opts, transfer=source_opts is not None)  # reads the data
+    planned = plan_episode(t, opts, transfer=source_opts is not None,
+                           **given.kw)  # reads the data
     large = open_source(source_opts) if source_opts else None  # tokenizer and identity only
     if source_on_vllm:
         _source_on_vllm(large, [planned], engine, capture, quiet)
@@ -152,7 +166,7 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
     src = f" from {large.spec}" if large else ""
     pv = art.provenance
     lam = f"{pv.lam:.4g} (auto)" if episode.lam == "auto" else episode.lam
-    what = f"N={episode.n}, λ={lam}" if m.uses_states else method
+    what = f"N={pv.n}, λ={lam}" if m.uses_states else method
     through = (f", through the chat template (demos as {prompt_format.demos})"
                if t.prompt_format == "chat" else "")
     click.echo(f"\n{t.name} on {lm.spec}{src}{through}: k={pv.k_used} demos, {what}, "
@@ -184,6 +198,34 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
                      f"{tm['fit_seconds']:.2f} s; ")
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s ({split}{hw}){chosen}")
     click.echo(f"wrote {output} ({f'{art.kind} vector' if vector_file else method})")
+
+
+@dataclass(frozen=True)
+class GivenExamples:
+    """`extract --demos/--queries`: the user's examples, read before any model loads."""
+
+    demos: tuple[Any, ...] | None = None
+    queries: tuple[Any, ...] | None = None
+
+    @property
+    def kw(self) -> dict[str, Any]:
+        return {"demos": self.demos, "queries": self.queries}
+
+
+def _given_examples(t: Any, demos_file: str | None, queries_file: str | None,
+                    episode: EpisodeFlags) -> GivenExamples:
+    from ltv_vllm.tasks.data import read_examples
+
+    if demos_file is None and queries_file is None:
+        return GivenExamples()
+    if t.kind == "regression":
+        raise ArgumentError(f"{t.name} is a regression task: its demonstrations and queries "
+                            "are drawn from its function (no --demos or --queries)")
+    if demos_file is not None and episode.k is not None:
+        raise ArgumentError("--demos gives the demonstrations (k is their count): drop --k")
+    return GivenExamples(
+        read_examples(demos_file, t, labelled=True) if demos_file else None,
+        read_examples(queries_file, t, labelled=False) if queries_file else None)
 
 
 def _vllm_engine(engine: Any, model_dir: str) -> Any:

@@ -58,8 +58,8 @@ from ltv_vllm.models.loading import (
     load_model,
     local_model_dir,
 )
-from ltv_vllm.tasks.data import Episode, load_dataset, sample_episode
-from ltv_vllm.tasks.specs import Task, label_token_ids
+from ltv_vllm.tasks.data import Episode, Example, given_episode, load_dataset, sample_episode
+from ltv_vllm.tasks.specs import NO_DATA, Task, label_token_ids
 
 METHODS = ("zero-shot", "icl", "ltv", "mean")  # what a transfer evaluation shows per model
 OWN_METHODS = ("ltv", "mean")  # each model's own task vectors in a transfer
@@ -129,12 +129,19 @@ def concrete_batch(batch_size: int | str, planned: int | None = None) -> int:
     return int(batch_size) if batch_size != "auto" else (planned or 16)
 
 
-def plan_episode(task: Task, opts: ExtractOptions, *, transfer: bool = False) -> Episode:
+def plan_episode(task: Task, opts: ExtractOptions, *, transfer: bool = False,
+                 demos: tuple[Example, ...] | None = None,
+                 queries: tuple[Example, ...] | None = None) -> Episode:
     """The episode an extraction runs on (data loaded, k against the classes, N against the
-    data): everything that can be refused without a model."""
-
-    return sample_episode(load_dataset(task), k=opts.k_for(task, transfer=transfer), n=opts.n,
-                          n_test=opts.n_test, seed=opts.seed, n_val=opts.n_val)
+    data): everything that can be refused without a model. `demos` / `queries`: the user's
+    own (`data.read_examples`); the rest is sampled (`data.given_episode`)."""
+    k = opts.k_for(task, transfer=transfer)
+    if demos is None and queries is None:
+        return sample_episode(load_dataset(task), k=k, n=opts.n, n_test=opts.n_test,
+                              seed=opts.seed, n_val=opts.n_val)
+    dataset = None if task.source == NO_DATA else load_dataset(task)
+    return given_episode(task, dataset, demos=demos, queries=queries, k=k, n=opts.n,
+                         n_test=opts.n_test, seed=opts.seed, n_val=opts.n_val)
 
 
 @dataclass

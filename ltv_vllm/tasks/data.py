@@ -321,9 +321,11 @@ def _label_index(value: object, labels: Sequence[str], where: str) -> int:
     return value
 
 
-def _read_local_rows(path: Path, text: bool = True) -> list[tuple[str, dict[str, Any]]]:
+def _read_local_rows(path: Path, text: bool = True,
+                     label: bool = True) -> list[tuple[str, dict[str, Any]]]:
     """(where, record) pairs; `where` is "file:line" for messages. `text`: a CSV must have a
-    `text` column (not when the task's `input` makes the text from others)."""
+    `text` column (not when the task's `input` makes the text from others); `label`: and a
+    `label` column (not for unlabeled queries)."""
     suffix = path.suffix.lower()
     if suffix not in (".jsonl", ".csv"):
         raise DataError(f"data file {path} must be .jsonl or .csv")
@@ -349,7 +351,8 @@ def _read_local_rows(path: Path, text: bool = True) -> list[tuple[str, dict[str,
         return rows
     reader = csv.DictReader(io.StringIO(raw, newline=""))
     header = reader.fieldnames or []
-    missing = [f for f in (("text", "label") if text else ("label",)) if f not in header]
+    missing = [f for f in (("text",) if text else ()) + (("label",) if label else ())
+               if f not in header]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}; header is {header}")
     for rec in reader:
@@ -652,6 +655,56 @@ def _sample_val(dataset: Dataset, used: set[int], n_val: int, seed: int) -> tupl
         idx += rng.take(free, min(per_class, len(free)))
     rng.shuffle(idx)
     return tuple(dataset.train[i] for i in idx[:n_val])
+
+
+def read_examples(path: str | Path, task: Task, *, labelled: bool) -> tuple[Example, ...]:
+    """Examples a user chose, from a .jsonl or .csv file in the data's own format (`text`,
+    or the columns the task's `input` names; `label` for demonstrations, any label of a
+    query ignored), in the file's order; a bad row is one DataError line."""
+    path = Path(path)
+    out = []
+    for where, rec in _read_local_rows(path, text=not task.input, label=labelled):
+        text = input_text(task.input, rec, where) if task.input else rec.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise DataError(f"{where}: no text (a non-empty `text` field)")
+        if labelled and "label" not in rec:
+            raise DataError(f"{where}: missing field 'label'")
+        out.append(Example(text, _label_index(rec["label"], task.labels, where)
+                           if labelled else -1))
+    if not out:
+        raise DataError(f"{path} has no rows")
+    return tuple(out)
+
+
+def given_episode(task: Task, dataset: Dataset | None, *, demos: tuple[Example, ...] | None,
+                  queries: tuple[Example, ...] | None, k: int, n: int, n_test: int, seed: int,
+                  n_val: int = 0) -> Episode:
+    """An episode with the user's own demonstrations and/or queries (`read_examples`); what
+    they did not give is sampled from `dataset` as `sample_episode` samples it (queries
+    disjoint from the demonstrations). Test and validation examples come from the data,
+    never one of the given texts; without data (None) there is nothing to score."""
+    if dataset is None:
+        if demos is None or queries is None:
+            raise DataError(f"task {task.name!r} names no data: give both the demonstrations "
+                            "and the queries")
+        return Episode(task, seed, demos, queries, ())
+    if demos is None:
+        sampled = sample_episode(dataset, k=k, n=1, n_test=n_test, seed=seed, n_val=n_val)
+        demos = sampled.demos
+    if missing := [lab for c, lab in enumerate(task.labels) if all(e.label != c for e in demos)]:
+        raise DataError(f"the demonstrations have no {missing[0]!r} example; give at least one "
+                        "per label")
+    given = {e.text for e in demos}
+    if queries is None:
+        rest = [i for i, e in enumerate(dataset.train) if e.text not in given]
+        if len(rest) < n:
+            raise DataError(f"{task.name}: {n} queries requested, only {len(rest)} train "
+                            "examples remain besides the demonstrations")
+        queries = tuple(dataset.train[i] for i in _Rng(f"ltv_vllm.queries:{seed}").take(rest, n))
+    given |= {e.text for e in queries}
+    used = {i for i, e in enumerate(dataset.train) if e.text in given}
+    test = tuple(e for e in sample_test(dataset, n_test, 0) if e.text not in given)
+    return Episode(task, seed, demos, queries, test, 0, _sample_val(dataset, used, n_val, seed))
 
 
 # ---------------------------------------------------------------------------------------------
