@@ -437,7 +437,7 @@ def test_other_installed_plugins_keep_loading(setup, monkeypatch, tmp_path):
     would load unset (here a third-party general plugin, installed for the test), and no
     other endpoint plugin (those load only when named) nor vLLM's hub LoRA resolver (it reads
     being named as consent to download); a user's own list is kept, ours added."""
-    from ltv_vllm.serving.serve import store_plugins
+    from ltv_vllm.serving.plugins import store_plugins
 
     dist = tmp_path / "site" / "other_plugin-1.0.dist-info"
     dist.mkdir(parents=True)
@@ -550,3 +550,39 @@ def _yaml(directory: Path, **settings) -> Path:
     path = directory / f"vllm-{'-'.join(settings)}.yaml"
     path.write_text("".join(f"{k}: {v}\n" for k, v in settings.items()))
     return path
+
+
+def test_export_reads_back_as_the_serve_command(setup, monkeypatch, tmp_path):
+    """`serve --export DIR`: vLLM's parser reads DIR/vllm.yaml (`--config`) as the flags the
+    started server would get; `deploy.apply` puts the environment in place in a process
+    started with LTV_VLLM_DEPLOY (ltv-vllm's variables as written, the user's others kept,
+    a fresh admission key, the plugin allowlist joined with the user's), once."""
+    from ltv_vllm.serving import deploy
+    from ltv_vllm.serving.serve import ServeOptions, plan_server, vllm_flags
+    from ltv_vllm.serving.step_policy import ADMIT_ENV
+
+    tmp, good, _ = setup
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    args = ["--model", str(tmp / "m"), "--task-vector", f"a={good}", "--task-vector",
+            f"b={good}", "--enforce-eager"]
+    r = CliRunner().invoke(main, ["serve", *args, "--export", str(tmp_path / "dep")])
+    assert r.exit_code == 0, r.output
+    exported = vllm_flags(["--config", str(tmp_path / "dep" / "vllm.yaml")])
+    plan = plan_server(ServeOptions(str(tmp / "m"), (f"a={good}", f"b={good}"),
+                                    vllm_args=("--enforce-eager",)))
+    started = vllm_flags(plan.argv[3:])
+    assert vars(exported) == vars(started)
+    # the start-up self-check's probe files were written (a dry run writes none)
+    probes = json.loads(exported.hf_overrides["ltv_tasks"])
+    assert all(Path(t["path"]).is_file() for n, t in probes.items() if n.startswith("@"))
+    env = {"LTV_VLLM_DEPLOY": str(tmp_path / "dep"), "VLLM_CPU_KVCACHE_SPACE": "7",
+           "VLLM_PLUGINS": "mine"}
+    assert deploy.apply(env) and not deploy.apply(env)  # once per process tree
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "7" and env["VLLM_PLUGINS"] == "mine,ltv_vllm,ltv_tasks"
+    assert env["LTV_VLLM_TASKS"] == plan.env["LTV_VLLM_TASKS"]
+    assert json.loads(env[ADMIT_ENV])["every"] is False
+    assert env[ADMIT_ENV] != plan.env[ADMIT_ENV]  # its own key, never written to the files
+    assert plan.env[ADMIT_ENV] not in (tmp_path / "dep" / "environment.json").read_text()
+    with pytest.raises(deploy.DeployError, match="cannot read"):
+        deploy.apply({"LTV_VLLM_DEPLOY": str(tmp_path / "nowhere")})

@@ -105,13 +105,15 @@ def assert_runner(log, runner: str | None) -> None:
 def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
                  extra: tuple[str, ...] = (), *, cwd: Path | None = None,
                  env_extra: dict[str, str] | None = None, attempts: int = 3,
-                 kv_bytes: int = 64 << 20, runner: str | None = None):
+                 kv_bytes: int = 64 << 20, runner: str | None = None, launcher=None):
     """`ltv-vllm serve` on a free port; (process, url, log). `model_dir` may be relative to
     `cwd` (then it is also the served base model's name). The server runs in a process group
     of its own (`stop` ends all of it). A port taken between `free_port` and the server's
     bind (another process may win it) is retried on a new port. `kv_bytes`: the KV cache
     (the default, 64 MiB, holds some 65,000 tokens of this model: nothing is preempted).
-    `runner`: vLLM's model runner ("1": V2, through `tests/v2shim`; None: as `serve` picks)."""
+    `runner`: vLLM's model runner ("1": V2, through `tests/v2shim`; None: as `serve` picks).
+    `launcher(port)`: another command to start (a user's own `vllm serve`), in place of
+    `ltv-vllm serve` (then `model_dir`, `vector_args` and `extra` are not used)."""
     for attempt in range(attempts):
         port = free_port()
         env = {**os.environ, "HF_HUB_OFFLINE": "1",
@@ -127,6 +129,8 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
                "--enforce-eager",
                # not vLLM's 1 GiB: half a second of page faults per start, for nothing
                "--kv-cache-memory-bytes", str(kv_bytes)]
+        if launcher is not None:
+            cmd = launcher(port)
         log_path = tmp / f"server-{port}.log"
         log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         # the log is copied through a pipe, so the server never writes a file of its own

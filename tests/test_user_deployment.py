@@ -83,3 +83,58 @@ def test_user_name_adapter_and_plugin_survive(assets, tokenizer, tmp_path, monke
         assert list(mark.iterdir()), "the other plugin was not loaded"
     finally:
         stop(proc, log)
+
+
+def test_plain_vllm_serve(assets, tokenizer, tmp_path, monkeypatch):
+    """`ltv-vllm serve --export DIR`, then the user's own `vllm serve --config DIR/vllm.yaml`
+    (on this CPU build vLLM's console script cannot run: `python -m
+    vllm.entrypoints.openai.api_server`, what it runs) with LTV_VLLM_DEPLOY=DIR: the same
+    answers as `ltv-vllm serve` (every task and the bare model against transformers), the
+    same start-up self-check and the same gate; a command-line flag that replaces one of
+    ltv-vllm's stops it at start in one line."""
+    import re
+    import sys
+
+    from click.testing import CliRunner
+    from test_server import HTTP
+
+    from ltv_vllm.cli import main
+
+    model_dir, model, vecs = assets
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    dep = tmp_path / "deploy"
+    r = CliRunner().invoke(main, [
+        "serve", "--model", str(model_dir), "--task-vector", f"alpha={vecs['alpha'][1]}",
+        "--task-vector", f"gamma={vecs['gamma'][1]}", "--dtype", "float32",
+        "--max-model-len", "256", "--export", str(dep), "--enforce-eager"])
+    assert r.exit_code == 0, r.output
+    assert f"LTV_VLLM_DEPLOY={dep} vllm serve --config {dep / 'vllm.yaml'}" in r.output
+
+    def vllm_serve(*flags: str):
+        return lambda port: [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                             "--config", str(dep / "vllm.yaml"), "--port", str(port),
+                             "--kv-cache-memory-bytes", str(64 << 20), *flags]
+
+    env = {"LTV_VLLM_DEPLOY": str(dep)}
+    proc, url, log = start_server(model_dir, [], tmp_path, env_extra=env,
+                                  launcher=vllm_serve())
+    try:
+        text = Path(log.name).read_text()
+        assert re.search(r"selfcheck passed on vLLM", text), text[-2000:]
+        check_mixed(url, {str(model_dir): None, "alpha": vecs["alpha"][0],
+                          "gamma": vecs["gamma"][0]}, model, tokenizer, per_request=True)
+        r = HTTP.post(f"{url}/v1/completions", json={
+            "model": "alpha", "prompt": "hi", "max_tokens": 2, "use_beam_search": True})
+        assert r.status_code == 400 and "beam search" in r.text, r.text
+        # the gate's admission: a task named without the gate's stamp on another route
+        r = HTTP.post(f"{url}/inference/v1/generate", json={
+            "model": "alpha", "token_ids": [1, 2], "sampling_params": {"max_tokens": 1}})
+        assert r.status_code >= 400, r.text
+    finally:
+        stop(proc, log)
+    # the user's own --served-model-name on the command line wins over the config file in
+    # vLLM, and the tasks would be gone: the server refuses to start, saying why
+    with pytest.raises(RuntimeError, match=r"served model names \['mine'\] lack"):
+        start_server(model_dir, [], tmp_path, env_extra=env, attempts=1,
+                     launcher=vllm_serve("--served-model-name", "mine"))

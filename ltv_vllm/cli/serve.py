@@ -157,11 +157,16 @@ class ShiftFlags:
                    "`ltv-vllm selfcheck` runs it alone).")
 @click.option("--dry-run", is_flag=True,
               help="Check everything, print the vLLM command and exit; writes nothing.")
+@click.option("--export", "export_dir", default=None,
+              type=click.Path(file_okay=False, path_type=Path),
+              help="Check and prepare everything, then write the settings to DIR for your own "
+                   "launcher instead of starting (LTV_VLLM_DEPLOY=DIR vllm serve --config "
+                   "DIR/vllm.yaml).")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @friendly
 def serve(model_spec: str | None, vectors: tuple[str, ...], store: StoreFlags, http: HttpFlags,
           dtype: str, max_model_len: int | None, shift: ShiftFlags, skip_selfcheck: bool,
-          dry_run: bool, vllm_args: tuple[str, ...]) -> None:
+          dry_run: bool, export_dir: Path | None, vllm_args: tuple[str, ...]) -> None:
     """Start vLLM's OpenAI-compatible server with task vectors (extra args go to vLLM).
 
     On the CPU backend the engine runs eager (--enforce-eager) unless you pass a compilation
@@ -176,6 +181,14 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], store: StoreFlags, h
                                     **asdict(store), **asdict(http), **asdict(shift)))
     for line in plan.warnings(done=not dry_run):
         click.echo(line, err=True)
+    if export_dir is not None:
+        from ltv_vllm.serving.deploy import DEPLOY_ENV
+
+        written = plan.export(export_dir.absolute())
+        click.echo("wrote " + ", ".join(str(p) for p in written))
+        click.echo(f"run: {DEPLOY_ENV}={shlex.quote(str(export_dir.absolute()))} vllm serve "
+                   f"--config {shlex.quote(str(written[0]))}")
+        return
     from ltv_vllm.serving.step_policy import ADMIT_ENV
 
     # the admission key is the server's secret: never printed (a fresh one each start)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.checkpoint import identity_from_dir
+from ltv_vllm.serving.plugins import store_plugins
 from ltv_vllm.serving.probes import LORA_PAIRS, served_lora_probes, served_probes
 from ltv_vllm.serving.settings import ServerSettings
 from ltv_vllm.serving.step_policy import (
@@ -496,6 +496,7 @@ class ServerPlan:
     quarantine: dict[str, str] = field(default_factory=dict)  # store entries not served: why
     probes: Any = None        # the start-up self-check's probe files, still to write
     notes: list[str] = field(default_factory=list)  # other warnings, one line each
+    flags: list[str] = field(default_factory=list)  # vLLM's flags, the user's and ltv-vllm's
 
     def warnings(self, done: bool = True) -> list[str]:
         """One line per task-store entry this server does not serve, then the notes; a dry
@@ -528,9 +529,24 @@ class ServerPlan:
             for name, why in self.quarantine.items():
                 store.quarantine(name, why)
 
+    def export(self, directory: Path) -> list[Path]:
+        """Write what the server needs (`prepare`) and, instead of starting it, its settings
+        for the user's own `vllm serve` (`deploy`); the files written."""
+        import json
+
+        from ltv_vllm.serving import deploy
+        from ltv_vllm.serving.step_policy import ADMIT_ENV
+
+        if ServerSettings.from_env(self.env).task_store:
+            raise ArgumentError("--export with --task-store: a store is held by the one "
+                                "server that serves it; start that one with ltv-vllm serve")
+        self.prepare()
+        env = {k: v for k, v in self.env.items() if k != ADMIT_ENV}  # a fresh key per start
+        every = json.loads(self.env[ADMIT_ENV])["every"] if ADMIT_ENV in self.env else None
+        return deploy.export(directory, self.flags, env, every)
+
     def start(self) -> None:
         """Prepare, then replace this process with the server."""
-        import os
         import sys
 
         self.prepare()
@@ -573,7 +589,6 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     """Everything checked (model, vectors, architecture) and the vLLM command built; no file
     is written and no engine started (`ServerPlan.start` does both)."""
     import hashlib
-    import os
     import sys
 
     from ltv_vllm.models.cache import DEFAULT_MODEL, cache_dir
@@ -621,12 +636,13 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         probes=probes.config if probes is not None else None,
         lora_min_rank=padded_rank(LORA_PAIRS) if lora_probes is not None else 1)
     extra = list(opts.vllm_args)
+    defaults = []
     if engine_device() == "cpu" and not user_chose_compilation(extra):
         # vLLM's compile warm-up costs the CPU backend over a minute per start (and per
         # fused/folded variant: their compile caches differ); eager starts in about 46 s
         # (docs/benchmarks.md, "Serve start-up"), and every serving benchmark ran eager.
         # Any compilation flag of the user's wins.
-        extra.insert(0, "--enforce-eager")
+        defaults.append("--enforce-eager")
     settings = ServerSettings(max_body=opts.max_body_mib << 20)
     env = dict(task_env)
     given = {n: load_task_vector(p) for n, p in parsed.items()}  # each file read once here
@@ -666,10 +682,28 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
                            compile_threads=opts.compile_threads,
                            max_upload=upload_limit(model_dir))
         env["VLLM_PLUGINS"] = store_plugins()
+    # what vLLM must have parsed at start (checked by the endpoint plugin: another launcher's
+    # command line may have replaced a flag, `deploy.required_problem`)
+    settings = replace(settings, required=required_of(args))
     env.update(settings.to_env())
     # ours after the user's: vLLM keeps a flag's last value, and ours hold theirs merged in
-    return ServerPlan([sys.executable, "-m", SERVER_MODULE, *extra, *args], env, lora,
-                      quarantine, probes or lora_probes, notes)
+    return ServerPlan([sys.executable, "-m", SERVER_MODULE, *defaults, *extra, *args], env,
+                      lora, quarantine, probes or lora_probes, notes,
+                      [*defaults, *extra, *args])
+
+
+def required_of(args: list[str]) -> dict[str, Any]:
+    """What of ltv-vllm's flags (`args`) vLLM must still hold when it starts: every served
+    name, override, logits processor, middleware and task adapter, processed logprobs."""
+    parsed = vllm_flags(args)
+    if parsed is None:
+        raise ArgumentError("vLLM's parser refuses ltv-vllm's own flags: " + " ".join(args))
+    return {"served_model_name": list(parsed.served_model_name or []),
+            "hf_overrides": dict(parsed.hf_overrides or {}),
+            "logits_processors": [str(p) for p in parsed.logits_processors or []],
+            "middleware": list(parsed.middleware or []),
+            "lora_modules": [m.name for m in parsed.lora_modules or []],
+            "logprobs_mode": parsed.logprobs_mode}
 
 
 def server_args(
@@ -788,12 +822,6 @@ def server_args(
 
 
 # -- a task store behind the server (compiled / uploaded tasks, added at runtime) ------------
-STORE_PLUGIN = "ltv_tasks"  # our vllm.endpoint_plugins entry: the /v1/ltv/tasks routes
-ENDPOINT_GROUP = "vllm.endpoint_plugins"  # vLLM loads these only when VLLM_PLUGINS names them
-# plugins that act only when VLLM_PLUGINS names them: vLLM's Hugging Face hub LoRA resolver
-# downloads adapters only if named ("because it allows remote downloads"): never named for
-# the user
-NAMED_IS_CONSENT = ("lora_hf_hub_resolver",)
 DEFAULT_STORE_N = 256       # ridge fits on N queries have rank ≤ min(N, d)
 
 
@@ -838,30 +866,3 @@ def upload_limit(model_dir: str | Path) -> int:
     ident = identity_from_dir(model_dir)
     r = VLLM_LORA_RANKS[-1]
     return 4 * (r * (ident.vocab_size + ident.hidden_size) + r * r + ident.vocab_size) + (1 << 20)
-
-
-def store_plugins(environ: Mapping[str, str] | None = None,
-                  installed: Mapping[str, list[str]] | None = None) -> str:
-    """vLLM's `VLLM_PLUGINS` for a server with our endpoint plugin (task store, self-check).
-
-    vLLM loads an endpoint plugin only when `VLLM_PLUGINS` names it, and one variable is the
-    allowlist of every plugin group: naming ours alone would turn every other installed
-    plugin off. So a user's list gets ours added; unset, it becomes every plugin vLLM would
-    load unset — each installed in a `vllm.*` group but the endpoint one's — plus ours (other
-    endpoint plugins stay off, as unset), but for plugins that read being named as the
-    user's consent (`NAMED_IS_CONSENT`: unset, they load and stay off, as unnamed). `installed`:
-    group → plugin names (default: this environment's entry points)."""
-    environ = os.environ if environ is None else environ
-    if installed is None:
-        from importlib.metadata import entry_points
-
-        eps = entry_points()
-        installed = {g: [ep.name for ep in eps.select(group=g)] for g in eps.groups
-                     if g.startswith("vllm.")}
-    if environ.get("VLLM_PLUGINS") is not None:
-        allow = [p for p in environ["VLLM_PLUGINS"].split(",") if p]
-    else:
-        allow = [name for group, names in sorted(installed.items())
-                 if group != ENDPOINT_GROUP for name in names if name not in NAMED_IS_CONSENT]
-    allow += [p for p in ("ltv_vllm", STORE_PLUGIN) if p not in allow]
-    return ",".join(dict.fromkeys(allow))

@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 ENV = "LTV_VLLM_SERVER"
 
@@ -27,6 +28,7 @@ class ServerSettings:
     max_upload: int = 1 << 30      # bytes of a task-vector upload (serve computes the real one)
     selfcheck: bool = False        # the engine holds the probe tasks: check them at start
     selfcheck_lora: dict[str, str] | None = None  # LoRA mode: the probe adapters to check
+    required: dict[str, Any] | None = None  # what vLLM must have parsed (`deploy`)
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}

@@ -32,6 +32,12 @@ def register() -> None:
         logging.getLogger("ltv_vllm").error("ltv-vllm: %s", problem)
         return
 
+    # `vllm serve` started with LTV_VLLM_DEPLOY (`serving.deploy`): ltv-vllm's environment
+    # in place before vLLM parses its arguments and starts its engine processes
+    from ltv_vllm.serving.deploy import apply
+
+    apply()
+
     # before any engine builds its LoRA layers: a request without a task vector must never
     # get a LoRA slot's shift (fixes.py)
     patch_cpu_lora_logits()

@@ -105,9 +105,14 @@ class TaskEndpoints:
         self.max_model_len = 0
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        from ltv_vllm.serving.deploy import required_problem
         from ltv_vllm.serving.taskstore import TaskStore, vector_digest
 
         settings = ServerSettings.from_env()
+        if settings.required and (problem := required_problem(args, settings.required)):
+            # a launcher's flag replaced one of ltv-vllm's: tasks would be served unshifted
+            logger.error("ltv-vllm: %s", problem)
+            raise RuntimeError(f"ltv-vllm: {problem}")
         if engine_client is not None and (settings.selfcheck or settings.selfcheck_lora):
             await self._selfcheck(engine_client, args, settings.selfcheck_lora)
         root = settings.task_store
