@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +38,7 @@ def engine_job(job: dict) -> dict:
     from ltv_vllm import make_llm
     from ltv_vllm.serving.offline import classification_params
 
-    engine_args = {"max_model_len": 1024, "seed": 0}
+    engine_args = {"max_model_len": 1024, "seed": 0, **job.get("engine_args", {})}
     if job["scheme"] != "none":
         engine_args["quantization"] = job["scheme"]
     t0 = time.perf_counter()
@@ -62,10 +64,13 @@ def run_engine(job: dict, work: Path, name: str) -> dict:
                             str(work / f"{name}.out.json")], stdout=f, stderr=subprocess.STDOUT,
                            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                                 "VLLM_CPU_KVCACHE_SPACE": "2"})
+    text = log.read_text()
     if r.returncode != 0:
-        tail = log.read_text()[-1500:]
-        return {"error": tail.strip().splitlines()[-1] if tail.strip() else "failed"}
-    return json.loads((work / f"{name}.out.json").read_text())
+        errors = [x for x in text.splitlines() if "Error" in x]
+        return {"error": (errors or text.strip().splitlines() or ["failed"])[-1].strip()}
+    quantized = re.findall(r"Quantizing (\d+) layers", text)
+    return {**json.loads((work / f"{name}.out.json").read_text()),
+            "layers_quantized": int(quantized[-1]) if quantized else None}
 
 
 def main() -> None:
@@ -75,9 +80,13 @@ def main() -> None:
     ap.add_argument("--task", default="trec")
     ap.add_argument("--vector", type=Path, default=None,
                     help="The task's vector [default: extracted here, `ltv-vllm extract`].")
-    ap.add_argument("--schemes", default="none,int8_per_channel_weight_only,fp8_per_tensor")
+    ap.add_argument("--schemes",
+                    default="none,fp8_per_channel,fp8_per_tensor,int8_per_channel_weight_only")
     ap.add_argument("--n-test", type=int, default=500)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="Both engines run one prompt per step, no prefix cache: the same "
+                         "shapes, so bf16 rounding no longer differs between them.")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/quantized"))
     a = ap.parse_args()
     if a.job:
@@ -97,10 +106,10 @@ def main() -> None:
 
     t_start = time.perf_counter()
     a.out.mkdir(parents=True, exist_ok=True)
-    work = a.out / "work"
+    work = Path(tempfile.mkdtemp(prefix="ltv-quantized-"))  # engine logs: not results
     model_dir = local_model_dir(a.model)
     dtype = resolve_for_model(a.dtype, model_dir)
-    vector = a.vector or a.out / f"{a.task}.pt"
+    vector = a.vector or work / f"{a.task}.pt"
     if not vector.exists():  # extracted from the unquantized model with transformers
         subprocess.run([sys.executable, "-m", "ltv_vllm.cli", "extract", "--model", a.model,
                         "--task", a.task, "--dtype", dtype, "--quiet", "-o", str(vector)],
@@ -115,8 +124,10 @@ def main() -> None:
     head = read_lm_head(model_dir).float()[ids]                           # (K, d)
     rows = []
     for scheme in a.schemes.split(","):
+        alone = ({"max_num_seqs": 1, "enable_prefix_caching": False} if a.one_at_a_time
+                 else {})
         job = {"model": str(model_dir), "scheme": scheme, "dtype": dtype, "prompts": prompts,
-               "label_ids": ids}
+               "label_ids": ids, "engine_args": alone}
         bare = run_engine({**job, "vector": None}, work, f"{scheme}-bare")
         shifted = run_engine({**job, "vector": str(vector)}, work, f"{scheme}-ltv")
         row = {"scheme": scheme}
@@ -128,15 +139,20 @@ def main() -> None:
         served = torch.tensor(shifted["logprobs"], dtype=torch.float64)
         zs = torch.tensor(bare["logprobs"], dtype=torch.float64)
         extra = {} if scheme == "none" else {"quantization": scheme}
-        h, _ = capture_states(str(model_dir), prompts, CaptureEngine(dtype=dtype, extra=extra),
-                              work / f"{scheme}-capture")
-        ref = torch.log_softmax((tv.shift_hidden(h) @ head.T).double(), -1)
-        ref_zs = torch.log_softmax((h @ head.T).double(), -1)
+        engine = CaptureEngine(dtype=dtype, enable_prefix_caching=not a.one_at_a_time,
+                               extra={**extra, **({"max_num_seqs": 1} if a.one_at_a_time
+                                                  else {})})
+        h, _ = capture_states(str(model_dir), prompts, engine, work / f"{scheme}-capture")
+        ref = torch.log_softmax(logits(tv, h, head, dtype), -1)
+        ref_zs = torch.log_softmax(logits(None, h, head, dtype), -1)
+        ref32 = torch.log_softmax((tv.shift_hidden(h) @ head.T).double(), -1)
         row.update({
             "zero_shot_accuracy": float((zs.argmax(-1) == labels).float().mean()),
             "ltv_accuracy": float((served.argmax(-1) == labels).float().mean()),
             "max_abs_diff_ltv": float((served - ref).abs().max()),
             "max_abs_diff_zero_shot": float((zs - ref_zs).abs().max()),
+            "max_abs_diff_ltv_float32_ref": float((served - ref32).abs().max()),
+            "layers_quantized": shifted["layers_quantized"],
             "answers_equal_reference": float((served.argmax(-1) == ref.argmax(-1))
                                              .float().mean()),
             "engine_start_seconds": round(shifted["start_seconds"], 1),
@@ -154,23 +170,40 @@ def main() -> None:
     (a.out / "results.md").write_text(report(doc, machine_line(doc["machine"])))
 
 
+def logits(tv, h, head, dtype: str):
+    """The engine's label logits from its own h, computed as the wrapper computes them in the
+    engine's dtype: h + (h V) Uᵀ, then the LM head's rows, each product rounded to `dtype`
+    (float64 out)."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    x = h.to(dt)
+    if tv is not None:
+        x = x + (x @ tv.V.to(dt)) @ tv.U.to(dt).T
+    return (x @ head.to(dt).T).double()
+
+
 def report(doc: dict, machine: str) -> str:
     lines = ["# A task vector served on a model vLLM quantizes at load", "",
              f"`{doc['command']}`", "", f"{machine}; engine dtype {doc['dtype']}; "
              f"{doc['task']}, {doc['n_test']} held-out queries; {doc['wall_seconds']:.0f} s", "",
              "One vector, extracted from the unquantized model (transformers). *served − ref*: "
              "the largest difference of a label-restricted logprob between the served answer "
-             "and log_softmax((h_q + W h_q) · W_labels) from the quantized engine's own h_q "
-             "(vLLM's pooling runner, same scheme).", "",
-             "| scheme | zero-shot | LTV | served − ref (LTV) | served − ref (zero-shot) | "
-             "same answer as ref |", "|---|---|---|---|---|---|"]
+             "and the reference from the quantized engine's own final hidden states h_q "
+             "(vLLM's pooling runner, same scheme): log_softmax((h_q + h_q V Uᵀ) · W_labelsᵀ) "
+             "computed in the engine's dtype, as the wrapper computes it (*float32 ref*: the "
+             "same in float32). *layers*: linear layers vLLM quantized.", "",
+             "| scheme | layers | zero-shot | LTV | served − ref (LTV) | "
+             "served − ref (zero-shot) | served − float32 ref (LTV) | same answer as ref |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         if "error" in r:
-            lines.append(f"| {r['scheme']} | refused or failed: {r['error'][:120]} | | | | |")
+            lines.append(f"| {r['scheme']} | failed: {r['error'][:160]} | | | | | | |")
             continue
-        lines.append(f"| {r['scheme']} | {100 * r['zero_shot_accuracy']:.1f} | "
-                     f"{100 * r['ltv_accuracy']:.1f} | {r['max_abs_diff_ltv']:.1e} | "
-                     f"{r['max_abs_diff_zero_shot']:.1e} | "
+        lines.append(f"| {r['scheme']} | {r['layers_quantized']} | "
+                     f"{100 * r['zero_shot_accuracy']:.1f} | {100 * r['ltv_accuracy']:.1f} | "
+                     f"{r['max_abs_diff_ltv']:.1e} | {r['max_abs_diff_zero_shot']:.1e} | "
+                     f"{r['max_abs_diff_ltv_float32_ref']:.1e} | "
                      f"{100 * r['answers_equal_reference']:.1f} % |")
     return "\n".join(lines) + "\n"
 
