@@ -112,6 +112,33 @@ def test_a_chat_fitted_task_is_shifted_through_chat(chat_server, tokenizer):
                          prompt)
 
 
+def test_system_prompt_and_history_are_shifted_as_sent(chat_server, tokenizer):
+    """The stated rule (docs/serving.md, "Other system prompts and earlier turns"): a
+    chat-fitted vector shifts a conversation as the client sends it — its own system turn and
+    earlier turns — at the assistant's first token after them: the answer is transformers' on
+    the template's rendering of that whole conversation, shifted at its first step, and told
+    apart from the unshifted answer and the other step policies'."""
+    url, model, vecs, _tmp = chat_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    tv = vecs["delta"]
+    for messages in (
+            [{"role": "system", "content": "You label reviews."},
+             {"role": "user", "content": PROMPTS[0]}],
+            [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
+             {"role": "user", "content": PROMPTS[0]}],
+            [{"role": "system", "content": "You label reviews."},
+             {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
+             {"role": "user", "content": PROMPTS[0]}]):
+        prompt = tokenizer.apply_chat_template(messages, chat_template=CHATML, tokenize=False,
+                                               add_generation_prompt=True)
+        r = client.chat.completions.create(
+            model="delta", messages=messages, max_tokens=3, temperature=0.0, logprobs=True,
+            top_logprobs=5, extra_body={"return_tokens_as_token_ids": True,
+                                        "ignore_eos": True})
+        check_answer(chat_logprobs([r]), {k: plan(tv, k, 3) for k in (0, 1, 2, 3)}, 1, model,
+                     tokenizer, prompt)
+
+
 def test_other_renderings_are_refused(chat_server):
     url, _model, _vecs, _tmp = chat_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)

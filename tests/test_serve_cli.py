@@ -586,3 +586,35 @@ def test_export_reads_back_as_the_serve_command(setup, monkeypatch, tmp_path):
     assert plan.env[ADMIT_ENV] not in (tmp_path / "dep" / "environment.json").read_text()
     with pytest.raises(deploy.DeployError, match="cannot read"):
         deploy.apply({"LTV_VLLM_DEPLOY": str(tmp_path / "nowhere")})
+
+
+@pytest.mark.parametrize("specs", [["{good}"], ["a={good}", "b={other}"]])
+def test_a_plan_reads_each_vector_file_once(setup, monkeypatch, specs, tokenizer, tmp_path):
+    """Planning a server (checks, overrides, warnings, chat digests) reads each vector file
+    once, fused or multi-task; a file replaced meanwhile is read again."""
+    import ltv_vllm.serving.serve as serve_mod
+    from ltv_vllm.core.vector import load_task_vector
+
+    tmp, good, _ = setup
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    other = load_task_vector(good)
+    second = other.save(tmp_path / "second.pt")
+    reads: list[str] = []
+
+    def counted(path):
+        reads.append(str(path))
+        return load_task_vector(path)
+
+    monkeypatch.setattr(serve_mod, "load_task_vector", counted)
+    serve_mod._checked_vector.cache_clear()
+    vectors = tuple(s.format(good=good, other=second) for s in specs)
+    serve_mod.plan_server(serve_mod.ServeOptions(str(tmp / "m"), vectors))
+    assert sorted(reads) == sorted({str(Path(v.split("=")[-1]).resolve()) for v in vectors})
+    import os
+    import time
+
+    time.sleep(0.01)
+    os.utime(good)  # replaced: read again
+    reads.clear()
+    serve_mod.plan_server(serve_mod.ServeOptions(str(tmp / "m"), vectors))
+    assert str(good.resolve()) in reads

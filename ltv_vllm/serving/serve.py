@@ -51,8 +51,21 @@ def base_architecture(model_dir: str | Path) -> str:
 
 
 def checked_vector(model_dir: str | Path, vector_path: str | Path) -> TaskVector:
-    """Load a vector and check it against the model directory (sizes and LM-head fingerprint)."""
-    tv = load_task_vector(vector_path)
+    """Load a vector and check it against the model directory (sizes and LM-head fingerprint);
+    a file is read once however many steps of a plan ask for it (remembered by its path and
+    modification time: a file replaced meanwhile is read again)."""
+    path = Path(vector_path).resolve()
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        stamp = -1  # `load_task_vector` says why, in one line (an error is not remembered)
+    return _checked_vector(str(Path(model_dir).resolve()), str(path), stamp)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_vector(model_dir: str, path: str, stamp: int) -> TaskVector:
+    del stamp  # only part of the key
+    tv = load_task_vector(path)
     tv.check_model(identity_from_dir(model_dir))
     return tv
 
@@ -645,7 +658,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         defaults.append("--enforce-eager")
     settings = ServerSettings(max_body=opts.max_body_mib << 20)
     env = dict(task_env)
-    given = {n: load_task_vector(p) for n, p in parsed.items()}  # each file read once here
+    given = {n: checked_vector(model_dir, p) for n, p in parsed.items()}  # read above, once
     notes += shortfall_notes(given)
     fitted = chat_fitted_vectors(given)  # the gate shifts their chat requests (`tasks.chat`)
     # a task store's chat-fitted entries: the gate learns them from the store; warned here
