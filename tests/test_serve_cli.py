@@ -589,7 +589,7 @@ def test_export_reads_back_as_the_serve_command(setup, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("specs", [["{good}"], ["a={good}", "b={other}"]])
-def test_a_plan_reads_each_vector_file_once(setup, monkeypatch, specs, tokenizer, tmp_path):
+def test_a_plan_reads_each_vector_file_once(setup, monkeypatch, specs, tmp_path):
     """Planning a server (checks, overrides, warnings, chat digests) reads each vector file
     once, fused or multi-task; a file replaced meanwhile is read again."""
     import ltv_vllm.serving.serve as serve_mod
