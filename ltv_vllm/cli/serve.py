@@ -79,6 +79,7 @@ class StoreFlags:
     compiles with, as given; checked by `ServeOptions`."""
 
     task_store: str | None
+    store_poll: float
     max_tasks: int
     compile_threads: int
 
@@ -114,7 +115,11 @@ class ShiftFlags:
     StoreFlags,
     click.option("--task-store", default=None, is_flag=False, flag_value="",
                  help="Serve every task in this task store by name, and add tasks at runtime "
-                      "(/v1/ltv/tasks); without a value: the model's store under the cache."),
+                      "(/v1/ltv/tasks); without a value: the model's store under the cache. "
+                      "s3://BUCKET/PREFIX or file:///DIR: a store many replicas share."),
+    click.option("--store-poll", default=ServerSettings.store_poll, show_default=True,
+                 help="With a shared --task-store: seconds between reads of its index (a "
+                      "change on another replica is served here within this)."),
     click.option("--max-tasks", default=ServerSettings.max_tasks, show_default=True,
                  help="With --task-store: how many tasks the server can hold at once."),
     click.option("--compile-threads", default=ServerSettings.compile_threads,

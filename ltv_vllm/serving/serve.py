@@ -357,6 +357,7 @@ class ServeOptions:
     multi_task: str | None = None   # named vectors: "shift" (default) or "lora" adapters
     vllm_args: tuple[str, ...] = ()
     task_store: str | None = None       # serve its entries; compile / upload more at runtime
+    store_poll: float = ServerSettings.store_poll  # a shared store's index, followed this often
     # the server's own settings: defaults in one place (`settings.ServerSettings`)
     max_tasks: int = ServerSettings.max_tasks  # tasks a task-store server can hold at once
     compile_threads: int = ServerSettings.compile_threads  # the engine keeps the other cores
@@ -377,6 +378,9 @@ class ServeOptions:
             raise ArgumentError(f"--port must be 1..65535, got {self.port}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ArgumentError(f"--max-model-len must be at least 1, got {self.max_model_len}")
+        if not 0.05 <= self.store_poll <= 3600:
+            raise ArgumentError(f"--store-poll must be 0.05..3600 seconds, got "
+                                f"{self.store_poll}")
         if self.max_body_mib < 1:
             raise ArgumentError(f"--max-body-mib must be at least 1, got {self.max_body_mib}")
         if self.task_store is not None and _api_servers(self.vllm_args) > 1:
@@ -533,7 +537,13 @@ class ServerPlan:
             self.lora.write()
         if self.probes is not None:
             self.probes.write()
-        if root := ServerSettings.from_env(self.env).task_store:
+        settings = ServerSettings.from_env(self.env)
+        if settings.shared_store:  # made if new; then this replica's copy beside the others'
+            from ltv_vllm.serving.shared_store import SharedStore
+
+            SharedStore(settings.shared_store)
+            sweep_replicas(Path(settings.task_store).parent)
+        if root := settings.task_store:
             from ltv_vllm.serving.taskstore import TaskStore
 
             store = TaskStore(root)  # created if new
@@ -618,7 +628,12 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     spec = opts.model_spec or DEFAULT_MODEL
     model_dir = local_model_dir(spec)  # a hub id: fetched, or found in the cache offline
     parsed = parse_vector_specs(list(opts.vectors))
-    store, quarantine = (store_entries(opts.task_store, model_dir, parsed)
+    shared, held = shared_store(opts.task_store)
+    # a shared store: this replica serves a copy of its own, made at start (`replica_root`)
+    store_root = (replica_root(shared) if shared is not None
+                  else Path(opts.task_store).absolute() if opts.task_store is not None else None)
+    store, quarantine = (({}, {}) if shared is not None
+                         else store_entries(opts.task_store, model_dir, parsed)
                          if opts.task_store is not None else (None, {}))
     digest = hashlib.sha256((f"r{opts.lora_rank}:" + "".join(
         f"{n}={p.resolve()}:{p.stat().st_mtime_ns}"
@@ -644,8 +659,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         max_model_len=chosen("--max-model-len", opts.max_model_len, None, user.max_model_len),
         user=user,
         fold=opts.fold, shift_steps=opts.shift_steps, lora_rank_cap=opts.lora_rank, store=store,
-        max_tasks=opts.max_tasks, lora=opts.lora,
-        store_root=Path(opts.task_store).absolute() if opts.task_store is not None else None,
+        max_tasks=max(opts.max_tasks, held), lora=opts.lora, store_root=store_root,
         probes=probes.config if probes is not None else None,
         lora_min_rank=padded_rank(LORA_PAIRS) if lora_probes is not None else 1)
     extra = list(opts.vllm_args)
@@ -688,8 +702,8 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         # those that name a task. (LoRA adapters are chosen by `model` alone: the gate's)
         env.update(new_admission(every="" in parsed))
     if store is not None:
-        settings = replace(settings, task_store=str(Path(opts.task_store).absolute()),
-                           max_tasks=opts.max_tasks,
+        settings = replace(settings, task_store=str(store_root), shared_store=shared,
+                           store_poll=opts.store_poll, max_tasks=opts.max_tasks,
                            task_rank=lora.max_rank if lora else store_rank(model_dir),
                            store_lora=lora is not None,
                            compile_threads=opts.compile_threads,
@@ -846,6 +860,58 @@ def default_store(model_spec: str | None) -> Path:
 
     key = re.sub(r"[^A-Za-z0-9_.-]+", "_", (model_spec or DEFAULT_MODEL).strip("/"))
     return cache_dir() / "task-stores" / key
+
+
+def shared_store(spec: str | None) -> tuple[str | None, int]:
+    """`--task-store` as a shared store (`serving.shared_store`): its URL or directory and how
+    many tasks its index holds; (None, 0) for a store of this server's own. Checked here, in
+    one line, before anything starts: a store that does not answer, or is not one."""
+    from ltv_vllm.serving.shared_store import SharedStore, is_shared
+    from ltv_vllm.serving.taskstore import StoreError
+
+    if not is_shared(spec):
+        return None, 0
+    assert spec is not None
+    url = spec if spec.startswith("s3://") else str(
+        Path(spec.removeprefix("file://")).absolute())
+    store = SharedStore(url, create=False)
+    try:
+        return url, len(store.index().tasks)
+    except StoreError as e:
+        if "no index" in str(e):
+            return url, 0  # a new store: made by `prepare`
+        raise
+
+
+def replica_root(shared: str) -> Path:
+    """Where this server keeps its copy of a shared store: its own directory (locked while
+    it runs) beside other replicas' on this machine, under the cache."""
+    import hashlib
+    import secrets
+
+    from ltv_vllm.models.cache import cache_dir
+
+    key = hashlib.sha256(shared.encode()).hexdigest()[:12]
+    return cache_dir() / "task-replicas" / key / f"replica-{secrets.token_hex(6)}"
+
+
+def sweep_replicas(parent: Path) -> list[str]:
+    """Remove the copies of replicas that no longer run (their lock is free, and they have
+    not changed for a minute: one starting beside this one has not taken its lock yet); the
+    names."""
+    import shutil
+    import time
+
+    from ltv_vllm.serving.taskstore import TaskStore
+
+    gone = []
+    if parent.is_dir():
+        for p in parent.iterdir():
+            if p.is_dir() and p.name.startswith("replica-") and not TaskStore(
+                    p, create=False).held() and time.time() - p.stat().st_mtime > 60:
+                shutil.rmtree(p, ignore_errors=True)
+                gone.append(p.name)
+    return gone
 
 
 def store_rank(model_dir: str | Path) -> int:

@@ -20,6 +20,10 @@ ENV = "LTV_VLLM_SERVER"
 @dataclass(frozen=True)
 class ServerSettings:
     task_store: str | None = None  # absolute path of the task store; None: no store routes
+    # a store many replicas share (`shared_store`): its URL or directory; `task_store` is then
+    # this replica's own working copy of it, followed every `store_poll` seconds
+    shared_store: str | None = None
+    store_poll: float = 2.0
     max_tasks: int = 8             # store entries + compiles under way (`serve --max-tasks`)
     task_rank: int = 256           # the rank store tasks are stored (and served) at
     store_lora: bool = False       # store tasks served as LoRA adapters (else per request)

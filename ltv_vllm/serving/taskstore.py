@@ -323,6 +323,40 @@ class TaskStore:
             raise
         return tmp
 
+    def adopt(self, name: str, data: bytes, record: dict[str, Any], model_dir: str | Path, *,
+              base_model: str | None = None, max_rank: int | None = None) -> Path:
+        """Stage an entry from a shared store's vector bytes, kept byte for byte (so its
+        digest, and its engine key, are the shared store's), with its adapter made here for
+        `model_dir`; StoreError (one line) when this server cannot serve it: another model,
+        a nonlinear vector, a rank over `max_rank` (this server's)."""
+        from ltv_vllm.models.checkpoint import identity_from_dir
+        from ltv_vllm.serving.lora import export_lora, refuse_non_lora
+
+        check_name(name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self.root))
+        try:
+            (tmp / VECTOR).write_bytes(data)
+            try:
+                tv = load_task_vector(tmp / VECTOR)
+                tv.check_model(identity_from_dir(model_dir))
+                refuse_non_lora(tv)
+            except StoreError:
+                raise
+            except UserError as e:
+                raise StoreError(f"task {name!r}: {e}") from None
+            if max_rank is not None and tv.rank > max_rank:
+                raise StoreError(f"task {name!r}: rank {tv.rank} is over this server's rank "
+                                 f"{max_rank}; serve every replica at the same rank")
+            export_lora(tv, model_dir, tmp, base_model=base_model or str(Path(model_dir)))
+            (tmp / RECORD).write_text(json.dumps(record, indent=1, allow_nan=False))
+            os.chmod(tmp, 0o777 & ~umask())
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if (full := full_disk(e, f"task {name!r} was not copied", self.root)) is not None:
+                raise full from e
+            raise
+        return tmp
+
     def publish(self, staged: str | Path, name: str) -> Entry:
         """Make a staged entry visible as NAME by one rename; EntryExists (and the staged
         directory removed) when the name is taken."""

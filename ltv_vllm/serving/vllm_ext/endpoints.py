@@ -48,6 +48,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -59,6 +60,7 @@ from fastapi import APIRouter, Request
 
 from ltv_vllm.serving.compile import ENTRY
 from ltv_vllm.serving.settings import ServerSettings
+from ltv_vllm.serving.shared_store import StoreUnavailable
 from ltv_vllm.serving.step_policy import (
     RUNTIME,
     RUNTIME_CHAT,
@@ -66,9 +68,14 @@ from ltv_vllm.serving.step_policy import (
     served_template,
     task_key,
 )
+from ltv_vllm.serving.vllm_ext import middleware
 from ltv_vllm.serving.vllm_ext.middleware import drained, in_flight, media_type
 
 logger = logging.getLogger(__name__)
+# a request naming a task this replica does not serve waits this long (seconds) for the
+# shared store's index and the task's copy (LTV_VLLM_RESOLVE_WAIT), then is answered 503
+RESOLVE_WAIT_ENV = "LTV_VLLM_RESOLVE_WAIT"
+RESOLVE_SECONDS = 10.0
 # DELETE answers within this long (seconds; LTV_VLLM_DELETE_WAIT): 200 when the task's
 # requests in flight are done and its files removed, else 202 (removed when they are done,
 # however long that takes)
@@ -103,10 +110,22 @@ class TaskEndpoints:
         self.worker = asyncio.Semaphore(1)  # one compile at a time
         self.tokenizer: Any = None
         self.max_model_len = 0
+        # a store many replicas share (`serving.shared_store`), followed: None when the store
+        # is this server's alone
+        self.shared: Any = None
+        self.replica = f"{socket.gethostname()}:{os.getpid()}"  # who wrote an index generation
+        self.poll = 2.0
+        self.seen = -1  # the shared index generation this replica serves
+        self.listed: dict[str, dict[str, Any]] = {}  # ...and its tasks (name → digest, record)
+        self.digests: dict[str, str] = {}  # store tasks served here → their vector's sha256
+        self.unservable: dict[str, tuple[str, str]] = {}  # name → (digest, why not served)
+        self.following: asyncio.Future | None = None
+        self.followed_at = 0.0
+        self.outage: str | None = None  # the store's last failure, logged once
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         from ltv_vllm.serving.deploy import required_problem
-        from ltv_vllm.serving.taskstore import TaskStore, vector_digest
+        from ltv_vllm.serving.taskstore import StoreError, TaskStore, vector_digest
 
         settings = ServerSettings.from_env()
         if settings.required and (problem := required_problem(args, settings.required)):
@@ -130,6 +149,11 @@ class TaskEndpoints:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        if settings.shared_store:
+            from ltv_vllm.serving.shared_store import SharedStore
+
+            self.shared = SharedStore(settings.shared_store, create=False)
+            self.poll = settings.store_poll
         # compiles do not outlive their server: what a previous one left is dropped
         shutil.rmtree(self.store.root / ".jobs", ignore_errors=True)
         (self.store.root / ".jobs").mkdir()
@@ -140,6 +164,15 @@ class TaskEndpoints:
                 RUNTIME[entry.name] = key
             if (digest := entry.chat_template()) is not None:
                 RUNTIME_CHAT[entry.name] = digest  # the gate shifts its chat requests
+        if self.shared is not None:
+            # the store's tasks served before the server answers anything; then followed
+            try:
+                await self._follow()
+            except StoreError as e:
+                self._outage(e)
+            self.poller = asyncio.create_task(self._poll())
+            middleware.resolver = self.resolve
+        middleware.listing = self.listing
 
     async def _selfcheck(self, engine_client: Any, args: Any,
                          lora: dict[str, str] | None) -> None:
@@ -278,10 +311,12 @@ class TaskEndpoints:
             return _error(409, f"{name!r} is the served base model's name; choose another",
                           "ConflictError", "name")
         if (self._served(name) or name in self.jobs or name in self.deleting
-                or (self.store.root / name).exists()):
+                or (self.store.root / name).exists() or name in self.listed):
             return _error(409, f"task {name!r} exists; DELETE it first", "ConflictError",
                           "name")
-        held = len([n for n in self.store.names() if n not in self.deleting]) + len(self.jobs)
+        # a shared store's tasks count wherever they were added
+        held = len({n for n in self.store.names() if n not in self.deleting}
+                   | set(self.listed)) + len(self.jobs)
         if held >= self.max_tasks:
             return _error(409, f"the server holds {self.max_tasks} tasks (--max-tasks); "
                                "DELETE one first", "ConflictError")
@@ -289,8 +324,6 @@ class TaskEndpoints:
 
     # -- DELETE ------------------------------------------------------------------------------
     async def _delete(self, name: str) -> Any:
-        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
-
         from ltv_vllm.serving.taskstore import StoreError
 
         async with self.lock:
@@ -303,6 +336,22 @@ class TaskEndpoints:
                 return {"object": "ltv.task.deleted", "name": name, "deleted": True}
             if name in self.deleting:
                 return _error(404, f"task {name!r} is being deleted", "NotFoundError", "name")
+            if self.shared is not None:
+                # the store first: every replica unserves it when it follows the index
+                try:
+                    await asyncio.to_thread(self.shared.remove, name, self.replica)
+                except StoreError as e:
+                    if isinstance(e, StoreUnavailable):
+                        return self._fail(503, e, "ServiceUnavailableError")
+                    if not (self.store.root / name).is_dir():
+                        served = self._served(name)
+                        why = (f"task {name!r} was given on the command line (--task-vector), "
+                               "not added to the task store; restart without it" if served
+                               else e)
+                        return self._fail(409 if served else 404, why,
+                                          "ConflictError" if served else "NotFoundError",
+                                          "name")
+                    # another replica deleted it first: unserved here now, as it follows
             try:
                 await asyncio.to_thread(self.store.get, name)
             except StoreError as e:
@@ -311,33 +360,11 @@ class TaskEndpoints:
                        "compiled into the task store; restart without it" if served else e)
                 return self._fail(409 if served else 404, why,
                                   "ConflictError" if served else "NotFoundError", "name")
-            lora = self.models.lora_requests.get(name) if self.lora else None
-            if lora is not None:  # no new request gets the task from here on
-                await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
-            key = RUNTIME.pop(name, None)  # per-request tasks: likewise
-            RUNTIME_CHAT.pop(name, None)
-            if key is not None:
-                # per-request tasks: the name is free at once (a new upload may take it), as
-                # the entry goes now; requests admitted with the key finish on its pin, which
-                # goes when they are done — a client that never reads its stream holds the
-                # pin's few MB, not the name
-                try:
-                    await asyncio.to_thread(self.store.remove, name)
-                except Exception as e:  # noqa: BLE001 - unserved already; reported
-                    logger.error("ltv-vllm: task %r was unserved but its entry was not "
-                                 "removed: %s", name, self._public(str(e)))
-                    return self._fail(500, f"task {name!r} is no longer served, but its "
-                                      f"files were not removed: {e}", "InternalServerError")
-                unpin = asyncio.ensure_future(self._unpin_drained(key))
-                self.removals.add(unpin)
-                unpin.add_done_callback(self.removals.discard)
-                return {"object": "ltv.task.deleted", "name": name, "deleted": True}
-            self.deleting.add(name)
+            finish = await self._unserve(name)
+            if not isinstance(finish, asyncio.Future):
+                return finish or {"object": "ltv.task.deleted", "name": name, "deleted": True}
         # The removal runs to its end whatever happens to this request (a client that gives
         # up, a proxy's timeout): the name stays taken until the files are gone.
-        finish = asyncio.ensure_future(self._remove_drained(name, lora))
-        self.removals.add(finish)
-        finish.add_done_callback(self.removals.discard)
         try:
             await asyncio.wait_for(asyncio.shield(finish),
                                    float(os.environ.get(DELETE_WAIT_ENV) or DRAIN_SECONDS))
@@ -350,6 +377,41 @@ class TaskEndpoints:
                 "object": "ltv.task.deleted", "name": name, "deleted": False,
                 "status": "deleting", "in_flight": in_flight.get(name, 0)})
         return {"object": "ltv.task.deleted", "name": name, "deleted": True}
+
+    async def _unserve(self, name: str) -> Any:
+        """Stop serving the store entry NAME and remove it (under the lock): None when done
+        (per-request tasks: the name is free at once; requests admitted with its key finish
+        on its pin, removed after them); an error answer; or (LoRA mode) the future of the
+        removal, which waits for the task's requests (the name is taken until it is done)."""
+        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
+        lora = self.models.lora_requests.get(name) if self.lora else None
+        if lora is not None:  # no new request gets the task from here on
+            await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+        key = RUNTIME.pop(name, None)  # per-request tasks: likewise
+        RUNTIME_CHAT.pop(name, None)
+        self.digests.pop(name, None)
+        if key is not None:
+            # per-request tasks: the name is free at once (a new upload may take it), as
+            # the entry goes now; requests admitted with the key finish on its pin, which
+            # goes when they are done — a client that never reads its stream holds the
+            # pin's few MB, not the name
+            try:
+                await asyncio.to_thread(self.store.remove, name)
+            except Exception as e:  # noqa: BLE001 - unserved already; reported
+                logger.error("ltv-vllm: task %r was unserved but its entry was not "
+                             "removed: %s", name, self._public(str(e)))
+                return self._fail(500, f"task {name!r} is no longer served, but its "
+                                  f"files were not removed: {e}", "InternalServerError")
+            unpin = asyncio.ensure_future(self._unpin_drained(key))
+            self.removals.add(unpin)
+            unpin.add_done_callback(self.removals.discard)
+            return None
+        self.deleting.add(name)
+        finish = asyncio.ensure_future(self._remove_drained(name, lora))
+        self.removals.add(finish)
+        finish.add_done_callback(self.removals.discard)
+        return finish
 
     async def _remove_drained(self, name: str, lora: Any) -> None:
         """Remove an unserved task's adapter and files once no request that can still load
@@ -398,6 +460,135 @@ class TaskEndpoints:
             await self.engine.collective_rpc("check_health")
         except Exception as e:  # noqa: BLE001 - a dead engine loads nothing either
             logger.warning("ltv-vllm: engine barrier failed: %s", e)
+
+    # -- a shared store: followed ------------------------------------------------------------
+    async def _poll(self) -> None:
+        """Follow the shared index every `poll` seconds, for the server's life."""
+        from ltv_vllm.serving.taskstore import StoreError
+
+        while True:
+            await asyncio.sleep(self.poll)
+            try:
+                await self._follow_soon()
+            except StoreError as e:
+                self._outage(e)
+            except Exception:  # noqa: BLE001 - never stops following (the engine is not
+                # touched here: a failure costs this round, logged)
+                logger.exception("ltv-vllm: following the task store failed")
+
+    def _outage(self, e: Exception) -> None:
+        text = self._public(str(e))
+        if text != self.outage:  # once per outage, not once per poll
+            logger.warning("ltv-vllm: %s; serving the tasks this replica holds", text)
+            self.outage = text
+
+    async def _follow_soon(self) -> None:
+        """One follow of the index, shared by every caller that asks meanwhile."""
+        if self.following is None or self.following.done():
+            self.following = asyncio.ensure_future(self._follow())
+        await asyncio.shield(self.following)
+
+    async def _follow(self) -> None:
+        """Serve exactly the shared index (under the lock, read inside it, so no upload or
+        DELETE of this replica's interleaves): names gone or holding another vector are
+        unserved as a DELETE does (requests admitted before finish on their own pins); names
+        new here are copied (outside the engine: the engine only ever loads a local pin),
+        checked and served. A name this replica cannot serve is logged once and skipped."""
+        from ltv_vllm.serving.taskstore import StoreError
+
+        async with self.lock:
+            idx = await asyncio.to_thread(self.shared.index)
+            whole = True  # every name settled: this generation need not be looked at again
+            if self.outage is not None:
+                logger.warning("ltv-vllm: the task store answers again")
+                self.outage = None
+            self.followed_at = time.monotonic()
+            if idx.generation == self.seen:
+                return
+            for name in sorted(self.digests):
+                if name in self.jobs or name in self.deleting:
+                    whole = False
+                    continue
+                if idx.digest(name) != self.digests[name]:
+                    await self._unserve(name)
+            for name, item in sorted(idx.tasks.items()):
+                digest = item["digest"]
+                if name in self.jobs or name in self.deleting:
+                    whole = False  # settled when its compile or its removal is done
+                    continue
+                if name in self.digests or self.unservable.get(name, ("",))[0] == digest:
+                    continue
+                if self._served(name) or (self.store.root / name).exists():
+                    self.unservable[name] = (digest, "its name is taken on this replica")
+                    logger.warning("ltv-vllm: task store task %r is not served here: its name "
+                                   "is taken (a --task-vector?)", name)
+                    continue
+                try:
+                    data = await asyncio.to_thread(self.shared.vector, digest)
+                    staged = await asyncio.to_thread(
+                        self.store.adopt, name, data, item["record"], self.model_dir,
+                        base_model=str(self.model_dir), max_rank=self.max_rank)
+                except StoreUnavailable:
+                    raise  # the next follow tries again
+                except StoreError as e:
+                    self.unservable[name] = (digest, self._public(str(e)))
+                    logger.warning("ltv-vllm: task store task %r is not served here: %s",
+                                   name, self._public(str(e)))
+                    continue
+                entry = await asyncio.to_thread(self.store.publish, staged, name)
+                if (failed := await self._serve(entry)) is not None:
+                    why = json.loads(failed.body)["error"]["message"]
+                    self.unservable[name] = (digest, why)
+                    logger.warning("ltv-vllm: task store task %r is not served here: %s",
+                                   name, why)
+                    continue
+                self.digests[name] = digest
+                self.unservable.pop(name, None)
+            self.listed = dict(idx.tasks)
+            self.seen = idx.generation if whole else -1
+
+    async def resolve(self, name: str) -> str | None:
+        """The gate's hook for a request naming `name` where this replica serves no such
+        model: follow the shared index now (waiting at most LTV_VLLM_RESOLVE_WAIT seconds);
+        None: answer it as it stands (served now, or no such task: vLLM's 404), else why
+        it gets a 503 (the store did not answer, or the task cannot be served here)."""
+        from ltv_vllm.serving.taskstore import NAME, StoreError
+
+        if (self._served(name) or not NAME.fullmatch(name)
+                or self.models.is_base_model(name)):
+            return None
+        wait = float(os.environ.get(RESOLVE_WAIT_ENV) or RESOLVE_SECONDS)
+        # an unknown name asks the store at most once a poll's tenth, not once per request
+        if name in self.listed or time.monotonic() - self.followed_at > self.poll / 10:
+            try:
+                await asyncio.wait_for(self._follow_soon(), wait)
+            except TimeoutError:
+                return (f"task {name!r}: the task store did not answer within {wait:g} s; "
+                        "retry")
+            except StoreError as e:
+                if name in self.listed or isinstance(e, StoreUnavailable):
+                    return f"task {name!r} could not be resolved: {self._public(str(e))}"
+        if self._served(name) or name not in self.listed:
+            return None
+        why = self.unservable.get(name, ("", "it is being updated"))[1]
+        return f"task {name!r} is in the task store but not served by this replica: {why}"
+
+    def listing(self) -> list[dict[str, Any]]:
+        """The store's tasks as `/v1/models` cards (the gate adds them): each with its
+        digest (the vector's sha256, first 16 hex digits: the engine key's) and whether this
+        replica serves it now."""
+        tasks: dict[str, str | None] = {}
+        if self.shared is not None:
+            tasks = {n: item["digest"][:16] for n, item in self.listed.items()}
+        for name, key in RUNTIME.items():
+            tasks.setdefault(name, key.partition("@")[2])
+        if self.lora:  # adapters: vLLM lists them, the gate adds this to their cards
+            tasks.update({n: None for n in self.store.names()
+                          if self._served(n) and n not in tasks})
+        return [{"id": name, "object": "model", "owned_by": "ltv-vllm",
+                 "ltv": {"task_store": True, "digest": digest,
+                         "loaded": self._served(name) and name not in self.deleting}}
+                for name, digest in sorted(tasks.items())]
 
     # -- POST: an upload ---------------------------------------------------------------------
     async def _upload(self, request: Any) -> Any:
@@ -469,20 +660,58 @@ class TaskEndpoints:
         """Publish a staged entry and serve it, or roll both back (under the lock)."""
         from fastapi.responses import JSONResponse
 
-        from ltv_vllm.serving.taskstore import StoreError
-
         async with self.lock:
             if (taken := self._taken(name)) is not None:
                 shutil.rmtree(staged, ignore_errors=True)
                 return taken
-            try:
-                entry = await asyncio.to_thread(self.store.publish, staged, name)
-            except StoreError as e:
-                return self._fail(409, e, "ConflictError", "name")
-            if (failed := await self._serve(entry)) is not None:
+            entry, failed = await self._publish(name, staged)
+            if failed is not None:
                 return failed
             view = self._view(entry)
         return JSONResponse(status_code=201 if created else 200, content=view)
+
+    async def _publish(self, name: str, staged: Path) -> tuple[Any, Any]:
+        """(entry, None) when the staged entry is published and served, else (None, the error
+        answer), nothing left behind (under the lock). With a shared store the name is
+        published there first (its one winner among the replicas), then here; a failure here
+        takes it out of the shared index again."""
+        from ltv_vllm.serving.taskstore import VECTOR, StoreError
+
+        digest = None
+        if self.shared is not None:
+            try:
+                data = await asyncio.to_thread((staged / VECTOR).read_bytes)
+                record = json.loads(await asyncio.to_thread((staged / "entry.json").read_text))
+                digest = await asyncio.to_thread(self.shared.put_vector, data)
+                await asyncio.to_thread(self.shared.add, name, digest, record, self.replica)
+            except StoreError as e:
+                shutil.rmtree(staged, ignore_errors=True)
+                if isinstance(e, StoreUnavailable):
+                    return None, self._fail(503, e, "ServiceUnavailableError")
+                return None, self._fail(409, e, "ConflictError", "name")
+        try:
+            entry = await asyncio.to_thread(self.store.publish, staged, name)
+        except StoreError as e:
+            await self._unpublish(name, digest)
+            return None, self._fail(409, e, "ConflictError", "name")
+        if (failed := await self._serve(entry)) is not None:
+            await self._unpublish(name, digest)
+            return None, failed
+        if digest is not None:
+            self.digests[name] = digest
+        return entry, None
+
+    async def _unpublish(self, name: str, digest: str | None) -> None:
+        """A rollback: NAME out of the shared index, if it still holds this vector."""
+        from ltv_vllm.serving.taskstore import StoreError
+
+        if digest is None:
+            return
+        try:
+            await asyncio.to_thread(self.shared.remove, name, self.replica, digest)
+        except StoreError as e:
+            logger.error("ltv-vllm: task %r could not be taken back out of the task store: "
+                         "%s", name, self._public(str(e)))
 
     async def _serve(self, entry: Any) -> Any:
         """Serve the entry: by key (per-request tasks; the engine loads it on first use), or
@@ -600,11 +829,10 @@ class TaskEndpoints:
                 shutil.rmtree(staged, ignore_errors=True)
                 return
             try:  # the job stays listed until its entry is served: the name is never free
-                entry = await asyncio.to_thread(self.store.publish, staged, name)
+                _, failed = await self._publish(name, staged)
             except Exception as e:  # noqa: BLE001 - reported on the job, never half-served
                 job["state"], job["error"] = "failed", f"could not publish: {e}"
                 return
-            failed = await self._serve(entry)
             if failed is not None:
                 job["state"] = "failed"
                 job["error"] = json.loads(failed.body)["error"]["message"]

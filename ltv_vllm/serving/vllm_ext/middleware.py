@@ -300,6 +300,10 @@ class Gate:
             if isinstance(payload, dict):
                 try:
                     ask = Ask.of(self.path(scope), payload, scope)
+                    if resolver is not None and (why := await self.resolve(ask)) is not None:
+                        await _respond(send, 503, _json_error(503, why,
+                                                              "ServiceUnavailableError"))
+                        return
                     refused = self.refuse(scope, ask)
                     if refused is None:
                         if isinstance(counted := self.counted(ask), str):
@@ -329,6 +333,9 @@ class Gate:
 
         if shown is not None:
             send = renamed(send, base_name(scope), shown)
+        if (listing is not None and scope.get("method") == "GET"
+                and self.path(scope).rstrip("/") == MODELS_PATH):
+            send = with_listing(send, listing())
         if model is None:
             await self.app(scope, replayed, send)
             return
@@ -341,6 +348,15 @@ class Gate:
                 del in_flight[model]
 
     # -- 3. what a request asks of the shift ----------------------------------------------------
+
+    async def resolve(self, ask: Ask) -> str | None:
+        """Before the request is judged: each model it names that this replica does not
+        serve yet, resolved from the shared task store (`resolver`); why it gets a 503, or
+        None."""
+        for name in dict.fromkeys((ask.model, ask.named)):
+            if isinstance(name, str) and (why := await resolver(name)) is not None:
+                return why
+        return None
 
     def refuse(self, scope: dict[str, Any], ask: Ask) -> tuple[str, ...] | None:
         """(message, type, param) of a 400 for this request, or None. Here, for a server whose
@@ -718,6 +734,64 @@ class Ask:
         if self.route == INVOCATIONS and isinstance(self.model, str):
             out.append((ADAPTER_HEADER, self.model.encode("latin-1", "replace")))
         return out
+
+
+# Set by the task endpoints of a task-store server: `resolver(name)` for a request naming a
+# model this replica does not serve (a shared store's task it has not copied yet: None, or
+# why it gets a 503), `listing()` the store's tasks as `/v1/models` cards
+resolver: Any = None
+listing: Any = None
+MODELS_PATH = "/v1/models"
+
+
+def listed(body: bytes, cards: list[dict[str, Any]]) -> bytes:
+    """vLLM's `/v1/models` answer with the store's task cards: added, or (a LoRA adapter
+    vLLM lists itself) merged into its card."""
+    doc = json.loads(body)
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list):
+        return body
+    root = next((c.get("root") for c in data if isinstance(c, dict) and not c.get("parent")),
+                None)
+    have = {c.get("id"): c for c in data if isinstance(c, dict)}
+    for card in cards:
+        if card["id"] in have:
+            have[card["id"]]["ltv"] = card["ltv"]
+        else:
+            data.append({**card, "root": root, "parent": root})
+    return json.dumps(doc).encode()
+
+
+def with_listing(send: Any, cards: list[dict[str, Any]]) -> Any:
+    """`send` for `/v1/models`: the answer's body held, the store's cards added (`listed`),
+    and its length set again."""
+    held: list[dict[str, Any]] = []
+
+    async def send_listed(msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.start":
+            held.append(msg)
+            return
+        if msg["type"] == "http.response.body" and held:
+            chunks = held[1:] + [msg]
+            if msg.get("more_body"):
+                held.append(msg)
+                return
+            body = b"".join(m.get("body", b"") for m in chunks)
+            start = held[0]
+            if start["status"] == 200:
+                try:
+                    body = listed(body, cards)
+                except ValueError:
+                    pass
+            headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            held.clear()
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        await send(msg)
+
+    return send_listed
 
 
 async def drained(model: str, poll: float = 0.05) -> None:

@@ -1,0 +1,339 @@
+"""A task store many replicas share: the source of truth behind each replica's own working
+copy (`taskstore.TaskStore`). It lives on a shared volume (a directory every replica mounts)
+or in object storage (the S3 API, through boto3):
+
+    STORE/ltv-store.json                      {"format": 1}: marks a shared store
+    STORE/objects/<sha256>.safetensors        a served vector, named by its content; written
+                                              once (create-if-absent), never changed
+    STORE/index/<generation>.json             the name → entry index: {"generation", "tasks":
+                                              {name: {"digest", "record"}}, "writer", "time"};
+                                              generation g+1 is created only if absent
+
+An index update reads the newest generation g, applies its change and creates g+1; when
+another replica created g+1 first, the create fails and the update is redone on the new
+index — a compare-and-swap, so two replicas uploading one name end with one winner, and no
+reader ever sees a torn index (a generation is one object, written whole). On a directory the
+create is a hard link of a complete file (atomic on local filesystems and NFS); on S3 a
+conditional write (`If-None-Match: *`). Objects are immutable and content-addressed, so a
+replica that downloaded one never sees it change, and nothing a replica does removes a file
+another replica reads: replicas serve their own local copies (`TaskStore`), objects are never
+deleted here, and only index generations older than `KEEP` are collected.
+
+Pure I/O, no vLLM: `serve` reads it to plan, the task endpoints (`vllm_ext.endpoints`) to
+upload, delete and follow the index.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ltv_vllm.serving.taskstore import EntryExists, NoSuchEntry, StoreError, check_name
+
+FORMAT = 1
+MARKER, OBJECTS, INDEX = "ltv-store.json", "objects", "index"
+KEEP = 64  # index generations kept (older ones are collected by the writer of a newer one)
+RETRIES = 64  # compare-and-swap attempts before an update gives up (StoreUnavailable)
+SCHEMES = ("s3://", "file://")
+
+
+class StoreUnavailable(StoreError):
+    """The shared store cannot be reached or did not answer (HTTP 503): nothing changed."""
+
+
+def is_shared(spec: str | os.PathLike | None) -> bool:
+    """Whether `--task-store SPEC` names a shared store: an `s3://` or `file://` URL, or a
+    directory that is one already (its marker file)."""
+    if spec is None:
+        return False
+    s = str(spec)
+    return s.startswith(SCHEMES) or (Path(s) / MARKER).is_file()
+
+
+def digest_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# -- where the bytes live ------------------------------------------------------------------------
+class DirBackend:
+    """Keys as files under a directory (a shared volume)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return (self.root / key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Write `key` only if absent, whole or not at all; whether this call wrote it."""
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".tmp-{path.name}-{os.getpid()}-{random.getrandbits(32):08x}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # fails if the key exists: the create-if-absent
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def keys(self, prefix: str) -> list[str]:
+        d = self.root / prefix
+        if not d.is_dir():
+            return []
+        return [f"{prefix}/{p.name}" for p in d.iterdir() if not p.name.startswith(".")]
+
+    def delete(self, key: str) -> None:
+        (self.root / key).unlink(missing_ok=True)
+
+
+class S3Backend:
+    """Keys as objects under `s3://BUCKET/PREFIX` (boto3; the endpoint and credentials as the
+    AWS tools read them: `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, profiles, roles)."""
+
+    # a store that does not answer fails a request in seconds, not minutes
+    TIMEOUTS = {"connect_timeout": 3, "read_timeout": 20, "retries": {"max_attempts": 2}}
+
+    def __init__(self, url: str) -> None:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise StoreError(f"task store {url}: an s3:// store needs boto3 "
+                             "(pip install 'ltv-vllm[s3]')") from None
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        if not bucket:
+            raise StoreError(f"task store {url}: name a bucket (s3://BUCKET/PREFIX)")
+        self.url, self.bucket, self.prefix = url, bucket, prefix.strip("/")
+        self.client = boto3.client("s3", config=Config(**self.TIMEOUTS))
+
+    def __str__(self) -> str:
+        return self.url
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            return None
+
+    def create(self, key: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
+                                   IfNoneMatch="*")
+        except ClientError as e:
+            # 412: it exists; 409: a concurrent conditional write of the same key is under way
+            if e.response.get("Error", {}).get("Code") in ("PreconditionFailed",
+                                                           "ConditionalRequestConflict"):
+                return False
+            raise
+        return True
+
+    def keys(self, prefix: str) -> list[str]:
+        full = self._key(prefix) + "/"
+        out = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=full):
+            out += [f"{prefix}/{o['Key'][len(full):]}" for o in page.get("Contents", [])]
+        return out
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+
+# -- the store -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Index:
+    generation: int
+    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)  # name → {digest, record}
+
+    def digest(self, name: str) -> str | None:
+        return (self.tasks.get(name) or {}).get("digest")
+
+
+def _generation_key(g: int) -> str:
+    return f"{INDEX}/{g:012d}.json"
+
+
+class SharedStore:
+    """A shared task store at `spec` (`s3://BUCKET/PREFIX`, `file:///path`, or a directory
+    holding one); created when missing and `create`. Every call goes to the storage: the
+    store itself keeps no state, so any number of processes may hold one."""
+
+    def __init__(self, spec: str | os.PathLike, *, create: bool = True) -> None:
+        s = str(spec)
+        self.url = s
+        if s.startswith("s3://"):
+            self.backend: DirBackend | S3Backend = S3Backend(s)
+        else:
+            root = Path(s[len("file://"):] if s.startswith("file://") else s).absolute()
+            if root.exists() and not root.is_dir():
+                raise StoreError(f"task store {root}: not a directory")
+            self.backend = DirBackend(root)
+        if create:
+            self._io("create the store", self._create)
+
+    def __str__(self) -> str:
+        return str(self.backend)
+
+    def _io(self, what: str, fn: Callable[[], Any]) -> Any:
+        """`fn()`, with the storage's failures as one StoreUnavailable line."""
+        try:
+            return fn()
+        except StoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 - OSError, botocore's errors: the store's
+            raise StoreUnavailable(f"task store {self}: could not {what} "
+                                   f"({type(e).__name__}: {str(e)[:200]})") from None
+
+    def _create(self) -> None:
+        raw = self.backend.get(MARKER)
+        if raw is None:
+            if isinstance(self.backend, DirBackend) and self.backend.root.is_dir() and any(
+                    p for p in self.backend.root.iterdir()
+                    if not p.name.startswith(".") and p.name not in (MARKER, INDEX, OBJECTS)):
+                raise StoreError(f"task store {self}: a directory that is not a shared store "
+                                 "(it holds other files); give an empty or new directory")
+            self.backend.create(MARKER, json.dumps({"format": FORMAT}).encode())
+            raw = self.backend.get(MARKER)
+        try:
+            fmt = json.loads(raw or b"{}").get("format")
+        except ValueError:
+            fmt = None
+        if fmt != FORMAT:
+            raise StoreError(f"task store {self}: not a format-{FORMAT} shared store")
+        if not self._generations():
+            self.backend.create(_generation_key(0), json.dumps(
+                {"generation": 0, "tasks": {}, "writer": "create", "time": _now()}).encode())
+
+    # -- the index --------------------------------------------------------------------------------
+    def _generations(self) -> list[int]:
+        out = []
+        for key in self.backend.keys(INDEX):
+            stem = key.rsplit("/", 1)[-1].removesuffix(".json")
+            if stem.isdigit():
+                out.append(int(stem))
+        return sorted(out)
+
+    def index(self) -> Index:
+        """The newest index (StoreUnavailable: the store did not answer)."""
+        return self._io("read its index", self._index)
+
+    def _index(self) -> Index:
+        for _ in range(RETRIES):
+            gens = self._generations()
+            if not gens:
+                raise StoreError(f"task store {self}: no index (not a shared store?)")
+            raw = self.backend.get(_generation_key(gens[-1]))
+            if raw is None:  # collected between the listing and the read: list again
+                continue
+            try:
+                doc = json.loads(raw)
+                tasks = doc["tasks"]
+                if doc["generation"] != gens[-1] or not isinstance(tasks, dict):
+                    raise ValueError("generation")
+            except (ValueError, KeyError, TypeError):
+                raise StoreError(f"task store {self}: index generation {gens[-1]} is "
+                                 "unreadable") from None
+            return Index(gens[-1], tasks)
+        raise StoreUnavailable(f"task store {self}: its index kept changing under the read")
+
+    def update(self, change: Callable[[dict[str, dict[str, Any]]], None],
+               writer: str) -> Index:
+        """Apply `change` (in place, to a copy of the newest index's tasks; it may raise
+        EntryExists / NoSuchEntry) and publish it as the next generation; redone on the newer
+        index when another writer published first. The index published."""
+        def attempt() -> Index:
+            for i in range(RETRIES):
+                cur = self._index()
+                tasks = json.loads(json.dumps(cur.tasks))
+                change(tasks)
+                nxt = Index(cur.generation + 1, tasks)
+                doc = {"generation": nxt.generation, "tasks": tasks, "writer": writer,
+                       "time": _now()}
+                if self.backend.create(_generation_key(nxt.generation),
+                                       json.dumps(doc, indent=1).encode()):
+                    self._collect(nxt.generation)
+                    return nxt
+                time.sleep(random.uniform(0, 0.01 * (i + 1)))  # lost the race: read again
+            raise StoreUnavailable(f"task store {self}: the index changed {RETRIES} times "
+                                   "under one update; retry")
+        return self._io("update its index", attempt)
+
+    def _collect(self, newest: int) -> None:
+        """Drop index generations older than KEEP before `newest` (a reader that listed one
+        of them reads the list again)."""
+        try:
+            for g in self._generations():
+                if g <= newest - KEEP:
+                    self.backend.delete(_generation_key(g))
+        except Exception:  # noqa: BLE001 - collection is best effort; the next writer retries
+            pass
+
+    # -- entries ----------------------------------------------------------------------------------
+    def put_vector(self, data: bytes) -> str:
+        """Store a vector file's bytes as its object (kept as it is when present: the same
+        name is the same content); its sha256."""
+        digest = digest_of(data)
+        self._io("store a vector", lambda: self.backend.create(f"{OBJECTS}/{digest}.safetensors",
+                                                                data))
+        return digest
+
+    def vector(self, digest: str) -> bytes:
+        """The object's bytes, checked against its name (StoreError: missing or changed)."""
+        data = self._io("read a vector",
+                        lambda: self.backend.get(f"{OBJECTS}/{digest}.safetensors"))
+        if data is None:
+            raise StoreError(f"task store {self}: vector {digest[:16]} is missing")
+        if digest_of(data) != digest:
+            raise StoreError(f"task store {self}: vector {digest[:16]} does not match its "
+                             "digest (changed or truncated in storage)")
+        return data
+
+    def add(self, name: str, digest: str, record: dict[str, Any], writer: str) -> Index:
+        """Publish NAME → digest (EntryExists when the name is taken)."""
+        check_name(name)
+
+        def change(tasks: dict[str, Any]) -> None:
+            if name in tasks:
+                raise EntryExists(f"task {name!r} already exists in the task store")
+            tasks[name] = {"digest": digest, "record": record}
+        return self.update(change, writer)
+
+    def remove(self, name: str, writer: str, digest: str | None = None) -> Index:
+        """Unpublish NAME (NoSuchEntry when absent, or when `digest` is given and the name
+        holds another vector: a rollback never removes another writer's entry)."""
+        check_name(name)
+
+        def change(tasks: dict[str, Any]) -> None:
+            if name not in tasks or (digest is not None and tasks[name]["digest"] != digest):
+                raise NoSuchEntry(f"no task {name!r} in the task store")
+            del tasks[name]
+        return self.update(change, writer)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")

@@ -1,0 +1,198 @@
+"""The shared task store (`serving.shared_store`) on both of its storages: a directory and a
+real S3-API server process (moto's standalone server, started here). What many replicas rely
+on: a name's writers race and exactly one wins, an index generation is never torn, objects
+are checked against their names, and a store that does not answer is one line, quickly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ltv_vllm.serving.shared_store import (
+    KEEP,
+    SharedStore,
+    StoreUnavailable,
+    is_shared,
+)
+from ltv_vllm.serving.taskstore import EntryExists, NoSuchEntry, StoreError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    """moto's S3-API server in a process of its own (stop / start it like a real one)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = _free_port()
+        self.tmp = tmp
+        self.proc: subprocess.Popen | None = None
+        self.env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}",
+                    "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                    "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def start(self) -> None:
+        import httpx
+
+        log = open(self.tmp / f"moto-{self.port}.log", "ab")  # noqa: SIM115 - the process's
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                httpx.get(self.env["AWS_ENDPOINT_URL"], timeout=1)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("moto's server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def bucket(self, name: str) -> str:
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.env["AWS_ENDPOINT_URL"],
+                          aws_access_key_id="test", aws_secret_access_key="test",
+                          region_name="us-east-1")
+        s3.create_bucket(Bucket=name)
+        return f"s3://{name}/tasks"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = S3Server(tmp_path_factory.mktemp("moto"))
+    server.start()
+    old = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    yield server
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(params=["dir", "s3"])
+def store_url(request, tmp_path):
+    if request.param == "dir":
+        return f"file://{tmp_path / 'shared'}"
+    server = request.getfixturevalue("s3")
+    return server.bucket(f"b{tmp_path.name.lower().replace('_', '-')[-40:]}")
+
+
+def test_names_race_and_one_wins(store_url):
+    """16 writers of distinct names all land (one generation each, contiguous); 8 writers of
+    one name: exactly one wins, the rest get EntryExists, and the index holds the winner's."""
+    store = SharedStore(store_url)
+    assert store.index().generation == 0 and store.index().tasks == {}
+    errors: list[BaseException] = []
+
+    def add(name: str, digest: str) -> None:
+        try:
+            SharedStore(store_url, create=False).add(name, digest, {"n": name}, "t")
+        except BaseException as e:  # noqa: BLE001 - collected
+            errors.append(e)
+
+    threads = [threading.Thread(target=add, args=(f"t{i}", f"{i:064x}")) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    idx = store.index()
+    assert idx.generation == 16
+    assert {n: v["digest"] for n, v in idx.tasks.items()} == {
+        f"t{i}": f"{i:064x}" for i in range(16)}
+    threads = [threading.Thread(target=add, args=("same", f"{100 + i:064x}"))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 7 and all(isinstance(e, EntryExists) for e in errors), errors
+    won = store.index().tasks["same"]["digest"]
+    assert won in {f"{100 + i:064x}" for i in range(8)}
+    assert store.index().generation == 17
+    # a rollback removes only its own vector
+    with pytest.raises(NoSuchEntry):
+        store.remove("same", "t", digest="f" * 64)
+    store.remove("same", "t", digest=won)
+    assert "same" not in store.index().tasks
+    with pytest.raises(NoSuchEntry):
+        store.remove("same", "t")
+
+
+def test_objects_are_content_addressed_and_checked(store_url, tmp_path):
+    store = SharedStore(store_url)
+    data = os.urandom(1000)
+    digest = store.put_vector(data)
+    assert digest == hashlib.sha256(data).hexdigest()
+    assert store.put_vector(data) == digest  # the same bytes: kept as they are
+    assert store.vector(digest) == data
+    with pytest.raises(StoreError, match="missing"):
+        store.vector("0" * 64)
+    # bytes changed in storage (a truncated copy, a bit flip): refused, never served
+    backend = store.backend
+    key = f"objects/{'1' * 64}.safetensors"
+    backend.create(key, data)
+    with pytest.raises(StoreError, match="does not match its digest"):
+        store.vector("1" * 64)
+
+
+def test_old_generations_are_collected_and_the_newest_read(tmp_path):
+    store = SharedStore(tmp_path / "s")
+    for i in range(KEEP + 10):
+        store.add(f"n{i}", f"{i:064x}", {}, "t")
+    gens = store._generations()
+    assert gens[-1] == KEEP + 10 and len(gens) <= KEEP + 1, gens
+    assert len(store.index().tasks) == KEEP + 10
+    doc = json.loads((tmp_path / "s" / "index" / f"{KEEP + 10:012d}.json").read_text())
+    assert doc["generation"] == KEEP + 10 and doc["writer"] == "t"
+
+
+def test_a_directory_store_is_marked_and_others_refused(tmp_path):
+    assert not is_shared(tmp_path / "s")
+    SharedStore(f"file://{tmp_path / 's'}")
+    assert is_shared(tmp_path / "s") and is_shared("s3://b/p")
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "trec").mkdir()  # a store of one server's own, or anything else
+    with pytest.raises(StoreError, match="not a shared store"):
+        SharedStore(tmp_path / "local")
+
+
+def test_a_store_that_does_not_answer_is_one_line_and_quick(s3, tmp_path):
+    url = s3.bucket("downtest")
+    store = SharedStore(url)
+    store.add("a", "a" * 64, {}, "t")
+    s3.stop()
+    try:
+        t0 = time.time()
+        with pytest.raises(StoreUnavailable) as e:
+            store.index()
+        assert time.time() - t0 < 30
+        assert "\n" not in str(e.value) and url in str(e.value)
+        with pytest.raises(StoreUnavailable):
+            store.add("b", "b" * 64, {}, "t")
+    finally:
+        s3.start()
+    # moto keeps its data in memory: a restarted server is an empty one, as a new bucket
+    with pytest.raises(StoreUnavailable):
+        SharedStore(url).index()
