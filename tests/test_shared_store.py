@@ -140,7 +140,7 @@ def test_names_race_and_one_wins(store_url):
         store.remove("same", "t")
 
 
-def test_objects_are_content_addressed_and_checked(store_url, tmp_path):
+def test_objects_are_content_addressed_and_checked(store_url):
     store = SharedStore(store_url)
     data = os.urandom(1000)
     digest = store.put_vector(data)
@@ -178,7 +178,7 @@ def test_a_directory_store_is_marked_and_others_refused(tmp_path):
         SharedStore(tmp_path / "local")
 
 
-def test_a_store_that_does_not_answer_is_one_line_and_quick(s3, tmp_path):
+def test_a_store_that_does_not_answer_is_one_line_and_quick(s3):
     url = s3.bucket("downtest")
     store = SharedStore(url)
     store.add("a", "a" * 64, {}, "t")

@@ -483,10 +483,16 @@ class TaskEndpoints:
             self.outage = text
 
     async def _follow_soon(self) -> None:
-        """One follow of the index, shared by every caller that asks meanwhile."""
-        if self.following is None or self.following.done():
-            self.following = asyncio.ensure_future(self._follow())
-        await asyncio.shield(self.following)
+        """A follow of the index that read it after this call began: the one under way, if
+        it had not read the index yet, else the next (one at a time, shared by every caller
+        meanwhile)."""
+        asked = time.monotonic()
+        for _ in range(2):
+            if self.following is None or self.following.done():
+                self.following = asyncio.ensure_future(self._follow())
+            await asyncio.shield(self.following)
+            if self.followed_at >= asked:
+                return
 
     async def _follow(self) -> None:
         """Serve exactly the shared index (under the lock, read inside it, so no upload or
@@ -497,12 +503,13 @@ class TaskEndpoints:
         from ltv_vllm.serving.taskstore import StoreError
 
         async with self.lock:
+            read_at = time.monotonic()
             idx = await asyncio.to_thread(self.shared.index)
             whole = True  # every name settled: this generation need not be looked at again
             if self.outage is not None:
                 logger.warning("ltv-vllm: the task store answers again")
                 self.outage = None
-            self.followed_at = time.monotonic()
+            self.followed_at = read_at
             if idx.generation == self.seen:
                 return
             for name in sorted(self.digests):
@@ -547,6 +554,21 @@ class TaskEndpoints:
             self.listed = dict(idx.tasks)
             self.seen = idx.generation if whole else -1
 
+    async def _fresh(self) -> Any:
+        """Before a change: this replica follows the shared index first, so a name deleted
+        or added on another replica is judged as the store holds it; a 503 answer when the
+        store does not answer (None: go on, or no shared store)."""
+        from ltv_vllm.serving.taskstore import StoreError
+
+        if self.shared is None:
+            return None
+        try:
+            await self._follow_soon()
+        except StoreError as e:
+            self._outage(e)
+            return self._fail(503, e, "ServiceUnavailableError")
+        return None
+
     async def resolve(self, name: str) -> str | None:
         """The gate's hook for a request naming `name` where this replica serves no such
         model: follow the shared index now (waiting at most LTV_VLLM_RESOLVE_WAIT seconds);
@@ -558,16 +580,14 @@ class TaskEndpoints:
                 or self.models.is_base_model(name)):
             return None
         wait = float(os.environ.get(RESOLVE_WAIT_ENV) or RESOLVE_SECONDS)
-        # an unknown name asks the store at most once a poll's tenth, not once per request
-        if name in self.listed or time.monotonic() - self.followed_at > self.poll / 10:
-            try:
-                await asyncio.wait_for(self._follow_soon(), wait)
-            except TimeoutError:
-                return (f"task {name!r}: the task store did not answer within {wait:g} s; "
-                        "retry")
-            except StoreError as e:
-                if name in self.listed or isinstance(e, StoreUnavailable):
-                    return f"task {name!r} could not be resolved: {self._public(str(e))}"
+        # one index read per follow, shared by the requests that wait on it: a burst of
+        # requests for names the store does not hold costs a read at a time, not one each
+        try:
+            await asyncio.wait_for(self._follow_soon(), wait)
+        except TimeoutError:
+            return f"task {name!r}: the task store did not answer within {wait:g} s; retry"
+        except StoreError as e:
+            return f"task {name!r} could not be resolved: {self._public(str(e))}"
         if self._served(name) or name not in self.listed:
             return None
         why = self.unservable.get(name, ("", "it is being updated"))[1]
@@ -585,9 +605,14 @@ class TaskEndpoints:
         if self.lora:  # adapters: vLLM lists them, the gate adds this to their cards
             tasks.update({n: None for n in self.store.names()
                           if self._served(n) and n not in tasks})
+        def loaded(name: str, digest: str | None) -> bool:
+            # this replica answers the name with this very vector (not an older copy)
+            held = (self.digests.get(name, "")[:16] if self.shared is not None
+                    else RUNTIME.get(name, "").partition("@")[2] if not self.lora else digest)
+            return self._served(name) and name not in self.deleting and held == digest
+
         return [{"id": name, "object": "model", "owned_by": "ltv-vllm",
-                 "ltv": {"task_store": True, "digest": digest,
-                         "loaded": self._served(name) and name not in self.deleting}}
+                 "ltv": {"task_store": True, "digest": digest, "loaded": loaded(name, digest)}}
                 for name, digest in sorted(tasks.items())]
 
     # -- POST: an upload ---------------------------------------------------------------------
@@ -615,6 +640,8 @@ class TaskEndpoints:
             check_name(name)
         except UserError as e:
             return _error(400, str(e), "BadRequestError", "name")
+        if (stale := await self._fresh()) is not None:
+            return stale
         async with self.lock:  # a cheap early answer; checked again before publishing
             if (taken := self._taken(name)) is not None:
                 return taken
@@ -777,6 +804,8 @@ class TaskEndpoints:
                                           max_model_len=self.max_model_len)
         except UserError as e:
             return self._fail(400, e, "BadRequestError")
+        if (stale := await self._fresh()) is not None:
+            return stale
         async with self.lock:
             if (taken := self._taken(req.name)) is not None:
                 return taken

@@ -1,0 +1,231 @@
+"""Many replicas, one task store: real servers (`ltv-vllm serve --task-store URL`) of the tiny
+model sharing a store on a directory (three replicas) and on a real S3-API server process
+(moto's, two replicas), as a router would spread a client's traffic over them.
+
+The oracle is transformers (`check_mixed`: every answer its own name's greedy loop within
+1e-4, told apart from every other name's). What is asserted: a task uploaded on one replica
+is served by the others within the poll bound (and at once, by lazy resolution, on a replica
+that polls rarely); a DELETE on one replica while the others stream the task lets those
+streams finish on their vector and is a 404 everywhere after the bound; two replicas
+uploading one name at once end with one winner, served everywhere; `/v1/models` lists store
+tasks with their digest and whether this replica has them; a restarted replica serves
+exactly the store; the object store stopped under load gives 503s or answers from copies,
+never a wrong answer, and no engine dies.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from test_server import HTTP, PROMPTS, check_mixed, make_assets, start_server, stop
+from test_shared_store import S3Server
+from test_store_server import random_vector
+
+from ltv_vllm.serving.shared_store import SharedStore
+from ltv_vllm.serving.taskstore import vector_digest
+
+pytestmark = pytest.mark.slow(seconds=150)  # see conftest's ordering
+
+KEY = {"Authorization": "Bearer x"}
+POLL = 0.5
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, tokenizer):
+    return make_assets(tmp_path_factory, tokenizer, tie=False)
+
+
+def start_replicas(d: Path, tmp: Path, store: str, polls: list[float],
+                   env: dict[str, str] | None = None) -> list[tuple]:
+    """One server per poll interval on `store`, started together."""
+    def one(i_poll):
+        i, poll = i_poll
+        where = tmp / f"r{i}"
+        where.mkdir(exist_ok=True)
+        return start_server(d, [], where, ("--task-store", store, "--store-poll", str(poll),
+                                           "--api-key", "x", "--max-tasks", "4"),
+                            env_extra=env)
+
+    with ThreadPoolExecutor(len(polls)) as pool:
+        return list(pool.map(one, enumerate(polls)))
+
+
+def upload(url: str, name: str, path: Path) -> httpx.Response:
+    return HTTP.post(f"{url}/v1/ltv/tasks", data={"name": name}, headers=KEY, timeout=120,
+                     files={"vector": (path.name, path.read_bytes())})
+
+
+def models(url: str) -> dict[str, dict]:
+    r = HTTP.get(f"{url}/v1/models", headers=KEY)
+    assert r.status_code == 200, r.text
+    return {c["id"]: c for c in r.json()["data"]}
+
+
+def wait_loaded(url: str, name: str, digest: str | None, deadline: float) -> float:
+    """Seconds until `url` lists `name` loaded with `digest` (None: until it is not listed)."""
+    t0 = time.time()
+    while True:
+        card = models(url).get(name)
+        if (card is None) if digest is None else (
+                card is not None and card["ltv"]["loaded"] and card["ltv"]["digest"] == digest):
+            return time.time() - t0
+        assert time.time() < deadline, (url, name, card)
+        time.sleep(0.05)
+
+
+def stream(url: str, name: str, prompt: str, n: int) -> list[int]:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    toks = []
+    for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=n, stream=True,
+                                           temperature=0.0, extra_body={
+                                               "return_tokens_as_token_ids": True,
+                                               "ignore_eos": True}, logprobs=1):
+        lp = chunk.choices[0].logprobs
+        toks += [int(t.split(":", 1)[1]) for t in (lp.tokens if lp else [])]
+    return toks
+
+
+def alive(servers) -> None:
+    for proc, url, log in servers:
+        assert proc.poll() is None, f"a replica died: {log.name}"
+        assert HTTP.get(f"{url}/health").status_code == 200
+
+
+def test_three_replicas_on_a_shared_directory(assets, tokenizer, tmp_path):
+    d, model, vecs = assets
+    alpha, beta = vecs["alpha"], vecs["beta"]
+    other = random_vector(alpha[0], 8, 11)
+    other_path = other.save(tmp_path / "other.pt")
+    store = f"file://{tmp_path / 'shared'}"
+    # C polls once a minute: what it serves before then, it resolved on the request
+    servers = start_replicas(d, tmp_path, store, [POLL, POLL, 60])
+    (pa, a, la), (pb, b, lb), (pc, c, lc) = servers
+    try:
+        for _, url, _ in servers:
+            assert "alpha" not in models(url)
+        r = upload(a, "alpha", alpha[1])
+        assert r.status_code == 201, r.text
+        digest = vector_digest(tmp_path / "shared" / "objects" / next(
+            p.name for p in (tmp_path / "shared" / "objects").iterdir()))
+        bound = time.time() + 10 * POLL + 10
+        lag_b = wait_loaded(b, "alpha", digest, bound)
+        # C: the first request waits for its copy, then gets the task's own answer
+        check_mixed(c, {"alpha": alpha[0], str(d): None}, model, tokenizer, True)
+        check_mixed(b, {"alpha": alpha[0], str(d): None}, model, tokenizer, True)
+        assert models(c)["alpha"]["ltv"] == {"task_store": True, "digest": digest,
+                                             "loaded": True}
+
+        # two replicas upload one name at once: one 201, one 409, the winner everywhere
+        with ThreadPoolExecutor(2) as pool:
+            ra, rb = pool.map(lambda args: upload(*args),
+                              [(a, "beta", beta[1]), (b, "beta", other_path)])
+        assert sorted([ra.status_code, rb.status_code]) == [201, 409], (ra.text, rb.text)
+        won = beta[0] if ra.status_code == 201 else other
+        assert "exists" in (rb if ra.status_code == 201 else ra).json()["error"]["message"]
+        for url in (a, b, c):
+            check_mixed(url, {"beta": won, "alpha": alpha[0]}, model, tokenizer, True)
+
+        # DELETE on B while A and C stream alpha: the streams end on alpha's vector
+        n = 40
+        want = {}
+        for url in (a, c):
+            want[url] = stream(url, "alpha", PROMPTS[0], n)
+        streams: dict = {}
+
+        def run(url):
+            streams[url] = stream(url, "alpha", PROMPTS[0], n)
+
+        threads = [threading.Thread(target=run, args=(url,)) for url in (a, c)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        assert HTTP.delete(f"{b}/v1/ltv/tasks/alpha", headers=KEY).status_code == 200
+        t_del = time.time()
+        for t in threads:
+            t.join()
+        assert streams == want
+        lag_a = wait_loaded(a, "alpha", None, time.time() + 10 * POLL + 10)
+        client = openai.OpenAI(base_url=f"{a}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="alpha", prompt=PROMPTS[0], max_tokens=1)
+        assert time.time() - t_del < 10 * POLL + 10
+        # C, until it follows (its bound is its poll), answers from its copy: alpha's own
+        check_mixed(c, {"alpha": alpha[0]}, model, tokenizer, True)
+        # the name re-uploaded on C with another vector (C follows the store first, so the
+        # name is free): every replica serves the new one
+        r = upload(c, "alpha", other_path)
+        assert r.status_code == 201, r.text
+        for url in (a, b, c):
+            check_mixed(url, {"alpha": other, "beta": won}, model, tokenizer, True)
+        # the index changes a name's vector in one generation (as a replica that deleted
+        # and re-added it between two of B's polls): B drops its copy, serves the new one
+        shared = SharedStore(store)
+        fresh = random_vector(alpha[0], 8, 12)
+        fresh_path = fresh.save(tmp_path / "fresh.safetensors")
+        data = fresh_path.read_bytes()
+        new_digest = shared.put_vector(data)
+        record = shared.index().tasks["beta"]["record"]
+        shared.update(lambda tasks: tasks.__setitem__(
+            "beta", {"digest": new_digest, "record": record}), "test")
+        wait_loaded(b, "beta", new_digest[:16], time.time() + 10 * POLL + 10)
+        check_mixed(b, {"beta": fresh, "alpha": other}, model, tokenizer, True)
+        # an object changed in storage: refused by every replica (503, one line), never
+        # served, no engine harmed
+        bad = "e" * 64
+        (tmp_path / "shared" / "objects" / f"{bad}.safetensors").write_bytes(data[:-1] + b"x")
+        shared.add("broken", bad, record, "test")
+        r = HTTP.post(f"{a}/v1/completions", headers=KEY, json={
+            "model": "broken", "prompt": PROMPTS[0], "max_tokens": 1})
+        assert r.status_code == 503, r.text
+        assert "does not match its digest" in r.json()["error"]["message"]
+        assert "\n" not in r.json()["error"]["message"]
+        assert models(a)["broken"]["ltv"]["loaded"] is False
+        shared.remove("broken", "test")
+        alive(servers)
+        (tmp_path / "lags.txt").write_text(f"upload A → B {lag_b:.2f} s; delete B → A "
+                                           f"{lag_a:.2f} s\n")
+        # a restarted replica serves exactly the store
+        stop(pb, lb)
+        servers[1] = start_replicas(d, tmp_path, store, [POLL])[0]
+        b = servers[1][1]
+        assert {n for n, card in models(b).items() if "ltv" in card} == {"alpha", "beta"}
+        check_mixed(b, {"alpha": other, "beta": fresh, str(d): None}, model, tokenizer, True)
+        alive(servers)
+    finally:
+        for proc, _, log in servers:
+            stop(proc, log)
+
+
+def test_two_replicas_on_object_storage(assets, tokenizer, tmp_path):
+    d, model, vecs = assets
+    alpha, beta = vecs["alpha"], vecs["beta"]
+    s3 = S3Server(tmp_path)
+    s3.start()
+    store = s3.bucket("replicas")
+    servers = []
+    try:
+        servers = start_replicas(d, tmp_path, store, [POLL, POLL], env=s3.env)
+        (pa, a, la), (pb, b, lb) = servers
+        assert upload(a, "alpha", alpha[1]).status_code == 201
+        check_mixed(b, {"alpha": alpha[0], str(d): None}, model, tokenizer, True)
+        # the object store stops under load: copies still answer, changes are 503, one line
+        s3.stop()
+        check_mixed(b, {"alpha": alpha[0], str(d): None}, model, tokenizer, True)
+        r = upload(a, "beta", beta[1])
+        assert r.status_code == 503 and "task store" in r.json()["error"]["message"], r.text
+        assert HTTP.delete(f"{a}/v1/ltv/tasks/alpha", headers=KEY).status_code == 503
+        client = openai.OpenAI(base_url=f"{b}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:  # the store cannot say: not a guess
+            client.completions.create(model="beta", prompt=PROMPTS[0], max_tokens=1)
+        assert e.value.status_code in (404, 503)
+        alive(servers)
+    finally:
+        s3.stop()
+        for proc, _, log in servers:
+            stop(proc, log)
