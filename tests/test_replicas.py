@@ -91,6 +91,19 @@ def stream(url: str, name: str, prompt: str, n: int) -> list[int]:
     return toks
 
 
+def metric(url: str, name: str, **labels: str) -> float | None:
+    """One sample of vLLM's `/metrics` (Prometheus text), None when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = HTTP.get(f"{url}/metrics", headers=KEY).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v
+                                           for k, v in labels.items()):
+                return sample.value
+    return None
+
+
 def alive(servers) -> None:
     for proc, url, log in servers:
         assert proc.poll() is None, f"a replica died: {log.name}"
@@ -120,6 +133,10 @@ def test_three_replicas_on_a_shared_directory(assets, tokenizer, tmp_path):
         check_mixed(b, {"alpha": alpha[0], str(d): None}, model, tokenizer, True)
         assert models(c)["alpha"]["ltv"] == {"task_store": True, "digest": digest,
                                              "loaded": True}
+        # the residency a router reads from vLLM's own /metrics
+        for url in (b, c):
+            assert metric(url, "ltv_vllm:task_loaded", task="alpha", digest=digest) == 1.0
+            assert metric(url, "ltv_vllm:task_store_reachable") == 1.0
 
         # two replicas upload one name at once: one 201, one 409, the winner everywhere
         with ThreadPoolExecutor(2) as pool:
@@ -219,6 +236,7 @@ def test_two_replicas_on_object_storage(assets, tokenizer, tmp_path):
         check_mixed(b, {"alpha": alpha[0], str(d): None}, model, tokenizer, True)
         r = upload(a, "beta", beta[1])
         assert r.status_code == 503 and "task store" in r.json()["error"]["message"], r.text
+        assert metric(a, "ltv_vllm:task_store_reachable") == 0.0
         assert HTTP.delete(f"{a}/v1/ltv/tasks/alpha", headers=KEY).status_code == 503
         client = openai.OpenAI(base_url=f"{b}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.APIStatusError) as e:  # the store cannot say: not a guess

@@ -173,6 +173,7 @@ class TaskEndpoints:
             self.poller = asyncio.create_task(self._poll())
             middleware.resolver = self.resolve
         middleware.listing = self.listing
+        _register_residency(self)
 
     async def _selfcheck(self, engine_client: Any, args: Any,
                          lora: dict[str, str] | None) -> None:
@@ -875,3 +876,45 @@ def _read_status(job_dir: Path) -> dict[str, Any]:
         return json.loads((Path(job_dir) / "status.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+class Residency:
+    """What this replica holds, for vLLM's `/metrics` (read at each scrape, so a task gone
+    from the store is gone from the metrics): `ltv_vllm:task_loaded{task, digest}` 1 when
+    this replica answers the task with that vector, 0 when the store lists it and this
+    replica does not (yet); with a shared store, the index generation it follows and whether
+    the store answered its last read. At most `--max-tasks` task series."""
+
+    def __init__(self, endpoints: TaskEndpoints) -> None:
+        self.endpoints = endpoints
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        ep = self.endpoints
+        loaded = GaugeMetricFamily("ltv_vllm:task_loaded", "A task-store task this replica "
+                                   "serves with the store's vector (1) or not yet (0)",
+                                   labels=["task", "digest"])
+        for card in ep.listing():
+            loaded.add_metric([card["id"], card["ltv"]["digest"] or ""],
+                              1.0 if card["ltv"]["loaded"] else 0.0)
+        yield loaded
+        if ep.shared is not None:
+            yield GaugeMetricFamily("ltv_vllm:task_store_generation", "The shared task "
+                                    "store's index generation this replica serves (-1: "
+                                    "following)", value=ep.seen)
+            yield GaugeMetricFamily("ltv_vllm:task_store_reachable", "Whether the shared "
+                                    "task store answered this replica's last read",
+                                    value=0.0 if ep.outage else 1.0)
+
+
+def _register_residency(endpoints: TaskEndpoints) -> None:
+    """Residency on vLLM's `/metrics` (its registry: prometheus_client's default one, where
+    one API-server process serves; a task store allows only one)."""
+    from prometheus_client import REGISTRY
+
+    try:
+        REGISTRY.register(Residency(endpoints))
+    except ValueError:  # registered already (a second init in one process)
+        pass
+
