@@ -142,7 +142,11 @@ def client(replicas: list[Replica], versions: Versions, base: str, prompts: list
     rng = random.Random(seed)
     with httpx.Client(timeout=120, headers=AUTH) as http:
         while not stop.is_set():
-            r = rng.choice(replicas)
+            up = [r for r in replicas if r.up.is_set()]  # as a router's health checks
+            if not up:
+                time.sleep(0.1)
+                continue
+            r = rng.choice(up)
             names = versions.names()
             name = rng.choice([base, *names]) if names else base
             prompt, n = rng.choice(prompts), rng.randint(1, 6)
@@ -178,14 +182,17 @@ class Controller:
         self.events: list[dict] = []
         self.errors: list[str] = []
         self.made = 0
+        self.lock = threading.Lock()
 
     def version(self) -> tuple[TaskVector, Path, str]:
         """A new vector (a packaged task's, scaled): a new digest."""
-        self.made += 1
-        src = self.vectors[self.made % len(self.vectors)]
-        tv = TaskVector(src.kind, src.U * (0.6 + 0.1 * (self.made % 7)), src.V, src.bias,
+        with self.lock:  # the race's two uploads make theirs at once
+            self.made += 1
+            made = self.made
+        src = self.vectors[made % len(self.vectors)]
+        tv = TaskVector(src.kind, src.U * (0.6 + 0.1 * (made % 7)), src.V, src.bias,
                         src.model, src.label_token_ids, src.meta)
-        path = tv.save(self.work / f"v{self.made}.safetensors")
+        path = tv.save(self.work / f"v{made}.safetensors")
         return tv, path, digest_of(path.read_bytes())
 
     def upload(self, r: Replica, name: str) -> tuple[int | str, TaskVector, str, float]:
@@ -236,7 +243,7 @@ class Controller:
     def round(self, k: int) -> None:
         up = [r for r in self.replicas if r.up.is_set()]
         a, b, c = self.rng.sample(up, 3)
-        name = f"t{k % 4}"
+        name = f"t{k % 2}"  # from round 2 on, each round deletes its name first
         if name in self.versions.names():  # a DELETE on one replica, the others streaming
             t = time.time()
             resp = httpx.delete(f"{b.url}/v1/ltv/tasks/{name}", headers=AUTH, timeout=120)
@@ -370,7 +377,7 @@ def main() -> None:
     ap.add_argument("--tasks", default="sst2,trec,subj")
     ap.add_argument("--store", choices=["dir", "s3"], default="s3")
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--poll", type=float, default=0.5)
     ap.add_argument("--slack", type=float, default=2.0,
                     help="seconds beyond the poll a replica may answer with a version the "
@@ -395,7 +402,12 @@ def main() -> None:
         e = plan_episode(get_task(t), ExtractOptions(k=8, n=8, n_test=6, seed=7, n_val=0))
         prompts += [get_task(t).query(x.text) for x in e.test]
 
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    # three replicas on this machine's cores: vLLM's CPU backend would pin each one's
+    # threads to the same core ("auto" binding); one thread each, unbound, and the worker
+    # inside the engine-core process (one process less per replica)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     moto = None
     if a.store == "s3":
         port = free_port()

@@ -15,6 +15,7 @@ never a wrong answer, and no engine dies.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,10 +24,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from click.testing import CliRunner
 from test_server import HTTP, PROMPTS, check_mixed, make_assets, start_server, stop
 from test_shared_store import S3Server
 from test_store_server import random_vector
 
+from ltv_vllm.cli import main
 from ltv_vllm.serving.shared_store import SharedStore
 from ltv_vllm.serving.taskstore import vector_digest
 
@@ -41,15 +44,24 @@ def assets(tmp_path_factory, tokenizer):
     return make_assets(tmp_path_factory, tokenizer, tie=False)
 
 
-def start_replicas(d: Path, tmp: Path, store: str, polls: list[float],
-                   env: dict[str, str] | None = None) -> list[tuple]:
-    """One server per poll interval on `store`, started together."""
+def start_replicas(d: Path, tmp: Path, store: str, polls: list[float | Path],
+                   env: dict[str, str] | None = None, extra: tuple[str, ...] = ()
+                   ) -> list[tuple]:
+    """One server per poll interval on `store`, started together; a Path in `polls`: the
+    user's own `vllm serve` from that `ltv-vllm serve --export` directory."""
     def one(i_poll):
         i, poll = i_poll
         where = tmp / f"r{i}"
         where.mkdir(exist_ok=True)
+        if isinstance(poll, Path):
+            return start_server(d, [], where, env_extra={**(env or {}),
+                                                         "LTV_VLLM_DEPLOY": str(poll)},
+                                launcher=lambda port: [
+                                    sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                                    "--config", str(poll / "vllm.yaml"), "--port", str(port),
+                                    "--kv-cache-memory-bytes", str(64 << 20)])
         return start_server(d, [], where, ("--task-store", store, "--store-poll", str(poll),
-                                           "--api-key", "x", "--max-tasks", "4"),
+                                           "--api-key", "x", "--max-tasks", "4", *extra),
                             env_extra=env)
 
     with ThreadPoolExecutor(len(polls)) as pool:
@@ -116,8 +128,16 @@ def test_three_replicas_on_a_shared_directory(assets, tokenizer, tmp_path):
     other = random_vector(alpha[0], 8, 11)
     other_path = other.save(tmp_path / "other.pt")
     store = f"file://{tmp_path / 'shared'}"
-    # C polls once a minute: what it serves before then, it resolved on the request
-    servers = start_replicas(d, tmp_path, store, [POLL, POLL, 60])
+    # C is the user's own `vllm serve` from an export, and polls once a minute: what it
+    # serves before then, it resolved on the request
+    dep = tmp_path / "deploy"
+    r = CliRunner().invoke(main, [
+        "serve", "--model", str(d), "--task-store", store, "--store-poll", "60",
+        "--max-tasks", "4", "--dtype", "float32", "--max-model-len", "256",
+        "--export", str(dep), "--enforce-eager", "--", "--api-key", "x"],
+        env={"LTV_VLLM_CACHE": str(tmp_path / "cache")})
+    assert r.exit_code == 0, r.output
+    servers = start_replicas(d, tmp_path, store, [POLL, POLL, dep])
     (pa, a, la), (pb, b, lb), (pc, c, lc) = servers
     try:
         for _, url, _ in servers:
@@ -227,13 +247,21 @@ def test_two_replicas_on_object_storage(assets, tokenizer, tmp_path):
     store = s3.bucket("replicas")
     servers = []
     try:
-        servers = start_replicas(d, tmp_path, store, [POLL, POLL], env=s3.env)
+        # LoRA mode: each replica makes the adapter from the store's vector and loads it
+        servers = start_replicas(d, tmp_path, store, [POLL, POLL], env=s3.env,
+                                 extra=("--multi-task", "lora"))
         (pa, a, la), (pb, b, lb) = servers
         assert upload(a, "alpha", alpha[1]).status_code == 201
-        check_mixed(b, {"alpha": alpha[0], str(d): None}, model, tokenizer, True)
+        check_mixed(b, {"alpha": alpha[0], str(d): None}, model, tokenizer)
+        assert models(b)["alpha"]["ltv"]["loaded"] is True
+        # a DELETE on A: B drains, unloads the adapter and stops serving it within the bound
+        assert HTTP.delete(f"{a}/v1/ltv/tasks/alpha", headers=KEY).status_code == 200
+        wait_loaded(b, "alpha", None, time.time() + 10 * POLL + 10)
+        assert upload(b, "alpha", beta[1]).status_code == 201
+        check_mixed(a, {"alpha": beta[0], str(d): None}, model, tokenizer)
         # the object store stops under load: copies still answer, changes are 503, one line
         s3.stop()
-        check_mixed(b, {"alpha": alpha[0], str(d): None}, model, tokenizer, True)
+        check_mixed(b, {"alpha": beta[0], str(d): None}, model, tokenizer)
         r = upload(a, "beta", beta[1])
         assert r.status_code == 503 and "task store" in r.json()["error"]["message"], r.text
         assert metric(a, "ltv_vllm:task_store_reachable") == 0.0

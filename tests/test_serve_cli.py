@@ -193,6 +193,27 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
         r = run(*args)
         assert r.exit_code != 0 and words in r.output, (args, r.output)
         assert len(r.output.strip().splitlines()) == 1
+    # a shared store: each replica's copy under the cache, the store's URL beside it; a dry
+    # run writes nothing (not even the store)
+    shared = tmp / "shared"
+    r = run("--task-store", f"file://{shared}", "--store-poll", "0.5", "--multi-task", "lora")
+    assert r.exit_code == 0, r.output
+    settings = json.loads(r.output.split("LTV_VLLM_SERVER=")[1].split("' ")[0].strip("'"))
+    assert settings["shared_store"] == str(shared) and settings["store_poll"] == 0.5
+    assert settings["task_store"].startswith(str(tmp / "cache" / "task-replicas"))
+    assert "--max-loras 9" in r.output and not shared.exists()
+    for args, words in [(("--task-store", f"file://{shared}", "--store-poll", "0"),
+                         "--store-poll must be 0.05..3600"),
+                        (("--task-store", str(store), "--export", str(tmp / "dep")),
+                         "share a store (s3://… or file://…) to export")]:
+        r = run(*args)
+        assert r.exit_code != 0 and words in r.output, (args, r.output)
+        assert len(r.output.strip().splitlines()) == 1
+    (tmp / "odd").mkdir()
+    (tmp / "odd" / "file.txt").write_text("x")
+    r = run("--task-store", f"file://{tmp / 'odd'}")
+    assert r.exit_code != 0 and "a directory that is not a shared store" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
     # an entry that belongs to another model is named
     import shutil
 

@@ -105,8 +105,28 @@ def apply(environ: MutableMapping[str, str] | None = None) -> bool:
     environ["VLLM_PLUGINS"] = store_plugins(environ)
     if every is not None and ADMIT_ENV not in environ:
         environ.update(new_admission(every=bool(every)))
+    _own_copy(environ)
     environ[_APPLIED] = root
     return True
+
+
+_HELD: list[int] = []  # this process's lock on its copy of a shared store (held for its life)
+
+
+def _own_copy(environ: MutableMapping[str, str]) -> None:
+    """A shared task store's replica: its own copy of the store, made at this start (every
+    replica started from one export gets one; the engine reads its tasks from there)."""
+    from dataclasses import replace
+
+    from ltv_vllm.serving.settings import ServerSettings
+    from ltv_vllm.serving.shared_store import own_copy
+
+    settings = ServerSettings.from_env(environ)
+    if not settings.shared_store or settings.task_store:
+        return
+    root, fd = own_copy(settings.shared_store)
+    _HELD.append(fd)
+    environ.update(replace(settings, task_store=str(root)).to_env())
 
 
 def required_problem(args: Any, required: Mapping[str, Any]) -> str | None:

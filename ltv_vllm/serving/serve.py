@@ -530,18 +530,21 @@ class ServerPlan:
         return [*held, *(f"warning: task store entry {name!r} is not served ({why}); {verb}"
                          for name, why in self.quarantine.items()), *self.notes]
 
-    def prepare(self) -> None:
+    def prepare(self, *, replica: bool = True) -> None:
         """Write what the server needs (adapters; the task store, swept; entries it cannot
-        serve moved to quarantine: `warnings` says which)."""
+        serve moved to quarantine: `warnings` says which). `replica`: with a shared store,
+        this server's copy too (an export leaves it to each start, `deploy.apply`)."""
         if self.lora is not None:
             self.lora.write()
         if self.probes is not None:
             self.probes.write()
         settings = ServerSettings.from_env(self.env)
         if settings.shared_store:  # made if new; then this replica's copy beside the others'
-            from ltv_vllm.serving.shared_store import SharedStore
+            from ltv_vllm.serving.shared_store import SharedStore, sweep_replicas
 
             SharedStore(settings.shared_store)
+            if not replica:
+                return
             sweep_replicas(Path(settings.task_store).parent)
         if root := settings.task_store:
             from ltv_vllm.serving.taskstore import TaskStore
@@ -560,11 +563,15 @@ class ServerPlan:
         from ltv_vllm.serving import deploy
         from ltv_vllm.serving.step_policy import ADMIT_ENV
 
-        if ServerSettings.from_env(self.env).task_store:
-            raise ArgumentError("--export with --task-store: a store is held by the one "
-                                "server that serves it; start that one with ltv-vllm serve")
-        self.prepare()
+        settings = ServerSettings.from_env(self.env)
+        if settings.task_store and not settings.shared_store:
+            raise ArgumentError("--export with --task-store DIR: that store is held by the one "
+                                "server that serves it; share a store (s3://… or file://…) "
+                                "to export, or start that one with ltv-vllm serve")
+        self.prepare(replica=False)
         env = {k: v for k, v in self.env.items() if k != ADMIT_ENV}  # a fresh key per start
+        if settings.shared_store:  # each start makes its own copy (`deploy.apply`)
+            env.update(replace(settings, task_store=None).to_env())
         every = json.loads(self.env[ADMIT_ENV])["every"] if ADMIT_ENV in self.env else None
         return deploy.export(directory, self.flags, env, every)
 
@@ -628,6 +635,8 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     spec = opts.model_spec or DEFAULT_MODEL
     model_dir = local_model_dir(spec)  # a hub id: fetched, or found in the cache offline
     parsed = parse_vector_specs(list(opts.vectors))
+    from ltv_vllm.serving.shared_store import replica_root
+
     shared, held = shared_store(opts.task_store)
     # a shared store: this replica serves a copy of its own, made at start (`replica_root`)
     store_root = (replica_root(shared) if shared is not None
@@ -867,51 +876,13 @@ def shared_store(spec: str | None) -> tuple[str | None, int]:
     many tasks its index holds; (None, 0) for a store of this server's own. Checked here, in
     one line, before anything starts: a store that does not answer, or is not one."""
     from ltv_vllm.serving.shared_store import SharedStore, is_shared
-    from ltv_vllm.serving.taskstore import StoreError
 
     if not is_shared(spec):
         return None, 0
     assert spec is not None
     url = spec if spec.startswith("s3://") else str(
         Path(spec.removeprefix("file://")).absolute())
-    store = SharedStore(url, create=False)
-    try:
-        return url, len(store.index().tasks)
-    except StoreError as e:
-        if "no index" in str(e):
-            return url, 0  # a new store: made by `prepare`
-        raise
-
-
-def replica_root(shared: str) -> Path:
-    """Where this server keeps its copy of a shared store: its own directory (locked while
-    it runs) beside other replicas' on this machine, under the cache."""
-    import hashlib
-    import secrets
-
-    from ltv_vllm.models.cache import cache_dir
-
-    key = hashlib.sha256(shared.encode()).hexdigest()[:12]
-    return cache_dir() / "task-replicas" / key / f"replica-{secrets.token_hex(6)}"
-
-
-def sweep_replicas(parent: Path) -> list[str]:
-    """Remove the copies of replicas that no longer run (their lock is free, and they have
-    not changed for a minute: one starting beside this one has not taken its lock yet); the
-    names."""
-    import shutil
-    import time
-
-    from ltv_vllm.serving.taskstore import TaskStore
-
-    gone = []
-    if parent.is_dir():
-        for p in parent.iterdir():
-            if p.is_dir() and p.name.startswith("replica-") and not TaskStore(
-                    p, create=False).held() and time.time() - p.stat().st_mtime > 60:
-                shutil.rmtree(p, ignore_errors=True)
-                gone.append(p.name)
-    return gone
+    return url, SharedStore(url, create=False).size()  # a new one is made by `prepare`
 
 
 def store_rank(model_dir: str | Path) -> int:

@@ -110,8 +110,9 @@ class S3Backend:
     """Keys as objects under `s3://BUCKET/PREFIX` (boto3; the endpoint and credentials as the
     AWS tools read them: `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, profiles, roles)."""
 
-    # a store that does not answer fails a request in seconds, not minutes
-    TIMEOUTS = {"connect_timeout": 3, "read_timeout": 20, "retries": {"max_attempts": 2}}
+    # a store that does not answer fails a request in seconds, not minutes (one attempt:
+    # a replica reads the index again at its next poll anyway)
+    TIMEOUTS = {"connect_timeout": 2, "read_timeout": 10, "retries": {"max_attempts": 1}}
 
     def __init__(self, url: str) -> None:
         try:
@@ -209,14 +210,28 @@ class SharedStore:
             raise StoreUnavailable(f"task store {self}: could not {what} "
                                    f"({type(e).__name__}: {str(e)[:200]})") from None
 
+    def size(self) -> int:
+        """How many tasks the store holds, read only: 0 for a store not made yet (a new
+        bucket prefix, an empty or new directory); StoreError for a directory that holds
+        something else, StoreUnavailable when the storage does not answer."""
+        def read() -> int:
+            if self.backend.get(MARKER) is None:
+                self._refuse_foreign()
+                return 0
+            return len(self._index().tasks)
+        return self._io("read its index", read)
+
+    def _refuse_foreign(self) -> None:
+        if isinstance(self.backend, DirBackend) and self.backend.root.is_dir() and any(
+                p for p in self.backend.root.iterdir()
+                if not p.name.startswith(".") and p.name not in (MARKER, INDEX, OBJECTS)):
+            raise StoreError(f"task store {self}: a directory that is not a shared store (it "
+                             "holds other files); give an empty or new directory")
+
     def _create(self) -> None:
         raw = self.backend.get(MARKER)
         if raw is None:
-            if isinstance(self.backend, DirBackend) and self.backend.root.is_dir() and any(
-                    p for p in self.backend.root.iterdir()
-                    if not p.name.startswith(".") and p.name not in (MARKER, INDEX, OBJECTS)):
-                raise StoreError(f"task store {self}: a directory that is not a shared store "
-                                 "(it holds other files); give an empty or new directory")
+            self._refuse_foreign()
             self.backend.create(MARKER, json.dumps({"format": FORMAT}).encode())
             raw = self.backend.get(MARKER)
         try:
@@ -337,3 +352,45 @@ class SharedStore:
 
 def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
+
+
+# -- each replica's own copy ------------------------------------------------------------------
+def replica_root(shared: str) -> Path:
+    """Where this server keeps its copy of a shared store: its own directory (locked while
+    it runs) beside other replicas' on this machine, under the cache."""
+    import secrets
+
+    from ltv_vllm.models.cache import cache_dir
+
+    key = digest_of(shared.encode())[:12]
+    return cache_dir() / "task-replicas" / key / f"replica-{secrets.token_hex(6)}"
+
+
+def sweep_replicas(parent: Path) -> list[str]:
+    """Remove the copies of replicas that no longer run (their lock is free, and they have
+    not changed for a minute: one starting beside this one has not taken its lock yet); the
+    names."""
+    import shutil
+
+    from ltv_vllm.serving.taskstore import TaskStore
+
+    gone = []
+    if parent.is_dir():
+        for p in parent.iterdir():
+            if p.is_dir() and p.name.startswith("replica-") and not TaskStore(
+                    p, create=False).held() and time.time() - p.stat().st_mtime > 60:
+                shutil.rmtree(p, ignore_errors=True)
+                gone.append(p.name)
+    return gone
+
+
+def own_copy(shared: str) -> tuple[Path, int]:
+    """This process's copy of a shared store, made now: replicas' copies that no longer run
+    swept, a new directory locked (for this process's life; `TaskStore.hold`). Its path
+    and the lock's descriptor."""
+    from ltv_vllm.serving.taskstore import TaskStore
+
+    root = replica_root(shared)
+    sweep_replicas(root.parent)
+    return root, TaskStore(root).hold()
+

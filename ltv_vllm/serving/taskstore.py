@@ -324,11 +324,13 @@ class TaskStore:
         return tmp
 
     def adopt(self, name: str, data: bytes, record: dict[str, Any], model_dir: str | Path, *,
-              base_model: str | None = None, max_rank: int | None = None) -> Path:
+              base_model: str | None = None, max_rank: int | None = None,
+              adapter: bool = True) -> Path:
         """Stage an entry from a shared store's vector bytes, kept byte for byte (so its
         digest, and its engine key, are the shared store's), with its adapter made here for
-        `model_dir`; StoreError (one line) when this server cannot serve it: another model,
-        a nonlinear vector, a rank over `max_rank` (this server's)."""
+        `model_dir` (`adapter`: a server that serves its tasks as LoRA adapters; one that
+        shifts per request reads the vector only); StoreError (one line) when this server
+        cannot serve it: another model, a nonlinear vector, a rank over `max_rank`."""
         from ltv_vllm.models.checkpoint import identity_from_dir
         from ltv_vllm.serving.lora import export_lora, refuse_non_lora
 
@@ -347,7 +349,8 @@ class TaskStore:
             if max_rank is not None and tv.rank > max_rank:
                 raise StoreError(f"task {name!r}: rank {tv.rank} is over this server's rank "
                                  f"{max_rank}; serve every replica at the same rank")
-            export_lora(tv, model_dir, tmp, base_model=base_model or str(Path(model_dir)))
+            if adapter:
+                export_lora(tv, model_dir, tmp, base_model=base_model or str(Path(model_dir)))
             (tmp / RECORD).write_text(json.dumps(record, indent=1, allow_nan=False))
             os.chmod(tmp, 0o777 & ~umask())
         except BaseException as e:

@@ -535,7 +535,8 @@ class TaskEndpoints:
                     data = await asyncio.to_thread(self.shared.vector, digest)
                     staged = await asyncio.to_thread(
                         self.store.adopt, name, data, item["record"], self.model_dir,
-                        base_model=str(self.model_dir), max_rank=self.max_rank)
+                        base_model=str(self.model_dir), max_rank=self.max_rank,
+                        adapter=self.lora)
                 except StoreUnavailable:
                     raise  # the next follow tries again
                 except StoreError as e:

@@ -33,8 +33,8 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import PPMissingLayer
 
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
-from ltv_vllm.serving.step_policy import STORE_CONFIG_KEY, TASKS_CONFIG_KEY
-from ltv_vllm.serving.vllm_ext.steps import FUSED, PLAN, STORE, row_index, take_plan
+from ltv_vllm.serving.step_policy import TASKS_CONFIG_KEY
+from ltv_vllm.serving.vllm_ext.steps import FUSED, PLAN, STORE, row_index, store_root, take_plan
 
 CONFIG_KEY = "ltv_task_vector"
 FOLD_KEY = "ltv_fold"
@@ -55,7 +55,7 @@ class LTVMixin:
             self._vectors[name] = load_task_vector(spec["path"])
         self._casts = {}
         self._cast_keys: OrderedDict[str, None] = OrderedDict()  # store keys, oldest first
-        self._store = getattr(config, STORE_CONFIG_KEY, None)  # runtime tasks (`StoreVectors`)
+        self._store = store_root(config)  # runtime tasks (`StoreVectors`)
         if self._store:
             STORE.root = self._store
         self._ltv_fold = bool(getattr(config, FOLD_KEY, False)) and self._ltv is not None

@@ -101,6 +101,15 @@ class StoreVectors:
 STORE = StoreVectors(None)  # this process's; the wrapper sets its root from the config
 
 
+def store_root(config: Any) -> str | None:
+    """Where this engine loads task-store tasks from: the server's copy of its store, as its
+    settings name it (a replica started from an export makes its copy at start, after the
+    config was written), else the config's."""
+    from ltv_vllm.serving.settings import ServerSettings
+
+    return ServerSettings.from_env().task_store or getattr(config, STORE_CONFIG_KEY, None)
+
+
 class _Plan:
     """This process's row plan: armed by the processor (V1) or the model state (V2: `ready`,
     for `rows` logits rows), taken once by the wrapper."""
@@ -230,7 +239,7 @@ class RequestShift:
         # task-store tasks: the server's --shift-steps, else each vector's own
         self.store_default = getattr(hf, DEFAULT_KEY, None)
         self.admission = admission()  # a served engine's stamp key (None: offline)
-        STORE.root = STORE.root or getattr(hf, STORE_CONFIG_KEY, None)
+        STORE.root = STORE.root or store_root(hf)
 
     def of(self, params: SamplingParams) -> tuple[str, int | None]:
         args = params.extra_args or {}
