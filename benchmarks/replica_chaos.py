@@ -274,7 +274,7 @@ class Controller:
             victim = c
             th = threading.Thread(target=self.upload, args=(victim, f"k{k}"))
             th.start()
-            time.sleep(self.rng.uniform(0.0, 0.3))
+            time.sleep(self.rng.uniform(0.0, 2.5))  # before, during or after the store writes
             victim.kill()
             th.join()
             self.sync_versions()

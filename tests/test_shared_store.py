@@ -196,3 +196,25 @@ def test_a_store_that_does_not_answer_is_one_line_and_quick(s3):
     # moto keeps its data in memory: a restarted server is an empty one, as a new bucket
     with pytest.raises(StoreUnavailable):
         SharedStore(url).index()
+
+
+def test_a_task_store_refuses_several_api_server_processes(tmp_path, monkeypatch):
+    """A user's `vllm serve --api-server-count 2` from an export: each API-server process
+    would follow and pin into one copy on its own; the endpoint plugin stops the start in
+    one line (with one process it goes on to the store)."""
+    import argparse
+    import asyncio
+
+    from ltv_vllm.serving.settings import ServerSettings
+    from ltv_vllm.serving.vllm_ext.endpoints import TaskEndpoints
+
+    monkeypatch.setenv("LTV_VLLM_SERVER", ServerSettings(
+        task_store=str(tmp_path / "copy"), shared_store=str(tmp_path / "s")).to_env()[
+            "LTV_VLLM_SERVER"])
+    args = argparse.Namespace(api_server_count=2, model=str(tmp_path / "m"))
+    with pytest.raises(RuntimeError, match="one API-server process per replica") as e:
+        asyncio.run(TaskEndpoints().init_state(object(), object(), args))
+    assert "\n" not in str(e.value)
+    args.api_server_count = 1  # past the guard: it reaches the store's own set-up
+    with pytest.raises(AttributeError, match="openai_serving_models"):
+        asyncio.run(TaskEndpoints().init_state(object(), object(), args))

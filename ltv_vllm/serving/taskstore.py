@@ -32,6 +32,7 @@ server keeps them, are in docs/task-store.md.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import errno
 import json
@@ -39,6 +40,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -300,12 +302,7 @@ class TaskStore:
         check_name(name)
         tv.check_model(identity_from_dir(model_dir))
         refuse_non_lora(tv)
-        if into is None:
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self.root))
-        else:
-            tmp = Path(into)
-            tmp.mkdir()
-        try:
+        with self._staging(name, into, "stored") as tmp:
             full_rank = tv.rank
             if rank is not None and tv.rank > rank:
                 tv = tv.truncated(rank, lm_head=read_lm_head(model_dir))
@@ -315,13 +312,25 @@ class TaskStore:
             record = record_of(name, tv, source=source, lora_rank=lora_r, full_rank=full_rank,
                                extra=extra)
             (tmp / RECORD).write_text(json.dumps(record, indent=1, allow_nan=False))
+        return tmp
+
+    @contextlib.contextmanager
+    def _staging(self, name: str, into: str | Path | None, what: str) -> Iterator[Path]:
+        """A new entry's directory (a `.tmp-` one in the store, or `into`), removed again
+        when its writing fails (a full disk as one StoreFull line)."""
+        if into is None:
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self.root))
+        else:
+            tmp = Path(into)
+            tmp.mkdir()
+        try:
+            yield tmp
             os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; as a plain mkdir would
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if (full := full_disk(e, f"task {name!r} was not stored", self.root)) is not None:
+            if (full := full_disk(e, f"task {name!r} was not {what}", self.root)) is not None:
                 raise full from e
             raise
-        return tmp
 
     def adopt(self, name: str, data: bytes, record: dict[str, Any], model_dir: str | Path, *,
               base_model: str | None = None, max_rank: int | None = None,
@@ -335,8 +344,7 @@ class TaskStore:
         from ltv_vllm.serving.lora import export_lora, refuse_non_lora
 
         check_name(name)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self.root))
-        try:
+        with self._staging(name, None, "copied") as tmp:
             (tmp / VECTOR).write_bytes(data)
             try:
                 tv = load_task_vector(tmp / VECTOR)
@@ -352,12 +360,6 @@ class TaskStore:
             if adapter:
                 export_lora(tv, model_dir, tmp, base_model=base_model or str(Path(model_dir)))
             (tmp / RECORD).write_text(json.dumps(record, indent=1, allow_nan=False))
-            os.chmod(tmp, 0o777 & ~umask())
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if (full := full_disk(e, f"task {name!r} was not copied", self.root)) is not None:
-                raise full from e
-            raise
         return tmp
 
     def publish(self, staged: str | Path, name: str) -> Entry:

@@ -137,6 +137,14 @@ class TaskEndpoints:
         root = settings.task_store
         if engine_client is None or not root:
             return  # not a task-store server: the routes answer 404
+        if (getattr(args, "api_server_count", None) or 1) > 1:
+            # each API-server process would follow, publish and pin into one copy on its
+            # own, and DELETE's wait counts one process's requests: refused at start
+            problem = ("a task store is served from one API-server process per replica: drop "
+                       "--api-server-count (or set it to 1), and run more replicas on a "
+                       "shared --task-store instead")
+            logger.error("ltv-vllm: %s", problem)
+            raise RuntimeError(f"ltv-vllm: {problem}")
         self.store = TaskStore(root)
         self.model_dir = Path(args.model)
         self.models = state.openai_serving_models
@@ -544,7 +552,13 @@ class TaskEndpoints:
                     logger.warning("ltv-vllm: task store task %r is not served here: %s",
                                    name, self._public(str(e)))
                     continue
-                entry = await asyncio.to_thread(self.store.publish, staged, name)
+                try:
+                    entry = await asyncio.to_thread(self.store.publish, staged, name)
+                except StoreError as e:  # its name is still held here (being removed)
+                    whole = False
+                    logger.warning("ltv-vllm: task store task %r waits: %s", name,
+                                   self._public(str(e)))
+                    continue
                 if (failed := await self._serve(entry)) is not None:
                     why = json.loads(failed.body)["error"]["message"]
                     self.unservable[name] = (digest, why)
