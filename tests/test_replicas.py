@@ -44,13 +44,17 @@ def assets(tmp_path_factory, tokenizer):
     return make_assets(tmp_path_factory, tokenizer, tie=False)
 
 
-def start_replicas(d: Path, tmp: Path, store: str, polls: list[float | Path],
+def start_replicas(d: Path, tmp: Path, store: str, polls: list[float | Path | tuple],
                    env: dict[str, str] | None = None, extra: tuple[str, ...] = ()
                    ) -> list[tuple]:
     """One server per poll interval on `store`, started together; a Path in `polls`: the
-    user's own `vllm serve` from that `ltv-vllm serve --export` directory."""
+    user's own `vllm serve` from that `ltv-vllm serve --export` directory; a tuple: a poll
+    interval and that replica's own vLLM flags."""
     def one(i_poll):
         i, poll = i_poll
+        own: tuple[str, ...] = ()
+        if isinstance(poll, tuple):
+            poll, own = poll[0], tuple(poll[1:])
         where = tmp / f"r{i}"
         where.mkdir(exist_ok=True)
         if isinstance(poll, Path):
@@ -61,8 +65,8 @@ def start_replicas(d: Path, tmp: Path, store: str, polls: list[float | Path],
                                     "--config", str(poll / "vllm.yaml"), "--port", str(port),
                                     "--kv-cache-memory-bytes", str(64 << 20)])
         return start_server(d, [], where, ("--task-store", store, "--store-poll", str(poll),
-                                           "--api-key", "x", "--max-tasks", "4", *extra),
-                            env_extra=env)
+                                           "--api-key", "x", "--max-tasks", "4", *extra,
+                                           *own), env_extra=env)
 
     with ThreadPoolExecutor(len(polls)) as pool:
         return list(pool.map(one, enumerate(polls)))
@@ -137,9 +141,13 @@ def test_three_replicas_on_a_shared_directory(assets, tokenizer, tmp_path):
         "--export", str(dep), "--enforce-eager", "--", "--api-key", "x"],
         env={"LTV_VLLM_CACHE": str(tmp_path / "cache")})
     assert r.exit_code == 0, r.output
-    servers = start_replicas(d, tmp_path, store, [POLL, POLL, dep])
+    # B runs two data-parallel engines: its requests go to either, its DELETEs' barrier
+    # reaches both
+    servers = start_replicas(d, tmp_path, store, [POLL, (POLL, "--data-parallel-size", "2"),
+                                                  dep])
     (pa, a, la), (pb, b, lb), (pc, c, lc) = servers
     try:
+        assert "EngineCore_DP1" in Path(lb.name).read_text()  # B's second engine
         for _, url, _ in servers:
             assert "alpha" not in models(url)
         r = upload(a, "alpha", alpha[1])
