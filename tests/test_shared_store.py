@@ -218,3 +218,16 @@ def test_a_task_store_refuses_several_api_server_processes(tmp_path, monkeypatch
     args.api_server_count = 1  # past the guard: it reaches the store's own set-up
     with pytest.raises(AttributeError, match="openai_serving_models"):
         asyncio.run(TaskEndpoints().init_state(object(), object(), args))
+
+
+def test_a_store_being_made_reads_as_empty(tmp_path):
+    """Replicas start together on a new store: one has written the marker, not yet the first
+    index generation; another replica's plan reads it as empty, not as an error."""
+    from ltv_vllm.serving.shared_store import MARKER
+
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / MARKER).write_text('{"format": 1}')
+    assert SharedStore(tmp_path / "s", create=False).size() == 0
+    store = SharedStore(tmp_path / "s")  # the first replica finishes making it
+    store.add("a", "a" * 64, {}, "t")
+    assert SharedStore(tmp_path / "s", create=False).size() == 1

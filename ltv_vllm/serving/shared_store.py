@@ -218,6 +218,8 @@ class SharedStore:
             if self.backend.get(MARKER) is None:
                 self._refuse_foreign()
                 return 0
+            if not self._generations():  # being made by another replica right now
+                return 0
             return len(self._index().tasks)
         return self._io("read its index", read)
 
