@@ -91,6 +91,8 @@ class HttpFlags:
     max_body_mib: int
     host: str
     port: int
+    api_keys: str | None
+    audit_log: str | None
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,12 @@ class ShiftFlags:
                       "task-vector upload's limit follows from the model instead."),
     click.option("--host", default="127.0.0.1", show_default=True),
     click.option("--port", default=8000, show_default=True),
+    click.option("--api-keys", default=None, metavar="FILE",
+                 help="Keys with roles (inference, admin; `ltv-vllm keys add`): an inference "
+                      "key gets a 403 on the task store's changes."),
+    click.option("--audit-log", default=None, metavar="FILE",
+                 help="With --task-store: every store operation as a JSON line, appended "
+                      "(- for stderr)."),
     name="http")
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--max-model-len", type=int, default=None)
@@ -206,6 +214,24 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], store: StoreFlags, h
         return
     plan.start()  # writes the adapters (quarantine: warned above), then the server replaces
     # this process
+
+
+@main.group("keys")
+def keys_group() -> None:
+    """API keys with roles for `serve --api-keys FILE`."""
+
+
+@keys_group.command("add")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--id", "key_id", required=True, help="The key's name (audit log, metrics).")
+@click.option("--role", type=click.Choice(["inference", "admin"]), required=True,
+              help="inference: model routes and listing; admin: also the task store's changes.")
+@friendly
+def keys_add(file: str, key_id: str, role: str) -> None:
+    """Make a key, store its sha256 in FILE (created if missing), print the key once."""
+    from ltv_vllm.serving.keys import add_key
+
+    click.echo(add_key(file, key_id, role))
 
 
 # every command that talks to a server (classify, compile, tasks remote ...)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ltv_vllm.core.fileio import check_writable
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.checkpoint import identity_from_dir
@@ -362,6 +363,8 @@ class ServeOptions:
     max_tasks: int = ServerSettings.max_tasks  # tasks a task-store server can hold at once
     compile_threads: int = ServerSettings.compile_threads  # the engine keeps the other cores
     max_body_mib: int = ServerSettings.max_body >> 20  # any body but an upload or a compile
+    api_keys: str | None = None        # a keys file with roles (`serving.keys`)
+    audit_log: str | None = None       # the task store's operations as JSON lines ("-": stderr)
     selfcheck: bool = True  # probe the engine's row plan at start (`serving.selfcheck`)
 
     def __post_init__(self) -> None:
@@ -383,6 +386,14 @@ class ServeOptions:
                                 f"{self.store_poll}")
         if self.max_body_mib < 1:
             raise ArgumentError(f"--max-body-mib must be at least 1, got {self.max_body_mib}")
+        if self.api_keys is not None and (_arg(self.vllm_args, ("--api-key",)) is not None
+                                          or os.environ.get("VLLM_API_KEY")):
+            raise ArgumentError("--api-keys with vLLM's --api-key (or VLLM_API_KEY): vLLM "
+                                "would refuse every other key; add that key to the file as "
+                                "an admin key (ltv-vllm keys add) instead")
+        if self.audit_log is not None and self.task_store is None:
+            raise ArgumentError("--audit-log records the task store's operations: give it "
+                                "with --task-store")
         if self.task_store is not None and _api_servers(self.vllm_args) > 1:
             raise ArgumentError("a task store lives in one API-server process: drop "
                                 "--api-server-count (or set it to 1) with --task-store")
@@ -680,6 +691,15 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         # Any compilation flag of the user's wins.
         defaults.append("--enforce-eager")
     settings = ServerSettings(max_body=opts.max_body_mib << 20)
+    if opts.api_keys is not None:
+        from ltv_vllm.serving.keys import read_keys
+
+        settings = replace(settings, api_keys=read_keys(opts.api_keys))
+    if opts.audit_log not in (None, "-"):
+        audit = check_writable(opts.audit_log, option="--audit-log")
+        settings = replace(settings, audit_log=str(audit.absolute()))
+    elif opts.audit_log == "-":
+        settings = replace(settings, audit_log="-")
     env = dict(task_env)
     given = {n: checked_vector(model_dir, p) for n, p in parsed.items()}  # read above, once
     notes += shortfall_notes(given)

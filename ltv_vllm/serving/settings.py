@@ -33,6 +33,8 @@ class ServerSettings:
     selfcheck: bool = False        # the engine holds the probe tasks: check them at start
     selfcheck_lora: dict[str, str] | None = None  # LoRA mode: the probe adapters to check
     required: dict[str, Any] | None = None  # what vLLM must have parsed (`deploy`)
+    api_keys: list[dict[str, str]] | None = None  # keys with roles (`keys`): hashes only
+    audit_log: str | None = None   # store operations as JSON lines: a file ("-": stderr)
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}

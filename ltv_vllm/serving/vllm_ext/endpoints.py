@@ -69,7 +69,7 @@ from ltv_vllm.serving.step_policy import (
     task_key,
 )
 from ltv_vllm.serving.vllm_ext import middleware
-from ltv_vllm.serving.vllm_ext.middleware import drained, in_flight, media_type
+from ltv_vllm.serving.vllm_ext.middleware import TASKS_PATH, drained, in_flight, media_type
 
 logger = logging.getLogger(__name__)
 # a request naming a task this replica does not serve waits this long (seconds) for the
@@ -122,6 +122,7 @@ class TaskEndpoints:
         self.following: asyncio.Future | None = None
         self.followed_at = 0.0
         self.outage: str | None = None  # the store's last failure, logged once
+        self.audit: str | None = None  # the audit log's file ("-": stderr; None: none)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         from ltv_vllm.serving.deploy import required_problem
@@ -153,6 +154,7 @@ class TaskEndpoints:
         self.max_rank = settings.task_rank
         self.lora = settings.store_lora
         self.threads = settings.compile_threads
+        self.audit = settings.audit_log
         self.max_model_len = int(self.models.model_config.max_model_len)
         from transformers import AutoTokenizer
 
@@ -181,6 +183,8 @@ class TaskEndpoints:
             self.poller = asyncio.create_task(self._poll())
             middleware.resolver = self.resolve
         middleware.listing = self.listing
+        if self.audit:
+            middleware.auditor = self._audit_refusal
         _register_residency(self)
 
     async def _selfcheck(self, engine_client: Any, args: Any,
@@ -220,20 +224,71 @@ class TaskEndpoints:
             return await self._entry_or_error(name)
 
         @router.delete("/v1/ltv/tasks/{name}")
-        async def delete_task(name: str) -> Any:
+        async def delete_task(name: str, request: Request) -> Any:
             if (off := self._off(name)) is not None:
                 return off
-            return await self._delete(name)
+            return await self._audit(request, "delete", name, await self._delete(name))
 
         @router.post("/v1/ltv/tasks")
         async def add_task(request: Request) -> Any:
             if (off := self._off()) is not None:
                 return off
             if media_type(request.headers.get("content-type", "")) == "application/json":
-                return await self._compile(request)
-            return await self._upload(request)
+                return await self._audit(request, "compile", None,
+                                         await self._compile(request))
+            return await self._audit(request, "upload", None, await self._upload(request))
 
         app.include_router(router)
+
+    # -- the audit log --------------------------------------------------------------------
+    async def _audit(self, request: Any, op: str, name: str | None, answer: Any) -> Any:
+        """One JSON line for a store operation (`--audit-log`): when, what, which task and
+        vector, who (the key's id, never the key) from where, and how it ended; `answer`
+        handed back as it is."""
+        if not self.audit:
+            return answer
+        status = getattr(answer, "status_code", 200)
+        body: dict[str, Any] = answer if isinstance(answer, dict) else {}
+        if not body and hasattr(answer, "body"):
+            try:
+                body = json.loads(answer.body)
+            except ValueError:
+                body = {}
+        name = name or body.get("name")
+        key = RUNTIME.get(name, "").partition("@")[2] if isinstance(name, str) else ""
+        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "op": op, "name": name,
+                "status": status, "digest": self.digests.get(name, key or None)
+                if isinstance(name, str) else None,
+                "bytes": int(request.headers.get("content-length") or 0) or None,
+                "key": getattr(request.state, middleware.KEY_STATE, None),
+                "client": request.client.host if request.client else None,
+                "replica": self.replica}
+        if status >= 400:
+            line["error"] = (body.get("error") or {}).get("message")
+        await asyncio.to_thread(self._write_audit, json.dumps(line))
+        return answer
+
+    async def _audit_refusal(self, scope: dict[str, Any], key: str, status: int) -> None:
+        """A store change the gate refused (a key without the admin role)."""
+        path = str(scope.get("path", ""))
+        name = path.rstrip("/").removeprefix(TASKS_PATH).strip("/") or None
+        client = scope.get("client")
+        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "op": {"DELETE": "delete"}.get(str(scope.get("method")), "add"),
+                "name": name, "status": status, "key": key,
+                "client": client[0] if client else None, "replica": self.replica,
+                "error": "forbidden: not an admin key"}
+        await asyncio.to_thread(self._write_audit, json.dumps(line))
+
+    def _write_audit(self, text: str) -> None:
+        if self.audit == "-":
+            print(text, file=sys.stderr, flush=True)
+            return
+        # appended and synced line by line: a restart (or a kill) loses no answered operation
+        with open(self.audit, "a") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     # -- helpers -----------------------------------------------------------------------------
     def _served(self, name: str) -> bool:
@@ -830,7 +885,9 @@ class TaskEndpoints:
                 job_dir = Path(tempfile.mkdtemp(prefix=f"{req.name}-",
                                                 dir=self.store.root / ".jobs"))
                 job = {"dir": job_dir, "state": "queued", "t0": time.time(),
-                       "request": req.to_dict(), "id": job_dir.name}
+                       "request": req.to_dict(), "id": job_dir.name,
+                       "key": getattr(request.state, middleware.KEY_STATE, None),
+                       "client": request.client.host if request.client else None}
                 (job_dir / "job.json").write_text(json.dumps({
                     "request": job["request"], "model_dir": str(self.model_dir),
                     "store": str(self.store.root), "base_model": str(self.model_dir),
@@ -849,7 +906,24 @@ class TaskEndpoints:
 
     async def _run_job(self, name: str, job: dict[str, Any]) -> None:
         """Run the worker, then publish and serve what it staged; a failure stays listed
-        with its error until it is DELETEd."""
+        with its error until it is DELETEd. Its end in the audit log, under the key that
+        asked for it."""
+        await self._run_worker(name, job)
+        if self.audit:
+            result = ("failed" if job.get("state") == "failed"
+                      else "served" if self.jobs.get(name) is not job and self._served(name)
+                      else "deleted")
+            line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "op": "compiled",
+                    "name": name, "result": result,
+                    "digest": self.digests.get(name, RUNTIME.get(name, "").partition("@")[2]
+                                               or None) if result == "served" else None,
+                    "key": job.get("key"), "client": job.get("client"),
+                    "replica": self.replica, "seconds": round(time.time() - job["t0"], 1)}
+            if result == "failed":
+                line["error"] = self._public(str(job.get("error")))
+            await asyncio.to_thread(self._write_audit, json.dumps(line))
+
+    async def _run_worker(self, name: str, job: dict[str, Any]) -> None:
         async with self.worker:
             if self.jobs.get(name) is not job:
                 return  # deleted while queued (DELETE removed its files)

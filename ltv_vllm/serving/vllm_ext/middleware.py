@@ -77,6 +77,7 @@ from ltv_vllm.serving.step_policy import (
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/ping")  # liveness probes: answer without the key
+KEY_STATE = "ltv_key"  # the request's key id in the ASGI scope's state (`keys`)
 OPEN_BODY = 1 << 10  # bytes a liveness probe's body may have (it is read before the app)
 TASKS_PATH = "/v1/ltv/tasks"
 MAX_COMPILE_BODY = 64 << 20       # a compile request's JSON (limits in `ltv_vllm.serving.compile`)
@@ -177,34 +178,40 @@ class Gate:
         self._tokens: list[bytes] | None = None
 
     # -- 1. the key -------------------------------------------------------------------------
-    def tokens(self, scope: dict[str, Any]) -> list[bytes]:
-        """sha256 of each accepted key: vLLM's `--api-key` values, else VLLM_API_KEY (as
-        vLLM's own AuthenticationMiddleware chooses them)."""
+    def tokens(self, scope: dict[str, Any]) -> list[tuple[bytes, str, str]]:
+        """(sha256, key id, role) of each accepted key: `serve --api-keys`' (`serving.keys`),
+        and vLLM's `--api-key` values, else VLLM_API_KEY (as vLLM's own
+        AuthenticationMiddleware chooses them), each an admin key."""
         if self._tokens is None:
+            from ltv_vllm.serving.keys import identities
+
             args = getattr(getattr(scope.get("app"), "state", None), "args", None)
             if args is None:  # the app is not started yet: nothing is served either
-                return [b""]
-            keys = [k for k in (getattr(args, "api_key", None)
-                                or [os.environ.get("VLLM_API_KEY")]) if k]
-            self._tokens = [hashlib.sha256(k.encode()).digest() for k in keys]
+                return [(b"", "", "")]
+            single = [k for k in (getattr(args, "api_key", None)
+                                  or [os.environ.get("VLLM_API_KEY")]) if k]
+            self._tokens = identities(ServerSettings.from_env().api_keys, single)
         return self._tokens
 
-    def authorised(self, scope: dict[str, Any]) -> bool:
+    def identify(self, scope: dict[str, Any]) -> tuple[str, str] | None:
+        """(key id, role) of the request's key; ("", "admin") on a server without keys;
+        None: no key, or not one of the server's."""
         tokens = self.tokens(scope)
         if not tokens:
-            return True  # the server runs without a key
+            return "", "admin"  # the server runs without a key
         auth = ""
         for k, v in scope.get("headers") or []:
             if k == b"authorization":
                 auth = v.decode("latin-1")
         scheme, _, key = auth.partition(" ")
         if scheme.lower() != "bearer":
-            return False
+            return None
         digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
-        ok = False
-        for t in tokens:  # constant time, every key compared
-            ok |= secrets.compare_digest(digest, t)
-        return ok
+        found = None
+        for t, key_id, role in tokens:  # constant time, every key compared
+            if secrets.compare_digest(digest, t) and found is None:
+                found = key_id, role
+        return found
 
     # -- 2. the body ------------------------------------------------------------------------
     def limit(self, scope: dict[str, Any]) -> tuple[int, str]:
@@ -260,15 +267,30 @@ class Gate:
         if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        if self.path(scope) not in OPEN_PATHS and not self.authorised(scope):
-            if scope["type"] == "websocket":
-                await send({"type": "websocket.close", "code": 1008})
+        if self.path(scope) not in OPEN_PATHS:
+            who = self.identify(scope)
+            if who is None:
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                await _respond(send, 401, _json_error(
+                    401, "Unauthorized: send the server's key as 'Authorization: Bearer KEY'",
+                    "AuthenticationError"), [(b"www-authenticate", b"Bearer")])
                 return
-            await _respond(send, 401, _json_error(401, "Unauthorized: send the server's key "
-                                                       "as 'Authorization: Bearer KEY'",
-                                                  "AuthenticationError"),
-                           [(b"www-authenticate", b"Bearer")])
-            return
+            from ltv_vllm.serving.keys import may
+
+            if not may(who[1], str(scope.get("method", "GET")), self.path(scope)):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                if auditor is not None:  # a refused change of the store is audited too
+                    await auditor(scope, who[0], 403)
+                await _respond(send, 403, _json_error(
+                    403, f"Forbidden: key {who[0]!r} has the {who[1]} role; changing the task "
+                         "store takes an admin key", "PermissionDeniedError"))
+                return
+            # who made the request, for the task endpoints' audit log
+            scope = {**scope, "state": {**(scope.get("state") or {}), KEY_STATE: who[0]}}
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -741,6 +763,7 @@ class Ask:
 # why it gets a 503), `listing()` the store's tasks as `/v1/models` cards
 resolver: Any = None
 listing: Any = None
+auditor: Any = None  # `auditor(scope, key id, status)`: a store change the gate refused
 MODELS_PATH = "/v1/models"
 
 
