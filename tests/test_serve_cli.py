@@ -209,6 +209,30 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
         r = run(*args)
         assert r.exit_code != 0 and words in r.output, (args, r.output)
         assert len(r.output.strip().splitlines()) == 1
+    # keys and the audit log: each bad combination or file one line, before the model loads
+    from ltv_vllm.serving.keys import add_key
+
+    add_key(tmp / "keys.json", "ops", "admin")
+    (tmp / "bad-keys.json").write_text('{"keys": [{"id": "a", "role": "root", "sha256": "0"}]}')
+    r = run("--task-store", str(store), "--api-keys", str(tmp / "keys.json"), "--audit-log",
+            str(tmp / "audit.jsonl"))
+    assert r.exit_code == 0, r.output
+    settings = json.loads(r.output.split("LTV_VLLM_SERVER=")[1].split("' ")[0].strip("'"))
+    assert settings["api_keys"][0]["id"] == "ops"
+    assert settings["audit_log"] == str(tmp / "audit.jsonl")
+    for args, words in [(("--task-store", str(store), "--api-keys", str(tmp / "bad-keys.json")),
+                         "role must be one of"),
+                        (("--task-store", str(store), "--api-keys", str(tmp / "nope.json")),
+                         "cannot read it"),
+                        (("--task-store", str(store), "--api-keys", str(tmp / "keys.json"),
+                          "--api-key", "k"), "--api-keys with vLLM's --api-key"),
+                        (("--task-vector", f"a={good}", "--audit-log", str(tmp / "a.jsonl")),
+                         "give it with --task-store"),
+                        (("--task-store", str(store), "--audit-log", "/proc/x/audit"),
+                         "--audit-log")]:
+        r = run(*args)
+        assert r.exit_code != 0 and words in r.output, (args, r.output)
+        assert len(r.output.strip().splitlines()) == 1
     (tmp / "odd").mkdir()
     (tmp / "odd" / "file.txt").write_text("x")
     r = run("--task-store", f"file://{tmp / 'odd'}")

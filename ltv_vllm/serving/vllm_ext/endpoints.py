@@ -255,30 +255,29 @@ class TaskEndpoints:
             except ValueError:
                 body = {}
         name = name or body.get("name")
-        key = RUNTIME.get(name, "").partition("@")[2] if isinstance(name, str) else ""
-        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "op": op, "name": name,
-                "status": status, "digest": self.digests.get(name, key or None)
-                if isinstance(name, str) else None,
-                "bytes": int(request.headers.get("content-length") or 0) or None,
-                "key": getattr(request.state, middleware.KEY_STATE, None),
-                "client": request.client.host if request.client else None,
-                "replica": self.replica}
-        if status >= 400:
-            line["error"] = (body.get("error") or {}).get("message")
-        await asyncio.to_thread(self._write_audit, json.dumps(line))
+        await self._log(op, name, getattr(request.state, middleware.KEY_STATE, None),
+                        request.client.host if request.client else None, status=status,
+                        digest=self._held(name) if isinstance(name, str) else None,
+                        bytes=int(request.headers.get("content-length") or 0) or None,
+                        **({"error": (body.get("error") or {}).get("message")}
+                           if status >= 400 else {}))
         return answer
+
+    async def _log(self, op: str, name: str | None, key: str | None, client: str | None,
+                   **fields: Any) -> None:
+        """Write one audit line: when, what, which task, who from where, and `fields`."""
+        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "op": op, "name": name,
+                **fields, "key": key, "client": client, "replica": self.replica}
+        await asyncio.to_thread(self._write_audit, json.dumps(line))
 
     async def _audit_refusal(self, scope: dict[str, Any], key: str, status: int) -> None:
         """A store change the gate refused (a key without the admin role)."""
         path = str(scope.get("path", ""))
-        name = path.rstrip("/").removeprefix(TASKS_PATH).strip("/") or None
         client = scope.get("client")
-        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "op": {"DELETE": "delete"}.get(str(scope.get("method")), "add"),
-                "name": name, "status": status, "key": key,
-                "client": client[0] if client else None, "replica": self.replica,
-                "error": "forbidden: not an admin key"}
-        await asyncio.to_thread(self._write_audit, json.dumps(line))
+        await self._log({"DELETE": "delete"}.get(str(scope.get("method")), "add"),
+                        path.rstrip("/").removeprefix(TASKS_PATH).strip("/") or None, key,
+                        client[0] if client else None, status=status,
+                        error="forbidden: not an admin key")
 
     def _write_audit(self, text: str) -> None:
         if self.audit == "-":
@@ -404,18 +403,11 @@ class TaskEndpoints:
                 # the store first: every replica unserves it when it follows the index
                 try:
                     await asyncio.to_thread(self.shared.remove, name, self.replica)
-                except StoreError as e:
-                    if isinstance(e, StoreUnavailable):
-                        return self._fail(503, e, "ServiceUnavailableError")
-                    if not (self.store.root / name).is_dir():
-                        served = self._served(name)
-                        why = (f"task {name!r} was given on the command line (--task-vector), "
-                               "not added to the task store; restart without it" if served
-                               else e)
-                        return self._fail(409 if served else 404, why,
-                                          "ConflictError" if served else "NotFoundError",
-                                          "name")
-                    # another replica deleted it first: unserved here now, as it follows
+                except StoreUnavailable as e:
+                    return self._fail(503, e, "ServiceUnavailableError")
+                except StoreError:
+                    pass  # not in the store: this replica's copy decides below (another
+                    # replica deleted it first: unserved here now, as it follows)
             try:
                 await asyncio.to_thread(self.store.get, name)
             except StoreError as e:
@@ -664,6 +656,13 @@ class TaskEndpoints:
         why = self.unservable.get(name, ("", "it is being updated"))[1]
         return f"task {name!r} is in the task store but not served by this replica: {why}"
 
+    def _held(self, name: str) -> str | None:
+        """The digest (16 hex, the engine key's) of the vector this replica serves a store
+        task's name with now, or None (LoRA mode without a shared store: not kept)."""
+        if name in self.digests:
+            return self.digests[name][:16]
+        return RUNTIME[name].partition("@")[2] if name in RUNTIME else None
+
     def listing(self) -> list[dict[str, Any]]:
         """The store's tasks as `/v1/models` cards (the gate adds them): each with its
         digest (the vector's sha256, first 16 hex digits: the engine key's) and whether this
@@ -678,8 +677,7 @@ class TaskEndpoints:
                           if self._served(n) and n not in tasks})
         def loaded(name: str, digest: str | None) -> bool:
             # this replica answers the name with this very vector (not an older copy)
-            held = (self.digests.get(name, "")[:16] if self.shared is not None
-                    else RUNTIME.get(name, "").partition("@")[2] if not self.lora else digest)
+            held = self._held(name) if self.shared is not None or not self.lora else digest
             return self._served(name) and name not in self.deleting and held == digest
 
         return [{"id": name, "object": "model", "owned_by": "ltv-vllm",
@@ -913,15 +911,12 @@ class TaskEndpoints:
             result = ("failed" if job.get("state") == "failed"
                       else "served" if self.jobs.get(name) is not job and self._served(name)
                       else "deleted")
-            line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "op": "compiled",
-                    "name": name, "result": result,
-                    "digest": self.digests.get(name, RUNTIME.get(name, "").partition("@")[2]
-                                               or None) if result == "served" else None,
-                    "key": job.get("key"), "client": job.get("client"),
-                    "replica": self.replica, "seconds": round(time.time() - job["t0"], 1)}
-            if result == "failed":
-                line["error"] = self._public(str(job.get("error")))
-            await asyncio.to_thread(self._write_audit, json.dumps(line))
+            await self._log("compiled", name, job.get("key"), job.get("client"),
+                            result=result,
+                            digest=self._held(name) if result == "served" else None,
+                            seconds=round(time.time() - job["t0"], 1),
+                            **({"error": self._public(str(job.get("error")))}
+                               if result == "failed" else {}))
 
     async def _run_worker(self, name: str, job: dict[str, Any]) -> None:
         async with self.worker:
