@@ -283,3 +283,64 @@ def test_two_replicas_on_object_storage(assets, tokenizer, tmp_path):
         s3.stop()
         for proc, _, log in servers:
             stop(proc, log)
+
+
+def test_one_replica_with_two_api_servers(assets, tokenizer, tmp_path):
+    """vLLM's --api-server-count 2: two API-server processes in front of one engine, each
+    following the store (a poll of a minute: what they learn sooner, they learn from each
+    other), both pinning into one place. An upload through either is served by both when it
+    is answered; a DELETE while the task streams lets the streams end on its vector, and once
+    answered no process serves the name; the pin goes when both let it go; `/metrics`
+    (vLLM's multiprocess mode) has vLLM's counters and the residency."""
+    d, model, vecs = assets
+    alpha, beta = vecs["alpha"], vecs["beta"]
+    store = f"file://{tmp_path / 'shared'}"
+    [(proc, url, log)] = start_replicas(d, tmp_path, store, [(60, "--api-server-count", "2")])
+    servers = [(proc, url, log)]
+
+    def fresh(name: str) -> int:
+        # a new connection each: the kernel hands it to either API-server process
+        return httpx.post(f"{url}/v1/completions", timeout=60, headers={
+            **KEY, "Connection": "close"}, json={"model": name, "prompt": PROMPTS[0],
+                                                 "max_tokens": 1}).status_code
+
+    try:
+        assert "(ApiServer_1 pid=" in Path(log.name).read_text()
+        r = upload(url, "alpha", alpha[1])
+        assert r.status_code == 201, r.text
+        key = f"alpha@{models(url)['alpha']['ltv']['digest']}"
+        [copy] = (tmp_path / "r0" / "cache" / "task-replicas").glob("*/replica-*")
+        holders = copy / ".pins" / f"{key}.held"
+        assert len(list(holders.iterdir())) == 2  # one pin, held by both processes
+        assert [fresh("alpha") for _ in range(12)] == [200] * 12
+        check_mixed(url, {"alpha": alpha[0], str(d): None}, model, tokenizer, True)
+        assert metric(url, "ltv_vllm:task_loaded", task="alpha") == 1.0
+        assert metric(url, "vllm:request_success_total") is not None  # vLLM's own
+
+        # DELETE while alpha streams: the streams end on alpha's vector; once the DELETE is
+        # answered, neither process serves the name
+        n = 40
+        want = stream(url, "alpha", PROMPTS[0], n)
+        got: list = []
+        threads = [threading.Thread(target=lambda: got.append(stream(url, "alpha",
+                                                                     PROMPTS[0], n)))
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        assert HTTP.delete(f"{url}/v1/ltv/tasks/alpha", headers=KEY).status_code == 200
+        assert [fresh("alpha") for _ in range(12)] == [404] * 12
+        for t in threads:
+            t.join()
+        assert got == [want] * 3
+        deadline = time.time() + 30
+        while (copy / ".pins" / f"{key}.safetensors").exists() or holders.exists():
+            assert time.time() < deadline, "the deleted key's pin was never removed"
+            time.sleep(0.1)
+        # the name again, another vector: both serve it
+        assert upload(url, "alpha", beta[1]).status_code == 201
+        assert [fresh("alpha") for _ in range(12)] == [200] * 12
+        check_mixed(url, {"alpha": beta[0], str(d): None}, model, tokenizer, True)
+        alive(servers)
+    finally:
+        stop(proc, log)

@@ -187,7 +187,9 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
                         ((), "at least one --task-vector, or a --task-store"),
                         (("--task-store", str(store), "--max-tasks", "0"), "--max-tasks"),
                         (("--task-store", str(store), "--api-server-count", "2"),
-                         "one API-server process"),
+                         "give --task-store file://DIR"),
+                        (("--task-store", f"file://{tmp / 'shared'}", "--multi-task", "lora",
+                          "--api-server-count", "2"), "one API-server process only"),
                         (("--task-store", str(store), "--max-body-mib", "0"),
                          "--max-body-mib must be at least 1")]:
         r = run(*args)
@@ -202,6 +204,10 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     assert settings["shared_store"] == str(shared) and settings["store_poll"] == 0.5
     assert settings["task_store"].startswith(str(tmp / "cache" / "task-replicas"))
     assert "--max-loras 9" in r.output and not shared.exists()
+    # several API-server processes: vLLM's own `vllm serve` code starts them
+    r = run("--task-store", f"file://{shared}", "--api-server-count", "2")
+    assert r.exit_code == 0, r.output
+    assert "-m ltv_vllm.serving.vllm_ext.launch " in r.output and not shared.exists()
     for args, words in [(("--task-store", f"file://{shared}", "--store-poll", "0"),
                          "--store-poll must be 0.05..3600"),
                         (("--task-store", str(store), "--export", str(tmp / "dep")),

@@ -198,24 +198,29 @@ def test_a_store_that_does_not_answer_is_one_line_and_quick(s3):
         SharedStore(url).index()
 
 
-def test_a_task_store_refuses_several_api_server_processes(tmp_path, monkeypatch):
-    """A user's `vllm serve --api-server-count 2` from an export: each API-server process
-    would follow and pin into one copy on its own; the endpoint plugin stops the start in
-    one line (with one process it goes on to the store)."""
+def test_several_api_server_processes_need_a_shared_store_served_by_key(tmp_path,
+                                                                          monkeypatch):
+    """A user's `vllm serve --api-server-count 2`: each API-server process follows a shared
+    store; on a store DIR of one server's, or with adapters loaded at run time (vLLM loads
+    them in one process only), the endpoint plugin stops the start in one line; a shared
+    store served by key goes on to the store's own set-up."""
     import argparse
     import asyncio
 
     from ltv_vllm.serving.settings import ServerSettings
     from ltv_vllm.serving.vllm_ext.endpoints import TaskEndpoints
 
-    monkeypatch.setenv("LTV_VLLM_SERVER", ServerSettings(
-        task_store=str(tmp_path / "copy"), shared_store=str(tmp_path / "s")).to_env()[
-            "LTV_VLLM_SERVER"])
     args = argparse.Namespace(api_server_count=2, model=str(tmp_path / "m"))
-    with pytest.raises(RuntimeError, match="one API-server process per replica") as e:
-        asyncio.run(TaskEndpoints().init_state(object(), object(), args))
-    assert "\n" not in str(e.value)
-    args.api_server_count = 1  # past the guard: it reaches the store's own set-up
+    copy = str(tmp_path / "copy")
+    for settings, words in [(ServerSettings(task_store=copy), "give --task-store file://DIR"),
+                            (ServerSettings(task_store=copy, shared_store=str(tmp_path / "s"),
+                                            store_lora=True), "one API-server process only")]:
+        monkeypatch.setenv("LTV_VLLM_SERVER", settings.to_env()["LTV_VLLM_SERVER"])
+        with pytest.raises(RuntimeError, match=words) as e:
+            asyncio.run(TaskEndpoints().init_state(object(), object(), args))
+        assert "\n" not in str(e.value)
+    monkeypatch.setenv("LTV_VLLM_SERVER", ServerSettings(
+        task_store=copy, shared_store=str(tmp_path / "s")).to_env()["LTV_VLLM_SERVER"])
     with pytest.raises(AttributeError, match="openai_serving_models"):
         asyncio.run(TaskEndpoints().init_state(object(), object(), args))
 

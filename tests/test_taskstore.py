@@ -297,6 +297,47 @@ def test_engine_store_vectors_check_the_digest_and_drop_the_least_recent(setup):
     assert not (store.root / ".pins").exists()
 
 
+
+def test_pins_shared_by_processes_go_with_their_last_holder(setup):
+    """Several API-server processes of one server pin into one place (`TaskStore(pins=)`):
+    a pin stays while another live process holds it, and goes with the last holder's unpin
+    (a holder that died is no holder). The other process is a real one."""
+    import signal
+
+    from ltv_vllm.serving.step_policy import task_key
+    from ltv_vllm.serving.taskstore import PINS, vector_digest
+
+    tmp, good, _ = setup
+    root = tmp / "copy"
+    mine = TaskStore(root / ".api-a", pins=root / PINS)
+    e = mine.add("a", good, tmp / "m")
+    key = task_key("a", vector_digest(e.vector_path))
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from ltv_vllm.serving.taskstore import PINS, TaskStore
+        other = TaskStore({str(root / ".api-b")!r}, pins=Path({str(root)!r}) / PINS)
+        mine = TaskStore({str(root / ".api-a")!r}, create=False)
+        other.pin(mine.get("a"), {key!r})
+        print("pinned", flush=True)
+        sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "pinned"
+        path = mine.pin(e, key)
+        assert path == root / PINS / f"{key}.safetensors" == mine.pinned(key)
+        assert sorted(p.name for p in (root / PINS / f"{key}.held").iterdir()) == sorted(
+            [str(os.getpid()), str(child.pid)])
+        mine.unpin(key)
+        assert path.is_file()  # the other process still holds it
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        mine.unpin(key)  # its holder died: the pin goes
+        assert not path.exists() and not (root / PINS / f"{key}.held").exists()
+    finally:
+        child.kill()
+        child.wait()
+
 def replace_uv(tv, seed: int):
     """`tv` with other random factors (same model, same shapes)."""
     from ltv_vllm.core.vector import TaskVector

@@ -206,6 +206,8 @@ def step_processor(per_request: bool, lora: bool = False) -> str:
 
 # -- the OpenAI-compatible server -------------------------------------------------------------
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+# several API-server processes (--api-server-count > 1): `vllm serve`'s own code
+MULTI_SERVER_MODULE = "ltv_vllm.serving.vllm_ext.launch"
 
 
 def parse_vector_specs(specs: list[str]) -> dict[str, Path]:
@@ -395,8 +397,10 @@ class ServeOptions:
             raise ArgumentError("--audit-log records the task store's operations: give it "
                                 "with --task-store")
         if self.task_store is not None and _api_servers(self.vllm_args) > 1:
-            raise ArgumentError("a task store lives in one API-server process: drop "
-                                "--api-server-count (or set it to 1) with --task-store")
+            from ltv_vllm.serving.shared_store import is_shared, several_api_servers
+
+            if problem := several_api_servers(is_shared(self.task_store), bool(self.lora)):
+                raise ArgumentError(problem)
         check_pipeline_parallel(_int_arg(self.vllm_args, ("--pipeline-parallel-size", "-pp")))
         if self.multi_task not in (None, *MULTI_TASK_MODES):
             raise ArgumentError(f"--multi-task must be one of {', '.join(MULTI_TASK_MODES)}, "
@@ -743,7 +747,8 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     settings = replace(settings, required=required_of(args))
     env.update(settings.to_env())
     # ours after the user's: vLLM keeps a flag's last value, and ours hold theirs merged in
-    return ServerPlan([sys.executable, "-m", SERVER_MODULE, *defaults, *extra, *args], env,
+    module = MULTI_SERVER_MODULE if _api_servers(opts.vllm_args) > 1 else SERVER_MODULE
+    return ServerPlan([sys.executable, "-m", module, *defaults, *extra, *args], env,
                       lora, quarantine, probes or lora_probes, notes,
                       [*defaults, *extra, *args])
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ltv_vllm.serving.taskstore import EntryExists, NoSuchEntry, StoreError, check_name
+from ltv_vllm.serving.taskstore import EntryExists, NoSuchEntry, StoreError, alive, check_name
 
 FORMAT = 1
 MARKER, OBJECTS, INDEX = "ltv-store.json", "objects", "index"
@@ -56,6 +56,22 @@ def is_shared(spec: str | os.PathLike | None) -> bool:
         return False
     s = str(spec)
     return s.startswith(SCHEMES) or (Path(s) / MARKER).is_file()
+
+
+def several_api_servers(shared: bool, lora: bool) -> str | None:
+    """Why a task store cannot be served by several API-server processes, as one line, or
+    None: each follows a shared store (a store DIR is one process's), and serves tasks by key
+    (adapters loaded at run time live in one process: vLLM refuses runtime LoRA loading with
+    several)."""
+    if not shared:
+        return ("several API-server processes (--api-server-count) each follow a shared task "
+                "store: give --task-store file://DIR (or s3://BUCKET/PREFIX) instead of a DIR "
+                "of one server's")
+    if lora:
+        return ("--multi-task lora loads a task store's adapters at run time, which vLLM "
+                "allows in one API-server process only: drop --api-server-count, or serve "
+                "tasks by key (the default)")
+    return None
 
 
 def digest_of(data: bytes) -> str:
@@ -396,3 +412,62 @@ def own_copy(shared: str) -> tuple[Path, int]:
     sweep_replicas(root.parent)
     return root, TaskStore(root).hold()
 
+
+
+# -- the API-server processes of one replica ----------------------------------------------------
+class Siblings:
+    """The API-server processes of one replica (vLLM's `--api-server-count`): each follows the
+    shared store on its own, into an entry directory of its own, and pins into the copy's
+    pins, which their one engine loads. In the copy's FOLLOW directory each records the index
+    generation it has followed (a file named by its pid), and one that changed the store says
+    so (NUDGE), so the others follow at once, not at their next poll: a change is answered
+    when every live sibling serves what it published (`behind`)."""
+
+    FOLLOW, NUDGE = ".follow", "nudge"
+
+    def __init__(self, root: Path) -> None:
+        self.dir = Path(root) / self.FOLLOW
+        self.dir.mkdir(exist_ok=True)
+        self.me = str(os.getpid())
+        self.stamp = self._stamp()
+
+    def _stamp(self) -> tuple[int, int] | None:
+        try:
+            st = (self.dir / self.NUDGE).stat()
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    def _write(self, name: str, text: str) -> None:
+        tmp = self.dir / f".{name}.{self.me}"
+        tmp.write_text(text)
+        os.replace(tmp, self.dir / name)
+
+    def followed(self, generation: int) -> None:
+        """This process serves the index as of `generation`."""
+        self._write(self.me, str(generation))
+
+    def nudge(self) -> None:
+        """Tell the others the index changed (a new file each time: its inode is the news)."""
+        self._write(self.NUDGE, f"{self.me} {time.time_ns()}")
+
+    def nudged(self) -> bool:
+        """Whether another process changed the index since this one last looked."""
+        stamp = self._stamp()
+        if stamp == self.stamp:
+            return False
+        self.stamp = stamp
+        return True
+
+    def behind(self, generation: int) -> list[str]:
+        """The live siblings that have not followed `generation` yet (their pids)."""
+        out = []
+        for p in self.dir.iterdir():
+            if p.name in (self.me, self.NUDGE) or p.name.startswith(".") or not alive(p.name):
+                continue
+            try:
+                if int(p.read_text()) < generation:
+                    out.append(p.name)
+            except (OSError, ValueError):
+                continue  # replaced meanwhile: read again at the next look
+        return out

@@ -22,6 +22,10 @@
                                   link of the entry's vector, `pin`): a DELETE removes the
                                   entry at once (its name is free again) and the pin only
                                   when the requests admitted with that key are done
+    ROOT/.pins/NAME@DIGEST.held/PID
+                                  the server processes holding that pin (several API-server
+                                  processes of one server pin into one place); the last to
+                                  let it go removes it
 
 A directory rename is atomic, so a reader (the server, vLLM's filesystem LoRA resolver) sees
 a whole entry or none: a crash mid-write leaves only a `.tmp-` directory, which `sweep()`
@@ -52,6 +56,7 @@ from ltv_vllm.errors import UserError
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 FORMAT = 1
 VECTOR, RECORD, LOCK, PINS = "vector.safetensors", "entry.json", ".lock", ".pins"
+HOLDERS = ".held"  # PINS/KEY.held/PID: the processes holding a pin
 
 
 class StoreError(UserError):
@@ -149,8 +154,11 @@ def record_of(name: str, tv: TaskVector, *, source: str, lora_rank: int,
 class TaskStore:
     """A task-store directory (created if missing)."""
 
-    def __init__(self, root: str | Path, *, create: bool = True):
+    def __init__(self, root: str | Path, *, create: bool = True, pins: Path | None = None):
         self.root = Path(root).absolute()
+        # where the engines load served keys (the pins of every API-server process of one
+        # server: its store's, `endpoints` gives each process an entry directory of its own)
+        self.pins = pins or self.root / PINS
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"task store {self.root}: not a directory")
         if not create:  # read only, as a dry run plans: a missing store is an empty one
@@ -207,19 +215,22 @@ class TaskStore:
     def pin(self, entry: Entry, key: str) -> Path:
         """The entry's vector as the engines load it for `key` (NAME@DIGEST): a hard link
         (a copy where the filesystem has none), made whole before it appears; kept as it is
-        when there already (the same key is the same bytes)."""
-        pins = self.root / PINS
-        pins.mkdir(exist_ok=True)
+        when there already (the same key is the same bytes). This process is recorded as
+        one of its holders: the API-server processes of one server share the pins their
+        engines load (`pins`), and a pin goes only when its last holder lets it go."""
         path = self.pinned(key)
-        if path.is_file():
-            return path
-        tmp = pins / f".{key}.{os.getpid()}"
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(entry.vector_path, tmp)
-        except OSError:
-            shutil.copyfile(entry.vector_path, tmp)
-        os.replace(tmp, path)
+        with self._pins_locked():
+            if not path.is_file():
+                tmp = self.pins / f".{key}.{os.getpid()}"
+                tmp.unlink(missing_ok=True)
+                try:
+                    os.link(entry.vector_path, tmp)
+                except OSError:
+                    shutil.copyfile(entry.vector_path, tmp)
+                os.replace(tmp, path)
+            holders = self.pins / f"{key}{HOLDERS}"
+            holders.mkdir(exist_ok=True)
+            (holders / str(os.getpid())).touch()
         return path
 
     def pinned(self, key: str) -> Path:
@@ -229,10 +240,32 @@ class TaskStore:
         check_name(name)
         if not sep or not re.fullmatch(r"[0-9a-f]{16}", digest):
             raise StoreError(f"not a task store key: {key[:80]!r}")
-        return self.root / PINS / f"{key}.safetensors"
+        return self.pins / f"{key}.safetensors"
 
     def unpin(self, key: str) -> None:
-        self.pinned(key).unlink(missing_ok=True)
+        """This process lets `key`'s pin go; the pin is removed when no live process holds
+        it (a holder that died is no holder: its requests died with it)."""
+        path = self.pinned(key)
+        holders = self.pins / f"{key}{HOLDERS}"
+        with self._pins_locked():
+            (holders / str(os.getpid())).unlink(missing_ok=True)
+            if any(alive(p.name) for p in _listing(holders)):
+                return
+            path.unlink(missing_ok=True)
+            shutil.rmtree(holders, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def _pins_locked(self) -> Iterator[None]:
+        """The pins, locked against the other processes pinning into them (flock)."""
+        import fcntl
+
+        self.pins.mkdir(exist_ok=True)
+        fd = os.open(self.pins / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def sweep(self) -> list[str]:
         """Remove what interrupted writes and removals left, and every pin (no engine runs
@@ -452,3 +485,22 @@ def _servable(entry: Entry, ident: Any) -> None:
     d_out = ident.vocab_size
     if list(a) != [r, ident.hidden_size] or list(b) != [d_out, r]:
         raise StoreError(f"{where}: adapter shapes {list(a)}, {list(b)} do not fit the model")
+
+
+def _listing(d: Path) -> list[Path]:
+    try:
+        return list(d.iterdir())
+    except FileNotFoundError:
+        return []
+
+
+def alive(pid: str) -> bool:
+    """Whether the process `pid` (a holder's file name) runs (on this machine: the processes
+    of one server share its pins)."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True

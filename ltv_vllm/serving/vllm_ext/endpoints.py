@@ -60,7 +60,7 @@ from fastapi import APIRouter, Request
 
 from ltv_vllm.serving.compile import ENTRY
 from ltv_vllm.serving.settings import ServerSettings
-from ltv_vllm.serving.shared_store import StoreUnavailable
+from ltv_vllm.serving.shared_store import StoreUnavailable, several_api_servers
 from ltv_vllm.serving.step_policy import (
     RUNTIME,
     RUNTIME_CHAT,
@@ -81,6 +81,9 @@ RESOLVE_SECONDS = 10.0
 # however long that takes)
 DELETE_WAIT_ENV = "LTV_VLLM_DELETE_WAIT"
 DRAIN_SECONDS = 120.0
+# several API-server processes of one replica: how often each looks whether another changed
+# the shared index (a local file's stat), so they serve the same tasks within about this long
+NUDGE_SECONDS = 0.1
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None) -> Any:
@@ -123,6 +126,11 @@ class TaskEndpoints:
         self.followed_at = 0.0
         self.outage: str | None = None  # the store's last failure, logged once
         self.audit: str | None = None  # the audit log's file ("-": stderr; None: none)
+        # the other API-server processes of this replica (`shared_store.Siblings`), if any,
+        # and the newest index generation this process wrote (they follow it before a
+        # change of its is answered)
+        self.siblings: Any = None
+        self.published = -1
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         from ltv_vllm.serving.deploy import required_problem
@@ -139,14 +147,19 @@ class TaskEndpoints:
         if engine_client is None or not root:
             return  # not a task-store server: the routes answer 404
         if (getattr(args, "api_server_count", None) or 1) > 1:
-            # each API-server process would follow, publish and pin into one copy on its
-            # own, and DELETE's wait counts one process's requests: refused at start
-            problem = ("a task store is served from one API-server process per replica: drop "
-                       "--api-server-count (or set it to 1), and run more replicas on a "
-                       "shared --task-store instead")
-            logger.error("ltv-vllm: %s", problem)
-            raise RuntimeError(f"ltv-vllm: {problem}")
-        self.store = TaskStore(root)
+            if problem := several_api_servers(bool(settings.shared_store),
+                                              settings.store_lora):
+                logger.error("ltv-vllm: %s", problem)
+                raise RuntimeError(f"ltv-vllm: {problem}")
+            # one of several API-server processes: entries of its own, pins shared with
+            # the others (their one engine loads them), each following the shared store
+            from ltv_vllm.serving.shared_store import Siblings
+            from ltv_vllm.serving.taskstore import PINS
+
+            self.store = TaskStore(Path(root) / f".api-{os.getpid()}", pins=Path(root) / PINS)
+            self.siblings = Siblings(Path(root))
+        else:
+            self.store = TaskStore(root)
         self.model_dir = Path(args.model)
         self.models = state.openai_serving_models
         self.engine = engine_client
@@ -227,7 +240,9 @@ class TaskEndpoints:
         async def delete_task(name: str, request: Request) -> Any:
             if (off := self._off(name)) is not None:
                 return off
-            return await self._audit(request, "delete", name, await self._delete(name))
+            answer = await self._delete(name)
+            await self._siblings_follow()
+            return await self._audit(request, "delete", name, answer)
 
         @router.post("/v1/ltv/tasks")
         async def add_task(request: Request) -> Any:
@@ -236,9 +251,13 @@ class TaskEndpoints:
             if media_type(request.headers.get("content-type", "")) == "application/json":
                 return await self._audit(request, "compile", None,
                                          await self._compile(request))
-            return await self._audit(request, "upload", None, await self._upload(request))
+            answer = await self._upload(request)
+            await self._siblings_follow()
+            return await self._audit(request, "upload", None, answer)
 
         app.include_router(router)
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            _multiprocess_metrics(app, self)
 
     # -- the audit log --------------------------------------------------------------------
     async def _audit(self, request: Any, op: str, name: str | None, answer: Any) -> Any:
@@ -402,7 +421,8 @@ class TaskEndpoints:
             if self.shared is not None:
                 # the store first: every replica unserves it when it follows the index
                 try:
-                    await asyncio.to_thread(self.shared.remove, name, self.replica)
+                    idx = await asyncio.to_thread(self.shared.remove, name, self.replica)
+                    self.published = max(self.published, idx.generation)
                 except StoreUnavailable as e:
                     return self._fail(503, e, "ServiceUnavailableError")
                 except StoreError:
@@ -523,7 +543,7 @@ class TaskEndpoints:
         from ltv_vllm.serving.taskstore import StoreError
 
         while True:
-            await asyncio.sleep(self.poll)
+            await self._next_poll()
             try:
                 await self._follow_soon()
             except StoreError as e:
@@ -531,6 +551,33 @@ class TaskEndpoints:
             except Exception:  # noqa: BLE001 - never stops following (the engine is not
                 # touched here: a failure costs this round, logged)
                 logger.exception("ltv-vllm: following the task store failed")
+
+    async def _next_poll(self) -> None:
+        """Sleep until the next poll, or until a sibling API-server process says it changed
+        the index (checked every NUDGE_SECONDS: a local file's stat)."""
+        if self.siblings is None:
+            await asyncio.sleep(self.poll)
+            return
+        end = time.monotonic() + self.poll
+        while (left := end - time.monotonic()) > 0:
+            await asyncio.sleep(min(NUDGE_SECONDS, left))
+            if await asyncio.to_thread(self.siblings.nudged):
+                return
+
+    async def _siblings_follow(self) -> None:
+        """After a change this process made to the shared index: tell its sibling API-server
+        processes, and wait (at most LTV_VLLM_RESOLVE_WAIT seconds) until each serves that
+        generation, so the answer holds whichever process a client reaches next."""
+        if self.siblings is None or self.published < 0:
+            return
+        await asyncio.to_thread(self.siblings.nudge)
+        end = time.monotonic() + float(os.environ.get(RESOLVE_WAIT_ENV) or RESOLVE_SECONDS)
+        while behind := await asyncio.to_thread(self.siblings.behind, self.published):
+            if time.monotonic() > end:
+                logger.warning("ltv-vllm: API-server processes %s have not followed the task "
+                               "store's generation %d yet", ", ".join(behind), self.published)
+                return
+            await asyncio.sleep(NUDGE_SECONDS / 2)
 
     def _outage(self, e: Exception) -> None:
         text = self._public(str(e))
@@ -567,6 +614,7 @@ class TaskEndpoints:
                 self.outage = None
             self.followed_at = read_at
             if idx.generation == self.seen:
+                self._followed(idx.generation)
                 return
             for name in sorted(self.digests):
                 if name in self.jobs or name in self.deleting:
@@ -616,6 +664,11 @@ class TaskEndpoints:
                 self.unservable.pop(name, None)
             self.listed = dict(idx.tasks)
             self.seen = idx.generation if whole else -1
+            self._followed(idx.generation)
+
+    def _followed(self, generation: int) -> None:
+        if self.siblings is not None:
+            self.siblings.followed(generation)
 
     async def _fresh(self) -> Any:
         """Before a change: this replica follows the shared index first, so a name deleted
@@ -779,7 +832,9 @@ class TaskEndpoints:
                 data = await asyncio.to_thread((staged / VECTOR).read_bytes)
                 record = json.loads(await asyncio.to_thread((staged / "entry.json").read_text))
                 digest = await asyncio.to_thread(self.shared.put_vector, data)
-                await asyncio.to_thread(self.shared.add, name, digest, record, self.replica)
+                idx = await asyncio.to_thread(self.shared.add, name, digest, record,
+                                              self.replica)
+                self.published = max(self.published, idx.generation)
             except StoreError as e:
                 shutil.rmtree(staged, ignore_errors=True)
                 if isinstance(e, StoreUnavailable):
@@ -907,6 +962,7 @@ class TaskEndpoints:
         with its error until it is DELETEd. Its end in the audit log, under the key that
         asked for it."""
         await self._run_worker(name, job)
+        await self._siblings_follow()
         if self.audit:
             result = ("failed" if job.get("state") == "failed"
                       else "served" if self.jobs.get(name) is not job and self._served(name)
@@ -990,6 +1046,28 @@ class Residency:
             yield GaugeMetricFamily("ltv_vllm:task_store_reachable", "Whether the shared "
                                     "task store answered this replica's last read",
                                     value=0.0 if ep.outage else 1.0)
+
+
+def _multiprocess_metrics(app: Any, endpoints: TaskEndpoints) -> None:
+    """`/metrics` where several API-server processes serve (vLLM's multiprocess mode): vLLM
+    answers it from prometheus_client's multiprocess files only, a registry made per scrape,
+    which a collector cannot join; residency is a collector (its series come and go with the
+    store), so this route, put first, answers the same files plus the residency of the
+    process that answers (each follows the store; they agree within NUDGE_SECONDS of a change
+    made by one of them, within the poll of another replica's)."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def metrics(request: Any) -> Any:  # noqa: ARG001
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        registry.register(Residency(endpoints))
+        text = await asyncio.to_thread(generate_latest, registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    app.router.routes.insert(0, Route("/metrics", metrics, methods=["GET"]))
 
 
 def _register_residency(endpoints: TaskEndpoints) -> None:
