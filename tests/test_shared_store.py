@@ -212,15 +212,18 @@ def test_several_api_server_processes_need_a_shared_store_served_by_key(tmp_path
 
     args = argparse.Namespace(api_server_count=2, model=str(tmp_path / "m"))
     copy = str(tmp_path / "copy")
-    for settings, words in [(ServerSettings(task_store=copy), "give --task-store file://DIR"),
+    for settings, words in [(ServerSettings(task_store=copy, task_metrics=False),
+                             "give --task-store file://DIR"),
                             (ServerSettings(task_store=copy, shared_store=str(tmp_path / "s"),
-                                            store_lora=True), "one API-server process only")]:
+                                            store_lora=True, task_metrics=False),
+                             "one API-server process only")]:
         monkeypatch.setenv("LTV_VLLM_SERVER", settings.to_env()["LTV_VLLM_SERVER"])
         with pytest.raises(RuntimeError, match=words) as e:
             asyncio.run(TaskEndpoints().init_state(object(), object(), args))
         assert "\n" not in str(e.value)
     monkeypatch.setenv("LTV_VLLM_SERVER", ServerSettings(
-        task_store=copy, shared_store=str(tmp_path / "s")).to_env()["LTV_VLLM_SERVER"])
+        task_store=copy, shared_store=str(tmp_path / "s"),
+        task_metrics=False).to_env()["LTV_VLLM_SERVER"])
     with pytest.raises(AttributeError, match="openai_serving_models"):
         asyncio.run(TaskEndpoints().init_state(object(), object(), args))
 

@@ -93,6 +93,7 @@ class HttpFlags:
     port: int
     api_keys: str | None
     audit_log: str | None
+    task_metrics: bool
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,10 @@ class ShiftFlags:
     click.option("--audit-log", default=None, metavar="FILE",
                  help="With --task-store: every store operation as a JSON line, appended "
                       "(- for stderr)."),
+    click.option("--task-metrics/--no-task-metrics", default=ServerSettings.task_metrics,
+                 show_default=True,
+                 help="Per-task requests, tokens, latency, refusals and store operations on "
+                      "vLLM's /metrics (docs/operating.md)."),
     name="http")
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--max-model-len", type=int, default=None)

@@ -367,6 +367,7 @@ class ServeOptions:
     max_body_mib: int = ServerSettings.max_body >> 20  # any body but an upload or a compile
     api_keys: str | None = None        # a keys file with roles (`serving.keys`)
     audit_log: str | None = None       # the task store's operations as JSON lines ("-": stderr)
+    task_metrics: bool = ServerSettings.task_metrics  # per-task metrics on /metrics
     selfcheck: bool = True  # probe the engine's row plan at start (`serving.selfcheck`)
 
     def __post_init__(self) -> None:
@@ -742,9 +743,11 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
                            compile_threads=opts.compile_threads,
                            max_upload=upload_limit(model_dir))
         env["VLLM_PLUGINS"] = store_plugins()
+    if opts.task_metrics:  # counted where the endpoint plugin hands requests to the engine
+        env["VLLM_PLUGINS"] = store_plugins()
     # what vLLM must have parsed at start (checked by the endpoint plugin: another launcher's
     # command line may have replaced a flag, `deploy.required_problem`)
-    settings = replace(settings, required=required_of(args))
+    settings = replace(settings, required=required_of(args), task_metrics=opts.task_metrics)
     env.update(settings.to_env())
     # ours after the user's: vLLM keeps a flag's last value, and ours hold theirs merged in
     module = MULTI_SERVER_MODULE if _api_servers(opts.vllm_args) > 1 else SERVER_MODULE

@@ -35,6 +35,7 @@ class ServerSettings:
     required: dict[str, Any] | None = None  # what vLLM must have parsed (`deploy`)
     api_keys: list[dict[str, str]] | None = None  # keys with roles (`keys`): hashes only
     audit_log: str | None = None   # store operations as JSON lines: a file ("-": stderr)
+    task_metrics: bool = True      # per-task metrics on /metrics (`vllm_ext.metrics`)
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}

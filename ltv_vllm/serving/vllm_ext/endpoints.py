@@ -69,6 +69,7 @@ from ltv_vllm.serving.step_policy import (
     task_key,
 )
 from ltv_vllm.serving.vllm_ext import middleware
+from ltv_vllm.serving.vllm_ext.metrics import store_operation
 from ltv_vllm.serving.vllm_ext.middleware import TASKS_PATH, drained, in_flight, media_type
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,12 @@ class TaskEndpoints:
             raise RuntimeError(f"ltv-vllm: {problem}")
         if engine_client is not None and (settings.selfcheck or settings.selfcheck_lora):
             await self._selfcheck(engine_client, args, settings.selfcheck_lora)
+        if engine_client is not None and settings.task_metrics:
+            # after the self-check: its probe requests are not traffic
+            from ltv_vllm.serving.vllm_ext.metrics import instrument
+
+            names = getattr(args, "served_model_name", None) or [args.model]
+            instrument(engine_client, str(names[0]))
         root = settings.task_store
         if engine_client is None or not root:
             return  # not a task-store server: the routes answer 404
@@ -240,8 +247,10 @@ class TaskEndpoints:
         async def delete_task(name: str, request: Request) -> Any:
             if (off := self._off(name)) is not None:
                 return off
+            t0 = time.perf_counter()
             answer = await self._delete(name)
             await self._siblings_follow()
+            store_operation("delete", _result(answer), time.perf_counter() - t0)
             return await self._audit(request, "delete", name, answer)
 
         @router.post("/v1/ltv/tasks")
@@ -251,8 +260,10 @@ class TaskEndpoints:
             if media_type(request.headers.get("content-type", "")) == "application/json":
                 return await self._audit(request, "compile", None,
                                          await self._compile(request))
+            t0 = time.perf_counter()
             answer = await self._upload(request)
             await self._siblings_follow()
+            store_operation("upload", _result(answer), time.perf_counter() - t0)
             return await self._audit(request, "upload", None, answer)
 
         app.include_router(router)
@@ -634,6 +645,7 @@ class TaskEndpoints:
                     logger.warning("ltv-vllm: task store task %r is not served here: its name "
                                    "is taken (a --task-vector?)", name)
                     continue
+                t0 = time.perf_counter()
                 try:
                     data = await asyncio.to_thread(self.shared.vector, digest)
                     staged = await asyncio.to_thread(
@@ -641,8 +653,10 @@ class TaskEndpoints:
                         base_model=str(self.model_dir), max_rank=self.max_rank,
                         adapter=self.lora)
                 except StoreUnavailable:
+                    store_operation("load", "error", time.perf_counter() - t0)
                     raise  # the next follow tries again
                 except StoreError as e:
+                    store_operation("load", "refused", time.perf_counter() - t0)
                     self.unservable[name] = (digest, self._public(str(e)))
                     logger.warning("ltv-vllm: task store task %r is not served here: %s",
                                    name, self._public(str(e)))
@@ -654,7 +668,10 @@ class TaskEndpoints:
                     logger.warning("ltv-vllm: task store task %r waits: %s", name,
                                    self._public(str(e)))
                     continue
-                if (failed := await self._serve(entry)) is not None:
+                failed = await self._serve(entry)
+                store_operation("load", "ok" if failed is None else "error",
+                                time.perf_counter() - t0)
+                if failed is not None:
                     why = json.loads(failed.body)["error"]["message"]
                     self.unservable[name] = (digest, why)
                     logger.warning("ltv-vllm: task store task %r is not served here: %s",
@@ -698,12 +715,17 @@ class TaskEndpoints:
         wait = float(os.environ.get(RESOLVE_WAIT_ENV) or RESOLVE_SECONDS)
         # one index read per follow, shared by the requests that wait on it: a burst of
         # requests for names the store does not hold costs a read at a time, not one each
+        t0 = time.perf_counter()
         try:
             await asyncio.wait_for(self._follow_soon(), wait)
         except TimeoutError:
+            store_operation("resolve", "error", time.perf_counter() - t0)
             return f"task {name!r}: the task store did not answer within {wait:g} s; retry"
         except StoreError as e:
+            store_operation("resolve", "error", time.perf_counter() - t0)
             return f"task {name!r} could not be resolved: {self._public(str(e))}"
+        store_operation("resolve", "ok" if self._served(name) or name not in self.listed
+                        else "refused", time.perf_counter() - t0)
         if self._served(name) or name not in self.listed:
             return None
         why = self.unservable.get(name, ("", "it is being updated"))[1]
@@ -963,10 +985,12 @@ class TaskEndpoints:
         asked for it."""
         await self._run_worker(name, job)
         await self._siblings_follow()
+        result = ("failed" if job.get("state") == "failed"
+                  else "served" if self.jobs.get(name) is not job and self._served(name)
+                  else "deleted")
+        store_operation("compile", {"served": "ok"}.get(result, result),
+                        time.time() - job["t0"])
         if self.audit:
-            result = ("failed" if job.get("state") == "failed"
-                      else "served" if self.jobs.get(name) is not job and self._served(name)
-                      else "deleted")
             await self._log("compiled", name, job.get("key"), job.get("client"),
                             result=result,
                             digest=self._held(name) if result == "served" else None,
@@ -1011,6 +1035,12 @@ class TaskEndpoints:
         shutil.rmtree(job["dir"], ignore_errors=True)
 
 
+def _result(answer: Any) -> str:
+    """An answer as a store operation's result label: ok, refused (4xx) or error (5xx)."""
+    status = getattr(answer, "status_code", 200)
+    return "ok" if status < 400 else "refused" if status < 500 else "error"
+
+
 def _read_status(job_dir: Path) -> dict[str, Any]:
     try:
         return json.loads((Path(job_dir) / "status.json").read_text())
@@ -1022,8 +1052,9 @@ class Residency:
     """What this replica holds, for vLLM's `/metrics` (read at each scrape, so a task gone
     from the store is gone from the metrics): `ltv_vllm:task_loaded{task, digest}` 1 when
     this replica answers the task with that vector, 0 when the store lists it and this
-    replica does not (yet); with a shared store, the index generation it follows and whether
-    the store answered its last read. At most `--max-tasks` task series."""
+    replica does not (yet); each served store task's rank and file size; with a shared store,
+    the index generation it follows and whether the store answered its last read. At most
+    `--max-tasks` task series."""
 
     def __init__(self, endpoints: TaskEndpoints) -> None:
         self.endpoints = endpoints
@@ -1039,6 +1070,20 @@ class Residency:
             loaded.add_metric([card["id"], card["ltv"]["digest"] or ""],
                               1.0 if card["ltv"]["loaded"] else 0.0)
         yield loaded
+        rank = GaugeMetricFamily("ltv_vllm:task_rank", "The rank of a task this replica "
+                                 "serves (its vector's, as stored)", labels=["task"])
+        size = GaugeMetricFamily("ltv_vllm:task_bytes", "The size of a task's vector file on "
+                                 "this replica", labels=["task"])
+        for entry in ep.store.entries() if ep.store is not None else []:
+            if ep._served(entry.name) and entry.name not in ep.deleting:
+                try:
+                    nbytes = entry.vector_path.stat().st_size
+                except OSError:
+                    continue  # removed meanwhile
+                rank.add_metric([entry.name], float(entry.record.get("rank") or 0))
+                size.add_metric([entry.name], float(nbytes))
+        yield rank
+        yield size
         if ep.shared is not None:
             yield GaugeMetricFamily("ltv_vllm:task_store_generation", "The shared task "
                                     "store's index generation this replica serves (-1: "

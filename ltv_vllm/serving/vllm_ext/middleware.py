@@ -74,6 +74,7 @@ from ltv_vllm.serving.step_policy import (
     task_prompt_logprobs,
     unknown_task,
 )
+from ltv_vllm.serving.vllm_ext import metrics
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/ping")  # liveness probes: answer without the key
@@ -273,6 +274,7 @@ class Gate:
                 if scope["type"] == "websocket":
                     await send({"type": "websocket.close", "code": 1008})
                     return
+                metrics.refused("unauthorized")
                 await _respond(send, 401, _json_error(
                     401, "Unauthorized: send the server's key as 'Authorization: Bearer KEY'",
                     "AuthenticationError"), [(b"www-authenticate", b"Bearer")])
@@ -285,6 +287,7 @@ class Gate:
                     return
                 if auditor is not None:  # a refused change of the store is audited too
                     await auditor(scope, who[0], 403)
+                metrics.refused("forbidden")
                 await _respond(send, 403, _json_error(
                     403, f"Forbidden: key {who[0]!r} has the {who[1]} role; changing the task "
                          "store takes an admin key", "PermissionDeniedError"))
@@ -299,11 +302,13 @@ class Gate:
         too_large = _json_error(413, f"{what} may be {_size(limit)} at most",
                                 "RequestTooLargeError")
         if declared is not None and declared > limit:
+            metrics.refused("too_large")
             await _respond(send, 413, too_large, [(b"connection", b"close")])
             return
         try:
             body, extra = await self.read_body(receive, limit)
         except TooLarge:
+            metrics.refused("too_large")
             await _respond(send, 413, too_large, [(b"connection", b"close")])
             return
         model = None
@@ -314,6 +319,7 @@ class Gate:
             try:
                 payload = json.loads(body)
             except RecursionError:
+                metrics.refused("malformed")
                 await _respond(send, 400, _json_error(400, "malformed JSON: nested too deeply",
                                                       "BadRequestError"))
                 return
@@ -323,6 +329,7 @@ class Gate:
                 try:
                     ask = Ask.of(self.path(scope), payload, scope)
                     if resolver is not None and (why := await self.resolve(ask)) is not None:
+                        metrics.refused("unresolved")
                         await _respond(send, 503, _json_error(503, why,
                                                               "ServiceUnavailableError"))
                         return
@@ -344,6 +351,7 @@ class Gate:
                     refused = ("the request could not be read by the server's task gate",
                                "BadRequestError", None)
                 if refused is not None:
+                    metrics.refused(metrics.refusal_reason(refused))
                     await _respond(send, 400, _json_error(400, *refused))
                     return
         replay = [{"type": "http.request", "body": body, "more_body": False}, *extra]

@@ -1,0 +1,152 @@
+"""Per-task metrics through the real server (`serve --task-store file://DIR`): a known mix of
+requests (two tasks, every step-policy label, a stream, n = 2, bare-model requests), refused
+shapes and store operations is sent, then vLLM's `/metrics` is scraped. Every counter equals
+what was sent (generated tokens from `max_tokens` with `ignore_eos`; shifted ones from each
+request's policy, counted by hand); each histogram counted each request once; the residency
+names the one task left with its rank and size; the audit log has one line per store
+operation; the Grafana dashboard queries only metrics this server exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from test_replicas import metric
+from test_server import HTTP, PROMPTS, make_assets, start_server, stop
+from test_store_server import random_vector
+
+pytestmark = pytest.mark.slow(seconds=45)  # see conftest's ordering
+
+KEY = {"Authorization": "Bearer x"}
+DASHBOARD = Path(__file__).parent.parent / "docs" / "grafana" / "ltv-vllm-dashboard.json"
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, tokenizer):
+    return make_assets(tmp_path_factory, tokenizer, tie=False)
+
+
+def samples(url: str) -> dict[str, list]:
+    """Every sample of `/metrics`: name → [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(HTTP.get(f"{url}/metrics", headers=KEY).text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def value(got: dict, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples with these labels (0 when none)."""
+    return sum(v for lab, v in got.get(name, []) if all(lab.get(k) == w
+                                                        for k, w in labels.items()))
+
+
+def test_every_counter_is_what_was_sent(assets, tmp_path):
+    d, _, vecs = assets
+    alpha = random_vector(vecs["alpha"][0], 8, 21).save(tmp_path / "alpha.pt")
+    beta = random_vector(vecs["alpha"][0], 8, 22).save(tmp_path / "beta.pt")
+    audit = tmp_path / "audit.jsonl"
+    proc, url, log = start_server(d, [], tmp_path, (
+        "--task-store", f"file://{tmp_path / 'shared'}", "--api-key", "x", "--max-body-mib", "1",
+        "--audit-log", str(audit)))
+    try:
+        def upload(name: str, path: Path) -> int:
+            return HTTP.post(f"{url}/v1/ltv/tasks", data={"name": name}, headers=KEY,
+                             files={"vector": (path.name, path.read_bytes())}).status_code
+
+        def complete(model: str, n_tokens: int, steps=None, **extra) -> httpx.Response:
+            xargs = {"ltv_steps": steps} if steps is not None else {}
+            return HTTP.post(f"{url}/v1/completions", headers=KEY, timeout=120, json={
+                "model": model, "prompt": PROMPTS[0], "max_tokens": n_tokens,
+                "ignore_eos": True, "temperature": 0.0, **extra,
+                **({"vllm_xargs": xargs} if xargs else {})})
+
+        assert [upload("alpha", alpha), upload("beta", beta), upload("beta", alpha)] == [
+            201, 201, 409]
+        # alpha at its vector's policy (these vectors record none: every step), 3 × 4 tokens
+        for _ in range(3):
+            assert complete("alpha", 4).status_code == 200
+        # alpha, the first token only: 2 × 4 tokens, one request with 2 choices of 3
+        for _ in range(2):
+            assert complete("alpha", 4, "first").status_code == 200
+        r = complete("alpha", 3, 1, n=2, temperature=1.0, seed=1)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+        # a stream (the engine sends deltas): 6 tokens, the first shifted
+        with HTTP.stream("POST", f"{url}/v1/completions", headers=KEY, timeout=120, json={
+                "model": "alpha", "prompt": PROMPTS[1], "max_tokens": 6, "ignore_eos": True,
+                "stream": True, "vllm_xargs": {"ltv_steps": "first"}}) as s:
+            assert s.status_code == 200
+            events = [line for line in s.iter_lines() if line.startswith("data: {")]
+        assert len(events) >= 1
+        # beta, the first 2 tokens of 5, twice
+        for _ in range(2):
+            assert complete("beta", 5, 2).status_code == 200
+        for _ in range(2):  # the bare model: not a task's
+            assert complete(str(d), 2).status_code == 200
+        # refused: beam search (2), an unknown task, no key, a chat to a completion-fitted
+        # vector, a body over the limit
+        for _ in range(2):
+            assert complete("alpha", 2, use_beam_search=True, n=2).status_code == 400
+        assert complete(str(d), 2, vllm_xargs={"ltv_task": "nope"}).status_code == 400
+        assert httpx.post(f"{url}/v1/completions", json={"model": "alpha"}).status_code == 401
+        assert HTTP.post(f"{url}/v1/chat/completions", headers=KEY, json={
+            "model": "alpha", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2}).status_code == 400
+        assert HTTP.post(f"{url}/v1/completions", headers=KEY,
+                         content=b"x" * (2 << 20)).status_code == 413
+        assert HTTP.delete(f"{url}/v1/ltv/tasks/beta", headers=KEY).status_code == 200
+        assert HTTP.delete(f"{url}/v1/ltv/tasks/nope", headers=KEY).status_code == 404
+
+        got = samples(url)
+        want_requests = {("alpha", "all"): 3, ("alpha", "first"): 4, ("beta", "k"): 2}
+        want_generated = {("alpha", "all"): 12, ("alpha", "first"): 8 + 6 + 6,
+                          ("beta", "k"): 10}
+        want_shifted = {("alpha", "all"): 12, ("alpha", "first"): 2 + 2 + 1,
+                        ("beta", "k"): 4}
+        for name, want in [("ltv_vllm:task_requests_total", want_requests),
+                           ("ltv_vllm:task_generation_tokens_total", want_generated),
+                           ("ltv_vllm:task_shifted_tokens_total", want_shifted)]:
+            seen = {(lab["task"], lab["policy"]): v for lab, v in got.get(name, []) if v}
+            assert seen == want, (name, seen)
+        for hist in ("ltv_vllm:task_request_seconds", "ltv_vllm:task_time_to_first_token_seconds"):
+            assert value(got, f"{hist}_count", task="alpha") == 7
+            assert value(got, f"{hist}_count", task="beta") == 2
+            assert value(got, f"{hist}_bucket", task="alpha", le="+Inf") == 7
+        assert 0 < value(got, "ltv_vllm:task_time_to_first_token_seconds_sum") <= value(
+            got, "ltv_vllm:task_request_seconds_sum")
+        refusals = {lab["reason"]: v for lab, v in got["ltv_vllm:refusals_total"] if v}
+        assert refusals == {"beam_search": 2, "unknown_task": 1, "unauthorized": 1,
+                            "rendering": 1, "too_large": 1}, refusals
+        ops = {(lab["op"], lab["result"]): v
+               for lab, v in got["ltv_vllm:store_operation_seconds_count"] if v}
+        # (the unknown task was looked up in the shared store's index once: not there)
+        assert ops == {("upload", "ok"): 2, ("upload", "refused"): 1, ("delete", "ok"): 1,
+                       ("delete", "refused"): 1, ("resolve", "ok"): 1}, ops
+        # what the replica holds: alpha alone, with its rank and file size
+        assert {lab["task"]: v for lab, v in got["ltv_vllm:task_rank"]} == {"alpha": 8.0}
+        digest = json.loads(HTTP.get(f"{url}/v1/models", headers=KEY).text)["data"]
+        digest = next(c["ltv"]["digest"] for c in digest if c["id"] == "alpha")
+        [obj] = (tmp_path / "shared" / "objects").glob(f"{digest}*.safetensors")
+        size = obj.stat().st_size
+        assert {lab["task"]: v for lab, v in got["ltv_vllm:task_bytes"]} == {"alpha": size}
+        assert metric(url, "ltv_vllm:task_loaded", task="alpha") == 1.0
+        # the audit log: one line per store operation the server handled
+        lines = [json.loads(line) for line in audit.read_text().splitlines()]
+        assert [(x["op"], x["status"]) for x in lines] == [
+            ("upload", 201), ("upload", 201), ("upload", 409), ("delete", 200),
+            ("delete", 404)]
+
+        # the dashboard: valid JSON whose every query names metrics this server exports
+        board = json.loads(DASHBOARD.read_text())
+        exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+        assert len(exprs) >= 8
+        names = set(re.findall(r"\b((?:ltv_vllm|vllm):[a-z_:]+)", " ".join(exprs)))
+        assert names and names <= set(got), sorted(names - set(got))
+        assert proc.poll() is None
+    finally:
+        stop(proc, log)
