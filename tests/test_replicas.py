@@ -330,6 +330,9 @@ def test_one_replica_with_two_api_servers(assets, tokenizer, tmp_path):
         check_mixed(url, {"alpha": alpha[0], str(d): None}, model, tokenizer, True)
         assert metric(url, "ltv_vllm:task_loaded", task="alpha") == 1.0
         assert metric(url, "vllm:request_success_total") is not None  # vLLM's own
+        # per-task counts, summed over both processes' files: every alpha request above
+        assert metric(url, "ltv_vllm:task_requests_total", task="alpha",
+                      policy="all") == 12 + 3 * len(PROMPTS)
 
         # DELETE while alpha streams: the streams end on alpha's vector; once the DELETE is
         # answered, neither process serves the name

@@ -204,6 +204,11 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     assert settings["shared_store"] == str(shared) and settings["store_poll"] == 0.5
     assert settings["task_store"].startswith(str(tmp / "cache" / "task-replicas"))
     assert "--max-loras 9" in r.output and not shared.exists()
+    # per-task metrics are on unless turned off (then the endpoint plugin need not load)
+    assert '"task_metrics": true' in r.output
+    r = run("--task-vector", str(good), "--no-task-metrics", "--skip-selfcheck")
+    assert r.exit_code == 0, r.output
+    assert '"task_metrics": false' in r.output and "ltv_tasks" not in r.output
     # several API-server processes: vLLM's own `vllm serve` code starts them
     r = run("--task-store", f"file://{shared}", "--api-server-count", "2")
     assert r.exit_code == 0, r.output

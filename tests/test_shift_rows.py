@@ -16,6 +16,7 @@ import torch
 from ltv_vllm.core.vector import ModelIdentity, TaskVector
 from ltv_vllm.serving.vllm_ext import models
 from ltv_vllm.serving.vllm_ext.models import SMALL, LTVMixin
+from ltv_vllm.serving.vllm_ext.shift_sizes import ShiftSizes
 
 D, VOCAB = 24, 40
 IDENT = ModelIdentity("random", D, VOCAB, "none")
@@ -37,6 +38,7 @@ class Shift(LTVMixin):
         self._cast_keys = OrderedDict()
         self._sizes = (D, VOCAB)
         self._vectors = vectors
+        self._shift_sizes = ShiftSizes()
 
 
 VECTORS = {f"s{i}": vector(i, 4) for i in range(12)}  # many small tasks, rank 4
@@ -64,9 +66,11 @@ def test_every_row_gets_its_own_task_and_nothing_else(seed, batched, monkeypatch
     mask = torch.tensor([rng.random() < 0.8 for _ in rows])
     shift = Shift(dict(VECTORS))
     for m in (None, mask):
+        shift._shift_sizes = ShiftSizes()
         got_h = shift._shifted(h, dict(plan), "hidden", h, m)
         got_logits = shift._shifted(h, dict(plan), "logit", logits, m)
         want_h, want_logits = h.double().clone(), logits.double().clone()
+        sizes: dict[str, list[float]] = {}  # ‖delta‖ / ‖h‖ summed, rows: hidden tasks only
         for r, t in enumerate(rows):
             tv = VECTORS.get(t)
             if tv is None or (m is not None and not m[r]):
@@ -80,6 +84,28 @@ def test_every_row_gets_its_own_task_and_nothing_else(seed, batched, monkeypatch
             if tv.bias is not None:
                 d = d + tv.bias.double()
             (want_h if tv.kind == "hidden" else want_logits)[r] += d
+            if tv.kind == "hidden":
+                acc = sizes.setdefault(t, [0.0, 0.0])
+                acc[0] += float(d.norm() / x.norm())
+                acc[1] += 1
         assert (got_h.double() - want_h).abs().max() < 1e-4
         assert (got_logits.double() - want_logits).abs().max() < 1e-4
+        got = {t: v for t, v in shift._shift_sizes.read().items() if v[1]}
+        assert got.keys() == sizes.keys()
+        for t, (total, n) in sizes.items():
+            assert got[t][1] == n and got[t][0] == pytest.approx(total, rel=1e-4), t
     assert torch.equal(h, h.clone())  # vLLM's buffer itself is never written
+
+
+def test_one_task_on_every_row_sums_its_shifted_rows_only():
+    """The one-product path (a step whose every row has one task) with a row mask (V2's):
+    the shift sizes count the masked rows and sum their ‖U Vᵀ h‖ / ‖h‖, nothing else."""
+    h = torch.randn(9, D, generator=torch.Generator().manual_seed(5))
+    mask = torch.tensor([True, False, True, True, False, True, False, True, True])
+    shift = Shift({"s0": VECTORS["s0"]})
+    shift._shifted(h, {"s0": None}, "hidden", h, mask)
+    tv = VECTORS["s0"]
+    want = sum(float((tv.U.double() @ (tv.V.double().T @ h[r].double())).norm()
+                     / h[r].double().norm()) for r in range(9) if mask[r])
+    [(total, n)] = shift._shift_sizes.read().values()
+    assert n == int(mask.sum()) and total == pytest.approx(want, rel=1e-4)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from test_replicas import metric
 from test_server import HTTP, PROMPTS, make_assets, start_server, stop
 from test_store_server import random_vector
@@ -46,14 +48,26 @@ def value(got: dict, name: str, **labels: str) -> float:
                                                         for k, w in labels.items()))
 
 
-def test_every_counter_is_what_was_sent(assets, tmp_path):
-    d, _, vecs = assets
-    alpha = random_vector(vecs["alpha"][0], 8, 21).save(tmp_path / "alpha.pt")
+def wait_for(url: str, name: str, task: str, want: float) -> dict[str, list]:
+    """`/metrics` once `name{task}` reads `want` (the engine's sums are read every 0.2 s)."""
+    deadline = time.time() + 20
+    while True:
+        got = samples(url)
+        if value(got, name, task=task) == want or time.time() > deadline:
+            assert value(got, name, task=task) == want, (name, task, got.get(name))
+            return got
+        time.sleep(0.1)
+
+
+def test_every_counter_is_what_was_sent(assets, tokenizer, tmp_path):
+    d, model, vecs = assets
+    alpha_tv = random_vector(vecs["alpha"][0], 8, 21)
+    alpha = alpha_tv.save(tmp_path / "alpha.pt")
     beta = random_vector(vecs["alpha"][0], 8, 22).save(tmp_path / "beta.pt")
     audit = tmp_path / "audit.jsonl"
     proc, url, log = start_server(d, [], tmp_path, (
         "--task-store", f"file://{tmp_path / 'shared'}", "--api-key", "x", "--max-body-mib", "1",
-        "--audit-log", str(audit)))
+        "--audit-log", str(audit)), env_extra={"LTV_VLLM_SHIFT_READ": "0.2"})
     try:
         def upload(name: str, path: Path) -> int:
             return HTTP.post(f"{url}/v1/ltv/tasks", data={"name": name}, headers=KEY,
@@ -135,6 +149,27 @@ def test_every_counter_is_what_was_sent(assets, tmp_path):
         size = obj.stat().st_size
         assert {lab["task"]: v for lab, v in got["ltv_vllm:task_bytes"]} == {"alpha": size}
         assert metric(url, "ltv_vllm:task_loaded", task="alpha") == 1.0
+        # the shift's relative size, summed in the engine: one row per shifted token; its
+        # sum, for a one-token request per prompt, is ‖U Vᵀ h‖ / ‖h‖ of transformers' final
+        # hidden states at the prompts' last tokens
+        size = "ltv_vllm:task_shift_relative_size"
+        got = wait_for(url, f"{size}_count", "alpha", want_shifted[("alpha", "all")]
+                       + want_shifted[("alpha", "first")])
+        assert value(got, f"{size}_count", task="beta") == 0  # deleted: gone
+        before = value(got, f"{size}_sum", task="alpha")
+        for p in PROMPTS:
+            assert HTTP.post(f"{url}/v1/completions", headers=KEY, timeout=60, json={
+                "model": "alpha", "prompt": p, "max_tokens": 1}).status_code == 200
+        got = wait_for(url, f"{size}_count", "alpha", want_shifted[("alpha", "all")]
+                       + want_shifted[("alpha", "first")] + len(PROMPTS))
+        tv, want = alpha_tv, 0.0
+        for p in PROMPTS:
+            with torch.no_grad():
+                ids = tokenizer(p, return_tensors="pt")
+                h = model(**ids, output_hidden_states=True).hidden_states[-1][0, -1].float()
+            want += float(torch.linalg.vector_norm(tv.delta(h[None]))
+                          / torch.linalg.vector_norm(h))
+        assert value(got, f"{size}_sum", task="alpha") - before == pytest.approx(want, rel=1e-4)
         # the audit log: one line per store operation the server handled
         lines = [json.loads(line) for line in audit.read_text().splitlines()]
         assert [(x["op"], x["status"]) for x in lines] == [

@@ -1106,9 +1106,13 @@ def _multiprocess_metrics(app: Any, endpoints: TaskEndpoints) -> None:
     from starlette.routing import Route
 
     async def metrics(request: Any) -> Any:  # noqa: ARG001
+        from ltv_vllm.serving.vllm_ext.metrics import SHIFT_SIZES
+
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
         registry.register(Residency(endpoints))
+        if SHIFT_SIZES.task is not None:
+            registry.register(SHIFT_SIZES)
         text = await asyncio.to_thread(generate_latest, registry)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 

@@ -16,6 +16,8 @@ process's values to a file that every scrape sums).
 - Refusals by reason: the gate's (`refused`).
 - Store operations and their durations: the task endpoints' (`store_operation`).
 - What a replica holds (with rank and size) is read at each scrape (`endpoints.Residency`).
+- The shift's relative size ‖W h‖ / ‖h‖ per task on live traffic: summed in the engine
+  (`shift_sizes`), read every SHIFT_READ_SECONDS (`ShiftSizeCollector`).
 
 Cardinality is bounded: a task label is a name this server serves; past LABELS distinct
 names (a store's churn over a long life) new ones are counted as "other", since a
@@ -187,3 +189,109 @@ def instrument(engine_client: Any, base: str) -> None:
 
     engine_client.generate = generate
     engine_client._ltv_instrumented = True
+    SHIFT_SIZES.base = base
+    SHIFT_SIZES.start(engine_client)
+
+
+# the engine's sums are read this often (seconds; LTV_VLLM_SHIFT_READ): one utility call
+SHIFT_READ_ENV = "LTV_VLLM_SHIFT_READ"
+SHIFT_READ_SECONDS = 5.0
+
+
+class ShiftSizeCollector:
+    """`ltv_vllm:task_shift_relative_size{task}` (a summary: the sum of ‖W h‖ / ‖h‖ over the
+    rows a task shifted, and their count) from the engine's sums (`shift_sizes`), as last
+    read; the tasks served now only (a deleted task's sums leave with it)."""
+
+    def __init__(self) -> None:
+        self.base = ""
+        self.latest: dict[str, list[float]] = {}
+        self.task: Any = None
+
+    def start(self, engine: Any) -> None:
+        import asyncio
+
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._follow(engine))
+            _register(self)
+
+    async def _follow(self, engine: Any) -> None:
+        import asyncio
+        import logging
+        import os
+
+        import cloudpickle
+
+        from ltv_vllm.serving.vllm_ext.shift_sizes import read_shift_sizes
+
+        fn = cloudpickle.dumps(read_shift_sizes)  # by reference: the engine imports it
+        every = float(os.environ.get(SHIFT_READ_ENV) or SHIFT_READ_SECONDS)
+        failed = False
+        while True:
+            await asyncio.sleep(every)
+            try:
+                results = await engine.collective_rpc(fn, timeout=30)
+            except Exception as e:  # noqa: BLE001 - a dead engine answers nothing else either
+                if not failed:
+                    logging.getLogger(__name__).warning(
+                        "ltv-vllm: the engine's shift sizes could not be read: %s", e)
+                failed = True
+                continue
+            failed = False
+            merged: dict[str, list[float]] = {}
+            for r in _flat(results):
+                if r.get("tp_rank", 0) != 0:
+                    continue  # every tensor-parallel rank shifts the same rows
+                for key, (total, rows) in r.get("sizes", {}).items():
+                    m = merged.setdefault(key, [0.0, 0.0])
+                    m[0] += total
+                    m[1] += rows
+            self.latest = merged
+
+    def collect(self) -> Any:
+        from prometheus_client.core import SummaryMetricFamily
+
+        from ltv_vllm.serving.step_policy import RUNTIME, named_tasks
+        from ltv_vllm.serving.vllm_ext.steps import FUSED
+
+        served = set(RUNTIME.values()) | set(named_tasks()) | {FUSED}
+        fam = SummaryMetricFamily("ltv_vllm:task_shift_relative_size", "The shift's size "
+                                  "relative to the hidden state, ||W h|| / ||h||, over the "
+                                  "rows a task shifted (read from the engine every few "
+                                  "seconds)", labels=["task"])
+        by_name: dict[str, list[float]] = {}
+        for key, (total, rows) in self.latest.items():
+            if key in served and rows:
+                m = by_name.setdefault(self.base if key == FUSED else key.partition("@")[0],
+                                       [0.0, 0.0])
+                m[0] += total
+                m[1] += rows
+        for name, (total, rows) in sorted(by_name.items()):
+            fam.add_metric([name], count_value=rows, sum_value=total)
+        yield fam
+
+
+def _flat(results: Any) -> list[dict[str, Any]]:
+    """collective_rpc's answers: one per worker (a list of lists with several engines)."""
+    out: list[dict[str, Any]] = []
+    for r in results if isinstance(results, list) else [results]:
+        out.extend(_flat(r) if isinstance(r, list) else [r] if isinstance(r, dict) else [])
+    return out
+
+
+def _register(collector: Any) -> None:
+    """On vLLM's registry with one API server (prometheus_client's default one); with
+    several, `endpoints`' own /metrics route adds it to each scrape's registry."""
+    import os
+
+    from prometheus_client import REGISTRY
+
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    try:
+        REGISTRY.register(collector)
+    except ValueError:  # registered already (a second start in one process)
+        pass
+
+
+SHIFT_SIZES = ShiftSizeCollector()

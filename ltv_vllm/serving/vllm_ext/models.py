@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from collections import OrderedDict
 from typing import ClassVar
 
@@ -65,6 +66,12 @@ class LTVMixin:
         if self._ltv_fold and len(self._vectors) > 1:
             raise VectorError("a folded head serves one task; per-request tasks need it unfolded")
         self._sizes = int(config.hidden_size), int(config.vocab_size)
+        # a server's engine measures its shifts for /metrics (`shift_sizes`): not offline
+        from ltv_vllm.serving.settings import ENV, ServerSettings
+        from ltv_vllm.serving.vllm_ext.shift_sizes import ShiftSizes
+
+        served = ENV in os.environ and ServerSettings.from_env().task_metrics
+        self._shift_sizes = ShiftSizes() if served else None
         for name, tv in self._vectors.items():
             self._check_sizes(tv, f"task vector {name or path}")
 
@@ -145,8 +152,11 @@ class LTVMixin:
             return out  # FUSED in multi-task serving (the bare model), or the other kind
         # a float32 copy: h itself is vLLM's buffer, and the sum is taken in float32
         out = out.float() if out.dtype != torch.float32 else out.clone()
+        sizes = self._shift_sizes if kind == "hidden" else None  # ‖W h‖ / ‖h‖: hidden only
         if len(jobs) == 1 and jobs[0][1] is None:
             delta = self._ltv_delta(h, task=jobs[0][0])
+            if sizes is not None:
+                sizes.record([jobs[0][0]], h, delta, mask, None)
             if mask is not None:
                 delta = delta * mask.unsqueeze(1)
             out[..., : delta.shape[-1]] += delta
@@ -171,6 +181,12 @@ class LTVMixin:
             start = end
         for group in few.values():
             _batched_delta(hs, delta, group)
+        if sizes is not None:
+            row_task = row_index([j for j, (_, rows) in enumerate(jobs)
+                                  for _ in range(h.shape[0] if rows is None else len(rows))],
+                                 h.device)
+            sizes.record([t for t, _ in jobs], hs, delta,
+                         mask.index_select(0, idx) if mask is not None else None, row_task)
         if mask is not None:
             delta *= mask.index_select(0, idx).unsqueeze(1)
         out[:, :width].index_add_(0, idx, delta)
