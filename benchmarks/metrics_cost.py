@@ -6,8 +6,9 @@ One server at a time: `ltv-vllm serve` of the packaged model with K named per-re
 Against each, C clients keep C requests in flight: R requests naming a task (each its task
 i mod K, the vector's policy: every step) and R requests to the bare model (zero-shot, the
 baseline on the same server), for classify (1 greedy token) and generate (16, EOS ignored).
-The servers alternate on → off → on → off... (--rounds each); a cell's figure is its fastest
-round, and the spread between a mode's rounds is the noise the difference is read against.
+The servers alternate, on → off, then off → on, ... (--rounds each, neither always first); a
+cell's figure is its fastest round, and the spread between a mode's rounds is the noise the
+difference is read against.
 After each metrics-on round the server's own counters are checked against what was sent.
 
     python benchmarks/metrics_cost.py --out benchmarks/results/metrics_cost_smollm2-135m
@@ -136,7 +137,7 @@ def main() -> None:
     seconds: dict[str, list[float]] = {}
     checks = []
     for r in range(a.rounds):
-        for mode in ("on", "off"):
+        for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):  # neither always first
             proc, url = start(a.model, vectors, mode == "on", a.dtype,
                               scratch / f"server-{mode}-{r}.log", scratch / "cache")
             try:

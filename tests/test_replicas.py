@@ -76,6 +76,18 @@ def start_replicas(d: Path, tmp: Path, store: str, polls: list[float | Path | tu
         return list(pool.map(one, enumerate(polls)))
 
 
+def export(d: Path, tmp: Path, store: str) -> Path:
+    """`ltv-vllm serve --export` of a replica polling `store` once a minute: its directory."""
+    dep = tmp / "deploy"
+    r = CliRunner().invoke(main, [
+        "serve", "--model", str(d), "--task-store", store, "--store-poll", "60",
+        "--max-tasks", "4", "--dtype", "float32", "--max-model-len", "256",
+        "--export", str(dep), "--enforce-eager", "--", "--api-key", "x"],
+        env={"LTV_VLLM_CACHE": str(tmp / "cache")})
+    assert r.exit_code == 0, r.output
+    return dep
+
+
 def upload(url: str, name: str, path: Path) -> httpx.Response:
     return HTTP.post(f"{url}/v1/ltv/tasks", data={"name": name}, headers=KEY, timeout=120,
                      files={"vector": (path.name, path.read_bytes())})
@@ -138,13 +150,7 @@ def test_three_replicas_on_a_shared_directory(assets, tokenizer, tmp_path):
     store = f"file://{tmp_path / 'shared'}"
     # C is the user's own `vllm serve` from an export, and polls once a minute: what it
     # serves before then, it resolved on the request
-    dep = tmp_path / "deploy"
-    r = CliRunner().invoke(main, [
-        "serve", "--model", str(d), "--task-store", store, "--store-poll", "60",
-        "--max-tasks", "4", "--dtype", "float32", "--max-model-len", "256",
-        "--export", str(dep), "--enforce-eager", "--", "--api-key", "x"],
-        env={"LTV_VLLM_CACHE": str(tmp_path / "cache")})
-    assert r.exit_code == 0, r.output
+    dep = export(d, tmp_path, store)
     # B runs two data-parallel engines: its requests go to either, its DELETEs' barrier
     # reaches both
     servers = start_replicas(d, tmp_path, store, [POLL, (POLL, "--data-parallel-size", "2"),
@@ -300,13 +306,7 @@ def test_one_replica_with_two_api_servers(assets, tokenizer, tmp_path):
     d, model, vecs = assets
     alpha, beta = vecs["alpha"], vecs["beta"]
     store = f"file://{tmp_path / 'shared'}"
-    dep = tmp_path / "deploy"
-    r = CliRunner().invoke(main, [
-        "serve", "--model", str(d), "--task-store", store, "--store-poll", "60",
-        "--max-tasks", "4", "--dtype", "float32", "--max-model-len", "256",
-        "--export", str(dep), "--enforce-eager", "--", "--api-key", "x"],
-        env={"LTV_VLLM_CACHE": str(tmp_path / "cache")})
-    assert r.exit_code == 0, r.output
+    dep = export(d, tmp_path, store)
     servers = start_replicas(d, tmp_path, store, [(60, "--api-server-count", "2"),
                                                   (dep, "--api-server-count", "2")])
     (proc, url, log), (_, e, elog) = servers
