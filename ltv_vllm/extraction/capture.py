@@ -111,6 +111,21 @@ class Prefix:
     cache: DynamicCache
 
 
+def icl_states(cap: Any, episode: Any, prompts: Sequence[str], desc: str) -> torch.Tensor:
+    """h(Z ‖ p) for each prompt, averaged over the episode's demonstration sets Z_1..Z_M
+    (multi-prompt fitting's target: `Episode.demo_sets`; one set: that set's states, the
+    same computation as without). (n, d) float32"""
+    prefixes = episode.demo_prefixes()
+    if len(prefixes) == 1:
+        return cap.icl(prefixes[0], prompts, desc=desc)
+    total = None
+    for m, prefix in enumerate(prefixes):
+        h = cap.icl(prefix, prompts, desc=f"{desc}, set {m + 1}/{len(prefixes)}").float()
+        total = h.clone() if total is None else total + h
+    assert total is not None
+    return total / len(prefixes)
+
+
 def zero_shot_states(cap: Any, task: Any, texts: Sequence[str], desc: str) -> torch.Tensor:
     """h at the answer position of each text's zero-shot prompt. (n, d)
 

@@ -42,6 +42,7 @@ from ltv_vllm.extraction.capture import (
     Prefix,
     base_model,
     full_head,
+    icl_states,
     label_head,
     lm_head,
     zero_shot_states,
@@ -202,6 +203,8 @@ class Context:
 
             engine = {"name": "transformers", "version": transformers.__version__,
                       "device": str(self.cap.device)}
+        if ep.extra_demos:  # multi-prompt fitting: how many sets the target averaged
+            extra = {"demo_sets": len(ep.demo_sets), **extra}
         return Provenance(method=method, task=ep.task.to_dict(), k_used=len(ep.demos),
                           n=len(ep.queries), lam=None,
                           seed=ep.seed, n_test=len(ep.test), episode=ep.fingerprint(),
@@ -219,8 +222,8 @@ class Context:
                 raise MethodError("no model to capture the train states with")
             self.h_zs = zero_shot_states(cap, task, [e.text for e in self.episode.queries],
                                          desc=f"{task.name} zero-shot train")
-            self.h_icl = cap.icl(self.episode.demo_prefix(), queries,
-                                 desc=f"{task.name} icl train")
+            self.h_icl = icl_states(cap, self.episode, queries,
+                                    desc=f"{task.name} icl train")
             self.capture_seconds = time.perf_counter() - t0
         return self.h_zs, self.h_icl
 

@@ -24,7 +24,7 @@ from ltv_vllm.core.metrics import accuracy, d_ntp
 from ltv_vllm.core.ridge import Factors, truncate
 from ltv_vllm.core.vector import DEFAULT_SHIFT_STEPS, ModelIdentity, Provenance, TaskVector
 from ltv_vllm.errors import ArgumentError
-from ltv_vllm.extraction.capture import Capturer, full_head, zero_shot_states
+from ltv_vllm.extraction.capture import Capturer, full_head, icl_states, zero_shot_states
 from ltv_vllm.extraction.states import PromptStates
 from ltv_vllm.extraction.store import CallRecorder, StoredCapturer
 from ltv_vllm.extraction.transfer import (
@@ -59,7 +59,7 @@ from ltv_vllm.models.loading import (
     local_model_dir,
 )
 from ltv_vllm.tasks.data import Episode, Example, given_episode, load_dataset, sample_episode
-from ltv_vllm.tasks.specs import NO_DATA, Task, label_token_ids
+from ltv_vllm.tasks.specs import NO_DATA, Task, is_regression, label_token_ids
 
 METHODS = ("zero-shot", "icl", "ltv", "mean")  # what a transfer evaluation shows per model
 OWN_METHODS = ("ltv", "mean")  # each model's own task vectors in a transfer
@@ -106,10 +106,15 @@ class ExtractOptions:
     progress: bool = True
     n_val: int = 32  # labelled validation examples for the baselines' layer choice (paper: 32)
     options: MethodOptions = field(default_factory=MethodOptions)
+    # multi-prompt fitting: the train target h_icl is the mean over this many demonstration
+    # sets of k (`Episode.demo_sets`); the test's ICL reference stays the first set's prompt
+    demo_sets: int = 1
 
     def __post_init__(self) -> None:
         check_counts(k=self.k, n=self.n, lam=self.lam, n_test=self.n_test,
                      batch_size=self.batch_size, rank=self.rank)
+        if isinstance(self.demo_sets, bool) or int(self.demo_sets) < 1:
+            raise ArgumentError(f"--demo-sets must be at least 1, got {self.demo_sets}")
 
     def k_for(self, task: Task, *, transfer: bool = False) -> int:
         if self.k is not None:
@@ -136,9 +141,14 @@ def plan_episode(task: Task, opts: ExtractOptions, *, transfer: bool = False,
     data): everything that can be refused without a model. `demos` / `queries`: the user's
     own (`data.read_examples`); the rest is sampled (`data.given_episode`)."""
     k = opts.k_for(task, transfer=transfer)
+    if opts.demo_sets > 1 and (transfer or demos is not None or queries is not None
+                               or is_regression(task)):
+        raise ArgumentError("--demo-sets draws its demonstration sets from a classification "
+                            "task's data: not with --demos/--queries, a regression task or "
+                            "a transfer (--source-model)")
     if demos is None and queries is None:
         return sample_episode(load_dataset(task), k=k, n=opts.n, n_test=opts.n_test,
-                              seed=opts.seed, n_val=opts.n_val)
+                              seed=opts.seed, n_val=opts.n_val, demo_sets=opts.demo_sets)
     dataset = None if task.source == NO_DATA else load_dataset(task)
     return given_episode(task, dataset, demos=demos, queries=queries, k=k, n=opts.n,
                          n_test=opts.n_test, seed=opts.seed, n_val=opts.n_val)
@@ -172,7 +182,8 @@ def capture_episode(
     t0 = time.perf_counter()
     h_zs = zero_shot_states(cap, task, [e.text for e in episode.queries],
                             desc=f"{task.name} zero-shot train")  # (N, d)
-    h_icl = cap.icl(prefix, queries, desc=f"{task.name} icl train")   # (N, d)
+    # (N, d): the mean over the demonstration sets (one set: its states)
+    h_icl = icl_states(cap, episode, queries, desc=f"{task.name} icl train")
     t1 = time.perf_counter()
     if not episode.test:  # a compiled task without labelled examples: nothing to score
         empty = h_zs.new_zeros(0, h_zs.shape[1])
@@ -343,7 +354,7 @@ def extract(
     if isinstance(lm, CapturedModel):
         check_engine(method, lm.engine.get("name", "vllm"))
         # the engine captured train and test in one batch: the train prompts' share
-        c.capture_seconds = lm.seconds_for(2 * len(episode.queries))
+        c.capture_seconds = lm.seconds_for((1 + len(episode.demo_sets)) * len(episode.queries))
         c.test_seconds = lm.seconds_for(2 * len(episode.test))
     ctx = method_context(lm, cap, episode, label_ids,
                          opts.method_options(getattr(cap, "batch_size", None)), c)

@@ -103,21 +103,35 @@ class Episode:
     # labelled validation examples (disjoint from demos, queries and test) for the baselines
     # that pick a layer on labels (TV, FV, SV: 32 in the paper); not part of the fingerprint
     val: tuple[Example, ...] = ()
+    # further demonstration sets (multi-prompt fitting: the train target is the mean of the
+    # ICL states over every set), each k//K per class and disjoint from the queries and the
+    # validation examples; empty: the one set `demos`
+    extra_demos: tuple[tuple[Example, ...], ...] = ()
 
     def __hash__(self) -> int:
         # Task holds a dict (`hub`), so the generated hash would fail; the examples identify us.
         return hash((self.task.name, self.seed, self.test_seed, self.demos, self.queries,
-                     self.test))
+                     self.test, self.extra_demos))
+
+    @property
+    def demo_sets(self) -> tuple[tuple[Example, ...], ...]:
+        return (self.demos, *self.extra_demos)
 
     def demo_prefix(self) -> str:
         return self.task.demos_text(self.demos)
 
+    def demo_prefixes(self) -> list[str]:
+        """Each demonstration set's prefix, the first set's first."""
+        return [self.task.demos_text(d) for d in self.demo_sets]
+
     def fingerprint(self) -> str:
-        """Short sha256 over demo, query and test texts and labels (for metadata)."""
-        payload = json.dumps(
-            [[[e.text, e.label] for e in part] for part in (self.demos, self.queries, self.test)],
-            ensure_ascii=False,
-        )
+        """Short sha256 over demo, query and test texts and labels (for metadata); further
+        demonstration sets join it only where there are some (one set: as before)."""
+        parts = [[[e.text, e.label] for e in part]
+                 for part in (self.demos, self.queries, self.test)]
+        if self.extra_demos:
+            parts.append([[e.text, e.label] for d in self.extra_demos for e in d])
+        payload = json.dumps(parts, ensure_ascii=False)
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
 
 
@@ -606,10 +620,14 @@ def sample_episode(
     seed: int = 0,
     test_seed: int = 0,
     n_val: int = 0,
+    demo_sets: int = 1,
 ) -> Episode:
     """k//K demos per class (shuffled), n other train queries, a balanced test subset, and
     up to n_val labelled validation examples (balanced, from the train examples left over;
-    drawn from their own stream, so demos and queries do not depend on n_val)."""
+    drawn from their own stream, so demos and queries do not depend on n_val). `demo_sets`
+    > 1: as many demonstration sets, the first the one above, each further one drawn from
+    its own stream among the train examples that are neither queries nor validation ones
+    (the sets may share examples); with one set the episode is the same as without."""
     task = dataset.task
     K = task.num_classes
     if k < K:
@@ -631,6 +649,7 @@ def sample_episode(
         raise DataError(f"{task.name}: {n} queries requested, only {len(rest)} train examples "
                         f"remain besides the {len(demo_idx)} demos")
     query_idx = rng.take(rest, n)
+    val = _sample_val(dataset, used | set(query_idx), n_val, seed)
     return Episode(
         task=task,
         seed=seed,
@@ -638,8 +657,34 @@ def sample_episode(
         queries=tuple(dataset.train[i] for i in query_idx),
         test=sample_test(dataset, n_test, test_seed),
         test_seed=test_seed,
-        val=_sample_val(dataset, used | set(query_idx), n_val, seed),
+        val=val,
+        extra_demos=_extra_demo_sets(dataset, pools, set(query_idx), val, per_class,
+                                     demo_sets, seed),
     )
+
+
+def _extra_demo_sets(dataset: Dataset, pools: list[list[int]], queries: set[int],
+                     val: tuple[Example, ...], per_class: int, demo_sets: int,
+                     seed: int) -> tuple[tuple[Example, ...], ...]:
+    """Demonstration sets 2..demo_sets: per_class per class each (shuffled), from the train
+    examples that are neither queries nor validation ones, each set from its own stream."""
+    if demo_sets < 1:
+        raise DataError(f"demo_sets must be at least 1, got {demo_sets}")
+    held = {id(e) for e in val}
+    free = [[i for i in pool if i not in queries and id(dataset.train[i]) not in held]
+            for pool in pools]
+    out = []
+    for m in range(1, demo_sets):
+        for c, pool in enumerate(free):
+            if len(pool) < per_class:
+                raise DataError(f"{dataset.task.name}: class {dataset.task.labels[c]!r} has "
+                                f"{len(pool)} train examples left besides the queries, "
+                                f"{per_class} per demonstration set need more")
+        rng = _Rng(f"ltv_vllm.demos:{seed}:set{m}")
+        idx = [i for pool in free for i in rng.take(pool, per_class)]
+        rng.shuffle(idx)
+        out.append(tuple(dataset.train[i] for i in idx))
+    return tuple(out)
 
 
 def _sample_val(dataset: Dataset, used: set[int], n_val: int, seed: int) -> tuple[Example, ...]:
