@@ -43,6 +43,8 @@ M = ["--model", "m"]
 
 CASES = [
     # extract: numbers, k against the task's classes, N against its data, outputs, task specs
+    (["extract", *M, "--task", "trec", "--demo-sets", "0"], "--demo-sets must be at least 1"),
+    (["extract", *M, "--task", "linear", "--demo-sets", "2"], "--demo-sets draws its sets"),
     (["extract", *M, "--task", "trec", "--lam", "-1"], "--lam must be a positive number"),
     (["extract", *M, "--task", "trec", "--lam", "0"], "--lam must be a positive number"),
     (["extract", *M, "--task", "trec", "--lam", "nan"], "--lam must be a positive number"),

@@ -31,8 +31,13 @@ def model_dir(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    return get_task(str(write_toy_task(tmp_path_factory.mktemp("task"), WORDS)))
+def task_file(tmp_path_factory):
+    return write_toy_task(tmp_path_factory.mktemp("task"), WORDS)
+
+
+@pytest.fixture(scope="module")
+def task(task_file):
+    return get_task(str(task_file))
 
 
 def test_the_sets_are_balanced_and_one_set_is_todays_episode(task):
@@ -100,3 +105,24 @@ def test_demo_sets_refused_where_no_sets_can_be_drawn(task):
     assert "\n" not in str(e.value)
     with pytest.raises(ArgumentError, match="a transfer"):
         plan_episode(task, ExtractOptions(k=6, n=12, demo_sets=2), transfer=True)
+
+
+def test_cli_extract_demo_sets(tmp_path, model_dir, task_file, task):
+    """`extract --demo-sets 2`: the vector records its sets, and is the library's."""
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+    from ltv_vllm.core.vector import load_task_vector
+
+    out = tmp_path / "toy.pt"
+    r = CliRunner().invoke(main, ["extract", "--model", str(model_dir), "--task",
+                                  str(task_file), "--k", "6", "--n", "12", "--n-test",
+                                  "8", "--seed", "3", "--demo-sets", "2", "--batch-size", "4",
+                                  "--quiet", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    tv = load_task_vector(out)
+    assert tv.meta["demo_sets"] == 2
+    lm = load_model(str(model_dir), dtype="float32")
+    lib = extract(lm, task, "ltv", ExtractOptions(k=6, n=12, n_test=8, seed=3, batch_size=4,
+                                                  progress=False, demo_sets=2)).artifact
+    torch.testing.assert_close(tv.U @ tv.V.T, lib.U @ lib.V.T, atol=1e-5, rtol=1e-4)

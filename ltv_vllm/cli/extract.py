@@ -64,6 +64,9 @@ from ltv_vllm.errors import ArgumentError
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--n-val", default=32, show_default=True,  # EpisodeFlags.n_val
               help="Labelled validation examples (TV, FV, SV choose their layer on them).")
+@click.option("--demo-sets", default=1, show_default=True, type=int,
+              help="Fit to the mean of the ICL states over this many demonstration sets of k "
+                   "(an ensemble of ICL prompts; each set costs one pass over the N queries).")
 @click.option("--demos", "demos_file", default=None,
               type=click.Path(exists=True, dir_okay=False),
               help="Your demonstrations (.jsonl/.csv, the data's format, in this order): "
@@ -76,8 +79,8 @@ from ltv_vllm.errors import ArgumentError
 @_capture_options
 @friendly
 def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: FormatFlags,
-            output: Path | None, quiet: bool, demos_file: str | None, queries_file: str | None,
-            method: str, source: SourceFlags, capture: CaptureFlags,
+            output: Path | None, quiet: bool, demo_sets: int, demos_file: str | None,
+            queries_file: str | None, method: str, source: SourceFlags, capture: CaptureFlags,
             **method_flags: Any) -> None:
     """Extract a task vector (or a baseline's artifact) and report zero-shot / ICL / the
     method's accuracy and d_NTP on held-out queries.
@@ -98,8 +101,8 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     # Everything a user can get wrong is refused here, before any model loads.
-    opts = _extract_options(episode, progress=not quiet, method_flags=method_flags,
-                            methods=[method])
+    opts = replace(_extract_options(episode, progress=not quiet, method_flags=method_flags,
+                                    methods=[method]), demo_sets=demo_sets)
     source_opts = source.options(episode.batch_size, quiet)
     m = get_method(method)
     check_engine(method, capture.engine)  # an inner-layer method on vLLM: refused here
@@ -125,6 +128,9 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
         raise ArgumentError(f"{t.name} is a regression task: it is scored on generated answers "
                             "(extract with --engine transformers)")
     if t.kind == "regression":
+        if demo_sets > 1:
+            raise ArgumentError(f"{t.name} is a regression task: --demo-sets draws its sets "
+                                "from a classification task's data")
         if source_opts or opts.rank is not None or "regression" not in m.supports:
             raise ArgumentError(f"{t.name} is a regression task: extract --method ltv or mean, "
                                 "without --source-model or --rank")
