@@ -1,3 +1,4 @@
+# ruff: noqa: F811 - pytest fixtures imported from test_extract are parameters here
 """Multi-prompt fitting (`ExtractOptions(demo_sets=M)`): the train target h_icl is the mean
 over M demonstration sets. Checked against a hand computation on a tiny random model: each
 set's ICL states from transformers' own forward on the whole prompt (no shared cache),
@@ -10,24 +11,14 @@ from collections import Counter
 
 import pytest
 import torch
+from test_extract import WORDS, model_dir  # noqa: F401 - the tiny model fixture
 
-from conftest import make_llama, write_toy_task
+from conftest import write_toy_task
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.loading import load_model
 from ltv_vllm.pipeline.extract import ExtractOptions, extract, plan_episode
 from ltv_vllm.tasks.data import load_dataset, sample_episode
 from ltv_vllm.tasks.specs import get_task
-
-WORDS = ["the", "plot", "is", "dull", "and", "acting", "worse", "a", "gorgeous", "witty",
-         "seductive", "movie", "team", "wins", "final"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    make_llama(len(tokenizer), seed=5).save_pretrained(d)
-    tokenizer.save_pretrained(d)
-    return d
 
 
 @pytest.fixture(scope="module")
