@@ -77,10 +77,12 @@ def start_replicas(d: Path, tmp: Path, store: str, polls: list[float | Path | tu
 
 
 def export(d: Path, tmp: Path, store: str) -> Path:
-    """`ltv-vllm serve --export` of a replica polling `store` once a minute: its directory."""
+    """`ltv-vllm serve --export` of a replica polling `store` once an hour (never, within a
+    test: what it serves, it resolved on the request or learned from its own change): its
+    directory."""
     dep = tmp / "deploy"
     r = CliRunner().invoke(main, [
-        "serve", "--model", str(d), "--task-store", store, "--store-poll", "60",
+        "serve", "--model", str(d), "--task-store", store, "--store-poll", "3600",
         "--max-tasks", "4", "--dtype", "float32", "--max-model-len", "256",
         "--export", str(dep), "--enforce-eager", "--", "--api-key", "x"],
         env={"LTV_VLLM_CACHE": str(tmp / "cache")})
@@ -148,7 +150,7 @@ def test_three_replicas_on_a_shared_directory(assets, tokenizer, tmp_path):
     other = random_vector(alpha[0], 8, 11)
     other_path = other.save(tmp_path / "other.pt")
     store = f"file://{tmp_path / 'shared'}"
-    # C is the user's own `vllm serve` from an export, and polls once a minute: what it
+    # C is the user's own `vllm serve` from an export, and polls once an hour: what it
     # serves before then, it resolved on the request
     dep = export(d, tmp_path, store)
     # B runs two data-parallel engines: its requests go to either, its DELETEs' barrier
@@ -297,7 +299,7 @@ def test_two_replicas_on_object_storage(assets, tokenizer, tmp_path):
 
 def test_one_replica_with_two_api_servers(assets, tokenizer, tmp_path):
     """vLLM's --api-server-count 2: two API-server processes in front of one engine, each
-    following the store (a poll of a minute: what they learn sooner, they learn from each
+    following the store (a poll of an hour: what they learn sooner, they learn from each
     other), both pinning into one place. An upload through either is served by both when it
     is answered; a DELETE while the task streams lets the streams end on its vector, and once
     answered no process serves the name; the pin goes when both let it go; `/metrics`
@@ -307,7 +309,7 @@ def test_one_replica_with_two_api_servers(assets, tokenizer, tmp_path):
     alpha, beta = vecs["alpha"], vecs["beta"]
     store = f"file://{tmp_path / 'shared'}"
     dep = export(d, tmp_path, store)
-    servers = start_replicas(d, tmp_path, store, [(60, "--api-server-count", "2"),
+    servers = start_replicas(d, tmp_path, store, [(3600, "--api-server-count", "2"),
                                                   (dep, "--api-server-count", "2")])
     (proc, url, log), (_, e, elog) = servers
 
