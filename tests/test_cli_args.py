@@ -67,6 +67,11 @@ CASES = [
     (["extract", "--model", "./no/such/dir", "--task", "trec"], "no such directory"),
     # evaluate
     (["evaluate", *M, "--tasks", "trec", "--runs", "0"], "--runs must be at least 1"),
+    (["evaluate", *M, "--tasks", "trec", "--demo-sets", "0"], "--demo-sets must be at least 1"),
+    (["evaluate", *M, "--tasks", "trec", "--methods", "ltv-multi"], "need --demo-sets 2 or more"),
+    (["evaluate", *M, "--tasks", "linear", "--demo-sets", "2"], "--demo-sets draws its sets"),
+    (["evaluate", *M, "--tasks", "trec", "--demo-sets", "2", "--source-model", "m"],
+     "a transfer evaluation fits one ICL prompt"),
     (["evaluate", *M, "--tasks", "trec", "--methods", "icl,magic"], "unknown magic"),
     (["evaluate", *M, "--tasks", "trec", "--methods", "ltv-transfer"], "needs --source-model"),
     (["evaluate", *M, "--tasks", "trec,nope"], "unknown task 'nope'"),

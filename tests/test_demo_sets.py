@@ -117,3 +117,169 @@ def test_cli_extract_demo_sets(tmp_path, model_dir, task_file, task):
     lib = extract(lm, task, "ltv", ExtractOptions(k=6, n=12, n_test=8, seed=3, batch_size=4,
                                                   progress=False, demo_sets=2)).artifact
     torch.testing.assert_close(tv.U @ tv.V.T, lib.U @ lib.V.T, atol=1e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def soft_model_dir(tmp_path_factory, tokenizer):
+    """The tiny model with its LM head scaled so the label distributions are far from one-hot
+    (KLs between the methods of 1e-2, not 1e-8: a tolerance could hide nothing)."""
+    from conftest import make_llama
+
+    d = tmp_path_factory.mktemp("soft-llama")
+    model = make_llama(len(tokenizer), seed=9)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.3)
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def test_evaluate_over_demo_sets_against_hand_scores(soft_model_dir, task):
+    """`evaluate` with --demo-sets 3: every row of the table from a hand computation over
+    transformers' whole-prompt forwards (no shared cache): single-prompt ICL the mean of the
+    three prompts' accuracies; the ensemble the mean of their label distributions; the mean
+    state; the paper's LTV fitted to the first set, multi-prompt LTV to the sets' mean; d_NTP
+    against one prompt (the mean KL over the three) and against the ensemble."""
+    import ltv_vllm.evaluation.evaluate as ev
+    from ltv_vllm.extraction.capture import label_head
+    from ltv_vllm.tasks.specs import label_token_ids
+
+    lm = load_model(str(soft_model_dir), dtype="float32")
+    cfg = ev.EvalConfig(k=6, n=12, n_test=10, runs=1, n_val=4, cost_samples=0, batch_size=4,
+                        demo_sets=3, lam=0.05)  # a small λ: the two fits far apart
+    doc = ev.evaluate(lm, [task], [], cfg, progress=False)
+    assert doc["config"]["methods"] == ["zero-shot", "icl", "icl-ensemble", "ltv", "ltv-multi",
+                                        "mean"]
+    got = {r["method"]: r for r in doc["records"]}
+
+    ep = sample_episode(load_dataset(task), k=6, n=12, n_test=10, seed=0, n_val=4,
+                        demo_sets=3)
+    w_c, b_c = label_head(lm.model, label_token_ids(task, lm.tokenizer))
+    labels = torch.tensor([e.label for e in ep.test])
+
+    def h(prompt: str) -> torch.Tensor:
+        enc = lm.tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            return lm.model(**enc, output_hidden_states=True).hidden_states[-1][0, -1].double()
+
+    def states(prefix: str, examples) -> torch.Tensor:
+        return torch.stack([h(prefix + task.query(e.text)) for e in examples])
+
+    def probs(hs: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(hs @ w_c.double().T + b_c.double(), -1)
+
+    def kl(p: torch.Tensor, q: torch.Tensor) -> float:
+        return float((p * (p.log() - q.log())).sum(-1).mean())
+
+    def acc(p: torch.Tensor) -> float:
+        return float((p.argmax(-1) == labels).double().mean())
+
+    H = states("", ep.queries).T  # (d, N)
+    prefixes = [task.demos_text(s) for s in ep.demo_sets]
+    train = [states(p, ep.queries).T for p in prefixes]
+    test_zs = states("", ep.test)
+    test = [states(p, ep.test) for p in prefixes]
+    p_sets = [probs(t) for t in test]
+    p_ens = torch.stack(p_sets).mean(0)
+
+    def ridge(target: torch.Tensor) -> torch.Tensor:
+        Y = target - H
+        W = Y @ H.T @ torch.linalg.inv(H @ H.T + 0.05 * torch.eye(H.shape[0], dtype=H.dtype))
+        return test_zs + test_zs @ W.T
+
+    want = {"zero-shot": probs(test_zs), "icl-ensemble": p_ens,
+            "ltv": probs(ridge(train[0])), "ltv-multi": probs(ridge(sum(train) / 3))}
+    for m, p in want.items():
+        assert got[m]["accuracy"] == acc(p), m
+        assert got[m]["d_ntp"] == pytest.approx(sum(kl(q, p) for q in p_sets) / 3,
+                                                abs=1e-7, rel=1e-4), m
+        assert got[m]["d_ntp_ensemble"] == pytest.approx(kl(p_ens, p), abs=1e-7, rel=1e-4), m
+    icl = got["icl"]
+    assert icl["params"]["set_accuracy"] == [acc(p) for p in p_sets]
+    assert icl["accuracy"] == pytest.approx(sum(acc(p) for p in p_sets) / 3)
+    assert icl["d_ntp"] == 0.0
+    assert icl["d_ntp_ensemble"] == pytest.approx(sum(kl(p_ens, q) for q in p_sets) / 3,
+                                                  abs=1e-7, rel=1e-4)
+    # the two fits differ far beyond the tolerance (else the table could not tell them apart)
+    d_one, d_multi = kl(p_ens, want["ltv"]), kl(p_ens, want["ltv-multi"])
+    assert abs(d_one - d_multi) > 1e-2 * d_one
+    assert min(kl(p_ens, p) for p in p_sets) > 1e-3  # the prompts disagree
+    table = ev.markdown_table(doc)
+    assert "against the 3-prompt ICL ensemble" in table and "Share of the ensemble's gain" in table
+
+    # the mean-state reference, asked for by name
+    doc = ev.evaluate(lm, [task], ["icl-states"], cfg, progress=False)
+    states_rec = next(r for r in doc["records"] if r["method"] == "icl-states")
+    assert states_rec["accuracy"] == acc(probs(sum(test) / 3))
+
+    # one set: the single-prompt table of before, its ICL the first set's prompt
+    one = ev.evaluate(lm, [task], ["ltv"], ev.EvalConfig(
+        k=6, n=12, n_test=10, runs=1, n_val=4, cost_samples=0, batch_size=4, lam=0.05),
+        progress=False)
+    rec = {r["method"]: r for r in one["records"]}
+    assert rec["icl"]["accuracy"] == acc(p_sets[0]) and "d_ntp_ensemble" not in rec["ltv"]
+    assert rec["ltv"]["accuracy"] == got["ltv"]["accuracy"]
+    assert rec["ltv"]["d_ntp"] == pytest.approx(kl(p_sets[0], want["ltv"]), abs=1e-7, rel=1e-4)
+
+
+def test_demo_sets_methods_refused_without_sets():
+    import ltv_vllm.evaluation.evaluate as ev
+    from ltv_vllm.evaluation.ensemble import METHODS
+
+    for m in METHODS:
+        with pytest.raises(ArgumentError, match="need --demo-sets 2 or more"):
+            ev.resolve_methods([m], transfer=False)
+    with pytest.raises(ArgumentError, match="a transfer evaluation"):
+        ev.resolve_methods(None, transfer=True, demo_sets=2)
+    with pytest.raises(ArgumentError, match="--demo-sets must be at least 1"):
+        ev.EvalConfig(demo_sets=0)
+
+
+def test_episode_checkpoint_keeps_every_set(tmp_path):
+    """An interrupted evaluation over sets resumes with each set's states (not their mean)."""
+    import ltv_vllm.evaluation.evaluate as ev
+    from ltv_vllm.pipeline.extract import Captures
+
+    g = torch.Generator().manual_seed(0)
+    t = [torch.randn(3, 5, 4, generator=g) for _ in range(2)]
+    c = Captures(torch.randn(5, 4), t[0].mean(0), torch.randn(2, 4), t[1][0], 1.0, 2.0,
+                 t[0], t[1])
+    ck = tmp_path / "partial.json"
+    ev._save_episode(ck, "key", "toy", 0, c, None)
+    back, _ = ev._load_episode(ck, "key", "toy", 0)
+    assert torch.equal(back.h_icl_sets, t[0]) and torch.equal(back.h_icl_test_sets, t[1])
+    assert torch.equal(back.first_set().h_icl, t[0][0])
+
+
+def test_cli_evaluate_demo_sets(tmp_path, soft_model_dir, task_file, task):
+    """`evaluate --demo-sets 2`: the library's records, and a table with both d_NTP targets."""
+    import json
+
+    from click.testing import CliRunner
+
+    import ltv_vllm.evaluation.evaluate as ev
+    from ltv_vllm.cli import main
+
+    out = tmp_path / "eval"
+    r = CliRunner().invoke(main, ["evaluate", "--model", str(soft_model_dir), "--tasks",
+                                  str(task_file), "--k", "6", "--n", "12", "--n-test", "10",
+                                  "--runs", "1", "--n-val", "4", "--batch-size", "4",
+                                  "--demo-sets", "2", "--cost-samples", "2", "--quiet",
+                                  "--dtype", "float32", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["config"]["demo_sets"] == 2
+    lm = load_model(str(soft_model_dir), dtype="float32")
+    lib = ev.evaluate(lm, [task], [], ev.EvalConfig(k=6, n=12, n_test=10, runs=1, n_val=4,
+                                                    batch_size=4, cost_samples=0, demo_sets=2),
+                      progress=False)
+
+    def scores(d):
+        return [{k: v for k, v in rec.items() if k != "extraction_seconds"}
+                for rec in d["records"]]
+
+    assert scores(doc) == scores(lib)
+    # multi-prompt LTV is timed with LTV's hook; the ensemble (M prompts) is not a forward
+    assert set(doc["inference_cost"]["toy"]) == {"zero-shot", "icl", "ltv", "ltv-multi", "mean"}
+    md = (out / "results.md").read_text()
+    assert "2-prompt ICL ensemble" in md and "| LTV, M prompts |" in md

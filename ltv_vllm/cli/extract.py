@@ -424,6 +424,7 @@ class EvaluationFlags(EpisodeFlags):
 
     runs: int
     cost_samples: int
+    demo_sets: int = 1
 
 
 @dataclass(frozen=True)
@@ -474,6 +475,10 @@ def _methods_option() -> click.Option:
 @click.option("--cost-samples", default=16, show_default=True,  # EvaluationFlags.cost_samples
               help="Test prompts timed per method in each task's first run (the cost table); "
                    "0 skips it.")
+@click.option("--demo-sets", default=1, show_default=True, type=int,  # EvaluationFlags.demo_sets
+              help="Demonstration sets of k per run: ICL is scored as one prompt (the mean "
+                   "over the sets) and as their ensemble, and icl-ensemble, icl-states and "
+                   "ltv-multi (LTV fitted to the sets' mean state) join the methods.")
 @grouped(
     RegressionFlags,
     click.option("--max-new-tokens", default=12, show_default=True,
@@ -542,13 +547,17 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
         if source_opts is not None:
             raise ArgumentError("--source-model: cross-model transfer is for classification "
                                 "tasks (a logit-space map over label tokens)")
+        if cfg.demo_sets > 1:
+            raise ArgumentError("--demo-sets draws its sets from a classification task's data "
+                                "(regression tasks: one instance per run)")
         _evaluate_regression(model.spec, tasks_, methods, cfg, model.dtype, device, out_dir,
                              regression, quiet)
         return
     if regression.with_vllm:
         raise ArgumentError("--vllm compares generated answers: regression tasks only "
                             "(classification through vLLM: `ltv-vllm bench serving`)")
-    ms = resolve_methods(_csv(methods) if methods else None, transfer=source_opts is not None)
+    ms = resolve_methods(_csv(methods) if methods else None, transfer=source_opts is not None,
+                         demo_sets=cfg.demo_sets)
     if on_vllm:
         for m in ms:
             check_engine(m, capture.engine)  # an inner-layer method: refused before any load

@@ -13,6 +13,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,9 @@ from ltv_vllm.core.fileio import atomic_write, save_figure
 from ltv_vllm.core.metrics import pearson, spearman
 from ltv_vllm.core.vector import VectorError, read_safetensors
 from ltv_vllm.errors import ArgumentError
+from ltv_vllm.evaluation import ensemble as ens
 from ltv_vllm.evaluation.sweep import Sweep, config_key, read_checkpoint
+from ltv_vllm.extraction.capture import label_head
 from ltv_vllm.methods import METHODS as TASK_VECTOR_METHODS
 from ltv_vllm.methods import MethodOptions, MethodScores, inference_cost, score_methods
 from ltv_vllm.models.hardware import hardware, machine_line
@@ -49,13 +52,15 @@ from ltv_vllm.pipeline.extract import (
 )
 from ltv_vllm.tasks.specs import Task, label_token_ids
 
-FIXED_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", TRANSFER_METHOD: "Transferred LTV"}
+FIXED_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", TRANSFER_METHOD: "Transferred LTV",
+                **ens.LABELS}
 SOURCE = "source-"  # prefix of the source model's own methods in a transfer evaluation
 
 
-def all_methods() -> tuple[str, ...]:
-    """Every method of a plain evaluation: the two references, then the registered ones."""
-    return ("zero-shot", "icl", *TASK_VECTOR_METHODS)
+def all_methods(demo_sets: int = 1) -> tuple[str, ...]:
+    """Every method of a plain evaluation: the two references, then the registered ones; over
+    M > 1 demonstration sets, then the multi-prompt references and LTV (`ensemble`)."""
+    return ("zero-shot", "icl", *TASK_VECTOR_METHODS, *(ens.METHODS if demo_sets > 1 else ()))
 
 
 def _label(m: str) -> str:
@@ -81,16 +86,22 @@ class EvalConfig:
     n_val: int = 32  # labelled validation examples for TV / FV / SV's layer choice
     cost_samples: int = 16  # test prompts timed per method in each task's first run; 0: none
     options: MethodOptions = field(default_factory=MethodOptions)  # the methods' own knobs
+    # M demonstration sets per episode: single-prompt ICL is the mean over their prompts, and
+    # the ensemble, the mean-state ICL and multi-prompt LTV join the methods (`ensemble`)
+    demo_sets: int = 1
 
     def __post_init__(self) -> None:
         check_counts(k=self.k, n=self.n, lam=self.lam, n_test=self.n_test,
                      batch_size=self.batch_size, runs=self.runs)
         if self.n_val < 0 or self.cost_samples < 0:
             raise ArgumentError("--n-val and --cost-samples must be ≥ 0")
+        if isinstance(self.demo_sets, bool) or int(self.demo_sets) < 1:
+            raise ArgumentError(f"--demo-sets must be at least 1, got {self.demo_sets}")
 
     def episode_options(self, seed: int) -> ExtractOptions:
         return ExtractOptions(k=self.k, n=self.n, lam=self.lam, seed=seed, n_test=self.n_test,
-                              batch_size=self.batch_size, n_val=self.n_val)
+                              batch_size=self.batch_size, n_val=self.n_val,
+                              demo_sets=self.demo_sets)
 
     def method_options(self, seed: int, progress: bool,
                        planned: int | None = None) -> MethodOptions:
@@ -104,20 +115,28 @@ class EvalConfig:
                                  if k not in ("lam", "seed", "batch_size", "progress")}}
 
 
-def default_methods(transfer: bool) -> list[str]:
+def default_methods(transfer: bool, demo_sets: int = 1) -> list[str]:
+    if demo_sets > 1:
+        return ["zero-shot", "icl", ens.ENSEMBLE, "ltv", ens.MULTI, "mean"]
     return ["zero-shot", "icl", "ltv", TRANSFER_METHOD if transfer else "mean"]
 
 
-def resolve_methods(methods: Sequence[str] | None, *, transfer: bool) -> list[str]:
+def resolve_methods(methods: Sequence[str] | None, *, transfer: bool,
+                    demo_sets: int = 1) -> list[str]:
     """The methods an evaluation runs, in order: unknown ones refused; ICL always (d_NTP is
     measured against it), and ltv-transfer always in a transfer evaluation."""
-    ms = list(methods) if methods else default_methods(transfer)
-    known = (*METHODS, TRANSFER_METHOD) if transfer else all_methods()
+    if transfer and demo_sets > 1:
+        raise ArgumentError("--demo-sets: a transfer evaluation fits one ICL prompt per "
+                            "episode (drop --demo-sets or --source-model)")
+    ms = list(methods) if methods else default_methods(transfer, demo_sets)
+    known = (*METHODS, TRANSFER_METHOD) if transfer else all_methods(demo_sets)
     unknown = [m for m in ms if m not in known]
     if unknown:
         hint = " (ltv-transfer needs --source-model)" if TRANSFER_METHOD in unknown else ""
         if transfer and set(unknown) & set(TASK_VECTOR_METHODS):
             hint = " (the baselines are evaluated without --source-model)"
+        if set(unknown) & set(ens.METHODS):
+            hint = " (the multi-prompt methods need --demo-sets 2 or more)"
         raise ArgumentError(f"--methods: unknown {', '.join(unknown)}; choose from "
                             f"{', '.join(known)}{hint}")
     if "icl" not in ms:
@@ -163,8 +182,9 @@ def evaluate(
     number of runs; its episodes that this evaluation also asks for are kept, not run again
     (`extension_state`), so a comparison can grow by a task or a run.
     """
-    methods = resolve_methods(methods, transfer=source is not None)
+    methods = resolve_methods(methods, transfer=source is not None, demo_sets=cfg.demo_sets)
     own = tuple(m for m in methods if m != TRANSFER_METHOD)
+    every_set = cfg.demo_sets > 1
     keys = list(own)
     if source is not None:
         keys += [SOURCE + m for m in own] + [TRANSFER_METHOD]
@@ -226,20 +246,33 @@ def evaluate(
             if c is None:
                 if h_zs_test is None:  # the test subset is the same for every run
                     h_zs_test = capture_test_zero_shot(cap, task, episode)
-                c = capture_episode(cap, episode, h_zs_test=h_zs_test)
+                c = capture_episode(cap, episode, h_zs_test=h_zs_test, every_set=every_set)
                 if on_states:  # one engine run for every episode: its share of that time
-                    c.capture_seconds = lm.seconds_for(2 * len(episode.queries))
+                    c.capture_seconds = lm.seconds_for((1 + cfg.demo_sets)
+                                                       * len(episode.queries))
                 _save_episode(checkpoint, *where, c, None)
-            ctx = method_context(lm, cap, episode, label_ids,
-                                 cfg.method_options(seed, progress,
-                                                    getattr(cap, "batch_size", None)), c)
-            sc = score_methods(ctx, own, c.h_zs_test, c.h_icl_test, episode_labels(episode),
-                               done=scored, on_scored=lambda s, c=c, where=where:
-                               _save_episode(checkpoint, *where, c, s), head=head)
+            opts = cfg.method_options(seed, progress, getattr(cap, "batch_size", None))
+            # every method but multi-prompt LTV: the first set's prompt, as the paper's
+            one = c.first_set()
+            ctx = method_context(lm, cap, episode, label_ids, opts, one)
+            labels = episode_labels(episode)
+            save = partial(_save_episode, checkpoint, *where, c)  # (scores): the episode so far
+            sc = score_methods(ctx, [m for m in own if m not in ens.METHODS], one.h_zs_test,
+                               one.h_icl_test, labels, done=scored, on_scored=save, head=head)
+            if every_set:
+                multi = (method_context(lm, cap, episode, label_ids, opts, c)
+                         if ens.MULTI in own else None)
+                rows = head if head is not None else label_head(ctx.model, label_ids)
+                score_sets(sc, c, multi, labels, head, rows, scored, save)
             metrics, ext, params = sc.metrics, sc.extraction_seconds, sc.params
             if run == 0 and cfg.cost_samples and not on_states:
-                costs[task.name] = inference_cost(ctx, sc, own, cfg.cost_samples,
-                                                  ctx.opts.batch_size)
+                costs[task.name] = inference_cost(ctx, sc, [m for m in own
+                                                            if m not in ens.METHODS],
+                                                  cfg.cost_samples, ctx.opts.batch_size)
+                if ens.MULTI in sc.artifacts:  # LTV's hook, with the multi-prompt vector
+                    costs[task.name][ens.MULTI] = inference_cost(
+                        ctx, MethodScores(artifacts={"ltv": sc.artifacts[ens.MULTI]}), ["ltv"],
+                        cfg.cost_samples, ctx.opts.batch_size)["ltv"]
         else:
             tr, ct, cs = run_transfer_episode(
                 cap, source, episode, cfg.lam, pair_ids[task.name],
@@ -257,6 +290,8 @@ def evaluate(
             "method": m,
             "accuracy": metrics[m]["accuracy"],
             "d_ntp": metrics[m]["d_ntp"],
+            **({"d_ntp_ensemble": metrics[m]["d_ntp_ensemble"]}
+               if "d_ntp_ensemble" in metrics[m] else {}),
             "extraction_seconds": ext.get(m),
             "k_used": len(episode.demos),
             "n_test": len(episode.test),
@@ -281,6 +316,31 @@ def evaluate(
     }
 
 
+def score_sets(sc: MethodScores, c: Captures, multi: Any, labels: Any, head: Any,
+               rows: tuple[Any, Any], done: dict[str, dict[str, Any]], save: Any) -> None:
+    """An episode of M > 1 demonstration sets, into `sc` (the single-prompt methods scored):
+    multi-prompt LTV (LTV fitted in `multi`, whose h_icl is the mean of the sets' states;
+    None: not asked for), the ensemble and the mean-state references, and every method's
+    accuracy and d_NTP against single-prompt ICL and against the ensemble (`ensemble`).
+    `head`: what `score_methods` takes (None: the model's); `rows`: the label rows W_C, b_C."""
+    assert c.h_icl_test_sets is not None, "captured with every_set"
+    if multi is not None:
+        prev = done.get(ens.MULTI)
+        fit = score_methods(multi, ["ltv"], c.h_zs_test, c.h_icl_test, labels,
+                            done={"ltv": prev} if prev else None, head=head)
+        for mine, theirs in ((sc.logits, fit.logits), (sc.artifacts, fit.artifacts),
+                             (sc.extraction_seconds, fit.extraction_seconds),
+                             (sc.params, fit.params)):
+            if "ltv" in theirs:
+                mine[ens.MULTI] = theirs["ltv"]
+        save(sc)
+    w_c, b_c = rows
+    z_sets, refs = ens.references(c.h_icl_test_sets, w_c, b_c)
+    sc.logits.update(refs)
+    sc.metrics = ens.set_scores(sc.logits, z_sets, labels)
+    sc.params["icl"] = {"set_accuracy": sc.metrics["icl"].pop("set_accuracy")}
+
+
 # what an extension may change; each episode depends only on its task, the seed and its run
 EXTENSIBLE = ("tasks", "runs", "k_per_task")
 
@@ -292,7 +352,9 @@ def check_extension(previous: dict[str, Any], config: dict[str, Any]) -> None:
     old = previous.get("config")
     if not isinstance(old, dict) or not isinstance(previous.get("records"), list):
         raise ArgumentError("--extend: the earlier results.json is not an evaluation's result")
-    old = {**old, "options": _with_default_options(old.get("options"))}
+    # an evaluation from before --demo-sets drew one set per run
+    old = {**old, "options": _with_default_options(old.get("options")),
+           "demo_sets": old.get("demo_sets", 1)}
     diff = [k for k in config if k not in EXTENSIBLE and old.get(k) != config[k]]
     diff += [f"k for {t}" for t, k in (config.get("k_per_task") or {}).items()
              if t in old.get("k_per_task", {}) and old["k_per_task"][t] != k]
@@ -342,6 +404,9 @@ def _save_episode(checkpoint: str | Path | None, key: str, task: str, run: int,
 
     tensors = {"h_zs": c.h_zs, "h_icl": c.h_icl, "h_zs_test": c.h_zs_test,
                "h_icl_test": c.h_icl_test}
+    for name in ("h_icl_sets", "h_icl_test_sets"):  # M > 1 demonstration sets
+        if getattr(c, name) is not None:
+            tensors[name] = getattr(c, name)
     methods: dict[str, Any] = {}
     for m, z in (scores.logits.items() if scores else ()):
         if m in scores.extraction_seconds:  # not the references, which come from the states
@@ -350,7 +415,8 @@ def _save_episode(checkpoint: str | Path | None, key: str, task: str, run: int,
                           "params": scores.params.get(m)}
     header = {"key": key, "task": task, "run": run, "capture_seconds": c.capture_seconds,
               "test_seconds": c.test_seconds, "methods": methods}
-    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    # copies: safetensors refuses tensors sharing memory (the first set's test states)
+    tensors = {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}
     atomic_write(episode_checkpoint(checkpoint), lambda tmp: save_file(
         tensors, tmp, metadata={EPISODE_HEADER: json.dumps(header)}))
 
@@ -367,7 +433,8 @@ def _load_episode(checkpoint: str | Path | None, key: str, task: str, run: int
         if (header["key"], header["task"], header["run"]) != (key, task, run):
             return None, {}
         c = Captures(t["h_zs"], t["h_icl"], t["h_zs_test"], t["h_icl_test"],
-                     float(header["capture_seconds"]), float(header["test_seconds"]))
+                     float(header["capture_seconds"]), float(header["test_seconds"]),
+                     t.get("h_icl_sets"), t.get("h_icl_test_sets"))
         scored = {m: {**v, "logits": t[f"logits.{m}"]} for m, v in header["methods"].items()}
     except (VectorError, TypeError, KeyError, ValueError):
         return None, {}
@@ -386,13 +453,19 @@ def correlations(records: list[dict[str, Any]], tasks: list[str]) -> dict[str, A
         xs, ys = [r["d_ntp"] for r in rs], [y(r) for r in rs]
         return {"pearson": pearson(xs, ys), "spearman": spearman(xs, ys), "points": len(rs)}
 
-    pts = [r for r in records if not r["method"].endswith("icl")
+    pts = [r for r in records if not is_icl(r["method"])
            and not r["method"].startswith(SOURCE)]
     icl = {(r["task"], r["run"]): r["accuracy"] for r in records if r["method"] == "icl"}
     with_icl = [r for r in pts if (r["task"], r["run"]) in icl]
     return {"pooled": corr(pts),
             "per_task": {t: corr([r for r in pts if r["task"] == t]) for t in tasks},
             "icl_gap": corr(with_icl, lambda r: abs(r["accuracy"] - icl[r["task"], r["run"]]))}
+
+
+def is_icl(m: str) -> bool:
+    """An ICL reference (one prompt, a source's, the M-prompt ensemble or mean state): not a
+    method fitted to ICL, so not a point of the d_NTP correlations."""
+    return m.endswith("icl") or m in (ens.ENSEMBLE, ens.STATES)
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
@@ -416,11 +489,16 @@ def summarise(records: list[dict[str, Any]], tasks: list[str], methods: list[str
                 "extraction_seconds": statistics.fmean(ext) if ext else None,
                 "runs": len(rs),
             }
+            if rs and all("d_ntp_ensemble" in r for r in rs):  # M > 1 demonstration sets
+                e, e_std = _mean_std([r["d_ntp_ensemble"] for r in rs])
+                out["per_task"][t][m] |= {"d_ntp_ensemble": e, "d_ntp_ensemble_std": e_std}
     for m in methods:
         cells = [out["per_task"][t][m] for t in tasks]
         out["average"][m] = {
             "accuracy": statistics.fmean(c["accuracy"] for c in cells),
             "d_ntp": statistics.fmean(c["d_ntp"] for c in cells),
+            **({"d_ntp_ensemble": statistics.fmean(c["d_ntp_ensemble"] for c in cells)}
+               if all("d_ntp_ensemble" in c for c in cells) else {}),
         }
     return out
 
@@ -437,9 +515,12 @@ def markdown_table(doc: dict[str, Any]) -> str:
         model = f"Target (small) `{cfg['model']}`, source (large) `{cfg['source_model']}`"
     head = "| Method | " + " | ".join(tasks) + " | Avg. |"
     sep = "|---|" + "---|" * (len(tasks) + 1)
+    sets = cfg.get("demo_sets", 1)
+    sets_text = (f", {sets} demonstration sets per run (ICL: one prompt, its accuracy the mean "
+                 f"over the {sets} prompts)" if sets > 1 else "")
     lines = [
         (f"{model} ({cfg['dtype']}), {k_text}, N={cfg['n']}, λ={cfg['lam']}, "
-         f"{cfg['n_test']} test queries, {cfg['runs']} runs (mean ± std over runs)."),
+         f"{cfg['n_test']} test queries, {cfg['runs']} runs (mean ± std over runs){sets_text}."),
         "",
         "**Accuracy (%)**",
         "",
@@ -464,7 +545,7 @@ def markdown_table(doc: dict[str, Any]) -> str:
         lines.append("| Δ transferred − target LTV | " + " | ".join(f"{d:+.1f}" for d in deltas)
                      + f" | {avg:+.1f} |")
     ref = ("; for transferred LTV, against the source's ICL, which it is fitted to" if transfer
-           else "")
+           else f" (one prompt: the mean over the {sets} prompts)" if sets > 1 else "")
     title = (f"**d_NTP = KL(P_icl ‖ P_method) against the same model's ICL{ref}; "
              "label-restricted (lower is closer to ICL)**")
     lines += ["", title, "", head, sep]
@@ -476,6 +557,7 @@ def markdown_table(doc: dict[str, Any]) -> str:
             f"| {_row_label(m, cfg)} | " + " | ".join(cells)
             + f" | {summ['average'][m]['d_ntp']:.3f} |"
         )
+    lines += ensemble_lines(doc)
     lines += chosen_lines(doc)
     corr = doc.get("correlation")
     if corr and not transfer and corr["pooled"]["pearson"] is not None:
@@ -502,6 +584,39 @@ def markdown_table(doc: dict[str, Any]) -> str:
                           + ", ".join(f"{t} {e:.1f}"
                                       for t, e in zip(tasks, ext, strict=True) if e is not None)]
     return "\n".join(lines) + "\n"
+
+
+def ensemble_lines(doc: dict[str, Any]) -> list[str]:
+    """Over M > 1 demonstration sets: d_NTP against the ICL ensemble, and how multi-prompt LTV
+    compares with single-prompt ICL and with the ensemble's gain over zero-shot."""
+    cfg, summ = doc["config"], doc["summary"]
+    tasks, methods = cfg["tasks"], cfg["methods"]
+    if cfg.get("demo_sets", 1) < 2:
+        return []
+    head = "| Method | " + " | ".join(tasks) + " | Avg. |"
+    sep = "|---|" + "---|" * (len(tasks) + 1)
+    lines = ["", f"**d_NTP = KL(P_ensemble ‖ P_method) against the {cfg['demo_sets']}-prompt ICL "
+             "ensemble (their label distributions averaged); label-restricted**", "", head, sep]
+    for m in methods:
+        if m == ens.ENSEMBLE:
+            continue
+        cells = [f"{summ['per_task'][t][m]['d_ntp_ensemble']:.3f}" for t in tasks]
+        lines.append(f"| {method_label(m)} | " + " | ".join(cells)
+                     + f" | {summ['average'][m]['d_ntp_ensemble']:.3f} |")
+    if not {ens.MULTI, ens.ENSEMBLE, "zero-shot"} <= set(methods):
+        return lines
+    acc = {t: {m: summ["per_task"][t][m]["accuracy"] for m in methods} for t in tasks}
+    above = [t for t in tasks if acc[t][ens.MULTI] >= acc[t]["icl"]]
+    shares = []
+    for t in tasks:
+        gain = acc[t][ens.ENSEMBLE] - acc[t]["zero-shot"]
+        shares.append(f"{t} {100 * (acc[t][ens.MULTI] - acc[t]['zero-shot']) / gain:.0f} %"
+                      if gain > 0 else f"{t} – (the ensemble does not beat zero-shot)")
+    lines += ["", f"**{method_label(ens.MULTI)} at or above one-prompt ICL's accuracy** on "
+              f"{len(above)} of {len(tasks)} tasks" + (f" ({', '.join(above)})" if above else "")
+              + ". **Share of the ensemble's gain over zero-shot** it recovers: "
+              + "; ".join(shares) + "."]
+    return lines
 
 
 def chosen_lines(doc: dict[str, Any]) -> list[str]:
@@ -628,7 +743,8 @@ FIXED_COLORS = {"zero-shot": "tab:gray", "icl": "tab:green", "ltv-first": "light
 
 def method_colors() -> dict[str, str]:
     """Every plotted series' colour: the references', then each registered method's."""
-    return {**FIXED_COLORS, **{name: m.color for name, m in TASK_VECTOR_METHODS.items()}}
+    return {**FIXED_COLORS, **ens.COLORS,
+            **{name: m.color for name, m in TASK_VECTOR_METHODS.items()}}
 
 
 def bars_per_task(tasks: list[str], values: dict[str, list[float]], errors: dict[str, list[float]],

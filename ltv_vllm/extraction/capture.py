@@ -111,19 +111,33 @@ class Prefix:
     cache: DynamicCache
 
 
+def icl_states_per_set(cap: Any, episode: Any, prompts: Sequence[str],
+                       desc: str) -> list[torch.Tensor]:
+    """h(Z_m ‖ p) for each prompt, one (n, d) tensor per demonstration set Z_1..Z_M of the
+    episode (`Episode.demo_sets`), each set's prefix run once and the prompts after it."""
+    prefixes = episode.demo_prefixes()
+    if len(prefixes) == 1:
+        return [cap.icl(prefixes[0], prompts, desc=desc)]
+    return [cap.icl(prefix, prompts, desc=f"{desc}, set {m + 1}/{len(prefixes)}").float()
+            for m, prefix in enumerate(prefixes)]
+
+
 def icl_states(cap: Any, episode: Any, prompts: Sequence[str], desc: str) -> torch.Tensor:
     """h(Z ‖ p) for each prompt, averaged over the episode's demonstration sets Z_1..Z_M
     (multi-prompt fitting's target: `Episode.demo_sets`; one set: that set's states, the
     same computation as without). (n, d) float32"""
-    prefixes = episode.demo_prefixes()
-    if len(prefixes) == 1:
-        return cap.icl(prefixes[0], prompts, desc=desc)
-    total = None
-    for m, prefix in enumerate(prefixes):
-        h = cap.icl(prefix, prompts, desc=f"{desc}, set {m + 1}/{len(prefixes)}").float()
-        total = h.clone() if total is None else total + h
-    assert total is not None
-    return total / len(prefixes)
+    return mean_over_sets(icl_states_per_set(cap, episode, prompts, desc))
+
+
+def mean_over_sets(per_set: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The mean of the sets' states, summed in order (one set: that tensor itself, so one
+    set's fit is bit for bit the single-prompt fit)."""
+    if len(per_set) == 1:
+        return per_set[0]
+    total = per_set[0].clone()
+    for h in per_set[1:]:
+        total += h
+    return total / len(per_set)
 
 
 def zero_shot_states(cap: Any, task: Any, texts: Sequence[str], desc: str) -> torch.Tensor:

@@ -24,7 +24,13 @@ from ltv_vllm.core.metrics import accuracy, d_ntp
 from ltv_vllm.core.ridge import Factors, truncate
 from ltv_vllm.core.vector import DEFAULT_SHIFT_STEPS, ModelIdentity, Provenance, TaskVector
 from ltv_vllm.errors import ArgumentError
-from ltv_vllm.extraction.capture import Capturer, full_head, icl_states, zero_shot_states
+from ltv_vllm.extraction.capture import (
+    Capturer,
+    full_head,
+    icl_states_per_set,
+    mean_over_sets,
+    zero_shot_states,
+)
 from ltv_vllm.extraction.states import PromptStates
 from ltv_vllm.extraction.store import CallRecorder, StoredCapturer
 from ltv_vllm.extraction.transfer import (
@@ -159,11 +165,22 @@ class Captures:
     """One model's states for one episode, float32 (rows, d)."""
 
     h_zs: torch.Tensor       # N train queries, zero-shot
-    h_icl: torch.Tensor      # N train queries after the demos
+    h_icl: torch.Tensor      # N train queries after the demos (M sets: their mean)
     h_zs_test: torch.Tensor  # test subset, zero-shot
-    h_icl_test: torch.Tensor
+    h_icl_test: torch.Tensor  # test subset after the first set's demos
     capture_seconds: float   # the train passes (what extraction costs)
     test_seconds: float
+    # M > 1 demonstration sets, captured set by set (an evaluation's references): (M, rows, d)
+    h_icl_sets: torch.Tensor | None = None
+    h_icl_test_sets: torch.Tensor | None = None
+
+    def first_set(self) -> Captures:
+        """The states of the episode's first demonstration set alone: what a single-prompt
+        method is fitted to and scored against (one set: these captures)."""
+        if self.h_icl_sets is None:
+            return self
+        return Captures(self.h_zs, self.h_icl_sets[0], self.h_zs_test, self.h_icl_test,
+                        self.capture_seconds, self.test_seconds)
 
 
 def capture_test_zero_shot(cap: Any, task: Task, episode: Episode) -> torch.Tensor:
@@ -173,27 +190,37 @@ def capture_test_zero_shot(cap: Any, task: Task, episode: Episode) -> torch.Tens
 
 
 def capture_episode(
-    cap: Any, episode: Episode, *, h_zs_test: torch.Tensor | None = None
+    cap: Any, episode: Episode, *, h_zs_test: torch.Tensor | None = None,
+    every_set: bool = False,
 ) -> Captures:
-    """Every pass an episode needs; `cap` is a Capturer or a StoredCapturer."""
+    """Every pass an episode needs; `cap` is a Capturer or a StoredCapturer. `every_set`
+    (an evaluation of M > 1 demonstration sets): each set's train and test states kept, the
+    test queries run after every set's demos (the ICL ensemble); otherwise the test's ICL
+    reference is the first set's prompt."""
     task = episode.task
-    prefix = episode.demo_prefix()
     queries = [task.query(e.text) for e in episode.queries]
     t0 = time.perf_counter()
     h_zs = zero_shot_states(cap, task, [e.text for e in episode.queries],
                             desc=f"{task.name} zero-shot train")  # (N, d)
-    # (N, d): the mean over the demonstration sets (one set: its states)
-    h_icl = icl_states(cap, episode, queries, desc=f"{task.name} icl train")
+    per_set = icl_states_per_set(cap, episode, queries, desc=f"{task.name} icl train")
+    h_icl = mean_over_sets(per_set)  # (N, d): one set, its states
     t1 = time.perf_counter()
+    sets = torch.stack(per_set) if every_set and len(per_set) > 1 else None
     if not episode.test:  # a compiled task without labelled examples: nothing to score
         empty = h_zs.new_zeros(0, h_zs.shape[1])
         return Captures(h_zs, h_icl, empty, empty, t1 - t0, 0.0)
     if h_zs_test is None:
         h_zs_test = capture_test_zero_shot(cap, task, episode)
     test_queries = [task.query(e.text) for e in episode.test]
-    h_icl_test = cap.icl(prefix, test_queries, desc=f"{task.name} icl test")
+    if sets is None:
+        h_icl_test = cap.icl(episode.demo_prefix(), test_queries, desc=f"{task.name} icl test")
+        test_sets = None
+    else:
+        test_sets = torch.stack(icl_states_per_set(cap, episode, test_queries,
+                                                   desc=f"{task.name} icl test"))
+        h_icl_test = test_sets[0]
     t2 = time.perf_counter()
-    return Captures(h_zs, h_icl, h_zs_test, h_icl_test, t1 - t0, t2 - t1)
+    return Captures(h_zs, h_icl, h_zs_test, h_icl_test, t1 - t0, t2 - t1, sets, test_sets)
 
 
 def episode_prompts(episode: Episode) -> list[str]:
@@ -201,7 +228,9 @@ def episode_prompts(episode: Episode) -> list[str]:
     learnt by running it against a recorder: what an engine that captures ahead of the
     pipeline (`--engine vllm`) is sent."""
     rec = CallRecorder()
-    capture_episode(rec, episode)
+    # every set's test prompts too: what an evaluation of M > 1 sets asks for (an extraction
+    # reads the first set's of them; the others share their set's cached demonstrations)
+    capture_episode(rec, episode, every_set=True)
     return list(dict.fromkeys(context + p for _, context, prompts in rec.calls
                               for p in prompts))
 
