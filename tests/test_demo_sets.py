@@ -283,3 +283,48 @@ def test_cli_evaluate_demo_sets(tmp_path, soft_model_dir, task_file, task):
     assert set(doc["inference_cost"]["toy"]) == {"zero-shot", "icl", "ltv", "ltv-multi", "mean"}
     md = (out / "results.md").read_text()
     assert "2-prompt ICL ensemble" in md and "| LTV, M prompts |" in md
+
+
+def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, task):
+    """`bench scaling` captures once at the largest N and fits every smaller N on the first
+    N queries: its N = 12 rows (the largest) equal `evaluate --n 12 --demo-sets 2`'s, and
+    its N = 6 paper's-LTV row equals `evaluate --n 6`'s (the same first set and queries)."""
+    import json
+
+    from click.testing import CliRunner
+
+    import ltv_vllm.evaluation.evaluate as ev
+    from ltv_vllm.cli import main
+
+    out = tmp_path / "scaling"
+    r = CliRunner().invoke(main, ["bench", "scaling", "--model", str(soft_model_dir), "--tasks",
+                                  str(task_file), "--ns", "12,6", "--demo-sets", "2", "--runs",
+                                  "1", "--k", "6", "--n-test", "10", "--batch-size", "4",
+                                  "--lam", "0.05", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "results.json").read_text())
+    assert (out / "recovery_vs_n.png").is_file() and not (out / "partial.json").exists()
+    rows = {row["n"]: row for row in doc["rows"]}
+    assert sorted(rows) == [6, 12]
+    lm = load_model(str(soft_model_dir), dtype="float32")
+
+    def records(n: int, sets: int) -> dict:
+        cfg = ev.EvalConfig(k=6, n=n, n_test=10, runs=1, n_val=0, batch_size=4,
+                            cost_samples=0, demo_sets=sets, lam=0.05)
+        doc = ev.evaluate(lm, [task], ["zero-shot", "ltv", *(["ltv-multi", "icl-ensemble"]
+                                                if sets > 1 else [])], cfg, progress=False)
+        return {rec["method"]: rec for rec in doc["records"]}
+
+    full = records(12, 2)
+    for m in ("zero-shot", "icl", "icl-ensemble", "ltv", "ltv-multi"):
+        got = rows[12]["scores"][m]
+        assert got["accuracy"] == full[m]["accuracy"], m
+        assert got["d_ntp"] == pytest.approx(full[m]["d_ntp"], rel=1e-5, abs=1e-9), m
+        assert got["d_ntp_ensemble"] == pytest.approx(full[m]["d_ntp_ensemble"], rel=1e-5,
+                                                      abs=1e-9), m
+    small = records(6, 1)
+    assert rows[6]["scores"]["ltv"]["accuracy"] == small["ltv"]["accuracy"]
+    assert rows[6]["capture_seconds"]["ltv"] < rows[12]["capture_seconds"]["ltv"]
+    assert rows[12]["capture_seconds"]["ltv-multi"] > rows[12]["capture_seconds"]["ltv"]
+    md = (out / "results.md").read_text()
+    assert "## N = 6" in md and "## N = 12" in md and "LTV, 2 prompts" in md

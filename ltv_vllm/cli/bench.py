@@ -19,6 +19,7 @@ from ltv_vllm.cli.base import (
     _command_line,
     _csv,
     _engine_options,
+    _format_options,
     _ints,
     _task_specs,
     friendly,
@@ -359,3 +360,59 @@ def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int,
                      dtype=dtype, out_dir=out_dir, command=_command_line(),
                      log=lambda m: click.echo(m, err=True))
     click.echo(rank_markdown(doc))
+
+
+@bench.command("scaling")
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
+@click.option("--tasks", "task_list", default="packaged", show_default=True,
+              help="Comma-separated task names/spec files, or 'packaged' for all seven.")
+@click.option("--ns", default="64,256,1024", show_default=True,
+              help="Train query counts N to fit at (each smaller N: the first N queries of the "
+                   "largest; captured once, in nested slices).")
+@click.option("--demo-sets", default=4, show_default=True,
+              help="Demonstration sets M per episode (multi-prompt LTV fits their mean state; "
+                   "1: the paper's LTV alone).")
+@click.option("--runs", default=3, show_default=True,
+              help="Episodes per task (seeds seed, seed+1, ...).")
+@click.option("--k", default=30, show_default=True)
+@_LAM
+@click.option("--n-test", default=100, show_default=True)
+@_SEED
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--dtype", default="float32", show_default=True, type=DTYPE, help=DTYPE_HELP)
+@_format_options
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/scaling"), show_default=True)
+@friendly
+def bench_scaling_cmd(model_spec: str, task_list: str, ns: str, demo_sets: int, runs: int,
+                      k: int, lam: float, n_test: int, seed: int, batch_size: int, dtype: str,
+                      prompt_format: Any, out_dir: Path) -> None:
+    """Recovery of ICL's accuracy against N, for the paper's LTV and multi-prompt LTV, with
+    the ICL ensemble and the capture time (rerun the same command to resume)."""
+    from ltv_vllm.bench.scaling import bench_scaling, scaling_markdown
+    from ltv_vllm.models.loading import load_tokenizer
+    from ltv_vllm.pipeline.extract import ExtractOptions, check_counts, plan_episode
+    from ltv_vllm.tasks.specs import get_tasks, label_token_ids
+
+    sizes = _ints(ns)
+    for n in sizes:
+        check_counts(n=n)
+    check_counts(runs=runs, k=k, lam=lam, n_test=n_test, batch_size=batch_size)
+    if demo_sets < 1:
+        raise ArgumentError(f"--demo-sets must be at least 1, got {demo_sets}")
+    prompt_format.check(["ltv"])
+    check_writable(out_dir, option="--out", directory=True)
+    tok = load_tokenizer(model_spec)
+    tasks = [prompt_format.render(t, tok) for t in get_tasks(task_list)]
+    for t in tasks:  # labels, k, N and the sets against each task's data, before the model
+        label_token_ids(t, tok)
+        plan_episode(t, ExtractOptions(k=k, n=max(sizes), n_test=n_test, seed=seed, n_val=0,
+                                       demo_sets=demo_sets))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = out_dir / "partial.json"  # rewritten after every episode; rerun to resume
+    doc = bench_scaling(model_spec, tasks, ns=sizes, demo_sets=demo_sets, runs=runs, k=k,
+                        lam=lam, n_test=n_test, seed=seed, batch_size=batch_size, dtype=dtype,
+                        out_dir=out_dir, command=_command_line(), checkpoint=partial,
+                        log=lambda m: click.echo(m, err=True))
+    partial.unlink(missing_ok=True)
+    click.echo(scaling_markdown(doc))

@@ -1,0 +1,286 @@
+"""How much of ICL a vector recovers against N, from one prompt and from M (issue 54).
+
+Per task and run, one episode at the largest N with M demonstration sets, captured once:
+  * the train queries of a smaller N are the first N of them (`sample_episode` draws its
+    queries one by one from a seeded stream, so the N = 256 queries are the N = 1,024 ones'
+    first 256: the episode `evaluate --n 256` fits on, save that its further demonstration
+    sets are drawn among the examples the larger N leaves free);
+  * their states are captured in nested slices, each timed, so the capture time of N is the
+    sum of its slices' (zero-shot and the first set for the paper's LTV; every set for
+    multi-prompt LTV);
+  * the test subset's zero-shot states and every set's ICL states once.
+For every N, the registry's `ltv` is fitted to the first set's states (the paper's LTV) and
+to the mean of the M sets' (multi-prompt LTV), and everything is scored with
+`evaluation.ensemble`: accuracy, d_NTP against one prompt and against the M-prompt ensemble.
+
+Recovery is (acc − acc_zero-shot) / (acc_ref − acc_zero-shot) against single-prompt ICL and
+against the ensemble, reported only where the reference beats zero-shot.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ltv_vllm.core.fileio import save_figure
+from ltv_vllm.evaluation import ensemble as ens
+from ltv_vllm.models.hardware import machine_line
+
+FITS = ("ltv", ens.MULTI)  # the paper's LTV (first set), multi-prompt LTV (the sets' mean)
+REFS = ("zero-shot", "icl", ens.ENSEMBLE, ens.STATES)
+
+
+def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], demo_sets: int,
+                  runs: int, k: int, lam: float, n_test: int, seed: int, batch_size: int,
+                  dtype: str, out_dir: Path, command: str, checkpoint: Path | None = None,
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the sweep (resuming from `checkpoint`), write results.json / .md and the plot."""
+    import torch
+
+    from ltv_vllm.bench import report
+    from ltv_vllm.bench.workload import machine
+    from ltv_vllm.evaluation.sweep import Sweep
+    from ltv_vllm.extraction.capture import (
+        Capturer,
+        icl_states_per_set,
+        label_head,
+        zero_shot_states,
+    )
+    from ltv_vllm.methods import Context, MethodOptions, score_methods
+    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.pipeline.extract import ExtractOptions, capture_test_zero_shot, plan_episode
+    from ltv_vllm.tasks.specs import label_token_ids
+
+    ns = sorted(set(ns))
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    lm = load_model(model_spec, dtype=dtype)
+    cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=True)
+    config = {"model": model_spec, "dtype": str(lm.model.dtype).removeprefix("torch."),
+              "tasks": [t.name for t in tasks], "ns": ns, "demo_sets": demo_sets, "k": k,
+              "lam": lam, "n_test": n_test, "runs": runs, "seed": seed,
+              "format": tasks[0].prompt_format if tasks else "completion"}
+    sweep = Sweep(config, config["tasks"], runs, checkpoint=checkpoint, desc="scaling runs")
+    by_name = {t.name: t for t in tasks}
+    current = None
+    for name, run in sweep:
+        task = by_name[name]
+        ep = plan_episode(task, ExtractOptions(k=k, n=ns[-1], lam=lam, seed=seed + run,
+                                               n_test=n_test, n_val=0, demo_sets=demo_sets))
+        if name != current:  # per task: its label rows and (shared) zero-shot test states
+            current = name
+            label_ids = label_token_ids(task, lm.tokenizer)
+            w_c, b_c = label_head(lm.model, label_ids)
+            h_zs_test = capture_test_zero_shot(cap, task, ep)
+        labels = torch.tensor([e.label for e in ep.test])
+        test_sets = torch.stack(icl_states_per_set(cap, ep, [task.query(e.text) for e in ep.test],
+                                                   desc=f"{name} icl test"))
+        z_sets, refs = ens.references(test_sets, w_c, b_c)
+        # train states in nested slices [0, n_1), [n_1, n_2), ...: each slice timed
+        zs, sets, seconds = [], [], []
+        lo = 0
+        for n in ns:
+            qs = ep.queries[lo:n]
+            t0 = time.perf_counter()
+            zs.append(zero_shot_states(cap, task, [e.text for e in qs],
+                                       desc=f"{name} zero-shot train {lo}:{n}"))
+            t1 = time.perf_counter()
+            per_set, per_set_seconds = [], []
+            for m, prefix in enumerate(ep.demo_prefixes()):
+                t2 = time.perf_counter()
+                per_set.append(cap.icl(prefix, [task.query(e.text) for e in qs],
+                                       desc=f"{name} icl train {lo}:{n}, set {m + 1}").float())
+                per_set_seconds.append(time.perf_counter() - t2)
+            sets.append(torch.stack(per_set))
+            seconds.append({"zero_shot": t1 - t0, "sets": per_set_seconds})
+            lo = n
+        h_zs_all = torch.cat(zs)
+        h_sets_all = torch.cat(sets, 1)  # (M, N_max, d)
+        recs = []
+        for i, n in enumerate(ns):
+            zs_s = sum(s["zero_shot"] for s in seconds[:i + 1])
+            set_s = [sum(s["sets"][m] for s in seconds[:i + 1]) for m in range(demo_sets)]
+            logits = {"zero-shot": h_zs_test @ w_c.T + b_c, "icl": z_sets[0], **refs}
+            fit_seconds = {}
+            for fit, target in (("ltv", h_sets_all[0, :n]), (ens.MULTI, h_sets_all[:, :n].mean(0))):
+                if fit == ens.MULTI and demo_sets == 1:
+                    continue
+                ctx = Context(cap, ep, label_ids, MethodOptions(
+                    lam=lam, batch_size=batch_size, progress=False), identity=lm.identity,
+                    h_zs=h_zs_all[:n], h_icl=target)
+                t0 = time.perf_counter()
+                sc = score_methods(ctx, ["ltv"], h_zs_test, test_sets[0], labels,
+                                   head=(w_c, b_c))
+                fit_seconds[fit] = time.perf_counter() - t0
+                logits[fit] = sc.logits["ltv"]
+            scores = ens.set_scores(logits, z_sets, labels)
+            recs.append({"task": name, "run": run, "seed": seed + run, "n": n,
+                         "scores": scores,
+                         "capture_seconds": {"ltv": zs_s + set_s[0],
+                                             ens.MULTI: zs_s + sum(set_s)},
+                         "fit_seconds": fit_seconds})
+        sweep.finish(name, run, recs)
+        last = recs[-1]["scores"]
+        log(f"{name} run {run}: N={ns[-1]} zero-shot {100 * last['zero-shot']['accuracy']:.1f}% "
+            f"ICL {100 * last['icl']['accuracy']:.1f}% ensemble "
+            f"{100 * last[ens.ENSEMBLE]['accuracy']:.1f}% LTV {100 * last['ltv']['accuracy']:.1f}%"
+            + (f" multi {100 * last[ens.MULTI]['accuracy']:.1f}%" if ens.MULTI in last else ""))
+    rows = sweep.records
+    doc = {"command": command, **config, "threads": torch.get_num_threads(),
+           "machine": machine(), "started": started,
+           "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+           "wall_seconds": sweep.wall_seconds, "rows": rows, "summary": summarise(rows)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report.write(doc, out_dir, scaling_markdown(doc))
+    doc["plots"] = [str(scaling_plot(doc, out_dir))]
+    return doc
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs)
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """{N: {task: {method: {accuracy, d_ntp, d_ntp_ensemble, accuracy_std}}, capture
+    seconds}}: means over runs; recovery per task from the means."""
+    out: dict[str, Any] = {}
+    for n in sorted({r["n"] for r in rows}):
+        at = [r for r in rows if r["n"] == n]
+        per_task: dict[str, Any] = {}
+        for t in dict.fromkeys(r["task"] for r in at):
+            rs = [r for r in at if r["task"] == t]
+            methods = list(rs[0]["scores"])
+            cell = {}
+            for m in methods:
+                accs = [r["scores"][m]["accuracy"] for r in rs]
+                cell[m] = {"accuracy": _mean(accs),
+                           "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                           "d_ntp": _mean([r["scores"][m]["d_ntp"] for r in rs]),
+                           "d_ntp_ensemble": _mean([r["scores"][m]["d_ntp_ensemble"]
+                                                    for r in rs])}
+            for fit in FITS:
+                if fit in cell:
+                    cell[fit]["recovery"] = recovery(cell, fit, "icl")
+                    cell[fit]["recovery_ensemble"] = recovery(cell, fit, ens.ENSEMBLE)
+                    cell[fit]["capture_seconds"] = _mean([r["capture_seconds"][fit] for r in rs])
+            per_task[t] = cell
+        out[str(n)] = per_task
+    return out
+
+
+def recovery(cell: dict[str, Any], fit: str, ref: str) -> float | None:
+    """(acc_fit − acc_zs) / (acc_ref − acc_zs), None where the reference does not beat
+    zero-shot (there is no gain to recover)."""
+    zs = cell["zero-shot"]["accuracy"]
+    gain = cell[ref]["accuracy"] - zs
+    return (cell[fit]["accuracy"] - zs) / gain if gain > 0 else None
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.0f} %"
+
+
+def scaling_markdown(doc: dict[str, Any]) -> str:
+    s = doc["summary"]
+    ns = [str(n) for n in doc["ns"]]
+    tasks = doc["tasks"]
+    M = doc["demo_sets"]
+    label = {"zero-shot": "Zero-shot", "icl": "ICL, one prompt (mean over the M)",
+             ens.ENSEMBLE: f"ICL ensemble ({M} prompts)", ens.STATES: "ICL, states averaged",
+             "ltv": "LTV (paper: one prompt)", ens.MULTI: f"LTV, {M} prompts"}
+    lines = ["# Multi-prompt fitting and N: recovery of ICL's accuracy", "", "```",
+             doc["command"], "```", "",
+             (f"Model `{doc['model']}` ({doc['dtype']}, {doc['format']} format), k={doc['k']}, "
+              f"M={M} demonstration sets, λ={doc['lam']}, {doc['n_test']} test queries, "
+              f"{doc['runs']} run(s) per task (means over runs; ± the std over runs); "
+              f"{machine_line(doc['machine'])}, {doc['threads']} threads; "
+              f"wall time {doc['wall_seconds'] / 60:.1f} min."), ""]
+    for n in ns:
+        methods = [m for m in label if m in s[n][tasks[0]]]
+        head = "| Method | " + " | ".join(tasks) + " | Avg. |"
+        sep = "|---|" + "---|" * (len(tasks) + 1)
+        lines += [f"## N = {n}", "", "**Accuracy (%)**", "", head, sep]
+        for m in methods:
+            cells = [s[n][t][m] for t in tasks]
+            lines.append(f"| {label[m]} | " + " | ".join(
+                f"{100 * c['accuracy']:.1f} ± {100 * c['accuracy_std']:.1f}" for c in cells)
+                + f" | {100 * _mean([c['accuracy'] for c in cells]):.1f} |")
+        for key, title in (("d_ntp", "d_NTP against one prompt (mean KL over the M prompts)"),
+                           ("d_ntp_ensemble", f"d_NTP against the {M}-prompt ensemble")):
+            lines += ["", f"**{title}**", "", head, sep]
+            for m in methods:
+                if m == ("icl" if key == "d_ntp" else ens.ENSEMBLE):
+                    continue
+                cells = [s[n][t][m][key] for t in tasks]
+                lines.append(f"| {label[m]} | " + " | ".join(f"{c:.3f}" for c in cells)
+                             + f" | {_mean(cells):.3f} |")
+        lines += ["", "**Recovery** (share of the reference's accuracy gain over zero-shot; "
+                  "– where the reference does not beat zero-shot) and capture time per run",
+                  "", "| Fit | against | " + " | ".join(tasks) + " | capture (s, mean) |",
+                  "|---|---|" + "---|" * (len(tasks) + 1)]
+        for fit in FITS:
+            if fit not in s[n][tasks[0]]:
+                continue
+            cap = _mean([s[n][t][fit]["capture_seconds"] for t in tasks])
+            for key, ref in (("recovery", "one prompt"), ("recovery_ensemble", "ensemble")):
+                lines.append(f"| {label[fit]} | {ref} | " + " | ".join(
+                    _pct(s[n][t][fit][key]) for t in tasks) + f" | {cap:.1f} |")
+        if ens.MULTI in s[n][tasks[0]]:
+            above = [t for t in tasks
+                     if s[n][t][ens.MULTI]["accuracy"] >= s[n][t]["icl"]["accuracy"]]
+            lines += ["", f"{label[ens.MULTI]} at or above one-prompt ICL's accuracy on "
+                      f"**{len(above)} of {len(tasks)}** tasks"
+                      + (f" ({', '.join(above)})" if above else "") + "."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def scaling_plot(doc: dict[str, Any], out_dir: Path) -> Path:
+    """Recovery against N (log scale) per task, both fits, against one prompt and against
+    the ensemble; the capture time per run beside them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s, tasks, ns = doc["summary"], doc["tasks"], doc["ns"]
+    fits = [f for f in FITS if f in s[str(ns[0])][tasks[0]]]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, key, title in ((axes[0], "recovery", "against one ICL prompt"),
+                           (axes[1], "recovery_ensemble",
+                            f"against the {doc['demo_sets']}-prompt ensemble")):
+        for t in tasks:
+            color = None
+            for fit, style in zip(fits, ("o-", "s--"), strict=False):
+                pts = [(n, s[str(n)][t][fit][key]) for n in ns]
+                pts = [(n, 100 * v) for n, v in pts if v is not None]
+                if not pts:
+                    continue
+                line, = ax.plot(*zip(*pts, strict=True), style, color=color,
+                                label=f"{t} {'LTV' if fit == 'ltv' else 'multi'}")
+                color = line.get_color()
+        ax.axhline(100, color="gray", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (unlabeled queries)")
+        ax.set_ylabel("recovery (% of the gain over zero-shot)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6, ncols=2)
+    ax = axes[2]
+    for fit, style in zip(fits, ("o-", "s--"), strict=False):
+        ax.plot(ns, [_mean([s[str(n)][t][fit]["capture_seconds"] for t in tasks]) for n in ns],
+                style, label="LTV (zero-shot + 1 set)" if fit == "ltv"
+                else f"multi (zero-shot + {doc['demo_sets']} sets)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("N")
+    ax.set_ylabel("capture seconds per run (mean over tasks)")
+    ax.set_title(f"capture time ({machine_line(doc['machine'])})", fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.suptitle(f"{doc['model']} ({doc['dtype']}, {doc['format']}): recovery against N, "
+                 f"k={doc['k']}, {doc['runs']} run(s)")
+    fig.tight_layout()
+    return save_figure(fig, out_dir / "recovery_vs_n.png")
