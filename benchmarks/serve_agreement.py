@@ -10,6 +10,8 @@ through it. Reports agreement, both accuracies and the largest gap in label prob
         --vector sst2.transfer.pt --n-test 100      # a cross-model (logit-space) vector
     python benchmarks/serve_agreement.py --task trec --format chat --n-test 200 \
         --out benchmarks/results/serve_agreement_chat   # fitted and asked through chat
+    python benchmarks/serve_agreement.py --task trec --demo-sets 4 --dtype float32 \
+        --n-test 200 --out benchmarks/results/serve_agreement_multi   # multi-prompt vector
 """
 
 from __future__ import annotations
@@ -55,8 +57,11 @@ def _port() -> int:
               default="completion", show_default=True,
               help="chat: the vector fitted through the model's chat template, the server "
                    "asked through /v1/chat/completions (no opt-in).")
+@click.option("--demo-sets", default=1, show_default=True,
+              help="Extract a multi-prompt vector: fitted to the mean ICL state over this many "
+                   "demonstration sets (`extract --demo-sets`).")
 def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtype: str,
-         out: str, prompt_format: str) -> None:
+         out: str, prompt_format: str, demo_sets: int) -> None:
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     plain = get_task(task_name)
@@ -64,7 +69,8 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
     task = chat_task(plain, lm.tokenizer) if prompt_format == "chat" else plain
     dtype = str(lm.model.dtype).removeprefix("torch.")  # resolved: the server gets the same
     if vector is None:
-        tv = extract(lm, task, "ltv", ExtractOptions(n_test=n_test)).artifact
+        tv = extract(lm, task, "ltv", ExtractOptions(n_test=n_test,
+                                                     demo_sets=demo_sets)).artifact
         vector = tv.save(out_dir / f"{task.name}.safetensors")
     tv = load_task_vector(vector)
     test = sample_test(load_dataset(task), n_test=n_test)
@@ -126,6 +132,7 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
         "accuracy_transformers": (ref_pred == labels).double().mean().item(),
         "accuracy_server": (srv_pred == labels).double().mean().item(),
         "vector_kind": tv.kind,
+        "demo_sets": tv.meta.get("demo_sets", 1),  # a multi-prompt vector's sets
         "accuracy_recorded_at_extraction": (tv.provenance.metrics or {}).get(
             tv.provenance.method or "ltv", {}).get("accuracy"),
         "max_abs_prob_gap": (srv_probs - ref_probs).abs().max().item(),
@@ -137,6 +144,8 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
     summary = (f"{task.name} on {model_spec} ({doc['dtype']}; {machine_line(doc['machine'])}), "
                f"{'through chat, ' if prompt_format == 'chat' else ''}"
+               + (f"a multi-prompt vector ({doc['demo_sets']} demonstration sets), "
+                  if doc["demo_sets"] > 1 else "") +
                f"{len(texts)} test texts: server vs "
                f"transformers agreement {100 * agree:.1f}%, "
                f"accuracy {100 * doc['accuracy_server']:.1f}% "

@@ -62,7 +62,12 @@ def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], d
               "tasks": [t.name for t in tasks], "ns": ns, "demo_sets": demo_sets, "k": k,
               "lam": lam, "n_test": n_test, "runs": runs, "seed": seed,
               "format": tasks[0].prompt_format if tasks else "completion"}
-    sweep = Sweep(config, config["tasks"], runs, checkpoint=checkpoint, desc="scaling runs")
+    # an episode depends on its task, seed and run alone: a sweep grown by tasks or runs (the
+    # same command otherwise) keeps the episodes a finished one in out_dir, or a checkpoint,
+    # holds
+    fixed = {k: v for k, v in config.items() if k not in ("tasks", "runs")}
+    sweep = Sweep(fixed, config["tasks"], runs, checkpoint=checkpoint, desc="scaling runs",
+                  state=_finished_state(out_dir, fixed, config["tasks"], runs, checkpoint))
     by_name = {t.name: t for t in tasks}
     current = None
     for name, run in sweep:
@@ -136,6 +141,31 @@ def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], d
     report.write(doc, out_dir, scaling_markdown(doc))
     doc["plots"] = [str(scaling_plot(doc, out_dir))]
     return doc
+
+
+def _finished_state(out_dir: Path, fixed: dict[str, Any], tasks: list[str], runs: int,
+                    checkpoint: Path | None) -> dict[str, Any] | None:
+    """The episodes of a finished sweep in out_dir with the same settings (but its tasks and
+    runs) that this one asks for; None (a checkpoint's, or fresh) where there is none."""
+    import json
+
+    from ltv_vllm.evaluation.sweep import read_checkpoint
+
+    try:
+        old = json.loads((out_dir / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(old, dict) or any(old.get(k) != v for k, v in fixed.items()):
+        return None
+    state = read_checkpoint(checkpoint, fixed)  # a checkpoint under way goes on from there
+    have = {(r["task"], r["run"]) for r in state["records"]}
+    keep = [r for r in old.get("rows", []) if r["task"] in tasks and r["run"] < runs
+            and (r["task"], r["run"]) not in have]
+    done = sorted({(r["task"], r["run"]) for r in keep} | {tuple(d) for d in state["done"]})
+    # a checkpoint begun from this finished sweep already counts its time
+    wall = state["wall_seconds"] if state["done"] else float(old.get("wall_seconds") or 0.0)
+    return {"records": state["records"] + keep, "costs": {}, "done": [list(d) for d in done],
+            "wall_seconds": wall}
 
 
 def _mean(xs: list[float]) -> float:
