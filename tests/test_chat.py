@@ -229,3 +229,48 @@ def test_the_gate_reads_each_vectors_rendering(monkeypatch):
     for k, v in chat_env({"": mine}, other).items():
         monkeypatch.setenv(k, v)
     assert "this server renders chat with" in why("/v1/chat/completions", chat)
+
+
+def test_evaluate_over_demo_sets_through_chat(chat_tokenizer, tmp_path):
+    """`evaluate --format chat --demo-sets 2`: each set's prompt is the template's rendering
+    of that set's turns; every prompt's accuracy from transformers' forward over the
+    conversation written out by hand; the multi-prompt rows are there (not refused)."""
+    import ltv_vllm.evaluation.evaluate as ev
+    from conftest import write_toy_task
+    from ltv_vllm.extraction.capture import label_head
+    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.tasks.data import load_dataset, sample_episode
+    from ltv_vllm.tasks.specs import get_task
+
+    model = make_llama(len(chat_tokenizer), seed=3)
+    model.save_pretrained(tmp_path / "m")
+    chat_tokenizer.save_pretrained(tmp_path / "m")
+    lm = load_model(str(tmp_path / "m"), dtype="float32")
+    toy = chat_task(get_task(str(write_toy_task(tmp_path, ["dull", "witty", "plot"]))),
+                    lm.tokenizer)
+    cfg = ev.EvalConfig(k=4, n=8, n_test=6, runs=1, n_val=0, cost_samples=0, batch_size=2,
+                        demo_sets=2)
+    doc = ev.evaluate(lm, [toy], [], cfg, progress=False)
+    rec = {r["method"]: r for r in doc["records"]}
+    assert {"icl-ensemble", "ltv-multi"} <= set(rec)
+    ep = sample_episode(load_dataset(toy), k=4, n=8, n_test=6, seed=0, n_val=0, demo_sets=2)
+    w, b = label_head(model, label_token_ids(toy, chat_tokenizer))
+    labels = torch.tensor([e.label for e in ep.test])
+
+    def ref(conversation):
+        text = chat_tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=True)
+        ids = chat_tokenizer(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            return model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+
+    probs = []
+    for demos in ep.demo_sets:
+        h = torch.stack([ref(by_hand(demos, e.text, "turns")) for e in ep.test]).double()
+        probs.append(torch.softmax(h @ w.double().T + b.double(), -1))
+    accs = [float((p.argmax(-1) == labels).double().mean()) for p in probs]
+    assert rec["icl"]["params"]["set_accuracy"] == accs
+    p_ens = sum(probs) / 2
+    kl = [float((p * (p.log() - p_ens.log())).sum(-1).mean()) for p in probs]
+    assert min(kl) > 1e-4  # the two prompts answer differently
+    assert rec["icl-ensemble"]["d_ntp"] == pytest.approx(sum(kl) / 2, rel=1e-4, abs=1e-8)

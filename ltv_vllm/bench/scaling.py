@@ -57,7 +57,8 @@ def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], d
     ns = sorted(set(ns))
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     lm = load_model(model_spec, dtype=dtype)
-    cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=True)
+    cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=True,
+                   special_tokens=all(t.special_tokens for t in tasks))  # chat: in the template
     config = {"model": model_spec, "dtype": str(lm.model.dtype).removeprefix("torch."),
               "tasks": [t.name for t in tasks], "ns": ns, "demo_sets": demo_sets, "k": k,
               "lam": lam, "n_test": n_test, "runs": runs, "seed": seed,

@@ -507,6 +507,7 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
     (methods zero-shot, icl, ltv, ltv-first, mean, mlp, i2cl); MSE, parse rate and the
     first-token KL to ICL.
     """
+    from ltv_vllm.evaluation.ensemble import METHODS as MULTI_PROMPT
     from ltv_vllm.evaluation.evaluate import (
         EvalConfig,
         markdown_table,
@@ -535,7 +536,9 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
                             "alone: no --source-model, --device, --vllm or regression task")
     device = resolve_device(model.device)
     kinds = {t.kind for t in tasks_}
-    prompt_format.check(_csv(methods) if methods else [], regression="regression" in kinds,
+    # the multi-prompt references and LTV are scored on final states, as ltv is
+    prompt_format.check([m for m in _csv(methods or "") if m not in MULTI_PROMPT],
+                        regression="regression" in kinds,
                         transfer=source_opts is not None, engine=capture.engine)
     if len(kinds) > 1:
         raise ArgumentError("--tasks mixes classification and regression tasks; evaluate them "

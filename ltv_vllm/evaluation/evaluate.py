@@ -222,7 +222,8 @@ def evaluate(
     if len({t.prompt_format for t in tasks}) > 1:
         raise ArgumentError("an evaluation renders every task one way (--format)")
     for t in tasks:  # a chat rendering: its methods, and its pieces on the first episode
-        check_format(list(methods), t, lm, plan[t.name][0])
+        # (the multi-prompt references and LTV are scored on final states, as ltv is)
+        check_format([m for m in methods if m not in ens.METHODS], t, lm, plan[t.name][0])
     cap = capturer_for(lm, cfg.batch_size, progress,
                        special_tokens=all(t.special_tokens for t in tasks))
     on_states = isinstance(lm, CapturedModel)  # no model here: nothing to time a forward of
