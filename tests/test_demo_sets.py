@@ -338,3 +338,8 @@ def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, 
     grown = json.loads((out / "results.json").read_text())
     assert [row for row in grown["rows"] if row["run"] == 0] == doc["rows"]
     assert sorted({row["run"] for row in grown["rows"]}) == [0, 1] and len(grown["rows"]) == 4
+    # re-rendered from results.json alone: the same table
+    before = (out / "results.md").read_text()
+    r = CliRunner().invoke(main, ["bench", "report", str(out)])
+    assert r.exit_code == 0, r.output
+    assert (out / "results.md").read_text() == before

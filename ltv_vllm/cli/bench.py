@@ -165,10 +165,16 @@ def bench_icl_cost_cmd(model_spec: str, task_list: str, ks: str, n_per_task: int
 @bench.command("report")
 @click.argument("out_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
 def bench_report_cmd(out_dir: Path) -> None:
-    """Re-render a serving or icl-cost result directory from its results.json."""
-    from ltv_vllm.bench.serving import rerender
+    """Re-render a serving, icl-cost or scaling result directory from its results.json."""
+    import json
 
-    rerender(out_dir)
+    from ltv_vllm.bench import scaling, serving
+
+    try:
+        doc = json.loads((out_dir / "results.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ArgumentError(f"{out_dir / 'results.json'}: unreadable ({e})") from None
+    (scaling if isinstance(doc, dict) and "demo_sets" in doc else serving).rerender(out_dir)
     click.echo((out_dir / "results.md").read_text())
 
 
