@@ -251,6 +251,7 @@ def evaluate(
                 if on_states:  # one engine run for every episode: its share of that time
                     c.capture_seconds = lm.seconds_for((1 + cfg.demo_sets)
                                                        * len(episode.queries))
+                    c.first_seconds = lm.seconds_for(2 * len(episode.queries))
                 _save_episode(checkpoint, *where, c, None)
             opts = cfg.method_options(seed, progress, getattr(cap, "batch_size", None))
             # every method but multi-prompt LTV: the first set's prompt, as the paper's
@@ -415,7 +416,8 @@ def _save_episode(checkpoint: str | Path | None, key: str, task: str, run: int,
             methods[m] = {"extraction_seconds": scores.extraction_seconds[m],
                           "params": scores.params.get(m)}
     header = {"key": key, "task": task, "run": run, "capture_seconds": c.capture_seconds,
-              "test_seconds": c.test_seconds, "methods": methods}
+              "test_seconds": c.test_seconds, "first_seconds": c.first_seconds,
+              "methods": methods}
     # copies: safetensors refuses tensors sharing memory (the first set's test states)
     tensors = {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}
     atomic_write(episode_checkpoint(checkpoint), lambda tmp: save_file(
@@ -435,7 +437,7 @@ def _load_episode(checkpoint: str | Path | None, key: str, task: str, run: int
             return None, {}
         c = Captures(t["h_zs"], t["h_icl"], t["h_zs_test"], t["h_icl_test"],
                      float(header["capture_seconds"]), float(header["test_seconds"]),
-                     t.get("h_icl_sets"), t.get("h_icl_test_sets"))
+                     t.get("h_icl_sets"), t.get("h_icl_test_sets"), header.get("first_seconds"))
         scored = {m: {**v, "logits": t[f"logits.{m}"]} for m, v in header["methods"].items()}
     except (VectorError, TypeError, KeyError, ValueError):
         return None, {}

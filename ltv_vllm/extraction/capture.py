@@ -19,6 +19,7 @@ the result is always h(Z ‖ x).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,15 +112,25 @@ class Prefix:
     cache: DynamicCache
 
 
-def icl_states_per_set(cap: Any, episode: Any, prompts: Sequence[str],
-                       desc: str) -> list[torch.Tensor]:
+def icl_states_per_set(cap: Any, episode: Any, prompts: Sequence[str], desc: str,
+                       seconds: list[float] | None = None) -> list[torch.Tensor]:
     """h(Z_m ‖ p) for each prompt, one (n, d) tensor per demonstration set Z_1..Z_M of the
-    episode (`Episode.demo_sets`), each set's prefix run once and the prompts after it."""
+    episode (`Episode.demo_sets`), each set's prefix run once and the prompts after it;
+    each set's seconds appended to `seconds` when given."""
     prefixes = episode.demo_prefixes()
     if len(prefixes) == 1:
-        return [cap.icl(prefixes[0], prompts, desc=desc)]
-    return [cap.icl(prefix, prompts, desc=f"{desc}, set {m + 1}/{len(prefixes)}").float()
-            for m, prefix in enumerate(prefixes)]
+        t0 = time.perf_counter()
+        out = [cap.icl(prefixes[0], prompts, desc=desc)]
+        if seconds is not None:
+            seconds.append(time.perf_counter() - t0)
+        return out
+    out = []
+    for m, prefix in enumerate(prefixes):
+        t0 = time.perf_counter()
+        out.append(cap.icl(prefix, prompts, desc=f"{desc}, set {m + 1}/{len(prefixes)}").float())
+        if seconds is not None:
+            seconds.append(time.perf_counter() - t0)
+    return out
 
 
 def icl_states(cap: Any, episode: Any, prompts: Sequence[str], desc: str) -> torch.Tensor:

@@ -173,14 +173,17 @@ class Captures:
     # M > 1 demonstration sets, captured set by set (an evaluation's references): (M, rows, d)
     h_icl_sets: torch.Tensor | None = None
     h_icl_test_sets: torch.Tensor | None = None
+    first_seconds: float | None = None  # the train passes a single-prompt fit needs
 
     def first_set(self) -> Captures:
         """The states of the episode's first demonstration set alone: what a single-prompt
-        method is fitted to and scored against (one set: these captures)."""
+        method is fitted to and scored against, and what capturing them took (one set:
+        these captures)."""
         if self.h_icl_sets is None:
             return self
+        first = self.capture_seconds if self.first_seconds is None else self.first_seconds
         return Captures(self.h_zs, self.h_icl_sets[0], self.h_zs_test, self.h_icl_test,
-                        self.capture_seconds, self.test_seconds)
+                        first, self.test_seconds)
 
 
 def capture_test_zero_shot(cap: Any, task: Task, episode: Episode) -> torch.Tensor:
@@ -202,7 +205,10 @@ def capture_episode(
     t0 = time.perf_counter()
     h_zs = zero_shot_states(cap, task, [e.text for e in episode.queries],
                             desc=f"{task.name} zero-shot train")  # (N, d)
-    per_set = icl_states_per_set(cap, episode, queries, desc=f"{task.name} icl train")
+    t_zs = time.perf_counter() - t0
+    set_seconds: list[float] = []
+    per_set = icl_states_per_set(cap, episode, queries, desc=f"{task.name} icl train",
+                                 seconds=set_seconds)
     h_icl = mean_over_sets(per_set)  # (N, d): one set, its states
     t1 = time.perf_counter()
     sets = torch.stack(per_set) if every_set and len(per_set) > 1 else None
@@ -220,7 +226,8 @@ def capture_episode(
                                                    desc=f"{task.name} icl test"))
         h_icl_test = test_sets[0]
     t2 = time.perf_counter()
-    return Captures(h_zs, h_icl, h_zs_test, h_icl_test, t1 - t0, t2 - t1, sets, test_sets)
+    return Captures(h_zs, h_icl, h_zs_test, h_icl_test, t1 - t0, t2 - t1, sets, test_sets,
+                    t_zs + set_seconds[0] if sets is not None else None)
 
 
 def episode_prompts(episode: Episode) -> list[str]:
