@@ -343,3 +343,18 @@ def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, 
     r = CliRunner().invoke(main, ["bench", "report", str(out)])
     assert r.exit_code == 0, r.output
     assert (out / "results.md").read_text() == before
+
+
+def test_the_capture_plan_counts_every_sets_prefix(model_dir, task):
+    """`--engine vllm --dry-run` over M sets plans the longest prefix of them all."""
+    from transformers import AutoTokenizer
+
+    from ltv_vllm.serving.capture import CaptureEngine, plan_capture
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ep = sample_episode(load_dataset(task), k=6, n=12, n_test=8, seed=3, demo_sets=3)
+    sizes = [len(tok(p)["input_ids"]) for p in ep.demo_prefixes()]
+    assert max(sizes) > sizes[0]  # a later set is the longest: the case this checks
+    _, req, estimated = plan_capture(str(model_dir), [ep], CaptureEngine(dtype="float32"),
+                                     tokenizer=tok)
+    assert not estimated and req.prefix_tokens == max(sizes)

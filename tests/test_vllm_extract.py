@@ -139,6 +139,31 @@ def test_evaluate_on_vllm_gives_the_transformers_records(model_dir, task, tmp_pa
         assert r["d_ntp"] == pytest.approx(want[key(r)]["d_ntp"], abs=1e-5), key(r)
 
 
+def test_evaluate_over_demo_sets_on_vllm(model_dir, task, tmp_path):
+    """`evaluate --engine vllm --demo-sets 2`: every set's train and test prompts in the one
+    vLLM job, the multi-prompt records the
+    transformers evaluation's."""
+    from ltv_vllm.evaluation.evaluate import EvalConfig, evaluate, plan_episodes
+
+    cfg = EvalConfig(k=6, n=24, lam=5.0, n_test=20, runs=1, seed=3, batch_size=5,
+                     cost_samples=0, demo_sets=2)
+    methods = ["ltv", "ltv-multi", "icl-ensemble", "icl-states"]
+    episodes = plan_episodes([task], cfg, transfer=False)
+    lm_v, report = captured_model("m", str(model_dir), episodes[task.name],
+                                  CaptureEngine(dtype="float32", enforce_eager=True), tmp_path)
+    assert report["shape"][0] == 24 + 2 * 24 + 20 + 2 * 20  # zero-shot and each set, once
+    v = evaluate(lm_v, [task], methods, cfg, progress=False, episodes=episodes)
+    t = evaluate(load_model(str(model_dir), dtype="float32"), [task], methods, cfg,
+                 progress=False, episodes=episodes)
+    want = {r["method"]: r for r in t["records"]}
+    assert {r["method"] for r in v["records"]} == set(want)
+    for r in v["records"]:
+        assert r["accuracy"] == want[r["method"]]["accuracy"], r["method"]
+        assert r["d_ntp"] == pytest.approx(want[r["method"]]["d_ntp"], abs=1e-5), r["method"]
+        assert r["d_ntp_ensemble"] == pytest.approx(want[r["method"]]["d_ntp_ensemble"],
+                                                    abs=1e-5), r["method"]
+
+
 def test_transfer_source_on_vllm_gives_the_transformers_vector(tokenizer, task_file, tmp_path):
     """`--source-engine vllm`: the source's missing capture chunks filled by one vLLM run,
     then the same transfer fit as with the source in transformers (float32); a rerun finds

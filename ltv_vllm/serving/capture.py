@@ -220,7 +220,8 @@ def plan_capture(model_dir: str, episodes: Sequence[Episode], engine: CaptureEng
     def count(text: str) -> int:
         return len(tokenizer(text)["input_ids"]) if tokenizer is not None else -(-len(text) // 4)
 
-    prefix = max(count(ep.demo_prefix()) for ep in episodes)
+    # every demonstration set's prefix: the longest one bounds the engine's max_model_len
+    prefix = max(count(p) for ep in episodes for p in ep.demo_prefixes())
     queries = [ep.task.query(e.text) for ep in episodes for e in (*ep.queries, *ep.test)]
     longest = max((count(q) for q in queries), default=1)
     req = PlanRequest(tp=engine.tensor_parallel_size, pp=engine.pipeline_parallel_size,
@@ -265,7 +266,8 @@ def captured_model(spec: str, model_dir: str, episodes: Sequence[Episode],
     cached = report.get("cached_tokens") or [0] * len(prompts)
     tok = tokenizer or AutoTokenizer.from_pretrained(model_dir)
     icl = [i for i, p in enumerate(prompts)
-           if any(p.startswith(ep.demo_prefix()) and ep.demos for ep in episodes)]
+           if any(p.startswith(pre) and ep.demos for ep in episodes
+                  for pre in ep.demo_prefixes())]
     prefix_tokens = sum(len(tok(ep.demo_prefix())["input_ids"]) for ep in episodes[:1])
     report["icl_prompts"] = len(icl)
     report["prefix_tokens"] = prefix_tokens
