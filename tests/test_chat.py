@@ -46,6 +46,22 @@ def by_hand(demos, text, style):
     return out + [{"role": "user", "content": q}]
 
 
+def chat_toy(chat_tokenizer, tmp_path):
+    """A tiny model saved with the chat tokenizer, loaded back, and the toy task rendered
+    through its template: (model, loaded model, chat task)."""
+    from conftest import write_toy_task
+    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.tasks.specs import get_task
+
+    model = make_llama(len(chat_tokenizer), seed=3)
+    model.save_pretrained(tmp_path / "m")
+    chat_tokenizer.save_pretrained(tmp_path / "m")
+    lm = load_model(str(tmp_path / "m"), dtype="float32")
+    toy = chat_task(get_task(str(write_toy_task(tmp_path, ["dull", "witty", "plot"]))),
+                    lm.tokenizer)
+    return model, lm, toy
+
+
 @pytest.mark.parametrize("style", ["turns", "inline"])
 def test_prompts_are_the_templates_rendering(chat_tokenizer, style):
     t = chat_task(TASK, chat_tokenizer, style)
@@ -122,17 +138,9 @@ def test_a_chat_task_runs_only_the_state_methods(chat_tokenizer, tmp_path):
     pass; an LTV vector records the rendering it was fitted on."""
     import json
 
-    from conftest import write_toy_task
     from ltv_vllm import ExtractOptions, extract
-    from ltv_vllm.models.loading import load_model
-    from ltv_vllm.tasks.specs import get_task
 
-    model = make_llama(len(chat_tokenizer), seed=3)
-    model.save_pretrained(tmp_path / "m")
-    chat_tokenizer.save_pretrained(tmp_path / "m")
-    lm = load_model(str(tmp_path / "m"), dtype="float32")
-    toy = chat_task(get_task(str(write_toy_task(tmp_path, ["dull", "witty", "plot"]))),
-                    lm.tokenizer)
+    model, lm, toy = chat_toy(chat_tokenizer, tmp_path)
     opts = ExtractOptions(k=4, n=8, n_test=4, progress=False)
     with pytest.raises(UserError, match="--format chat: fv builds its own completion prompts"):
         extract(lm, toy, "fv", opts)
@@ -236,18 +244,10 @@ def test_evaluate_over_demo_sets_through_chat(chat_tokenizer, tmp_path):
     of that set's turns; every prompt's accuracy from transformers' forward over the
     conversation written out by hand; the multi-prompt rows are there (not refused)."""
     import ltv_vllm.evaluation.evaluate as ev
-    from conftest import write_toy_task
     from ltv_vllm.extraction.capture import label_head
-    from ltv_vllm.models.loading import load_model
     from ltv_vllm.tasks.data import load_dataset, sample_episode
-    from ltv_vllm.tasks.specs import get_task
 
-    model = make_llama(len(chat_tokenizer), seed=3)
-    model.save_pretrained(tmp_path / "m")
-    chat_tokenizer.save_pretrained(tmp_path / "m")
-    lm = load_model(str(tmp_path / "m"), dtype="float32")
-    toy = chat_task(get_task(str(write_toy_task(tmp_path, ["dull", "witty", "plot"]))),
-                    lm.tokenizer)
+    model, lm, toy = chat_toy(chat_tokenizer, tmp_path)
     cfg = ev.EvalConfig(k=4, n=8, n_test=6, runs=1, n_val=0, cost_samples=0, batch_size=2,
                         demo_sets=2)
     doc = ev.evaluate(lm, [toy], [], cfg, progress=False)

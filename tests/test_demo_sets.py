@@ -297,11 +297,15 @@ def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, 
     from ltv_vllm.cli import main
 
     out = tmp_path / "scaling"
-    r = CliRunner().invoke(main, ["bench", "scaling", "--model", str(soft_model_dir), "--tasks",
-                                  str(task_file), "--ns", "12,6", "--demo-sets", "2", "--runs",
-                                  "1", "--k", "6", "--n-test", "10", "--batch-size", "4",
-                                  "--lam", "0.05", "--out", str(out)])
-    assert r.exit_code == 0, r.output
+
+    def scaling(runs: int) -> None:
+        r = CliRunner().invoke(main, [
+            "bench", "scaling", "--model", str(soft_model_dir), "--tasks", str(task_file),
+            "--ns", "12,6", "--demo-sets", "2", "--runs", str(runs), "--k", "6", "--n-test",
+            "10", "--batch-size", "4", "--lam", "0.05", "--out", str(out)])
+        assert r.exit_code == 0, r.output
+
+    scaling(1)
     doc = json.loads((out / "results.json").read_text())
     assert (out / "recovery_vs_n.png").is_file() and not (out / "partial.json").exists()
     rows = {row["n"]: row for row in doc["rows"]}
@@ -330,11 +334,7 @@ def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, 
     assert "## N = 6" in md and "## N = 12" in md and "LTV, 2 prompts" in md
 
     # grown by a run: the finished episode is kept as it was (its timings too), one more runs
-    r = CliRunner().invoke(main, ["bench", "scaling", "--model", str(soft_model_dir), "--tasks",
-                                  str(task_file), "--ns", "12,6", "--demo-sets", "2", "--runs",
-                                  "2", "--k", "6", "--n-test", "10", "--batch-size", "4",
-                                  "--lam", "0.05", "--out", str(out)])
-    assert r.exit_code == 0, r.output
+    scaling(2)
     grown = json.loads((out / "results.json").read_text())
     assert [row for row in grown["rows"] if row["run"] == 0] == doc["rows"]
     assert sorted({row["run"] for row in grown["rows"]}) == [0, 1] and len(grown["rows"]) == 4
