@@ -109,6 +109,8 @@ CASES = [
     (["bench", "icl-cost", *M, "--ks", "0,-1"], "--ks must be at least 0"),
     (["bench", "rank", *M, "--ranks", "0,4"], "--rank must be at least 1"),
     (["bench", "rank", *M, "--lam", "-2"], "--lam must be a positive number"),
+    (["bench", "scaling", *M, "--demo-sets", "0"], "--demo-sets must be at least 1"),
+    (["bench", "scaling", *M, "--ns", "0,64"], "--n must be at least 1"),
     (["bench", "extraction", *M, "--ks", "0"], "--k must be at least 1"),
 ]
 
