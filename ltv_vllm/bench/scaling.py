@@ -95,13 +95,11 @@ def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], d
             zs.append(zero_shot_states(cap, task, [e.text for e in qs],
                                        desc=f"{name} zero-shot train {lo}:{n}"))
             t1 = time.perf_counter()
-            per_set, per_set_seconds = [], []
-            for m, prefix in enumerate(ep.demo_prefixes()):
-                t2 = time.perf_counter()
-                per_set.append(cap.icl(prefix, [task.query(e.text) for e in qs],
-                                       desc=f"{name} icl train {lo}:{n}, set {m + 1}").float())
-                per_set_seconds.append(time.perf_counter() - t2)
-            sets.append(torch.stack(per_set))
+            per_set_seconds: list[float] = []
+            per_set = icl_states_per_set(cap, ep, [task.query(e.text) for e in qs],
+                                         desc=f"{name} icl train {lo}:{n}",
+                                         seconds=per_set_seconds)
+            sets.append(torch.stack([h.float() for h in per_set]))
             seconds.append({"zero_shot": t1 - t0, "sets": per_set_seconds})
             lo = n
         h_zs_all = torch.cat(zs)
