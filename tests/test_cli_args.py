@@ -111,6 +111,8 @@ CASES = [
     (["bench", "rank", *M, "--lam", "-2"], "--lam must be a positive number"),
     (["bench", "scaling", *M, "--demo-sets", "0"], "--demo-sets must be at least 1"),
     (["bench", "scaling", *M, "--ns", "0,64"], "--n must be at least 1"),
+    (["bench", "scaling", *M, "--lam", "-2"], "--lam must be a positive number"),
+    (["bench", "scaling", *M, "--lam", "often"], "'often' is neither a number nor 'auto'"),
     (["bench", "extraction", *M, "--ks", "0"], "--k must be at least 1"),
 ]
 

@@ -345,6 +345,39 @@ def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, 
     assert (out / "results.md").read_text() == before
 
 
+def test_bench_scaling_lam_auto_is_evaluate_s(tmp_path, soft_model_dir, task_file, task):
+    """`bench scaling --lam auto`: each fit's λ by leave-one-out on its own states, the same
+    λ and scores as `evaluate --lam auto --demo-sets 2` on the same episode, and the λ
+    table in the report."""
+    import json
+
+    from click.testing import CliRunner
+
+    import ltv_vllm.evaluation.evaluate as ev
+    from ltv_vllm.cli import main
+
+    out = tmp_path / "auto"
+    r = CliRunner().invoke(main, [
+        "bench", "scaling", "--model", str(soft_model_dir), "--tasks", str(task_file),
+        "--ns", "12", "--demo-sets", "2", "--runs", "1", "--k", "6", "--n-test", "10",
+        "--batch-size", "4", "--lam", "auto", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    cfg = ev.EvalConfig(k=6, n=12, n_test=10, runs=1, n_val=0, batch_size=4, cost_samples=0,
+                        demo_sets=2, lam="auto")
+    doc = ev.evaluate(load_model(str(soft_model_dir), dtype="float32"), [task],
+                      ["zero-shot", "ltv", "ltv-multi", "icl-ensemble"], cfg, progress=False)
+    recs = {rec["method"]: rec for rec in doc["records"]}
+    for m in ("ltv", "ltv-multi"):
+        assert row["lam"][m] == pytest.approx(recs[m]["params"]["lam"], rel=1e-9), m
+        assert row["scores"][m]["accuracy"] == recs[m]["accuracy"], m
+        assert row["scores"][m]["d_ntp"] == pytest.approx(recs[m]["d_ntp"], rel=1e-5), m
+    assert row["lam"]["ltv"] != 5.0 and row["lam"]["ltv-multi"] != 5.0  # not the default
+    md = (out / "results.md").read_text()
+    assert "λ=auto" in md and "**λ by leave-one-out** (median over runs)" in md
+    assert f"{row['lam']['ltv-multi']:.3g}" in md
+
+
 def test_the_capture_plan_counts_every_sets_prefix(model_dir, task):
     """`--engine vllm --dry-run` over M sets plans the longest prefix of them all."""
     from transformers import AutoTokenizer

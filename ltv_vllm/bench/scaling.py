@@ -36,7 +36,7 @@ MIN_GAIN = 0.02  # accuracy points (of 1) a reference must gain over zero-shot f
 
 
 def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], demo_sets: int,
-                  runs: int, k: int, lam: float, n_test: int, seed: int, batch_size: int,
+                  runs: int, k: int, lam: float | str, n_test: int, seed: int, batch_size: int,
                   dtype: str, out_dir: Path, command: str, checkpoint: Path | None = None,
                   log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the sweep (resuming from `checkpoint`), write results.json / .md and the plot."""
@@ -109,7 +109,7 @@ def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], d
             zs_s = sum(s["zero_shot"] for s in seconds[:i + 1])
             set_s = [sum(s["sets"][m] for s in seconds[:i + 1]) for m in range(demo_sets)]
             logits = {"zero-shot": h_zs_test @ w_c.T + b_c, "icl": z_sets[0], **refs}
-            fit_seconds = {}
+            fit_seconds, lams = {}, {}
             for fit, target in (("ltv", h_sets_all[0, :n]), (ens.MULTI, h_sets_all[:, :n].mean(0))):
                 if fit == ens.MULTI and demo_sets == 1:
                     continue
@@ -121,12 +121,13 @@ def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], d
                                    head=(w_c, b_c))
                 fit_seconds[fit] = time.perf_counter() - t0
                 logits[fit] = sc.logits["ltv"]
+                lams[fit] = sc.params["ltv"]["lam"]  # --lam auto: the one leave-one-out chose
             scores = ens.set_scores(logits, z_sets, labels)
             recs.append({"task": name, "run": run, "seed": seed + run, "n": n,
                          "scores": scores,
                          "capture_seconds": {"ltv": zs_s + set_s[0],
                                              ens.MULTI: zs_s + sum(set_s)},
-                         "fit_seconds": fit_seconds})
+                         "fit_seconds": fit_seconds, "lam": lams})
         sweep.finish(name, run, recs)
         last = recs[-1]["scores"]
         log(f"{name} run {run}: N={ns[-1]} zero-shot {100 * last['zero-shot']['accuracy']:.1f}% "
@@ -210,6 +211,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
                     cell[fit]["recovery"] = recovery(cell, fit, "icl")
                     cell[fit]["recovery_ensemble"] = recovery(cell, fit, ens.ENSEMBLE)
                     cell[fit]["capture_seconds"] = _mean([r["capture_seconds"][fit] for r in rs])
+                    lams = [r["lam"][fit] for r in rs if fit in r.get("lam", {})]
+                    if lams:  # results written before λ was recorded have none
+                        cell[fit]["lam"] = statistics.median(lams)
             per_task[t] = cell
         out[str(n)] = per_task
     return out
@@ -273,6 +277,13 @@ def scaling_markdown(doc: dict[str, Any]) -> str:
             for key, ref in (("recovery", "one prompt"), ("recovery_ensemble", "ensemble")):
                 lines.append(f"| {label[fit]} | {ref} | " + " | ".join(
                     _pct(s[n][t][fit][key]) for t in tasks) + f" | {cap:.1f} |")
+        if doc["lam"] == "auto":  # each episode's λ, chosen by leave-one-out on its states
+            lines += ["", "**λ by leave-one-out** (median over runs)", "",
+                      "| Fit | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+            for fit in FITS:
+                if fit in s[n][tasks[0]]:
+                    lines.append(f"| {label[fit]} | " + " | ".join(
+                        f"{s[n][t][fit].get('lam', float('nan')):.3g}" for t in tasks) + " |")
         if ens.MULTI in s[n][tasks[0]]:
             above = [t for t in tasks
                      if s[n][t][ens.MULTI]["accuracy"] >= s[n][t]["icl"]["accuracy"]]

@@ -13,6 +13,8 @@ from ltv_vllm.cli.base import (
     DEVICE_HELP,
     DTYPE,
     DTYPE_HELP,
+    LAM,
+    LAM_HELP,
     EngineFlags,
     EpisodeFlags,
     FitFlags,
@@ -381,7 +383,8 @@ def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int,
 @click.option("--runs", default=3, show_default=True,
               help="Episodes per task (seeds seed, seed+1, ...).")
 @click.option("--k", default=30, show_default=True)
-@_LAM
+@click.option("--lam", default=5.0, show_default=True, type=LAM,
+              help=LAM_HELP + " Both fits, each episode and N its own λ.")
 @click.option("--n-test", default=100, show_default=True)
 @_SEED
 @click.option("--batch-size", default=16, show_default=True)
@@ -391,8 +394,8 @@ def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int,
               default=Path("benchmarks/results/scaling"), show_default=True)
 @friendly
 def bench_scaling_cmd(model_spec: str, task_list: str, ns: str, demo_sets: int, runs: int,
-                      k: int, lam: float, n_test: int, seed: int, batch_size: int, dtype: str,
-                      prompt_format: Any, out_dir: Path) -> None:
+                      k: int, lam: float | str, n_test: int, seed: int, batch_size: int,
+                      dtype: str, prompt_format: Any, out_dir: Path) -> None:
     """Recovery of ICL's accuracy against N, for the paper's LTV and multi-prompt LTV, with
     the ICL ensemble and the capture time (rerun the same command to resume)."""
     from ltv_vllm.bench.scaling import bench_scaling, scaling_markdown
