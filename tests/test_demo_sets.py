@@ -285,48 +285,61 @@ def test_cli_evaluate_demo_sets(tmp_path, soft_model_dir, task_file, task):
     assert "2-prompt ICL ensemble" in md and "| LTV, M prompts |" in md
 
 
-def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, task):
-    """`bench scaling` captures once at the largest N and fits every smaller N on the first
-    N queries: its N = 12 rows (the largest) equal `evaluate --n 12 --demo-sets 2`'s, and
-    its N = 6 paper's-LTV row equals `evaluate --n 6`'s (the same first set and queries)."""
+def _bench_scaling(soft_model_dir, task_file, out, *args: str) -> dict:
+    """`ltv-vllm bench scaling` on the toy task (k = 6, 10 test queries), its results.json."""
     import json
 
     from click.testing import CliRunner
 
+    from ltv_vllm.cli import main
+
+    r = CliRunner().invoke(main, [
+        "bench", "scaling", "--model", str(soft_model_dir), "--tasks", str(task_file), "--k",
+        "6", "--n-test", "10", "--batch-size", "4", *args, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    return json.loads((out / "results.json").read_text())
+
+
+def _evaluate_records(lm, task, n: int, sets: int, lam: float | str) -> dict:
+    """`evaluate --n n --demo-sets sets --lam lam` on the same episode: records by method."""
     import ltv_vllm.evaluation.evaluate as ev
+
+    cfg = ev.EvalConfig(k=6, n=n, n_test=10, runs=1, n_val=0, batch_size=4, cost_samples=0,
+                        demo_sets=sets, lam=lam)
+    doc = ev.evaluate(lm, [task], ["zero-shot", "ltv", *(["ltv-multi", "icl-ensemble"]
+                                                        if sets > 1 else [])], cfg,
+                      progress=False)
+    return {rec["method"]: rec for rec in doc["records"]}
+
+
+def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, task):
+    """`bench scaling` captures once at the largest N and fits every smaller N on the first
+    N queries: its N = 12 rows (the largest) equal `evaluate --n 12 --demo-sets 2`'s, and
+    its N = 6 paper's-LTV row equals `evaluate --n 6`'s (the same first set and queries)."""
+    from click.testing import CliRunner
+
     from ltv_vllm.cli import main
 
     out = tmp_path / "scaling"
 
-    def scaling(runs: int) -> None:
-        r = CliRunner().invoke(main, [
-            "bench", "scaling", "--model", str(soft_model_dir), "--tasks", str(task_file),
-            "--ns", "12,6", "--demo-sets", "2", "--runs", str(runs), "--k", "6", "--n-test",
-            "10", "--batch-size", "4", "--lam", "0.05", "--out", str(out)])
-        assert r.exit_code == 0, r.output
+    def scaling(runs: int) -> dict:
+        return _bench_scaling(soft_model_dir, task_file, out, "--ns", "12,6", "--demo-sets",
+                              "2", "--runs", str(runs), "--lam", "0.05")
 
-    scaling(1)
-    doc = json.loads((out / "results.json").read_text())
+    doc = scaling(1)
     assert (out / "recovery_vs_n.png").is_file() and not (out / "partial.json").exists()
     rows = {row["n"]: row for row in doc["rows"]}
     assert sorted(rows) == [6, 12]
     lm = load_model(str(soft_model_dir), dtype="float32")
 
-    def records(n: int, sets: int) -> dict:
-        cfg = ev.EvalConfig(k=6, n=n, n_test=10, runs=1, n_val=0, batch_size=4,
-                            cost_samples=0, demo_sets=sets, lam=0.05)
-        doc = ev.evaluate(lm, [task], ["zero-shot", "ltv", *(["ltv-multi", "icl-ensemble"]
-                                                if sets > 1 else [])], cfg, progress=False)
-        return {rec["method"]: rec for rec in doc["records"]}
-
-    full = records(12, 2)
+    full = _evaluate_records(lm, task, 12, 2, 0.05)
     for m in ("zero-shot", "icl", "icl-ensemble", "ltv", "ltv-multi"):
         got = rows[12]["scores"][m]
         assert got["accuracy"] == full[m]["accuracy"], m
         assert got["d_ntp"] == pytest.approx(full[m]["d_ntp"], rel=1e-5, abs=1e-9), m
         assert got["d_ntp_ensemble"] == pytest.approx(full[m]["d_ntp_ensemble"], rel=1e-5,
                                                       abs=1e-9), m
-    small = records(6, 1)
+    small = _evaluate_records(lm, task, 6, 1, 0.05)
     assert rows[6]["scores"]["ltv"]["accuracy"] == small["ltv"]["accuracy"]
     assert rows[6]["capture_seconds"]["ltv"] < rows[12]["capture_seconds"]["ltv"]
     assert rows[12]["capture_seconds"]["ltv-multi"] > rows[12]["capture_seconds"]["ltv"]
@@ -334,8 +347,7 @@ def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, 
     assert "## N = 6" in md and "## N = 12" in md and "LTV, 2 prompts" in md
 
     # grown by a run: the finished episode is kept as it was (its timings too), one more runs
-    scaling(2)
-    grown = json.loads((out / "results.json").read_text())
+    grown = scaling(2)
     assert [row for row in grown["rows"] if row["run"] == 0] == doc["rows"]
     assert sorted({row["run"] for row in grown["rows"]}) == [0, 1] and len(grown["rows"]) == 4
     # re-rendered from results.json alone: the same table
@@ -349,25 +361,11 @@ def test_bench_scaling_lam_auto_is_evaluate_s(tmp_path, soft_model_dir, task_fil
     """`bench scaling --lam auto`: each fit's λ by leave-one-out on its own states, the same
     λ and scores as `evaluate --lam auto --demo-sets 2` on the same episode, and the λ
     table in the report."""
-    import json
-
-    from click.testing import CliRunner
-
-    import ltv_vllm.evaluation.evaluate as ev
-    from ltv_vllm.cli import main
-
     out = tmp_path / "auto"
-    r = CliRunner().invoke(main, [
-        "bench", "scaling", "--model", str(soft_model_dir), "--tasks", str(task_file),
-        "--ns", "12", "--demo-sets", "2", "--runs", "1", "--k", "6", "--n-test", "10",
-        "--batch-size", "4", "--lam", "auto", "--out", str(out)])
-    assert r.exit_code == 0, r.output
-    (row,) = json.loads((out / "results.json").read_text())["rows"]
-    cfg = ev.EvalConfig(k=6, n=12, n_test=10, runs=1, n_val=0, batch_size=4, cost_samples=0,
-                        demo_sets=2, lam="auto")
-    doc = ev.evaluate(load_model(str(soft_model_dir), dtype="float32"), [task],
-                      ["zero-shot", "ltv", "ltv-multi", "icl-ensemble"], cfg, progress=False)
-    recs = {rec["method"]: rec for rec in doc["records"]}
+    (row,) = _bench_scaling(soft_model_dir, task_file, out, "--ns", "12", "--demo-sets", "2",
+                            "--runs", "1", "--lam", "auto")["rows"]
+    recs = _evaluate_records(load_model(str(soft_model_dir), dtype="float32"), task, 12, 2,
+                             "auto")
     for m in ("ltv", "ltv-multi"):
         assert row["lam"][m] == pytest.approx(recs[m]["params"]["lam"], rel=1e-9), m
         assert row["scores"][m]["accuracy"] == recs[m]["accuracy"], m

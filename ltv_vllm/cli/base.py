@@ -117,6 +117,12 @@ BATCH_HELP = ("Prompts per forward pass, or auto: the most that fit in half the 
 LAM_HELP = ("Ridge penalty λ (> 0), or `auto`: the λ with the least closed-form "
             "leave-one-out error on a grid scaled to the states (no labels).")
 
+
+def lam_option(more: str = "") -> Any:
+    """--lam as every fitting command takes it (a number or `auto`); `more`: what it fits."""
+    return click.option("--lam", default=5.0, show_default=True, type=LAM,
+                        help=LAM_HELP + (f" {more}" if more else ""))
+
 # the settings every method reads have their own flags in each command (`methods.base.COMMON`)
 _OWN_FLAGS = ("lam", "seed", "batch_size", "progress")
 

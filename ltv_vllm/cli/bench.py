@@ -13,8 +13,6 @@ from ltv_vllm.cli.base import (
     DEVICE_HELP,
     DTYPE,
     DTYPE_HELP,
-    LAM,
-    LAM_HELP,
     EngineFlags,
     EpisodeFlags,
     FitFlags,
@@ -26,6 +24,7 @@ from ltv_vllm.cli.base import (
     _task_specs,
     friendly,
     grouped,
+    lam_option,
     main,
 )
 from ltv_vllm.core.fileio import check_writable
@@ -383,8 +382,7 @@ def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int,
 @click.option("--runs", default=3, show_default=True,
               help="Episodes per task (seeds seed, seed+1, ...).")
 @click.option("--k", default=30, show_default=True)
-@click.option("--lam", default=5.0, show_default=True, type=LAM,
-              help=LAM_HELP + " Both fits, each episode and N its own λ.")
+@lam_option("Both fits, each episode and N its own λ.")
 @click.option("--n-test", default=100, show_default=True)
 @_SEED
 @click.option("--batch-size", default=16, show_default=True)

@@ -13,8 +13,6 @@ import click
 from ltv_vllm.cli.base import (
     BATCH,
     BATCH_HELP,
-    LAM,
-    LAM_HELP,
     CaptureFlags,
     EpisodeFlags,
     FormatFlags,
@@ -32,6 +30,7 @@ from ltv_vllm.cli.base import (
     _source_options,
     friendly,
     grouped,
+    lam_option,
     main,
 )
 from ltv_vllm.core.fileio import check_writable
@@ -49,7 +48,7 @@ from ltv_vllm.errors import ArgumentError
                  help="Demonstrations (k//K per class) [default: 30; 10 (at least K) with "
                       "--source-model, the paper's transfer setting]."),
     click.option("--n", default=256, show_default=True, help="Unlabeled train queries N."),
-    click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP),
+    lam_option(),
     click.option("--seed", default=0, show_default=True, help="Demo/query sampling seed."),
     click.option("--n-test", default=500, show_default=True, help="Held-out queries scored."),
     click.option("--batch-size", default="auto", show_default=True, type=BATCH,
@@ -459,7 +458,7 @@ def _methods_option() -> click.Option:
     click.option("--k", type=int, default=None,
                  help="Demonstrations [default: 30; max(10, K) per task with --source-model]."),
     click.option("--n", default=256, show_default=True),
-    click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP),
+    lam_option(),
     click.option("--n-test", default=500, show_default=True),
     click.option("--seed", default=0, show_default=True, help="Seed of the first run."),
     click.option("--batch-size", default="auto", show_default=True, type=BATCH,

@@ -14,10 +14,9 @@ import click
 from ltv_vllm.cli.base import (
     DTYPE,
     DTYPE_HELP,
-    LAM,
-    LAM_HELP,
     friendly,
     grouped,
+    lam_option,
     main,
 )
 from ltv_vllm.cli.models import tasks
@@ -334,7 +333,7 @@ def compile_request(name: str, task: str, demos: str, queries: str, test: str | 
               help='JSONL, one unlabeled input per line ({"text"} or a string; N of them).')
 @click.option("--test", default=None, type=click.Path(exists=True, dir_okay=False),
               help="JSONL of labelled examples: the server reports accuracy and d_NTP on them.")
-@click.option("--lam", default=5.0, show_default=True, type=LAM, help=LAM_HELP)
+@lam_option()
 @click.option("--wait", is_flag=True, help="Wait until the task is served (progress shown).")
 @URL
 @API_KEY
