@@ -312,7 +312,8 @@ def _evaluate_records(lm, task, n: int, sets: int, lam: float | str) -> dict:
     return {rec["method"]: rec for rec in doc["records"]}
 
 
-def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, task):
+def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, task,
+                                          monkeypatch):
     """`bench scaling` captures once at the largest N and fits every smaller N on the first
     N queries: its N = 12 rows (the largest) equal `evaluate --n 12 --demo-sets 2`'s, and
     its N = 6 paper's-LTV row equals `evaluate --n 6`'s (the same first set and queries)."""
@@ -346,10 +347,32 @@ def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, 
     md = (out / "results.md").read_text()
     assert "## N = 6" in md and "## N = 12" in md and "LTV, 2 prompts" in md
 
-    # grown by a run: the finished episode is kept as it was (its timings too), one more runs
+    # grown by a run on another machine: the finished episode is kept as it was (its timings
+    # and the machine that timed them too), one more runs; no capture mean across machines
+    import json
+
+    from ltv_vllm.bench import workload
+    from ltv_vllm.models.hardware import machine_line
+
+    here = doc["machine"]
+    assert {row["machine"] for row in doc["rows"]} == {machine_line(here)}
+    there = {**here, "cpu": "Other CPU", "cpu_capability": "AVX2", "cpu_native_bf16": False}
+    monkeypatch.setattr(workload, "machine", lambda: there)
+    # as written before episodes recorded their machine: the old sweep's machine is theirs
+    old = json.loads((out / "results.json").read_text())
+    (out / "results.json").write_text(json.dumps(
+        {**old, "rows": [{k: v for k, v in row.items() if k != "machine"} for row in old["rows"]]}))
     grown = scaling(2)
     assert [row for row in grown["rows"] if row["run"] == 0] == doc["rows"]
     assert sorted({row["run"] for row in grown["rows"]}) == [0, 1] and len(grown["rows"]) == 4
+    assert {row["machine"] for row in grown["rows"] if row["run"] == 1} == {machine_line(there)}
+    assert grown["summary"]["12"]["toy"]["ltv"]["capture_seconds"] is None
+    md = (out / "results.md").read_text()
+    assert "timed on 2 machines" in md
+    for row in grown["rows"]:  # each run's own time, beside its own machine
+        if row["n"] == 12:
+            assert (f"| toy | {row['machine']} | 1 | {row['capture_seconds']['ltv']:.1f} | "
+                    f"{row['capture_seconds']['ltv-multi']:.1f} |") in md
     # re-rendered from results.json alone: the same table
     before = (out / "results.md").read_text()
     r = CliRunner().invoke(main, ["bench", "report", str(out)])

@@ -9,6 +9,9 @@ Per task and run, one episode at the largest N with M demonstration sets, captur
     sum of its slices' (zero-shot and the first set for the paper's LTV; every set for
     multi-prompt LTV);
   * the test subset's zero-shot states and every set's ICL states once.
+Each episode records the machine that timed it (`machine_line`): a sweep grown on another
+machine keeps its old episodes' timings, and the report then gives capture times per task
+and machine instead of one mean over machines that cannot be compared.
 For every N, the registry's `ltv` is fitted to the first set's states (the paper's LTV) and
 to the mean of the M sets' (multi-prompt LTV), and everything is scored with
 `evaluation.ensemble`: accuracy, d_NTP against one prompt and against the M-prompt ensemble.
@@ -57,6 +60,7 @@ def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], d
     from ltv_vllm.tasks.specs import label_token_ids
 
     ns = sorted(set(ns))
+    hw = machine()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     lm = load_model(model_spec, dtype=dtype)
     cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=True,
@@ -127,7 +131,8 @@ def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], d
                          "scores": scores,
                          "capture_seconds": {"ltv": zs_s + set_s[0],
                                              ens.MULTI: zs_s + sum(set_s)},
-                         "fit_seconds": fit_seconds, "lam": lams})
+                         "fit_seconds": fit_seconds, "lam": lams,
+                         "machine": machine_line(hw)})
         sweep.finish(name, run, recs)
         last = recs[-1]["scores"]
         log(f"{name} run {run}: N={ns[-1]} zero-shot {100 * last['zero-shot']['accuracy']:.1f}% "
@@ -136,7 +141,7 @@ def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], d
             + (f" multi {100 * last[ens.MULTI]['accuracy']:.1f}%" if ens.MULTI in last else ""))
     rows = sweep.records
     doc = {"command": command, **config, "threads": torch.get_num_threads(),
-           "machine": machine(), "started": started,
+           "machine": hw, "started": started,
            "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
            "wall_seconds": sweep.wall_seconds, "rows": rows, "summary": summarise(rows)}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -161,8 +166,10 @@ def _finished_state(out_dir: Path, fixed: dict[str, Any], tasks: list[str], runs
         return None
     state = read_checkpoint(checkpoint, fixed)  # a checkpoint under way goes on from there
     have = {(r["task"], r["run"]) for r in state["records"]}
-    keep = [r for r in old.get("rows", []) if r["task"] in tasks and r["run"] < runs
-            and (r["task"], r["run"]) not in have]
+    # rows written before episodes recorded their machine were timed on the old sweep's
+    timed_on = machine_line(old.get("machine") or {})
+    keep = [{**r, "machine": r.get("machine", timed_on)} for r in old.get("rows", [])
+            if r["task"] in tasks and r["run"] < runs and (r["task"], r["run"]) not in have]
     done = sorted({(r["task"], r["run"]) for r in keep} | {tuple(d) for d in state["done"]})
     # a checkpoint begun from this finished sweep already counts its time
     wall = state["wall_seconds"] if state["done"] else float(old.get("wall_seconds") or 0.0)
@@ -210,12 +217,35 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 if fit in cell:
                     cell[fit]["recovery"] = recovery(cell, fit, "icl")
                     cell[fit]["recovery_ensemble"] = recovery(cell, fit, ens.ENSEMBLE)
-                    cell[fit]["capture_seconds"] = _mean([r["capture_seconds"][fit] for r in rs])
+                    # a mean over machines would be no machine's time: per machine below
+                    cell[fit]["capture_seconds"] = (_mean([r["capture_seconds"][fit]
+                                                           for r in rs])
+                                                    if len(_machines(rs)) == 1 else None)
                     lams = [r["lam"][fit] for r in rs if fit in r.get("lam", {})]
                     if lams:  # results written before λ was recorded have none
                         cell[fit]["lam"] = statistics.median(lams)
             per_task[t] = cell
         out[str(n)] = per_task
+    return out
+
+
+def _machines(rows: list[dict[str, Any]]) -> list[str]:
+    """The machines that timed these rows, in order of first appearance (a row without
+    one: the sweep's own, `''`)."""
+    return list(dict.fromkeys(r.get("machine", "") for r in rows))
+
+
+def capture_by_machine(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """Capture seconds per run at N = n, per task and the machine that timed it: mean
+    over that machine's runs of the task."""
+    at = [r for r in rows if r["n"] == n]
+    out = []
+    for t in dict.fromkeys(r["task"] for r in at):
+        for m in _machines([r for r in at if r["task"] == t]):
+            rs = [r for r in at if r["task"] == t and r.get("machine", "") == m]
+            out.append({"task": t, "machine": m, "runs": len(rs), **{
+                fit: _mean([r["capture_seconds"][fit] for r in rs])
+                for fit in FITS if fit in rs[0]["capture_seconds"]}})
     return out
 
 
@@ -236,6 +266,10 @@ def scaling_markdown(doc: dict[str, Any]) -> str:
     ns = [str(n) for n in doc["ns"]]
     tasks = doc["tasks"]
     M = doc["demo_sets"]
+    machines = _machines(doc["rows"])
+    timed = (f"{machine_line(doc['machine'])}, {doc['threads']} threads" if len(machines) == 1
+             else f"timed on {len(machines)} machines (capture times per machine below; the "
+                  f"last command on {machine_line(doc['machine'])}, {doc['threads']} threads)")
     label = {"zero-shot": "Zero-shot", "icl": "ICL, one prompt (mean over the M)",
              ens.ENSEMBLE: f"ICL ensemble ({M} prompts)", ens.STATES: "ICL, states averaged",
              "ltv": "LTV (paper: one prompt)", ens.MULTI: f"LTV, {M} prompts"}
@@ -244,7 +278,7 @@ def scaling_markdown(doc: dict[str, Any]) -> str:
              (f"Model `{doc['model']}` ({doc['dtype']}, {doc['format']} format), k={doc['k']}, "
               f"M={M} demonstration sets, λ={doc['lam']}, {doc['n_test']} test queries, "
               f"{doc['runs']} run(s) per task (means over runs; ± the std over runs); "
-              f"{machine_line(doc['machine'])}, {doc['threads']} threads; "
+              f"{timed}; "
               f"wall time {doc['wall_seconds'] / 60:.1f} min."), ""]
     for n in ns:
         methods = [m for m in label if m in s[n][tasks[0]]]
@@ -273,10 +307,19 @@ def scaling_markdown(doc: dict[str, Any]) -> str:
         for fit in FITS:
             if fit not in s[n][tasks[0]]:
                 continue
-            cap = _mean([s[n][t][fit]["capture_seconds"] for t in tasks])
+            caps = [s[n][t][fit]["capture_seconds"] for t in tasks]
+            cap = "–" if len(machines) > 1 else f"{_mean(caps):.1f}"
             for key, ref in (("recovery", "one prompt"), ("recovery_ensemble", "ensemble")):
                 lines.append(f"| {label[fit]} | {ref} | " + " | ".join(
-                    _pct(s[n][t][fit][key]) for t in tasks) + f" | {cap:.1f} |")
+                    _pct(s[n][t][fit][key]) for t in tasks) + f" | {cap} |")
+        if len(machines) > 1:
+            fits = [f for f in FITS if f in s[n][tasks[0]]]
+            lines += ["", "**Capture time per run (s) by the machine that timed it**", "",
+                      "| Task | timed on | runs | " + " | ".join(label[f] for f in fits) + " |",
+                      "|---|---|---|" + "---|" * len(fits)]
+            lines += [f"| {c['task']} | {c['machine']} | {c['runs']} | "
+                      + " | ".join(f"{c[f]:.1f}" for f in fits) + " |"
+                      for c in capture_by_machine(doc["rows"], int(n))]
         if doc["lam"] == "auto":  # each episode's λ, chosen by leave-one-out on its states
             lines += ["", "**λ by leave-one-out** (median over runs)", "",
                       "| Fit | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
@@ -340,15 +383,22 @@ def scaling_plot(doc: dict[str, Any], out_dir: Path) -> Path:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     ax = axes[3]
-    for fit, style in zip(fits, ("o-", "s--"), strict=False):
-        ax.plot(ns, [_mean([s[str(n)][t][fit]["capture_seconds"] for t in tasks]) for n in ns],
-                style, label="LTV (zero-shot + 1 set)" if fit == "ltv"
-                else f"multi (zero-shot + {doc['demo_sets']} sets)")
+    machines = _machines(doc["rows"])
+    for i, m in enumerate(machines):  # one machine's times per line: never averaged across
+        rows = [r for r in doc["rows"] if r.get("machine", "") == m]
+        where = f" · {m or machine_line(doc['machine'])}" if len(machines) > 1 else ""
+        for fit, style in zip(fits, ("o-", "s--"), strict=False):
+            pts = [(n, _mean([r["capture_seconds"][fit] for r in rows if r["n"] == n]))
+                   for n in ns if any(r["n"] == n for r in rows)]
+            ax.plot(*zip(*pts, strict=True), style, color=f"C{2 * i + (fit != 'ltv')}",
+                    label=("LTV (zero-shot + 1 set)" if fit == "ltv"
+                           else f"multi (zero-shot + {doc['demo_sets']} sets)") + where)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("N")
     ax.set_ylabel("capture seconds per run (mean over tasks)")
-    ax.set_title(f"capture time ({machine_line(doc['machine'])})", fontsize=8)
+    ax.set_title(f"capture time ({machine_line(doc['machine'])})" if len(machines) == 1
+                 else "capture time, per machine", fontsize=8)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.suptitle(f"{doc['model']} ({doc['dtype']}, {doc['format']}): recovery against N, "
