@@ -399,7 +399,8 @@ def scaling_plot(doc: dict[str, Any], out_dir: Path) -> Path:
     ax.set_ylabel("capture seconds per run (mean over tasks)")
     ax.set_title(f"capture time ({machine_line(doc['machine'])})" if len(machines) == 1
                  else "capture time, per machine", fontsize=8)
-    ax.legend(fontsize=7)
+    # capture grows with N: the upper left is free for a legend that names the machines
+    ax.legend(fontsize=7 if len(machines) == 1 else 5, loc="upper left")
     ax.grid(alpha=0.3)
     fig.suptitle(f"{doc['model']} ({doc['dtype']}, {doc['format']}): recovery against N, "
                  f"k={doc['k']}, {doc['runs']} run(s)")

@@ -306,7 +306,12 @@ class Capturer:
         return self.batch_size
 
     def hidden(self, prompts: Sequence[str], desc: str = "forward") -> torch.Tensor:
-        """h(p) for each full prompt, batched. (n, d)"""
+        """h(p) for each full prompt, batched. (n, d)
+
+        Left-padded, not packed into one row as ICL's queries are: with no shared prefix to
+        save, packing 128 whole prompts (trec, sst5, agnews) was 1.04-1.10x on Qwen2.5-Coder-
+        1.5B in float32 (AMD EPYC, 2 cores), and its row-wide attention grows with the square
+        of a GPU's larger batches."""
         return self._run(self.encode_many(prompts), desc)
 
     @torch.no_grad()
