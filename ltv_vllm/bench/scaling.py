@@ -229,10 +229,17 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _by_machine(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """These rows by the machine that timed them, in order of first appearance (a row
+    without one: the sweep's own, `''`)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r.get("machine", ""), []).append(r)
+    return out
+
+
 def _machines(rows: list[dict[str, Any]]) -> list[str]:
-    """The machines that timed these rows, in order of first appearance (a row without
-    one: the sweep's own, `''`)."""
-    return list(dict.fromkeys(r.get("machine", "") for r in rows))
+    return list(_by_machine(rows))
 
 
 def capture_by_machine(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
@@ -241,8 +248,7 @@ def capture_by_machine(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any
     at = [r for r in rows if r["n"] == n]
     out = []
     for t in dict.fromkeys(r["task"] for r in at):
-        for m in _machines([r for r in at if r["task"] == t]):
-            rs = [r for r in at if r["task"] == t and r.get("machine", "") == m]
+        for m, rs in _by_machine([r for r in at if r["task"] == t]).items():
             out.append({"task": t, "machine": m, "runs": len(rs), **{
                 fit: _mean([r["capture_seconds"][fit] for r in rs])
                 for fit in FITS if fit in rs[0]["capture_seconds"]}})
@@ -384,8 +390,8 @@ def scaling_plot(doc: dict[str, Any], out_dir: Path) -> Path:
     ax.grid(alpha=0.3)
     ax = axes[3]
     machines = _machines(doc["rows"])
-    for i, m in enumerate(machines):  # one machine's times per line: never averaged across
-        rows = [r for r in doc["rows"] if r.get("machine", "") == m]
+    # one machine's times per line: never averaged across machines
+    for i, (m, rows) in enumerate(_by_machine(doc["rows"]).items()):
         where = f" · {m or machine_line(doc['machine'])}" if len(machines) > 1 else ""
         for fit, style in zip(fits, ("o-", "s--"), strict=False):
             pts = [(n, _mean([r["capture_seconds"][fit] for r in rows if r["n"] == n]))
