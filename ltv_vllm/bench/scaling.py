@@ -389,9 +389,10 @@ def scaling_plot(doc: dict[str, Any], out_dir: Path) -> Path:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     ax = axes[3]
-    machines = _machines(doc["rows"])
+    by_machine = _by_machine(doc["rows"])
+    machines = list(by_machine)
     # one machine's times per line: never averaged across machines
-    for i, (m, rows) in enumerate(_by_machine(doc["rows"]).items()):
+    for i, (m, rows) in enumerate(by_machine.items()):
         where = f" · {m or machine_line(doc['machine'])}" if len(machines) > 1 else ""
         for fit, style in zip(fits, ("o-", "s--"), strict=False):
             pts = [(n, _mean([r["capture_seconds"][fit] for r in rows if r["n"] == n]))
