@@ -390,10 +390,10 @@ def scaling_plot(doc: dict[str, Any], out_dir: Path) -> Path:
     ax.grid(alpha=0.3)
     ax = axes[3]
     by_machine = _by_machine(doc["rows"])
-    machines = list(by_machine)
+    several = len(by_machine) > 1  # label and title each line by its machine
     # one machine's times per line: never averaged across machines
     for i, (m, rows) in enumerate(by_machine.items()):
-        where = f" · {m or machine_line(doc['machine'])}" if len(machines) > 1 else ""
+        where = f" · {m or machine_line(doc['machine'])}" if several else ""
         for fit, style in zip(fits, ("o-", "s--"), strict=False):
             pts = [(n, _mean([r["capture_seconds"][fit] for r in rows if r["n"] == n]))
                    for n in ns if any(r["n"] == n for r in rows)]
@@ -404,10 +404,10 @@ def scaling_plot(doc: dict[str, Any], out_dir: Path) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("N")
     ax.set_ylabel("capture seconds per run (mean over tasks)")
-    ax.set_title(f"capture time ({machine_line(doc['machine'])})" if len(machines) == 1
+    ax.set_title(f"capture time ({machine_line(doc['machine'])})" if not several
                  else "capture time, per machine", fontsize=8)
     # capture grows with N: the upper left is free for a legend that names the machines
-    ax.legend(fontsize=7 if len(machines) == 1 else 5, loc="upper left")
+    ax.legend(fontsize=5 if several else 7, loc="upper left")
     ax.grid(alpha=0.3)
     fig.suptitle(f"{doc['model']} ({doc['dtype']}, {doc['format']}): recovery against N, "
                  f"k={doc['k']}, {doc['runs']} run(s)")
