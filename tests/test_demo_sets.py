@@ -373,6 +373,24 @@ def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, 
         if row["n"] == 12:
             assert (f"| toy | {row['machine']} | 1 | {row['capture_seconds']['ltv']:.1f} | "
                     f"{row['capture_seconds']['ltv-multi']:.1f} |") in md
+    # the plot's capture panel: one line per fit and machine, each named by its machine
+    from ltv_vllm.bench import scaling as scaling_mod
+    from ltv_vllm.core.fileio import save_figure
+
+    legends = []
+
+    def keep_legend(fig, path):
+        legends.append([t.get_text() for t in fig.axes[3].get_legend().get_texts()])
+        return save_figure(fig, path)
+
+    monkeypatch.setattr(scaling_mod, "save_figure", keep_legend)
+    scaling_mod.scaling_plot(grown, out)
+    scaling_mod.scaling_plot(doc, out)
+    several, one = legends
+    assert len(several) == 4 and all(" · " in label for label in several)
+    assert {label.split(" · ")[1] for label in several} == {machine_line(here),
+                                                            machine_line(there)}
+    assert len(one) == 2 and not any(" · " in label for label in one)
     # re-rendered from results.json alone: the same table
     before = (out / "results.md").read_text()
     r = CliRunner().invoke(main, ["bench", "report", str(out)])
