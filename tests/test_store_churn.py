@@ -114,19 +114,16 @@ def delete_while_streaming(url, name, tv, model, tokenizer, per_request: bool) -
 
     deleter = threading.Thread(target=delete)
     deleter.start()
-    toks, tops, after, arrived = [], [], 0, []
+    toks, tops, arrived = [], [], []  # arrived: (when this client read a chunk, its tokens)
     for c in [first, *chunks]:
         lp = c.choices[0].logprobs
-        now = time.time()
-        after += len(lp.tokens) if done.get("sent", float("inf")) < now else 0
-        arrived.append((now, len(lp.tokens)))
+        arrived.append((time.time(), len(lp.tokens)))
         toks += [int(t.split(":", 1)[1]) for t in lp.tokens]
         tops += [{int(k.split(":", 1)[1]): v for k, v in top.items()} for top in lp.top_logprobs]
     streamed = time.time()
     deleter.join()
     assert done["status"] == 200
-    # tokens this client read after the DELETE's answer had reached it
-    late = sum(n for t, n in arrived if t > done["t"])
+    after = sum(n for t, n in arrived if t > done["sent"])
     # the DELETE overlapped the stream (most of its tokens came after the DELETE was sent);
     # LoRA: it answered only after the stream ended (the drain held it: without it the engine
     # could re-load the removed adapter for the running request); per-request: it answered
@@ -140,6 +137,7 @@ def delete_while_streaming(url, name, tv, model, tokenizer, per_request: bool) -
         # but this client reads the stream in one thread and the answer in another: under
         # load the last chunks can be read a few ms after the answer (seen once: 9 ms). A
         # DELETE that did not wait would answer before most of the `after` tokens were read
+        late = sum(n for t, n in arrived if t > done["t"])
         assert late <= after // 2, (late, after, done, streamed)
     assert len(toks) == 200
     assert_told_apart(tops, {"task": plan(tv, None, 200), "bare": plan(None, 0, 200)}, "task",
