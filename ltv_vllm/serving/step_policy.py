@@ -262,4 +262,5 @@ def admitted(args: Mapping[str, Any], adm: Admission | None) -> bool:
     if given is None:
         return not adm.every and TASK_KEY not in args
     want = stamp(adm, args.get(TASK_KEY, ""), args.get(STEPS_KEY))
-    return isinstance(given, str) and hmac.compare_digest(given, want)
+    # a stamp is ASCII hex; compare_digest raises (TypeError) on other text, not False
+    return isinstance(given, str) and given.isascii() and hmac.compare_digest(given, want)
