@@ -16,7 +16,12 @@ completions to all of them and a controller uploads, deletes, races and kills.
    replica mid-upload and of a replica mid-load (right after an upload elsewhere), each
    restarted; and, with S3, the object store stopped (SIGSTOP: moto keeps its data in
    memory, so a killed one would be a new, empty store) for a few seconds under load and
-   resumed.
+   resumed. With `--corrupt`, each round also writes one damaged index generation into the
+   store by hand, as a confused operator or a newer release could: an entry that is not an
+   object, a record with a NaN, a record of an unknown format, a digest naming no object,
+   or a generation cut in half. Every replica must stay up with its routes answering
+   (/metrics, /v1/models, /v1/ltv/tasks), refuse the damaged name, keep following (an upload
+   on one reaches the others) and, once a good generation follows, serve as before.
 4. Afterwards every answer is recomputed with transformers: a 200 must be the greedy loop of
    a version its name held in the store within the propagation bound of the request
    (poll + `--slack` seconds), logprobs within `--tol`; any other answer must be a clear
@@ -46,7 +51,7 @@ from ltv_vllm.core.vector import TaskVector, load_task_vector
 from ltv_vllm.extraction.apply import task_vector_applied
 from ltv_vllm.models.hardware import hardware, machine_line
 from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
-from ltv_vllm.serving.shared_store import SharedStore, digest_of
+from ltv_vllm.serving.shared_store import SharedStore, _generation_key, digest_of
 from ltv_vllm.serving.step_policy import parse_steps
 from ltv_vllm.tasks.specs import get_task
 
@@ -307,6 +312,115 @@ class Controller:
                 self.errors.append("an upload was stored while the store was stopped")
             self._clean(f"s{k}", a)
 
+    CORRUPTIONS = ("non-object", "nan", "format", "foreign-digest", "truncated")
+
+    def corrupt(self, k: int, kind: str) -> None:
+        """Write one damaged index generation by hand (the replicas' writer never does), check
+        that every replica stays up and keeps following, then write a good one after it."""
+        up = [r for r in self.replicas if r.up.is_set()]
+        a, b = self.rng.sample(up, 2)
+        g = self.store._generations()[-1]
+        doc = json.loads(self.store.backend.get(_generation_key(g)))
+        tasks = dict(doc["tasks"])
+        good = next((v for v in tasks.values() if isinstance(v, dict)), None)
+        bad = f"bad{k}"
+        if kind == "non-object" or good is None:
+            tasks[bad] = "not-a-dict"
+        elif kind == "nan":
+            tasks[bad] = {"digest": good["digest"], "record": {**good["record"],
+                                                                 "lam": float("nan")}}
+        elif kind == "format":
+            tasks[bad] = {"digest": good["digest"], "record": {**good["record"], "format": 2}}
+        else:  # foreign-digest (and truncated: a whole record, then the file cut)
+            tasks[bad] = {"digest": "f" * 64, "record": good["record"]}
+        data = json.dumps({"generation": g + 1, "tasks": tasks, "writer": "chaos",
+                           "time": "now"}).encode()  # NaN as JSON's NaN
+        if kind == "truncated":
+            data = data[: len(data) // 2]
+        self.store.backend.create(_generation_key(g + 1), data)
+        t0 = time.time()
+        self._wait_generation(up, g + 1 if kind != "truncated" else None)
+        routes = self._routes(up)
+        refused = self._asked_for(up, bad)
+        status, *_ = self.upload(a, f"c{k}")
+        after = None
+        if status == 201:
+            after = self.propagation(f"c{k}", self.store.index().digest(f"c{k}"),
+                                     [r for r in up if r is not a])
+        elif kind != "truncated":  # only a torn newest generation may stop an upload
+            self.errors.append(f"corrupt {kind}: an upload answered {status}")
+        # repaired: a good generation after the damaged one (the damaged name dropped)
+        clean = {n: v for n, v in doc["tasks"].items() if n != bad}
+        if status == 201:
+            clean = {n: v for n, v in self.store.index().tasks.items() if n != bad}
+        g2 = self.store._generations()[-1] + 1
+        self.store.backend.create(_generation_key(g2), json.dumps(
+            {"generation": g2, "tasks": clean, "writer": "chaos-repair",
+             "time": "now"}).encode())
+        status2, *_ = self.upload(b, f"r{k}")
+        after2 = (self.propagation(f"r{k}", self.store.index().digest(f"r{k}"),
+                                   [r for r in up if r is not b]) if status2 == 201 else None)
+        if status2 != 201:
+            self.errors.append(f"corrupt {kind}: after the repair an upload answered {status2}")
+        self.events.append({"event": f"corrupt {kind}", "routes": routes,
+                            "damaged_name": refused, "upload_status": status,
+                            "loaded_after": after, "repaired_upload_status": status2,
+                            "repaired_loaded_after": after2,
+                            "seconds": round(time.time() - t0, 2)})
+        if any(s != 200 for s in routes.values()):
+            self.errors.append(f"corrupt {kind}: a route answered {routes}")
+        if any(s == 200 for s in refused.values()):
+            self.errors.append(f"corrupt {kind}: the damaged name was answered")
+        for n in (f"c{k}", f"r{k}"):
+            self._clean(n, a)
+
+    def _wait_generation(self, replicas: list[Replica], g: int | None) -> None:
+        """Until each replica serves index generation `g` (its metric); None: a generation
+        no replica can read, so three polls."""
+        if g is None:
+            time.sleep(3 * self.poll)
+            return
+        for r in replicas:
+            end = time.time() + 60
+            while time.time() < end:
+                try:
+                    text = httpx.get(f"{r.url}/metrics", headers=AUTH, timeout=10).text
+                except httpx.HTTPError:
+                    text = ""
+                seen = [float(line.split()[-1]) for line in text.splitlines()
+                        if line.startswith("ltv_vllm:task_store_generation")]
+                if seen and seen[0] >= g:
+                    break
+                time.sleep(0.05)
+            else:
+                self.errors.append(f"replica {r.i} never followed generation {g}")
+
+    def _routes(self, replicas: list[Replica]) -> dict[str, int | str]:
+        out: dict[str, int | str] = {}
+        for r in replicas:
+            for path in ("/metrics", "/v1/models", "/v1/ltv/tasks", "/health"):
+                try:
+                    out[f"{r.i}{path}"] = httpx.get(f"{r.url}{path}", headers=AUTH,
+                                                    timeout=30).status_code
+                except httpx.HTTPError as e:
+                    out[f"{r.i}{path}"] = type(e).__name__
+        return out
+
+    def _asked_for(self, replicas: list[Replica], name: str) -> dict[str, int | str]:
+        """A completion naming the damaged record: never a 200."""
+        out: dict[str, int | str] = {}
+        for r in replicas:
+            try:
+                resp = httpx.post(f"{r.url}/v1/completions", headers=AUTH, timeout=60, json={
+                    "model": name, "prompt": "x", "max_tokens": 1})
+                out[str(r.i)] = resp.status_code
+                msg = str(resp.json().get("error", {}).get("message", ""))
+                if resp.status_code != 200 and ("\n" in msg or not msg):
+                    self.errors.append(f"damaged name {name}: an unclear error {msg[:80]!r}")
+            except (httpx.HTTPError, ValueError) as e:
+                out[str(r.i)] = type(e).__name__
+        return out
+
     def _readable(self, digest: str) -> bool:
         try:
             self.store.vector(digest)
@@ -383,6 +497,8 @@ def main() -> None:
                     help="seconds beyond the poll a replica may answer with a version the "
                          "store no longer holds (its follow under way)")
     ap.add_argument("--tol", type=float, default=1e-3)
+    ap.add_argument("--corrupt", action="store_true",
+                    help="each round also writes a damaged index generation by hand")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="replica-chaos-"))
@@ -453,6 +569,8 @@ def main() -> None:
             c.start()
         for k in range(a.rounds):
             ctl.round(k)
+            if a.corrupt:
+                ctl.corrupt(k, ctl.CORRUPTIONS[k % len(ctl.CORRUPTIONS)])
             print(f"round {k}: {len(log)} requests", flush=True)
         stop.set()
         for c in clients:
