@@ -15,8 +15,10 @@ margins against transformers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +44,12 @@ PROMPTS = ["Review: the plot is dull\nSentiment:", "News: leaders meet for peace
 SECRET_WORDS = ("Traceback", 'File "', "/tmp/", "site-packages")
 
 
+def probe_of(name: str) -> str:
+    """The probe a task forces: its name up to a '-' (a test's own task names, such as
+    gamma-free, force gamma's token)."""
+    return name.partition("-")[0]
+
+
 def probe_model(directory: Path):
     """The probe model (module docstring) saved with a chat template; (model, tokenizer)."""
     tok = make_tokenizer()
@@ -63,14 +71,15 @@ def probe_model(directory: Path):
 def probe_vector(model, d: Path, name: str, steps: str | None, nonce: int = 0) -> TaskVector:
     vocab, hidden = model.lm_head.weight.shape
     U = torch.zeros(vocab, 1)
-    U[PROBES[name], 0] = SCALE
+    U[PROBES[probe_of(name)], 0] = SCALE
     V = torch.zeros(hidden, 1)
     V[0, 0] = 1.0
     meta = {"task": {"name": name, "in_prefix": "Review", "label_prefix": "Sentiment",
                      "labels": ["negative", "positive"]}, "nonce": nonce}
     if steps is not None:
         meta["shift_steps"] = steps
-    return TaskVector("logit", U, V, None, model_identity(model, str(d)), (PROBES[name],), meta)
+    return TaskVector("logit", U, V, None, model_identity(model, str(d)),
+                      (PROBES[probe_of(name)],), meta)
 
 
 def save_with_steps(tv: TaskVector, path: Path, steps: str) -> Path:
@@ -143,7 +152,7 @@ def check_tokens(tokens: list[int], task: str | None, steps: int | None, where: 
     and no other probe token; the bare model's holds none."""
     for i, t in enumerate(tokens):
         shifted = task is not None and (steps is None or i < steps)
-        want = PROBES[task] if shifted else None
+        want = PROBES[probe_of(task)] if shifted else None
         if want is not None:
             assert t == want, f"{where}: token {i} is {t}, not task {task}'s {want}: {tokens}"
         else:
@@ -191,8 +200,10 @@ class Server:
         # scale-out's token-in/token-out routes (/inference/v1/generate) carry raw
         # sampling params; responses may run in the background (stored): both reach the
         # engine past the routes the gate serves tasks on
+        # --max-logprobs: a held stream's answer outgrows the socket buffers (`HeldStream`)
         self.args = ("--task-store", str(self.store.root), "--max-tasks", "3",
-                     "--multi-task", mode, "--max-num-seqs", "2", "--enable-scale-out")
+                     "--multi-task", mode, "--max-num-seqs", "2", "--enable-scale-out",
+                     "--max-logprobs", str(HELD_LOGPROBS))
         self.beta, self.tmp, self.nonce = beta, tmp, 0
         self.start()
 
@@ -386,6 +397,102 @@ def completion(model: str | None, **kw) -> dict:
     return body
 
 
+def wait_for(condition, what: str, seconds: float = 120) -> None:
+    """Poll `condition()` until it holds; `what` failed past the deadline."""
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, what
+        time.sleep(0.02)
+
+
+def engine_requests(srv: Server) -> float:
+    """Requests that reached the engine so far (vLLM's /metrics): finished, running or
+    waiting for a slot in its batch."""
+    total = 0.0
+    for line in HTTP.get(f"{srv.url}/metrics", timeout=60).text.splitlines():
+        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{",
+                            "vllm:request_success_total")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def engine_finished(srv: Server) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in HTTP.get(
+        f"{srv.url}/metrics", timeout=60).text.splitlines()
+        if line.startswith("vllm:request_success_total"))
+
+
+@contextlib.contextmanager
+def own_tasks(srv: Server, *names: str):
+    """A test's own task names: whatever it leaves of them (a failure midway) is deleted
+    after it (waited for while its requests drain), so no later test meets it."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(httpx.HTTPError):
+            for name in names:
+                deadline = time.time() + 60
+                while HTTP.get(f"{srv.url}/v1/ltv/tasks/{name}", timeout=60).status_code \
+                        != 404 and time.time() < deadline:
+                    srv.delete(name)  # 202 while its requests run on: asked again
+                    time.sleep(0.1)
+                srv.defaults.pop(name, None)
+
+
+HELD_LOGPROBS = 300  # top logprobs per token of a held stream: some 5 KB per event
+
+
+class HeldStream:
+    """A streamed completion the test holds in flight by construction: sent on a socket
+    that takes little (a small receive buffer, 88-byte segments), read up to its first
+    event, then left unread. Its answer (max_tokens events of HELD_LOGPROBS logprobs each:
+    ~1 MB for 200 tokens) outgrows what the socket and the server's transport buffer (as
+    measured here: an answer of 146 KB stayed in flight, one of 95 KB did not), so the
+    server's `send` blocks and the gate counts the request in flight until `finish` reads
+    the rest, however soon the engine is done generating it."""
+
+    def __init__(self, srv: Server, body: dict) -> None:
+        host, port = srv.url.removeprefix("http://").split(":")
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 88)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        self.sock.settimeout(120)
+        self.sock.connect((host, int(port)))
+        data = json.dumps({**body, "stream": True, "logprobs": HELD_LOGPROBS}).encode()
+        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+                          b"Connection: close\r\n\r\n%s" % (host.encode(), len(data), data))
+        self.raw = b""
+
+    def first_event(self) -> None:
+        while b"\r\n\r\n" not in self.raw or b"data: " not in self.raw.partition(
+                b"\r\n\r\n")[2]:
+            chunk = self.sock.recv(1024)
+            assert chunk, f"the stream ended before its first event: {self.raw[:300]!r}"
+            self.raw += chunk
+
+    def finish(self) -> httpx.Response:
+        """The rest of the answer, read to its end, as a response."""
+        while chunk := self.sock.recv(1 << 16):
+            self.raw += chunk
+        self.close()
+        head, _, body = self.raw.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if b"transfer-encoding: chunked" in head.lower():
+            out = b""
+            while body:
+                size, _, body = body.partition(b"\r\n")
+                n = int(size.split(b";")[0], 16)
+                if n == 0:
+                    break
+                out, body = out + body[:n], body[n + 2:]
+            body = out
+        return httpx.Response(status, content=body)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 # -- the attacks, one by one -----------------------------------------------------------------
 def test_beam_search_is_refused_for_a_task(server):
     """Beam search once answered a task's request with the bare model's beams under the
@@ -428,35 +535,36 @@ def test_bad_stored_fields_are_refused_at_upload(server):
     at its first request, again after every restart. Now every field the engine parses is
     checked at upload: 422, nothing stored; a Gram matrix that cannot be cut is a 422, not
     torch's Cholesky message in a 500."""
-    srv = server
-    for steps in ("bogus", "-1", "١", "true"):
-        r = srv.upload("gamma", steps)
-        assert r.status_code == 422 and "shift_steps" in r.json()["error"]["message"], r.text
-        clean_error(r, srv.keys())
-    # a file that is not a vector: the message names "the upload", not its staging path
-    r = HTTP.post(f"{srv.url}/v1/ltv/tasks", data={"name": "gamma"},
-                  files={"vector": ("x.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}")},
-                  timeout=60)
-    assert r.status_code == 422 and ".up-" not in r.text and "<task store>" not in r.text, \
-        r.text
-    assert "gamma" not in srv.store.names()
-    # rank 300 (> the served 256) with a gram that is not positive definite
-    tv = probe_vector(srv.model, srv.d, "gamma", "first")
-    g = torch.Generator().manual_seed(0)
-    big = TaskVector("logit", torch.randn(tv.U.shape[0], 300, generator=g) * 1e-3,
-                     torch.randn(tv.V.shape[0], 300, generator=g), None, tv.model,
-                     tv.label_token_ids, tv.provenance, gram=-torch.eye(300))
-    path = big.save(srv.tmp / "badgram.safetensors")
-    r = HTTP.post(f"{srv.url}/v1/ltv/tasks", data={"name": "gamma"},
-                  files={"vector": (path.name, path.read_bytes())}, timeout=60)
-    assert r.status_code == 422 and "gram" in r.json()["error"]["message"], r.text
-    r = srv.upload("gamma", "2")
-    assert r.status_code == 201, r.text
-    r = post(srv, "/v1/completions", completion("gamma", max_tokens=5))
-    assert r.status_code == 200, r.text
-    check_tokens(answer_tokens(r, False)[0], "gamma", srv.steps("gamma", {}), "gamma")
-    assert srv.delete("gamma").status_code == 200
-    srv.alive()
+    srv, name = server, "gamma-fields"
+    with own_tasks(srv, name):
+        for steps in ("bogus", "-1", "١", "true"):
+            r = srv.upload(name, steps)
+            assert r.status_code == 422 and "shift_steps" in r.json()["error"]["message"], r.text
+            clean_error(r, srv.keys())
+        # a file that is not a vector: the message names "the upload", not its staging path
+        r = HTTP.post(f"{srv.url}/v1/ltv/tasks", data={"name": name},
+                      files={"vector": ("x.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}")},
+                      timeout=60)
+        assert r.status_code == 422 and ".up-" not in r.text and "<task store>" not in r.text, \
+            r.text
+        assert name not in srv.store.names()
+        # rank 300 (> the served 256) with a gram that is not positive definite
+        tv = probe_vector(srv.model, srv.d, name, "first")
+        g = torch.Generator().manual_seed(0)
+        big = TaskVector("logit", torch.randn(tv.U.shape[0], 300, generator=g) * 1e-3,
+                         torch.randn(tv.V.shape[0], 300, generator=g), None, tv.model,
+                         tv.label_token_ids, tv.provenance, gram=-torch.eye(300))
+        path = big.save(srv.tmp / "badgram.safetensors")
+        r = HTTP.post(f"{srv.url}/v1/ltv/tasks", data={"name": name},
+                      files={"vector": (path.name, path.read_bytes())}, timeout=60)
+        assert r.status_code == 422 and "gram" in r.json()["error"]["message"], r.text
+        r = srv.upload(name, "2")
+        assert r.status_code == 201, r.text
+        r = post(srv, "/v1/completions", completion(name, max_tokens=5))
+        assert r.status_code == 200, r.text
+        check_tokens(answer_tokens(r, False)[0], name, srv.steps(name, {}), name)
+        assert srv.delete(name).status_code == 200
+        srv.alive()
 
 
 def test_delete_waits_for_queued_requests(server):
@@ -470,56 +578,70 @@ def test_delete_waits_for_queued_requests(server):
     after the DELETE was sent (the overlap this test is about, asserted). Per-request tasks:
     the DELETE answers at once and the pin goes after them; LoRA: it answers within its wait
     (1 s on this server: 200, or 202 "deleting") and the files go after them."""
-    srv = server
+    srv, name = server, "delta-queued"
     long = completion(srv.base, max_tokens=230, ignore_eos=True)
-    for queued in (["raw"], ["delta", "delta"], ["xargs", "xargs"]):
-        if srv.mode == "lora" and queued != ["delta", "delta"]:
+    for queued in (["raw"], ["named", "named"], ["xargs", "xargs"]):
+        if srv.mode == "lora" and queued != ["named", "named"]:
             continue  # an engine key or an ltv_task is no LoRA task's name (refused)
-        assert srv.upload("delta", None).status_code == 201
-        key = srv.raw_key("delta")
-        steps = srv.steps("delta", {})
-        bodies = [completion("delta", max_tokens=3, prompt=PROMPTS[i]) if q == "delta" else
-                  completion(srv.base, max_tokens=3, prompt=PROMPTS[i],
-                             vllm_xargs={"ltv_task": "delta"}) if q == "xargs" else
-                  completion(srv.base, max_tokens=3, vllm_xargs={"ltv_task": key})
-                  for i, q in enumerate(queued)]
-        results: dict[int, httpx.Response] = {}
-        ended: dict[int, float] = {}
+        with own_tasks(srv, name):
+            assert srv.upload(name, None).status_code == 201
+            key = srv.raw_key(name)
+            steps = srv.steps(name, {})
+            bodies = [completion(name, max_tokens=3, prompt=PROMPTS[i]) if q == "named" else
+                      completion(srv.base, max_tokens=3, prompt=PROMPTS[i],
+                                 vllm_xargs={"ltv_task": name}) if q == "xargs" else
+                      completion(srv.base, max_tokens=3, vllm_xargs={"ltv_task": key})
+                      for i, q in enumerate(queued)]
+            results: dict[int, httpx.Response] = {}
+            ended: dict[int, float] = {}
 
-        def send(i: int, body: dict, results: dict = results, ended: dict = ended) -> None:
-            results[i] = post(srv, "/v1/completions", body)
-            ended[i] = time.time()
+            def send(i: int, body: dict, results: dict = results, ended: dict = ended) -> None:
+                results[i] = post(srv, "/v1/completions", body)
+                ended[i] = time.time()
 
-        # eight long requests ahead of them: four rounds of the engine's batch of 2, so the
-        # delta requests are still queued when the DELETE is sent, on a fast CPU too
-        threads = [threading.Thread(target=send, args=(-1 - i, long)) for i in range(8)]
-        threads += [threading.Thread(target=send, args=(i, b)) for i, b in enumerate(bodies)]
-        for t in threads:
-            t.start()
-            time.sleep(0.02)
-        time.sleep(0.3)  # the delta requests wait behind the long ones
-        sent = time.time()
-        r = srv.delete("delta")
-        assert r.status_code in (200, 202), r.text
-        if r.status_code == 202:
-            assert HTTP.get(f"{srv.url}/v1/ltv/tasks/delta").json()["status"] == "deleting"
-        for t in threads:
-            t.join(120)
-        for i, q in enumerate(queued):
-            if q == "raw":
-                assert results[i].status_code == 400, results[i].text
-                clean_error(results[i], srv.keys())
-            else:
-                assert results[i].status_code == 200, results[i].text
-                check_tokens(answer_tokens(results[i], False)[0], "delta", steps, f"q{i}")
-                assert ended[i] > sent, "the request ended before the DELETE: no overlap"
-        deadline = time.time() + 60
-        while HTTP.get(f"{srv.url}/v1/ltv/tasks/delta").status_code != 404 or (
-                srv.store.root / ".pins" / f"{key}.safetensors").exists():
-            assert time.time() < deadline, "the deleted task's files were never removed"
-            time.sleep(0.1)
-        assert "delta" not in srv.store.names()
-        srv.alive()
+            # eight long requests ahead of them, in the engine before they are sent: four
+            # rounds of the engine's batch of 2, so the task's requests are still queued
+            # when the DELETE is sent, on a fast CPU too
+            seen = engine_requests(srv)
+            threads = [threading.Thread(target=send, args=(-1 - i, long)) for i in range(8)]
+            for t in threads:
+                t.start()
+            wait_for(lambda seen=seen: engine_requests(srv) >= seen + 8,
+                     "the long requests never reached the engine")
+            threads += [threading.Thread(target=send, args=(i, b))
+                        for i, b in enumerate(bodies)]
+            for t in threads[8:]:
+                t.start()
+            raw = [i for i, q in enumerate(queued) if q == "raw"]
+            # the task's requests wait in the engine behind the long ones (a raw key's is
+            # refused at the gate: answered)
+            want = seen + 8 + len(bodies) - len(raw)
+            wait_for(lambda want=want, raw=raw, results=results:
+                     engine_requests(srv) >= want and all(i in results for i in raw),
+                     "the task's requests never reached the engine")
+            sent = time.time()
+            r = srv.delete(name)
+            assert r.status_code in (200, 202), r.text
+            if r.status_code == 202:
+                assert HTTP.get(f"{srv.url}/v1/ltv/tasks/{name}").json()["status"] == \
+                    "deleting"
+            for t in threads:
+                t.join(120)
+            for i, q in enumerate(queued):
+                if q == "raw":
+                    assert results[i].status_code == 400, results[i].text
+                    clean_error(results[i], srv.keys())
+                else:
+                    assert results[i].status_code == 200, results[i].text
+                    check_tokens(answer_tokens(results[i], False)[0], name, steps, f"q{i}")
+                    assert ended[i] > sent, "the request ended before the DELETE: no overlap"
+            deadline = time.time() + 60
+            while HTTP.get(f"{srv.url}/v1/ltv/tasks/{name}").status_code != 404 or (
+                    srv.store.root / ".pins" / f"{key}.safetensors").exists():
+                assert time.time() < deadline, "the deleted task's files were never removed"
+                time.sleep(0.1)
+            assert name not in srv.store.names()
+            srv.alive()
 
 
 def test_routes_that_bypassed_the_gate(server):
@@ -584,6 +706,23 @@ def test_routes_that_bypassed_the_gate(server):
     r = HTTP.post(f"{srv.url}/v1/ltv/tasks", content=b'{"name": "x"}',
                   headers={"Content-Type": "APPLICATION/JSON"}, timeout=60)
     assert r.status_code == 400, r.text
+    # a body vLLM's own validator refuses (stream_options without stream) once got the
+    # gate's "could not be read" and a traceback in the log per request: now vLLM's own
+    # 400 and message, and no more than the request's access line in the log
+    log = Path(srv.log.name)
+    start = log.stat().st_size
+    for path in ("/v1/completions", "/invocations"):
+        r = post(srv, path, completion(srv.base, stream_options={"include_usage": True}))
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "stream_options" and err[
+            "message"].startswith("Stream options can only be defined when `stream=True`"), \
+            r.text
+    wait_for(lambda: b'"POST /invocations HTTP/1.1" 400' in log.read_bytes()[start:],
+             "the request's access line was never logged")
+    logged = log.read_bytes()[start:].decode("utf-8", "replace").splitlines()
+    assert not [x for x in logged if "Traceback" in x or 'File "' in x or "ltv-vllm gate" in x], \
+        "\n".join(logged)
+    assert len([x for x in logged if "POST /" in x]) == 2, "\n".join(logged)
     srv.alive()
 
 
@@ -625,6 +764,11 @@ def test_routes_the_gate_does_not_serve_tasks_on_cannot_shift(server):
         assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text[:300])
         clean_error(r, srv.keys())
         srv.alive()
+    # a background response naming a task in vllm_xargs: a LoRA server once answered it 200
+    # "queued" and refused it in the background (then "queued" forever); now a 400 here
+    r = post(srv, "/v1/responses", {"model": srv.base, "input": PROMPTS[0], "background": True,
+                                    "max_output_tokens": 3, "vllm_xargs": {"ltv_task": "beta"}})
+    assert r.status_code == 400 and "\n" not in r.json()["error"]["message"], r.text
     # the bare model on those routes: served, with no task's token
     r = post(srv, "/inference/v1/generate", generate(srv.base, None))
     assert r.status_code == 200, r.text
@@ -654,6 +798,9 @@ def test_a_second_server_on_a_held_store_refuses_to_start(server, tmp_path):
     assert r.returncode != 0, r.stderr[-2000:]
     lines = [x for x in r.stderr.splitlines() if "served by another running server" in x]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    # the refusal alone: not vLLM's command line (the store's path in it) before it
+    assert [x for x in r.stderr.splitlines() if str(srv.store.root) in x] == lines, \
+        r.stderr[-2000:]
     assert sorted(p.name for p in srv.store.root.iterdir()) == before
     r = subprocess.run([*cmd, "--dry-run"], capture_output=True, text=True, timeout=300,
                        env=env)
@@ -671,61 +818,68 @@ def test_a_delete_frees_the_name_at_once(server):
     201 while the old requests run on), the requests admitted before finish on the vector
     they started with (its pin), and the pin goes when they are done. LoRA mode keeps the
     name until its requests are done (vLLM's adapters are by name): 202 "deleting", 409 on
-    a new upload meanwhile, then free."""
-    srv = server
-    assert srv.upload("gamma", "all").status_code == 201
-    old_key = srv.raw_key("gamma")
-    long = completion("gamma", max_tokens=200, ignore_eos=True, stream=True)
-    results: dict[int, httpx.Response] = {}
-
-    def send(i: int) -> None:
-        results[i] = post(srv, "/v1/completions", long)
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)  # four long streams, two running and two queued (--max-num-seqs 2)
-    assert any(t.is_alive() for t in threads), "the requests ended before the DELETE"
-    t0 = time.time()
-    r = srv.delete("gamma")
-    if srv.mode == "shift":
-        assert r.status_code == 200 and r.json()["deleted"] is True, r.text
-        assert time.time() - t0 < 5
-        assert HTTP.get(f"{srv.url}/v1/ltv/tasks/gamma").status_code == 404
-        assert srv.upload("gamma", "first").status_code == 201  # the name, free at once
-        assert srv.raw_key("gamma") != old_key
-        r = post(srv, "/v1/completions", completion("gamma", max_tokens=4))
-        check_tokens(answer_tokens(r, False)[0], "gamma", 1, "the new gamma")
-    elif r.status_code == 202:  # LoRA: still draining after this server's 1 s wait
-        assert r.json()["status"] == "deleting", r.text
-        assert srv.upload("gamma", "first").status_code == 409
-    else:  # LoRA: drained within the wait (the streams were short enough)
-        assert r.status_code == 200, r.text
-    for t in threads:
-        t.join(120)
-    for i in range(4):  # each finished on the vector it started with: every step shifted
-        assert results[i].status_code == 200, results[i].text
-        check_tokens(answer_tokens(results[i], True)[0], "gamma", None, f"old gamma {i}")
-    deadline = time.time() + 60
-    if srv.mode == "shift":
-        pins = srv.store.root / ".pins"
-        while (pins / f"{old_key}.safetensors").exists():
-            assert time.time() < deadline, "the deleted key's pin was never removed"
-            time.sleep(0.2)
-        assert (pins / f"{srv.raw_key('gamma')}.safetensors").is_file()
-    else:
-        while HTTP.get(f"{srv.url}/v1/ltv/tasks/gamma").status_code != 404:
-            assert time.time() < deadline, "the deleted task's files were never removed"
-            time.sleep(0.2)
-        assert srv.upload("gamma", "first").status_code == 201
-    assert srv.delete("gamma").status_code == 200
-    srv.alive()
+    a new upload meanwhile, then free. The four streams are held in flight by the test
+    (`HeldStream`), not by their length: the engine has generated them all before the
+    DELETE's effects are checked, and the gate still counts them."""
+    srv, name = server, "gamma-free"
+    with own_tasks(srv, name):
+        assert srv.upload(name, "all").status_code == 201
+        old_key = srv.raw_key(name)
+        finished = engine_finished(srv)
+        long = completion(name, max_tokens=200, ignore_eos=True)
+        # two running, two queued behind them (--max-num-seqs 2): each read to its first
+        # event, so each was admitted and started on the vector uploaded above
+        streams = [HeldStream(srv, long) for _ in range(4)]
+        try:
+            for h in streams:
+                h.first_event()
+            wait_for(lambda: engine_finished(srv) >= finished + 4,
+                     "the engine did not finish the held streams")
+            t0 = time.time()
+            r = srv.delete(name)
+            if srv.mode == "shift":
+                assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+                assert time.time() - t0 < 5
+                assert HTTP.get(f"{srv.url}/v1/ltv/tasks/{name}").status_code == 404
+                # the held requests keep the old key's pin (the gate counts them)
+                pins = srv.store.root / ".pins"
+                assert (pins / f"{old_key}.safetensors").exists()
+                assert srv.upload(name, "first").status_code == 201  # the name, free at once
+                assert srv.raw_key(name) != old_key
+                r = post(srv, "/v1/completions", completion(name, max_tokens=4))
+                check_tokens(answer_tokens(r, False)[0], name, 1, "the new task")
+                assert (pins / f"{old_key}.safetensors").exists()
+            else:  # LoRA: its requests are in flight (held), so the DELETE waits past 1 s
+                assert r.status_code == 202 and r.json()["status"] == "deleting", r.text
+                view = HTTP.get(f"{srv.url}/v1/ltv/tasks/{name}").json()
+                assert view["status"] == "deleting" and view["in_flight"] == 4, view
+                assert srv.upload(name, "first").status_code == 409
+            results = [h.finish() for h in streams]
+        finally:
+            for h in streams:
+                h.close()
+        for i, r in enumerate(results):  # each on the vector it started with: every step
+            assert r.status_code == 200, r.text
+            check_tokens(answer_tokens(r, True)[0], name, None, f"old task, stream {i}")
+        deadline = time.time() + 60
+        if srv.mode == "shift":
+            while (pins / f"{old_key}.safetensors").exists():
+                assert time.time() < deadline, "the deleted key's pin was never removed"
+                time.sleep(0.1)
+            assert (pins / f"{srv.raw_key(name)}.safetensors").is_file()
+        else:
+            while HTTP.get(f"{srv.url}/v1/ltv/tasks/{name}").status_code != 404:
+                assert time.time() < deadline, "the deleted task's files were never removed"
+                time.sleep(0.1)
+            assert srv.upload(name, "first").status_code == 201
+        assert srv.delete(name).status_code == 200
+        srv.alive()
 
 
 def test_listing_survives_concurrent_deletes(server):
     """GET /v1/ltv/tasks once failed (500) when a DELETE renamed an entry away between the
     listing and its read. Listing in a tight loop through 6 add/delete cycles: always 200."""
-    srv = server
+    srv, name = server, "gamma-list"
     stop_at = threading.Event()
     codes: list[int] = []
 
@@ -734,14 +888,15 @@ def test_listing_survives_concurrent_deletes(server):
             codes.append(HTTP.get(f"{srv.url}/v1/ltv/tasks", timeout=60).status_code)
 
     t = threading.Thread(target=lister)
-    t.start()
-    try:
-        for _ in range(6):
-            assert srv.upload("gamma", None).status_code == 201
-            assert srv.delete("gamma").status_code == 200
-    finally:
-        stop_at.set()
-        t.join(60)
+    with own_tasks(srv, name):
+        t.start()
+        try:
+            for _ in range(6):
+                assert srv.upload(name, None).status_code == 201
+                assert srv.delete(name).status_code == 200
+        finally:
+            stop_at.set()
+            t.join(60)
     assert codes and set(codes) == {200}, sorted(set(codes))
     srv.alive()
 
@@ -1003,12 +1158,12 @@ def store_change(rng: random.Random, srv: Server, jobs: list) -> None:
     live = [n for n in ("gamma", "delta") if n in srv.defaults]
     if live and rng.random() < 0.5:
         name = rng.choice(live)
-        if srv.mode == "shift":  # queued: it reaches the engine after the DELETE began
+        if srv.mode == "shift":  # beside the DELETE: the gate refuses an engine key
+            # whenever it arrives (no order to wait for)
             body = completion(srv.base, max_tokens=2,
                               vllm_xargs={"ltv_task": srv.raw_key(name)})
             jobs.append(("/v1/completions", body, {}, ThreadPoolExecutor(1).submit(
                 post, srv, "/v1/completions", body)))
-            time.sleep(0.05)
         r = srv.delete(name)
         assert r.status_code in (200, 202), r.text
         return

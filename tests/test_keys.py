@@ -52,6 +52,12 @@ def test_keys_file_and_the_rule(tmp_path):
     assert not may("inference", "POST", "/v1/ltv/tasks")
     assert not may("inference", "DELETE", "/v1/ltv/tasks/a")
     assert may("admin", "DELETE", "/v1/ltv/tasks/a")
+    # vLLM's operator routes are an admin key's; under /inference an inference key generates
+    assert may("inference", "POST", "/inference/v1/generate")
+    for path in ("/inference/v1/abort_requests", "/inference/v1/abort_requests/", "/pause",
+                 "/scale_elastic_ep", "/collective_rpc", "/inference/v2/anything"):
+        assert not may("inference", "POST", path) and may("admin", "POST", path), path
+    assert not may("inference", "GET", "/server_info")
 
 
 def test_roles_and_the_audit_log_through_the_server(assets, tmp_path):
@@ -62,7 +68,7 @@ def test_roles_and_the_audit_log_through_the_server(assets, tmp_path):
     audit = tmp_path / "audit.jsonl"
     proc, url, log = start_server(d, [], tmp_path, (
         "--task-store", str(tmp_path / "store"), "--api-keys", str(keys),
-        "--audit-log", str(audit)))
+        "--audit-log", str(audit), "--enable-scale-out"))
     tasks = f"{url}/v1/ltv/tasks"
 
     def auth(key):
@@ -75,6 +81,11 @@ def test_roles_and_the_audit_log_through_the_server(assets, tmp_path):
     def lines():
         return [json.loads(x) for x in audit.read_text().splitlines()]
 
+    def unauthorized() -> float:
+        text = HTTP.get(f"{url}/metrics", headers=auth(admin), timeout=60).text
+        return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                   if x.startswith('ltv_vllm:refusals_total{reason="unauthorized"}'))
+
     try:
         # the inference key: model routes and listing, no store change
         r = upload(user, "alpha")
@@ -86,6 +97,33 @@ def test_roles_and_the_audit_log_through_the_server(assets, tmp_path):
         # the admin key: changes
         r = upload(admin, "alpha")
         assert r.status_code == 201, r.text
+        # two Authorization headers (an inference key's, then an admin key's, was admin: the
+        # gate read the last, vLLM the first): refused whatever their order, one line,
+        # counted, not audited; alpha stays
+        before = unauthorized()
+        for pair in ((user, admin), (admin, user), (admin, admin)):
+            r = HTTP.delete(f"{tasks}/alpha", headers=[("Authorization", f"Bearer {k}")
+                                                       for k in pair])
+            assert r.status_code == 400, r.text
+            assert "2 Authorization headers" in r.json()["error"]["message"], r.text
+            assert "\n" not in r.json()["error"]["message"]
+        assert unauthorized() == before + 3
+        assert HTTP.get(f"{tasks}/alpha", headers=auth(user)).status_code == 200
+        # vLLM's operator routes: an admin key's only (aborting others' requests by id,
+        # scaling, vLLM's dev and RL routes...); refused, not audited as store changes
+        for path, body in [("/inference/v1/abort_requests", {"request_ids": ["cmpl-x"]}),
+                           ("/abort_requests", {}), ("/scale_elastic_ep",
+                                                     {"new_data_parallel_size": 2}),
+                           ("/inference/v1/other", {}), ("/pause", {}), ("/sleep", {}),
+                           ("/collective_rpc", {"method": "x"}), ("/reset_prefix_cache", {}),
+                           ("/v1/unload_lora_adapter", {"lora_name": "alpha"}),
+                           ("/v1/ltv/tasksXYZ", {}), ("/v1/ltv/tasks/a/b", {})]:
+            r = HTTP.post(f"{url}{path}", json=body, headers=auth(user), timeout=60)
+            assert r.status_code == 403 and "admin key" in r.json()["error"]["message"], \
+                (path, r.text)
+        r = HTTP.post(f"{url}/inference/v1/abort_requests", json={"request_ids": ["cmpl-x"]},
+                      headers=auth(admin), timeout=60)
+        assert r.status_code == 200, r.text
         assert HTTP.delete(f"{tasks}/alpha", headers=auth(user)).status_code == 403
         import openai  # the task answers the inference key (its exactness: test_store_server)
 

@@ -265,6 +265,39 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     assert (store / "zeta").is_dir()  # a dry run moves nothing
 
 
+def test_a_held_store_is_refused_in_its_one_line(setup, monkeypatch, tokenizer):
+    """`serve --task-store DIR` while another server holds DIR once printed vLLM's whole
+    command line (the store's path in it) and the store's warnings before its refusal: now
+    the refusal is the only line, and nothing is started or moved (an entry it would
+    quarantine stays)."""
+    import os
+
+    from conftest import make_llama
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.serving.taskstore import TaskStore
+
+    tmp, _, other = setup
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    make_llama(len(tokenizer), seed=5).save_pretrained(tmp / "o")  # `other`'s model
+    store = TaskStore(tmp / "store")
+    store.add("zeta", load_task_vector(other), tmp / "o")  # not servable on `m`: a warning
+
+    def no_exec(*_a):
+        raise AssertionError("the server was started on a held store")
+
+    monkeypatch.setattr(os, "execve", no_exec)
+    fd = store.hold()  # the other server (this process: a second lock on it is refused)
+    try:
+        r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-store",
+                                      str(store.root), "--skip-selfcheck"])
+    finally:
+        os.close(fd)
+    assert r.exit_code == 1, r.output
+    assert r.output.strip().splitlines() == [r.output.strip()], r.output
+    assert "is served by another running server" in r.output and "Traceback" not in r.output
+    assert (store.root / "zeta").is_dir()
+
+
 def test_server_settings_travel_whole_and_default_in_one_place():
     from ltv_vllm.serving.serve import ServeOptions
     from ltv_vllm.serving.settings import ENV, ServerSettings

@@ -196,28 +196,36 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], store: StoreFlags, h
     plan = plan_server(ServeOptions(model_spec, vectors, dtype=dtype, max_model_len=max_model_len,
                                     vllm_args=vllm_args, selfcheck=not skip_selfcheck,
                                     **asdict(store), **asdict(http), **asdict(shift)))
-    for line in plan.warnings(done=not dry_run):
-        click.echo(line, err=True)
+    from ltv_vllm.serving.step_policy import ADMIT_ENV
+
+    def announce() -> None:
+        for line in plan.warnings(done=not dry_run):
+            click.echo(line, err=True)
+        if export_dir is not None:
+            return
+        # the admission key is the server's secret: never printed (a fresh one each start)
+        shown = {k: "<a fresh key>" if k == ADMIT_ENV else v for k, v in plan.env.items()}
+        click.echo(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown.items()),
+                             *(shlex.quote(a) for a in plan.argv)]), err=True)
+
     if export_dir is not None:
         from ltv_vllm.serving.deploy import DEPLOY_ENV
 
+        announce()
         written = plan.export(export_dir.absolute())
         click.echo("wrote " + ", ".join(str(p) for p in written))
         click.echo(f"run: {DEPLOY_ENV}={shlex.quote(str(export_dir.absolute()))} vllm serve "
                    f"--config {shlex.quote(str(written[0]))}")
         return
-    from ltv_vllm.serving.step_policy import ADMIT_ENV
-
-    # the admission key is the server's secret: never printed (a fresh one each start)
-    shown = {k: "<a fresh key>" if k == ADMIT_ENV else v for k, v in plan.env.items()}
-    click.echo(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown.items()),
-                         *(shlex.quote(a) for a in plan.argv)]), err=True)
     if dry_run:
+        announce()
         if plan.lora is not None and (n := len(plan.lora.adapters) - len(plan.lora.prebuilt)):
             click.echo(f"(dry run: the {n} LoRA adapters above were not written)", err=True)
         return
-    plan.start()  # writes the adapters (quarantine: warned above), then the server replaces
-    # this process
+    # writes the adapters and holds the store (one held by another server: its one line,
+    # nothing printed before it), then prints the warnings and the command, then the server
+    # replaces this process
+    plan.start(announce)
 
 
 @main.group("keys")

