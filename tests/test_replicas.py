@@ -10,11 +10,14 @@ streams finish on their vector and is a 404 everywhere after the bound; two repl
 uploading one name at once end with one winner, served everywhere; `/v1/models` lists store
 tasks with their digest and whether this replica has them; a restarted replica serves
 exactly the store; the object store stopped under load gives 503s or answers from copies,
-never a wrong answer, and no engine dies.
+never a wrong answer, and no engine dies; an index corrupted record by record (or written
+past --max-tasks) is skipped where it is broken and served where it is not.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import threading
 import time
@@ -370,3 +373,243 @@ def test_one_replica_with_two_api_servers(assets, tokenizer, tmp_path):
     finally:
         for p_, _, lg in servers:
             stop(p_, lg)
+
+
+# -- a shared index is untrusted input -----------------------------------------------------------
+def write_generation(root: Path, body: dict | bytes) -> int:
+    """The next index generation written straight into a shared directory (as anyone with
+    write access to the storage can; NaN as Python's json writes it): its number."""
+    index = root / "index"
+    g = max(int(p.stem) for p in index.glob("*.json")) + 1
+    data = body if isinstance(body, bytes) else json.dumps(
+        {"generation": g, "tasks": body, "writer": "attacker", "time": "now"}).encode()
+    tmp = index / f".tmp-test-{g}"
+    tmp.write_bytes(data)
+    os.link(tmp, index / f"{g:012d}.json")  # create-if-absent, as a writer does
+    tmp.unlink()
+    return g
+
+
+def scrape(url: str, name: str) -> list[tuple[dict, float]]:
+    """Every sample of `name` on vLLM's `/metrics` (which must answer 200)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = HTTP.get(f"{url}/metrics", headers=KEY)
+    assert r.status_code == 200, r.text[:500]
+    return [(s.labels, s.value) for f in text_string_to_metric_families(r.text)
+            for s in f.samples if s.name == name]
+
+
+def skips(url: str) -> dict[str, float]:
+    return {labels["reason"]: v for labels, v in
+            scrape(url, "ltv_vllm:task_store_skipped_records")}
+
+
+def until(what, deadline: float, *args):
+    """Poll `what(*args)` until it is true (its value), or fail at the deadline."""
+    while not (got := what(*args)):
+        assert time.time() < deadline, (what.__name__, args)
+        time.sleep(0.05)
+    return got
+
+
+def test_replicas_skip_what_they_cannot_use(assets, tokenizer, tmp_path):
+    """Index generations written straight into a shared directory, one kind of corruption
+    after another: an entry that is not an object, an invalid name, a NaN in a record, a
+    record of a newer format, 300 names past --max-tasks 4, a generation that is not JSON.
+    Each replica skips what it cannot use and says so (one log line per generation, the
+    skipped-records metric, a card with its error), serves the rest, applies the other
+    replica's uploads and DELETEs meanwhile, answers its own uploads, /metrics, the task
+    listing and /v1/models; one started against the corrupted index starts; an unreadable
+    directory planted in a replica's copy wedges nothing and is removed; a generation that
+    is not JSON is a 503 naming no path while the copies answer; after each repair
+    everything is as before, with no restart, and no log holds a traceback."""
+    d, model, vecs = assets
+    alpha, beta, gamma = vecs["alpha"], vecs["beta"], vecs["gamma"]
+    root = tmp_path / "shared"
+    store = f"file://{root}"
+    servers = start_replicas(d, tmp_path, store, [POLL, POLL])
+    (pa, a, la), (pb, b, lb) = servers
+    texts: list[str] = []  # each server's log, read before it stops (a stop logs vLLM's
+    # own tracebacks of a killed engine)
+    [copy_a] = (tmp_path / "r0" / "cache" / "task-replicas").glob("*/replica-*")
+    shared = SharedStore(store, create=False)
+
+    def bound() -> float:
+        return time.time() + 10 * POLL + 10
+
+    def followed(url: str, g: int) -> bool:
+        gen = scrape(url, "ltv_vllm:task_store_generation")
+        return bool(gen) and gen[0][1] >= g
+
+    def digest(name: str) -> str:
+        return shared.index().tasks[name]["digest"][:16]
+
+    def routes_answer(url: str) -> dict[str, dict]:
+        """/v1/models, GET /v1/ltv/tasks and /metrics answer 200; the cards."""
+        r = HTTP.get(f"{url}/v1/ltv/tasks", headers=KEY)
+        assert r.status_code == 200, r.text
+        scrape(url, "ltv_vllm:task_loaded")
+        return models(url)
+
+    def store_cards(url: str) -> dict[str, dict]:
+        return {n: c["ltv"] for n, c in models(url).items() if "ltv" in c}
+
+    try:
+        assert upload(a, "alpha", alpha[1]).status_code == 201
+        wait_loaded(b, "alpha", digest("alpha"), bound())
+        good = dict(shared.index().tasks)
+        item = good["alpha"]
+        # 1. an entry that is not an object, and an invalid name (a newline in it)
+        g1 = write_generation(root, {**good, "evil": "not-a-dict", "bad name\nx": item})
+        for url in (a, b):
+            until(followed, bound(), url, g1)
+            assert skips(url) == {"name": 1, "entry": 1, "digest": 0, "record": 0,
+                                  "format": 0, "max_tasks": 0}
+            cards = routes_answer(url)
+            assert cards["evil"]["ltv"]["loaded"] is False
+            assert "not an index entry" in cards["evil"]["ltv"]["error"]
+            assert not any("\n" in n for n in cards)
+            assert cards["alpha"]["ltv"]["loaded"] is True
+        # ...while the replicas' own changes go on: an upload on A is served by B, a DELETE
+        # on B is applied by A
+        r = upload(a, "beta", beta[1])
+        assert r.status_code == 201, r.text
+        wait_loaded(b, "beta", digest("beta"), bound())
+        check_mixed(b, {"beta": beta[0], "alpha": alpha[0], str(d): None}, model, tokenizer,
+                    True)
+        assert HTTP.delete(f"{b}/v1/ltv/tasks/alpha", headers=KEY).status_code == 200
+        wait_loaded(a, "alpha", None, bound())
+
+        # 2. a NaN in a record (json reads it), of a vector the store holds
+        good = {n: v for n, v in shared.index().tasks.items() if n == "beta"}
+        record = good["beta"]["record"]
+        g2 = write_generation(root, {**good, "evil": "not-a-dict", "nan": {
+            "digest": good["beta"]["digest"], "record": {**record, "lam": float("nan")}}})
+        for url in (a, b):
+            until(followed, bound(), url, g2)
+            assert skips(url)["record"] == 1
+            assert "not finite" in routes_answer(url)["nan"]["ltv"]["error"]
+        r = upload(b, "alpha", alpha[1])  # an upload on B, served by A
+        assert r.status_code == 201, r.text
+        wait_loaded(a, "alpha", digest("alpha"), bound())
+
+        # 3. a record of a newer format: never copied, so nothing of it wedges a replica
+        # (first of the three: the cards of skipped entries fill the slots --max-tasks
+        # leaves, two here, in the index's order)
+        good = {n: v for n, v in shared.index().tasks.items() if n in ("alpha", "beta")}
+        g3 = write_generation(root, {**good, "future": {
+            "digest": good["beta"]["digest"], "record": {**record, "format": 2}},
+            "evil": "not-a-dict", "nan": {
+            "digest": good["beta"]["digest"], "record": {**record, "lam": float("nan")}}})
+        for url in (a, b):
+            until(followed, bound(), url, g3)
+            assert skips(url) == {"name": 0, "entry": 1, "digest": 0, "record": 1,
+                                  "format": 1, "max_tasks": 0}
+            cards = routes_answer(url)
+            assert "format 2" in cards["future"]["ltv"]["error"]
+            assert cards["alpha"]["ltv"]["loaded"] and cards["beta"]["ltv"]["loaded"]
+        assert not (copy_a / "future").exists()
+        r = upload(a, "gamma", gamma[1])
+        assert r.status_code == 201, r.text
+        wait_loaded(b, "gamma", digest("gamma"), bound())
+        assert HTTP.delete(f"{a}/v1/ltv/tasks/gamma", headers=KEY).status_code == 200
+        wait_loaded(b, "gamma", None, bound())
+
+        # 4. a replica started against the corrupted index starts, and serves the rest
+        texts.append(Path(lb.name).read_text())
+        stop(pb, lb)
+        servers[1] = start_replicas(d, tmp_path, store, [POLL])[0]
+        pb, b, lb = servers[1]
+        cards = routes_answer(b)
+        assert cards["alpha"]["ltv"]["loaded"] and cards["beta"]["ltv"]["loaded"]
+        assert cards["future"]["ltv"]["loaded"] is False
+        assert skips(b)["format"] == 1
+        check_mixed(b, {"alpha": alpha[0], "beta": beta[0]}, model, tokenizer, True)
+        # a skipped entry is DELETEd like any other: out of the index, though never copied
+        r = HTTP.delete(f"{a}/v1/ltv/tasks/future", headers=KEY)
+        assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+        assert "future" not in shared.index().tasks
+
+        # 5. an entry directory in A's copy that does not read: the routes answer, uploads
+        # go on, and the next follow removes it
+        (copy_a / "planted").mkdir()
+        (copy_a / "planted" / "entry.json").write_text('{"format": 2}')
+        assert "planted" not in {t["name"] for t in HTTP.get(
+            f"{a}/v1/ltv/tasks", headers=KEY).json()["data"]}
+        routes_answer(a)
+        until(lambda: not (copy_a / "planted").exists(), bound())
+
+        # 6. repaired: every skip gone, no error on any card, changes as ever
+        good = {n: v for n, v in shared.index().tasks.items() if n in ("alpha", "beta")}
+        g6 = write_generation(root, good)
+        for url in (a, b):
+            until(followed, bound(), url, g6)
+            assert set(skips(url).values()) == {0.0}
+            assert store_cards(url) == {n: {"task_store": True, "digest": digest(n),
+                                            "loaded": True} for n in ("alpha", "beta")}
+        assert upload(b, "gamma", gamma[1]).status_code == 201
+        wait_loaded(a, "gamma", digest("gamma"), bound())
+        assert HTTP.delete(f"{b}/v1/ltv/tasks/gamma", headers=KEY).status_code == 200
+        wait_loaded(a, "gamma", None, bound())
+
+        # 7. 300 names in one generation: each replica serves, lists and reports at most
+        # --max-tasks 4 store tasks, the oldest (the index's order) first
+        good = dict(shared.index().tasks)
+        many = {f"n{i:03d}": {"digest": f"{i:064x}", "record": record} for i in range(300)}
+        g7 = write_generation(root, {**good, **many})
+        for url in (a, b):
+            until(followed, bound(), url, g7)
+            assert skips(url)["max_tasks"] == 298
+            cards = store_cards(url)
+            assert set(cards) == {"alpha", "beta", "n000", "n001"}
+            assert cards["alpha"]["loaded"] and cards["beta"]["loaded"]
+            assert "missing" in cards["n000"]["error"]  # no such object: not served
+            assert len(scrape(url, "ltv_vllm:task_loaded")) == 4
+        r = upload(a, "gamma", gamma[1])
+        assert r.status_code == 409 and "--max-tasks" in r.text, r.text
+        r = HTTP.post(f"{a}/v1/completions", headers=KEY, json={
+            "model": "n200", "prompt": PROMPTS[0], "max_tokens": 1})
+        assert r.status_code == 503 and "--max-tasks" in r.json()["error"]["message"], r.text
+        g7b = write_generation(root, good)
+        for url in (a, b):
+            until(followed, bound(), url, g7b)
+            assert skips(url)["max_tasks"] == 0 and set(store_cards(url)) == {"alpha", "beta"}
+
+        # 8. a generation that is not JSON: the copies answer; what needs the index is a
+        # 503 that names no path; then repaired
+        g8 = write_generation(root, b"{not json")
+        for url in (a, b):
+            until(lambda u: scrape(u, "ltv_vllm:task_store_reachable")[0][1] == 0.0,
+                  bound(), url)
+        check_mixed(a, {"alpha": alpha[0], "beta": beta[0]}, model, tokenizer, True)
+        for r in (HTTP.post(f"{a}/v1/completions", headers=KEY, json={
+                      "model": "nosuch", "prompt": PROMPTS[0], "max_tokens": 1}),
+                  upload(a, "gamma", gamma[1])):
+            message = r.json()["error"]["message"]
+            assert r.status_code == 503 and f"generation {g8} is unreadable" in message, r.text
+            assert str(root) not in message and "<task store>" in message, message
+        g9 = write_generation(root, good)
+        for url in (a, b):
+            until(followed, bound(), url, g9)
+            assert scrape(url, "ltv_vllm:task_store_reachable")[0][1] == 1.0
+        assert upload(a, "gamma", gamma[1]).status_code == 201
+        wait_loaded(b, "gamma", digest("gamma"), bound())
+        check_mixed(b, {"alpha": alpha[0], "beta": beta[0], "gamma": gamma[0]}, model,
+                    tokenizer, True)
+        alive(servers)
+        texts[:0] = [Path(la.name).read_text()]
+        texts.append(Path(lb.name).read_text())
+    finally:
+        for proc, _, log in servers:
+            stop(proc, log)
+    # no traceback; each corrupted generation a replica followed, one line (not one a poll)
+    for text in texts:
+        assert "Traceback" not in text, text[text.index("Traceback"):][:3000]
+        for g in range(g1, g9 + 1):
+            assert text.count(f"task store index generation {g}:") <= 1, g
+    for g in (g1, g2, g3, g7):
+        assert texts[0].count(f"task store index generation {g}:") == 1, g
+    assert texts[1].count(f"task store index generation {g1}:") == 1
+    assert texts[2].count(f"task store index generation {g7}:") == 1
+    assert texts[0].count(f"index generation {g8} is unreadable") == 1

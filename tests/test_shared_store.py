@@ -239,3 +239,94 @@ def test_a_store_being_made_reads_as_empty(tmp_path):
     store = SharedStore(tmp_path / "s")  # the first replica finishes making it
     store.add("a", "a" * 64, {}, "t")
     assert SharedStore(tmp_path / "s", create=False).size() == 1
+
+
+# -- the index is untrusted input: each entry checked --------------------------------------
+GOOD_RECORD = {"format": 1, "name": "alpha", "source": "uploaded", "rank": 2, "full_rank": 2,
+               "lora_rank": 8, "lam": 0.5, "metrics": {"ltv": {"accuracy": 0.9}},
+               "task": {"name": "alpha"}, "l": [1.5, None]}
+
+
+@pytest.mark.parametrize("name, item, reason", [
+    ("../evil", {"digest": "a" * 64, "record": GOOD_RECORD}, "name"),
+    ("a b", {"digest": "a" * 64, "record": GOOD_RECORD}, "name"),
+    ("x" * 65, {"digest": "a" * 64, "record": GOOD_RECORD}, "name"),
+    ("", {"digest": "a" * 64, "record": GOOD_RECORD}, "name"),
+    ("evil", "not-a-dict", "entry"),
+    ("evil", None, "entry"),
+    ("evil", ["a" * 64, GOOD_RECORD], "entry"),
+    ("evil", {"digest": "a" * 64}, "entry"),
+    ("evil", {"digest": "a" * 64, "record": GOOD_RECORD, "size": 3}, "entry"),
+    ("evil", {"digest": "A" * 64, "record": GOOD_RECORD}, "digest"),
+    ("evil", {"digest": "a" * 63, "record": GOOD_RECORD}, "digest"),
+    ("evil", {"digest": "../../etc/passwd", "record": GOOD_RECORD}, "digest"),
+    ("evil", {"digest": 7, "record": GOOD_RECORD}, "digest"),
+    ("evil", {"digest": "a" * 64, "record": "not-a-dict"}, "record"),
+    ("evil", {"digest": "a" * 64, "record": [GOOD_RECORD]}, "record"),
+    ("evil", {"digest": "a" * 64, "record": {**GOOD_RECORD, "lam": float("nan")}}, "record"),
+    ("evil", {"digest": "a" * 64, "record": {**GOOD_RECORD, "metrics": {
+        "ltv": {"accuracy": float("inf")}}}}, "record"),
+    ("evil", {"digest": "a" * 64, "record": {**GOOD_RECORD, "l": [[-float("inf")]]}},
+     "record"),
+    ("evil", {"digest": "a" * 64, "record": {**GOOD_RECORD, "rank": "2"}}, "record"),
+    ("evil", {"digest": "a" * 64, "record": {**GOOD_RECORD, "rank": True}}, "record"),
+    ("evil", {"digest": "a" * 64, "record": {**GOOD_RECORD, "lora_rank": -1}}, "record"),
+    ("evil", {"digest": "a" * 64, "record": {**GOOD_RECORD, "format": 2}}, "format"),
+    ("evil", {"digest": "a" * 64, "record": {**GOOD_RECORD, "format": True}}, "format"),
+    ("evil", {"digest": "a" * 64, "record": {**GOOD_RECORD, "format": 1.0}}, "format"),
+    ("evil", {"digest": "a" * 64, "record": {k: v for k, v in GOOD_RECORD.items()
+                                             if k != "format"}}, "format"),
+])
+def test_an_index_entry_is_checked(name, item, reason):
+    """Every kind of entry a replica cannot use is named with its reason (one of the
+    metric's fixed labels) and one line; a good one passes."""
+    from ltv_vllm.serving.shared_store import SKIPS, entry_problem
+
+    assert entry_problem("alpha", {"digest": "a" * 64, "record": GOOD_RECORD}) is None
+    got = entry_problem(name, item)
+    assert got is not None and got[0] == reason and reason in SKIPS, got
+    assert "\n" not in got[1]
+
+
+def test_an_index_is_served_in_its_order_up_to_a_bound(tmp_path):
+    """`Index.servable`: the broken entries skipped with why, the good ones served oldest
+    first (the index's order, as `add` appends) up to the bound, the rest skipped as past
+    it; what the index holds is kept as it is (a writer keeps a newer release's records)."""
+    from ltv_vllm.serving.shared_store import Index
+
+    good = {"digest": "b" * 64, "record": GOOD_RECORD}
+    raw = {"zeta": good, "evil": "not-a-dict", "nan": {"digest": "c" * 64, "record": {
+        **GOOD_RECORD, "lam": float("nan")}}, "alpha": good, "bad name": good, "mid": good,
+        "new": {"digest": "d" * 64, "record": {**GOOD_RECORD, "format": 2}}}
+    idx = Index(3, raw)
+    tasks, skipped = idx.servable(2)
+    assert list(tasks) == ["zeta", "alpha"]
+    assert {n: r for n, (r, _) in skipped.items()} == {
+        "evil": "entry", "nan": "record", "bad name": "name", "mid": "max_tasks",
+        "new": "format"}
+    assert list(idx.servable()[0]) == ["zeta", "alpha", "mid"]
+    assert idx.digest("evil") is None and idx.digest("zeta") == "b" * 64
+    # the store keeps what it cannot read, and a change goes on around it
+    store = SharedStore(tmp_path / "s")
+    store.update(lambda t: t.update(raw), "test")
+    store.add("late", "e" * 64, GOOD_RECORD, "t")
+    assert list(store.index().tasks)[:-1] == list(raw)
+    assert store.index().servable(3)[0].keys() == {"zeta", "alpha", "mid"}
+    with pytest.raises(NoSuchEntry):  # a rollback of a broken entry's name: not its vector
+        store.remove("evil", "t", digest="a" * 64)
+    store.remove("evil", "t")
+    assert "evil" not in store.index().tasks
+
+
+@pytest.mark.parametrize("text", [b"not json", b"[1, 2]", b'"a string"', b"7",
+                                  b'{"generation": 5}', b'{"generation": 5, "tasks": []}',
+                                  b"[" * 100_000])
+def test_an_unreadable_generation_is_one_store_error(tmp_path, text):
+    """A whole index generation that is not an index (not JSON, not an object, nested past
+    the parser): one StoreError line naming it, never another exception."""
+    store = SharedStore(tmp_path / "s")
+    store.add("a", "a" * 64, GOOD_RECORD, "t")
+    (tmp_path / "s" / "index" / f"{5:012d}.json").write_bytes(text)
+    with pytest.raises(StoreError, match="index generation 5 is unreadable") as e:
+        store.index()
+    assert "\n" not in str(e.value)

@@ -19,6 +19,10 @@ replica that downloaded one never sees it change, and nothing a replica does rem
 another replica reads: replicas serve their own local copies (`TaskStore`), objects are never
 deleted here, and only index generations older than `KEEP` are collected.
 
+The index is untrusted input (any replica, any release, anyone who can write the storage
+writes it): a replica serves only the entries in the shape `add` writes, at most its
+--max-tasks of them, oldest first (`Index.servable`), and skips the others, reported.
+
 Pure I/O, no vLLM: `serve` reads it to plan, the task endpoints (`vllm_ext.endpoints`) to
 upload, delete and follow the index.
 """
@@ -28,21 +32,35 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ltv_vllm.serving.taskstore import EntryExists, NoSuchEntry, StoreError, alive, check_name
+from ltv_vllm.serving.taskstore import FORMAT as ENTRY_FORMAT
+from ltv_vllm.serving.taskstore import (
+    NAME,
+    EntryExists,
+    NoSuchEntry,
+    StoreError,
+    alive,
+    check_name,
+)
 
 FORMAT = 1
 MARKER, OBJECTS, INDEX = "ltv-store.json", "objects", "index"
 KEEP = 64  # index generations kept (older ones are collected by the writer of a newer one)
 RETRIES = 64  # compare-and-swap attempts before an update gives up (StoreUnavailable)
 SCHEMES = ("s3://", "file://")
+DIGEST = re.compile(r"[0-9a-f]{64}")
+# why a replica skips an index entry (the label of `ltv_vllm:task_store_skipped_records`: a
+# fixed set, whatever the index holds)
+SKIPS = ("name", "entry", "digest", "record", "format", "max_tasks")
 
 
 class StoreUnavailable(StoreError):
@@ -185,10 +203,67 @@ class S3Backend:
 @dataclass(frozen=True)
 class Index:
     generation: int
-    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)  # name → {digest, record}
+    # name → {digest, record}, as stored: untrusted (any replica, any release, anyone with
+    # write access to the storage writes it), so a reader serves `servable()` only, and a
+    # writer keeps what it cannot read (a newer release's records) as it is
+    tasks: dict[str, Any] = field(default_factory=dict)
 
     def digest(self, name: str) -> str | None:
-        return (self.tasks.get(name) or {}).get("digest")
+        item = self.tasks.get(name)
+        digest = item.get("digest") if isinstance(item, dict) else None
+        return digest if isinstance(digest, str) else None
+
+    def servable(self, limit: int | None = None
+                 ) -> tuple[dict[str, dict[str, Any]], dict[str, tuple[str, str]]]:
+        """The entries a replica may serve: each in the shape `add` writes (`entry_problem`),
+        the first `limit` of them in the index's order (oldest first: `add` appends, and a
+        change keeps the order), so every replica picks the same ones; and every other
+        entry, name → (reason, one line why), the reason one of SKIPS."""
+        good: dict[str, dict[str, Any]] = {}
+        skipped: dict[str, tuple[str, str]] = {}
+        for name, item in self.tasks.items():
+            if (problem := entry_problem(name, item)) is not None:
+                skipped[name] = problem
+            elif limit is not None and len(good) >= limit:
+                skipped[name] = ("max_tasks", f"over this replica's --max-tasks {limit} (the "
+                                 "index holds more tasks; the oldest are served)")
+            else:
+                good[name] = item
+        return good, skipped
+
+
+def entry_problem(name: Any, item: Any) -> tuple[str, str] | None:
+    """Why an index entry is not one this release can serve, as (reason, one line), or None:
+    a valid name → {"digest": 64 hex digits, "record": an entry record of format
+    `taskstore.FORMAT` whose numbers are finite (strict JSON, as the entry's `entry.json`
+    and the server's answers are), its rank an integer}."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        return "name", "not a valid task name"
+    if not isinstance(item, dict) or set(item) != {"digest", "record"}:
+        return "entry", "not an index entry (an object of a digest and a record)"
+    if not isinstance(item["digest"], str) or not DIGEST.fullmatch(item["digest"]):
+        return "digest", "its digest is not a sha256 (64 lowercase hex digits)"
+    record = item["record"]
+    if not isinstance(record, dict):
+        return "record", "its record is not an object"
+    fmt = record.get("format")
+    if type(fmt) is not int or fmt != ENTRY_FORMAT:  # not True, not 1.0: what `add` writes
+        return "format", (f"its record is format {repr(fmt)[:16]}; this release reads format "
+                          f"{ENTRY_FORMAT} (a newer ltv-vllm wrote it?)")
+    for key in ("rank", "full_rank", "lora_rank"):
+        v = record.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            return "record", f"its record's {key} is not a whole number"
+    stack: list[Any] = [record]
+    while stack:  # a loop, not a recursion: nesting as deep as the JSON parser allows
+        v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return "record", "its record holds a number that is not finite (NaN or infinity)"
+        if isinstance(v, dict):
+            stack += v.values()
+        elif isinstance(v, list):
+            stack += v
+    return None
 
 
 def _generation_key(g: int) -> str:
@@ -223,8 +298,10 @@ class SharedStore:
         except StoreError:
             raise
         except Exception as e:  # noqa: BLE001 - OSError, botocore's errors: the store's
+            # the store's own path out before the cut: no part of it is left to scrub
+            detail = str(e).replace(str(self), "<task store>")[:200]
             raise StoreUnavailable(f"task store {self}: could not {what} "
-                                   f"({type(e).__name__}: {str(e)[:200]})") from None
+                                   f"({type(e).__name__}: {detail})") from None
 
     def size(self) -> int:
         """How many tasks the store holds, read only: 0 for a store not made yet (a new
@@ -288,7 +365,7 @@ class SharedStore:
                 tasks = doc["tasks"]
                 if doc["generation"] != gens[-1] or not isinstance(tasks, dict):
                     raise ValueError("generation")
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 raise StoreError(f"task store {self}: index generation {gens[-1]} is "
                                  "unreadable") from None
             return Index(gens[-1], tasks)
@@ -362,7 +439,9 @@ class SharedStore:
         check_name(name)
 
         def change(tasks: dict[str, Any]) -> None:
-            if name not in tasks or (digest is not None and tasks[name]["digest"] != digest):
+            item = tasks.get(name)
+            if name not in tasks or (digest is not None and (
+                    not isinstance(item, dict) or item.get("digest") != digest)):
                 raise NoSuchEntry(f"no task {name!r} in the task store")
             del tasks[name]
         return self.update(change, writer)

@@ -159,6 +159,7 @@ class TaskStore:
         # where the engines load served keys (the pins of every API-server process of one
         # server: its store's, `endpoints` gives each process an entry directory of its own)
         self.pins = pins or self.root / PINS
+        self.unreadable: dict[str, str] = {}  # entry directories that did not read (`readable`)
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"task store {self.root}: not a directory")
         if not create:  # read only, as a dry run plans: a missing store is an empty one
@@ -279,18 +280,29 @@ class TaskStore:
         return gone
 
     def entries(self) -> list[Entry]:
-        out = []
-        if not self.root.is_dir():
-            return out
-        for p in sorted(self.root.iterdir()):
-            if p.is_dir() and NAME.fullmatch(p.name) and (p / RECORD).is_file():
-                try:
-                    out.append(self._read(p))
-                except StoreError:
-                    if p.exists():
-                        raise
-                    # removed between the listing and the read (a concurrent DELETE renames
-                    # it away): not an entry any more
+        """Every entry; StoreError (one line) for one whose record does not read."""
+        entries = self.readable()
+        if self.unreadable:
+            raise StoreError(next(iter(self.unreadable.values())))
+        return entries
+
+    def readable(self) -> list[Entry]:
+        """The entries that read, those that do not skipped and kept in `unreadable` (name →
+        why, one line, as of this call): what a running server lists, counts and reports, so
+        one bad directory never stops its listings, metrics or changes."""
+        out: list[Entry] = []
+        unreadable: dict[str, str] = {}
+        if self.root.is_dir():
+            for p in sorted(self.root.iterdir()):
+                if p.is_dir() and NAME.fullmatch(p.name) and (p / RECORD).is_file():
+                    try:
+                        out.append(self._read(p))
+                    except StoreError as e:
+                        # removed between the listing and the read (a concurrent DELETE
+                        # renames it away): not an entry any more; else unreadable
+                        if p.exists():
+                            unreadable[p.name] = str(e)
+        self.unreadable = unreadable
         return out
 
     def names(self) -> list[str]:
@@ -377,6 +389,13 @@ class TaskStore:
         from ltv_vllm.serving.lora import export_lora, refuse_non_lora
 
         check_name(name)
+        fmt = record.get("format") if isinstance(record, dict) else None
+        if type(fmt) is not int or fmt != FORMAT:  # an entry this release could not read
+            raise StoreError(f"task {name!r}: its record is not a format-{FORMAT} entry")
+        try:  # strict JSON, as `stage` writes it; the name is the one it is served as
+            text = json.dumps({**record, "name": name}, indent=1, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise StoreError(f"task {name!r}: its record is not strict JSON ({e})") from None
         with self._staging(name, None, "copied") as tmp:
             (tmp / VECTOR).write_bytes(data)
             try:
@@ -392,7 +411,7 @@ class TaskStore:
                                  f"{max_rank}; serve every replica at the same rank")
             if adapter:
                 export_lora(tv, model_dir, tmp, base_model=base_model or str(Path(model_dir)))
-            (tmp / RECORD).write_text(json.dumps(record, indent=1, allow_nan=False))
+            (tmp / RECORD).write_text(text)
         return tmp
 
     def publish(self, staged: str | Path, name: str) -> Entry:
@@ -408,7 +427,23 @@ class TaskStore:
         except OSError:
             shutil.rmtree(staged, ignore_errors=True)
             raise EntryExists(f"task {name!r} already exists in {self.root}") from None
-        return self.get(name)
+        try:
+            return self.get(name)
+        except StoreError:
+            self.discard(name)  # an entry that does not read is never left to be listed
+            raise
+
+    def discard(self, name: str) -> None:
+        """Remove whatever directory holds NAME, entry or not (renamed away first)."""
+        p = self.root / check_name(name)
+        if not p.exists():
+            return
+        gone = Path(tempfile.mkdtemp(prefix=f".del-{name}-", dir=self.root))
+        try:
+            os.rename(p, gone / name)
+        except FileNotFoundError:
+            pass  # removed meanwhile
+        shutil.rmtree(gone, ignore_errors=True)
 
     def remove(self, name: str) -> None:
         """Take the entry out of sight by a rename, then delete it."""

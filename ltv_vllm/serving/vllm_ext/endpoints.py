@@ -60,7 +60,7 @@ from fastapi import APIRouter, Request
 
 from ltv_vllm.serving.compile import ENTRY
 from ltv_vllm.serving.settings import ServerSettings
-from ltv_vllm.serving.shared_store import StoreUnavailable, several_api_servers
+from ltv_vllm.serving.shared_store import SCHEMES, SKIPS, StoreUnavailable, several_api_servers
 from ltv_vllm.serving.step_policy import (
     RUNTIME,
     RUNTIME_CHAT,
@@ -73,6 +73,9 @@ from ltv_vllm.serving.vllm_ext.metrics import store_operation
 from ltv_vllm.serving.vllm_ext.middleware import TASKS_PATH, drained, in_flight, media_type
 
 logger = logging.getLogger(__name__)
+# a level of its own: vLLM's SageMaker routes import a package that sets the root logger to
+# ERROR, which would silence every warning here (a store outage, a task skipped)
+logger.setLevel(logging.WARNING)
 # a request naming a task this replica does not serve waits this long (seconds) for the
 # shared store's index and the task's copy (LTV_VLLM_RESOLVE_WAIT), then is answered 503
 RESOLVE_WAIT_ENV = "LTV_VLLM_RESOLVE_WAIT"
@@ -121,6 +124,13 @@ class TaskEndpoints:
         self.poll = 2.0
         self.seen = -1  # the shared index generation this replica serves
         self.listed: dict[str, dict[str, Any]] = {}  # ...and its tasks (name → digest, record)
+        # ...and the index entries it does not serve (`Index.servable`): a valid name → why
+        # (listed on /v1/models in the slots --max-tasks leaves), how many for each reason
+        # (the metric), and the generation whose skips were logged (once each)
+        self.skipped: dict[str, str] = {}
+        self.skip_counts: dict[str, int] = dict.fromkeys(SKIPS, 0)
+        self.skips_logged = -1
+        self.bad_dirs: set[str] = set()  # entry directories of this server's that did not read
         self.digests: dict[str, str] = {}  # store tasks served here → their vector's sha256
         self.unservable: dict[str, tuple[str, str]] = {}  # name → (digest, why not served)
         self.following: asyncio.Future | None = None
@@ -187,7 +197,7 @@ class TaskEndpoints:
         # compiles do not outlive their server: what a previous one left is dropped
         shutil.rmtree(self.store.root / ".jobs", ignore_errors=True)
         (self.store.root / ".jobs").mkdir()
-        for entry in self.store.entries():  # what `serve` kept
+        for entry in self.store.readable():  # what `serve` kept
             if not self.lora:  # per-request tasks: served by key, from its pin
                 key = task_key(entry.name, vector_digest(entry.vector_path))
                 self.store.pin(entry, key)
@@ -200,6 +210,9 @@ class TaskEndpoints:
                 await self._follow()
             except StoreError as e:
                 self._outage(e)
+            except Exception:  # noqa: BLE001 - a replica always starts (it serves what it
+                # holds, and follows again at its next poll); logged
+                logger.exception("ltv-vllm: following the task store failed")
             self.poller = asyncio.create_task(self._poll())
             middleware.resolver = self.resolve
         middleware.listing = self.listing
@@ -229,7 +242,7 @@ class TaskEndpoints:
         async def list_tasks() -> Any:
             if (off := self._off()) is not None:
                 return off
-            entries = await asyncio.to_thread(self.store.entries)
+            entries = await asyncio.to_thread(self._entries)
             # an entry being deleted is listed as such; one being published is still its job
             return {"object": "list", "data": [self._view(e) for e in entries
                                                if e.name not in self.deleting
@@ -340,16 +353,34 @@ class TaskEndpoints:
                 return _error(400, str(e), "BadRequestError", "name")
         return None
 
+    def _entries(self) -> list[Any]:
+        """This server's entries that read; one that does not is skipped (never a failed
+        listing, count or scrape) and logged once."""
+        entries = self.store.readable()
+        bad = self.store.unreadable
+        for name in sorted(set(bad) - self.bad_dirs):
+            logger.warning("ltv-vllm: %s; not listed or served", self._public(bad[name]))
+        self.bad_dirs = set(bad)
+        return entries
+
     def _public(self, message: str) -> str:
         """`message` without the server's paths: an upload's staging file is "the upload",
-        the store's and the model's directories are named by what they are."""
+        the store's (this server's, and a shared one's path or URL) and the model's
+        directories are named by what they are."""
         import re
 
         root = re.escape(str(self.store.root))
         message = re.sub(root + r"/\.(?:up|tmp)-[^/\s:'\"]*/[^\s:'\"]*", "the upload",
                          message)
-        for path, shown in ((self.store.root, "<task store>"), (self.model_dir, "<model>")):
-            message = message.replace(str(path), shown)
+        shown: list[tuple[Any, str]] = []
+        if self.shared is not None:
+            # its URL as given (file://DIR, s3://…) before the directory it names
+            if self.shared.url.startswith(SCHEMES):
+                shown.append((self.shared.url, "<task store>"))
+            shown.append((self.shared, "<task store>"))
+        shown += [(self.store.root, "<task store>"), (self.model_dir, "<model>")]
+        for path, name in shown:
+            message = message.replace(str(path), name)
         return message
 
     def _fail(self, status: int, e: Exception | str, err_type: str,
@@ -408,7 +439,7 @@ class TaskEndpoints:
             return _error(409, f"task {name!r} exists; DELETE it first", "ConflictError",
                           "name")
         # a shared store's tasks count wherever they were added
-        held = len({n for n in self.store.names() if n not in self.deleting}
+        held = len({e.name for e in self._entries() if e.name not in self.deleting}
                    | set(self.listed)) + len(self.jobs)
         if held >= self.max_tasks:
             return _error(409, f"the server holds {self.max_tasks} tasks (--max-tasks); "
@@ -429,11 +460,13 @@ class TaskEndpoints:
                 return {"object": "ltv.task.deleted", "name": name, "deleted": True}
             if name in self.deleting:
                 return _error(404, f"task {name!r} is being deleted", "NotFoundError", "name")
+            unlisted = False  # taken out of the shared index by this DELETE
             if self.shared is not None:
                 # the store first: every replica unserves it when it follows the index
                 try:
                     idx = await asyncio.to_thread(self.shared.remove, name, self.replica)
                     self.published = max(self.published, idx.generation)
+                    unlisted = True
                 except StoreUnavailable as e:
                     return self._fail(503, e, "ServiceUnavailableError")
                 except StoreError:
@@ -443,6 +476,10 @@ class TaskEndpoints:
                 await asyncio.to_thread(self.store.get, name)
             except StoreError as e:
                 served = self._served(name)
+                if unlisted and not served:
+                    # in the store, not copied here (not yet, or skipped: an entry this
+                    # replica cannot use): deleted all the same
+                    return {"object": "ltv.task.deleted", "name": name, "deleted": True}
                 why = (f"task {name!r} was given on the command line (--task-vector), not "
                        "compiled into the task store; restart without it" if served else e)
                 return self._fail(409 if served else 404, why,
@@ -613,8 +650,11 @@ class TaskEndpoints:
         DELETE of this replica's interleaves): names gone or holding another vector are
         unserved as a DELETE does (requests admitted before finish on their own pins); names
         new here are copied (outside the engine: the engine only ever loads a local pin),
-        checked and served. A name this replica cannot serve is logged once and skipped."""
-        from ltv_vllm.serving.taskstore import StoreError
+        checked and served. The index is untrusted input: only entries in the shape this
+        release writes are served, at most --max-tasks of them (`Index.servable`), the others
+        skipped and reported (one line per generation, the metric, their cards). A name
+        this replica cannot serve is logged once and skipped."""
+        from ltv_vllm.serving.taskstore import EntryExists, StoreError
 
         async with self.lock:
             read_at = time.monotonic()
@@ -624,16 +664,19 @@ class TaskEndpoints:
                 logger.warning("ltv-vllm: the task store answers again")
                 self.outage = None
             self.followed_at = read_at
+            await asyncio.to_thread(self._tidy)  # every follow: one local listing
             if idx.generation == self.seen:
                 self._followed(idx.generation)
                 return
+            tasks, skipped = idx.servable(self.max_tasks)
+            self._skipping(idx.generation, skipped)
             for name in sorted(self.digests):
                 if name in self.jobs or name in self.deleting:
                     whole = False
                     continue
-                if idx.digest(name) != self.digests[name]:
+                if (tasks.get(name) or {}).get("digest") != self.digests[name]:
                     await self._unserve(name)
-            for name, item in sorted(idx.tasks.items()):
+            for name, item in sorted(tasks.items()):
                 digest = item["digest"]
                 if name in self.jobs or name in self.deleting:
                     whole = False  # settled when its compile or its removal is done
@@ -652,21 +695,20 @@ class TaskEndpoints:
                         self.store.adopt, name, data, item["record"], self.model_dir,
                         base_model=str(self.model_dir), max_rank=self.max_rank,
                         adapter=self.lora)
+                    entry = await asyncio.to_thread(self.store.publish, staged, name)
                 except StoreUnavailable:
                     store_operation("load", "error", time.perf_counter() - t0)
                     raise  # the next follow tries again
-                except StoreError as e:
+                except EntryExists as e:  # its name is still held here (being removed)
+                    whole = False
+                    logger.warning("ltv-vllm: task store task %r waits: %s", name,
+                                   self._public(str(e)))
+                    continue
+                except StoreError as e:  # nothing of it is left here (`adopt`, `publish`)
                     store_operation("load", "refused", time.perf_counter() - t0)
                     self.unservable[name] = (digest, self._public(str(e)))
                     logger.warning("ltv-vllm: task store task %r is not served here: %s",
                                    name, self._public(str(e)))
-                    continue
-                try:
-                    entry = await asyncio.to_thread(self.store.publish, staged, name)
-                except StoreError as e:  # its name is still held here (being removed)
-                    whole = False
-                    logger.warning("ltv-vllm: task store task %r waits: %s", name,
-                                   self._public(str(e)))
                     continue
                 failed = await self._serve(entry)
                 store_operation("load", "ok" if failed is None else "error",
@@ -679,9 +721,49 @@ class TaskEndpoints:
                     continue
                 self.digests[name] = digest
                 self.unservable.pop(name, None)
-            self.listed = dict(idx.tasks)
+            self.listed = dict(tasks)
+            # as bounded as the listing: why a name was not served, for names still listed
+            self.unservable = {n: v for n, v in self.unservable.items() if n in tasks}
             self.seen = idx.generation if whole else -1
             self._followed(idx.generation)
+
+    def _skipping(self, generation: int, skipped: dict[str, tuple[str, str]]) -> None:
+        """The index entries this replica does not serve, kept for its listing and metric
+        and logged in one line, once per generation (not once per poll)."""
+        from ltv_vllm.serving.taskstore import NAME
+
+        self.skipped = {n: why for n, (_, why) in skipped.items() if NAME.fullmatch(n)}
+        self.skip_counts = dict.fromkeys(SKIPS, 0)
+        for reason, _ in skipped.values():
+            self.skip_counts[reason] += 1
+        if not skipped or generation == self.skips_logged:
+            return
+        self.skips_logged = generation
+        counts = ", ".join(f"{c} {r}" for r, c in self.skip_counts.items() if c)
+        # the broken entries first (past --max-tasks, each says the same)
+        shown = ([(n, why) for n, (r, why) in skipped.items() if r != "max_tasks"][:3]
+                 or [(n, why) for n, (_, why) in skipped.items()][:1])
+        # names as repr, cut: an index's names are anyone's text (newlines, any length)
+        examples = "; ".join(f"{n[:40]!r}: {why}" for n, why in shown)
+        logger.warning("ltv-vllm: task store index generation %d: %d entries not served here "
+                       "(by reason: %s), e.g. %s", generation, len(skipped), counts, examples)
+
+    def _tidy(self) -> None:
+        """This replica's copy holds only what it serves (under the lock): an entry
+        directory no served task, compile or removal holds (a removal that failed, a record
+        that does not read, anything else put there) is removed, so nothing in the copy
+        takes a name or stops a route; the index's tasks are copied again as it follows."""
+        from ltv_vllm.serving.taskstore import NAME
+
+        for p in sorted(self.store.root.iterdir()):
+            name = p.name
+            if (not NAME.fullmatch(name) or not p.is_dir() or name in self.digests
+                    or name in self.jobs or name in self.deleting or self._served(name)):
+                continue
+            self.store.discard(name)
+            self.bad_dirs.discard(name)
+            logger.warning("ltv-vllm: %r removed from this replica's copy of the task store: "
+                           "it serves no such task", name)
 
     def _followed(self, generation: int) -> None:
         if self.siblings is not None:
@@ -724,11 +806,12 @@ class TaskEndpoints:
         except StoreError as e:
             store_operation("resolve", "error", time.perf_counter() - t0)
             return f"task {name!r} could not be resolved: {self._public(str(e))}"
-        store_operation("resolve", "ok" if self._served(name) or name not in self.listed
-                        else "refused", time.perf_counter() - t0)
-        if self._served(name) or name not in self.listed:
+        store_operation("resolve", "ok" if self._served(name) or (
+            name not in self.listed and name not in self.skipped) else "refused",
+                        time.perf_counter() - t0)
+        if self._served(name) or (name not in self.listed and name not in self.skipped):
             return None
-        why = self.unservable.get(name, ("", "it is being updated"))[1]
+        why = self.skipped.get(name) or self.unservable.get(name, ("", "it is being updated"))[1]
         return f"task {name!r} is in the task store but not served by this replica: {why}"
 
     def _held(self, name: str) -> str | None:
@@ -741,22 +824,32 @@ class TaskEndpoints:
     def listing(self) -> list[dict[str, Any]]:
         """The store's tasks as `/v1/models` cards (the gate adds them): each with its
         digest (the vector's sha256, first 16 hex digits: the engine key's) and whether this
-        replica serves it now."""
+        replica serves it now; one it does not serve, with why (`error`). With a shared
+        store, at most --max-tasks of them (the index's entries this replica skips are
+        listed in the slots its served ones leave)."""
         tasks: dict[str, str | None] = {}
+        errors: dict[str, str] = {}
         if self.shared is not None:
             tasks = {n: item["digest"][:16] for n, item in self.listed.items()}
+            errors = {n: why for n, (digest, why) in self.unservable.items()
+                      if n in self.listed and self.listed[n]["digest"] == digest}
+            for name, why in list(self.skipped.items())[:max(0, self.max_tasks - len(tasks))]:
+                tasks.setdefault(name, None)
+                errors.setdefault(name, why)
         for name, key in RUNTIME.items():
             tasks.setdefault(name, key.partition("@")[2])
         if self.lora:  # adapters: vLLM lists them, the gate adds this to their cards
-            tasks.update({n: None for n in self.store.names()
-                          if self._served(n) and n not in tasks})
+            tasks.update({e.name: None for e in self._entries()
+                          if self._served(e.name) and e.name not in tasks})
         def loaded(name: str, digest: str | None) -> bool:
             # this replica answers the name with this very vector (not an older copy)
             held = self._held(name) if self.shared is not None or not self.lora else digest
             return self._served(name) and name not in self.deleting and held == digest
 
         return [{"id": name, "object": "model", "owned_by": "ltv-vllm",
-                 "ltv": {"task_store": True, "digest": digest, "loaded": loaded(name, digest)}}
+                 "ltv": {"task_store": True, "digest": digest, "loaded": loaded(name, digest),
+                         **({"error": errors[name]} if name in errors
+                            and not loaded(name, digest) else {})}}
                 for name, digest in sorted(tasks.items())]
 
     # -- POST: an upload ---------------------------------------------------------------------
@@ -1053,8 +1146,8 @@ class Residency:
     from the store is gone from the metrics): `ltv_vllm:task_loaded{task, digest}` 1 when
     this replica answers the task with that vector, 0 when the store lists it and this
     replica does not (yet); each served store task's rank and file size; with a shared store,
-    the index generation it follows and whether the store answered its last read. At most
-    `--max-tasks` task series."""
+    the index generation it follows, whether the store answered its last read, and how many
+    of the index's entries it skips, by reason. At most `--max-tasks` task series."""
 
     def __init__(self, endpoints: TaskEndpoints) -> None:
         self.endpoints = endpoints
@@ -1074,13 +1167,14 @@ class Residency:
                                  "serves (its vector's, as stored)", labels=["task"])
         size = GaugeMetricFamily("ltv_vllm:task_bytes", "The size of a task's vector file on "
                                  "this replica", labels=["task"])
-        for entry in ep.store.entries() if ep.store is not None else []:
+        for entry in ep._entries() if ep.store is not None else []:
             if ep._served(entry.name) and entry.name not in ep.deleting:
                 try:
                     nbytes = entry.vector_path.stat().st_size
                 except OSError:
                     continue  # removed meanwhile
-                rank.add_metric([entry.name], float(entry.record.get("rank") or 0))
+                r = entry.record.get("rank")
+                rank.add_metric([entry.name], float(r) if isinstance(r, int) else 0.0)
                 size.add_metric([entry.name], float(nbytes))
         yield rank
         yield size
@@ -1091,6 +1185,14 @@ class Residency:
             yield GaugeMetricFamily("ltv_vllm:task_store_reachable", "Whether the shared "
                                     "task store answered this replica's last read",
                                     value=0.0 if ep.outage else 1.0)
+            skipped = GaugeMetricFamily(
+                "ltv_vllm:task_store_skipped_records", "Entries of the shared task store's "
+                "index this replica does not serve: not in the shape this release writes "
+                "(name, entry, digest, record, format), or past --max-tasks (max_tasks)",
+                labels=["reason"])
+            for reason in SKIPS:
+                skipped.add_metric([reason], float(ep.skip_counts.get(reason, 0)))
+            yield skipped
 
 
 def _multiprocess_metrics(app: Any, endpoints: TaskEndpoints) -> None:
