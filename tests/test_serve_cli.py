@@ -204,6 +204,16 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     assert settings["shared_store"] == str(shared) and settings["store_poll"] == 0.5
     assert settings["task_store"].startswith(str(tmp / "cache" / "task-replicas"))
     assert "--max-loras 9" in r.output and not shared.exists()
+    # a shared store holding more tasks than --max-tasks: the replica serves --max-tasks of
+    # them, so its LoRA slots are the flag's (not one per index entry)
+    from ltv_vllm.serving.shared_store import SharedStore
+
+    big = SharedStore(f"file://{tmp / 'big'}")
+    for i in range(12):
+        big.add(f"t{i}", f"{i:064x}", {"format": 1}, "test")
+    r = run("--task-store", f"file://{tmp / 'big'}", "--multi-task", "lora", "--max-tasks", "3")
+    assert r.exit_code == 0, r.output
+    assert "--max-loras 4" in r.output, r.output
     # per-task metrics are on unless turned off (then the endpoint plugin need not load)
     assert '"task_metrics": true' in r.output
     r = run("--task-vector", str(good), "--no-task-metrics", "--skip-selfcheck")

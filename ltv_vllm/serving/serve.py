@@ -657,7 +657,9 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     parsed = parse_vector_specs(list(opts.vectors))
     from ltv_vllm.serving.shared_store import replica_root
 
-    shared, held = shared_store(opts.task_store)
+    # a replica serves at most --max-tasks of a shared store's tasks (the oldest: the index's
+    # order), however many its index holds: its LoRA slots are sized by the flag alone
+    shared, _ = shared_store(opts.task_store)
     # a shared store: this replica serves a copy of its own, made at start (`replica_root`)
     store_root = (replica_root(shared) if shared is not None
                   else Path(opts.task_store).absolute() if opts.task_store is not None else None)
@@ -688,7 +690,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         max_model_len=chosen("--max-model-len", opts.max_model_len, None, user.max_model_len),
         user=user,
         fold=opts.fold, shift_steps=opts.shift_steps, lora_rank_cap=opts.lora_rank, store=store,
-        max_tasks=max(opts.max_tasks, held), lora=opts.lora, store_root=store_root,
+        max_tasks=opts.max_tasks, lora=opts.lora, store_root=store_root,
         probes=probes.config if probes is not None else None,
         lora_min_rank=padded_rank(LORA_PAIRS) if lora_probes is not None else 1)
     extra = list(opts.vllm_args)

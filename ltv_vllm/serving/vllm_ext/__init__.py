@@ -26,6 +26,12 @@ def register() -> None:
     from ltv_vllm.serving.vllm_ext.fixes import patch_cpu_lora_logits
     from ltv_vllm.serving.vllm_support import version_problem
 
+    # a level of ltv-vllm's own (unless the user set one): vLLM's SageMaker routes import a
+    # package that sets the root logger to ERROR, which would silence every warning of the
+    # gate and the task endpoints (a store outage, a task skipped)
+    if logging.getLogger("ltv_vllm").level == logging.NOTSET:
+        logging.getLogger("ltv_vllm").setLevel(logging.WARNING)
+
     if (problem := version_problem()) is not None:
         # vLLM logs and swallows a plugin's exception: say it in one line and register
         # nothing, so an engine asked for an LTV architecture fails to start

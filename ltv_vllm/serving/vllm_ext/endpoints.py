@@ -73,9 +73,6 @@ from ltv_vllm.serving.vllm_ext.metrics import store_operation
 from ltv_vllm.serving.vllm_ext.middleware import TASKS_PATH, drained, in_flight, media_type
 
 logger = logging.getLogger(__name__)
-# a level of its own: vLLM's SageMaker routes import a package that sets the root logger to
-# ERROR, which would silence every warning here (a store outage, a task skipped)
-logger.setLevel(logging.WARNING)
 # a request naming a task this replica does not serve waits this long (seconds) for the
 # shared store's index and the task's copy (LTV_VLLM_RESOLVE_WAIT), then is answered 503
 RESOLVE_WAIT_ENV = "LTV_VLLM_RESOLVE_WAIT"
