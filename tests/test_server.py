@@ -105,7 +105,8 @@ def assert_runner(log, runner: str | None) -> None:
 def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
                  extra: tuple[str, ...] = (), *, cwd: Path | None = None,
                  env_extra: dict[str, str] | None = None, attempts: int = 3,
-                 kv_bytes: int = 64 << 20, runner: str | None = None, launcher=None):
+                 kv_bytes: int = 64 << 20, runner: str | None = None, launcher=None,
+                 layout: str = "inproc"):
     """`ltv-vllm serve` on a free port; (process, url, log). `model_dir` may be relative to
     `cwd` (then it is also the served base model's name). The server runs in a process group
     of its own (`stop` ends all of it). A port taken between `free_port` and the server's
@@ -113,16 +114,22 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
     (the default, 64 MiB, holds some 65,000 tokens of this model: nothing is preempted).
     `runner`: vLLM's model runner ("1": V2, through `tests/v2shim`; None: as `serve` picks).
     `launcher(port)`: another command to start (a user's own `vllm serve`), in place of
-    `ltv-vllm serve` (then `model_dir`, `vector_args` and `extra` are not used)."""
+    `ltv-vllm serve` (then `model_dir`, `vector_args` and `extra` are not used).
+    `layout`: "inproc" runs the worker inside the engine-core process (faster to start);
+    "default" is vLLM's own, what users run: the worker in a process of its own."""
+    assert layout in ("inproc", "default"), layout
     for attempt in range(attempts):
         port = free_port()
         env = {**os.environ, "HF_HUB_OFFLINE": "1",
-               "LTV_VLLM_CACHE": str(tmp / "cache"), "TOKENIZERS_PARALLELISM": "false",
-               # the CPU backend then runs its one worker inside the engine-core process
-               # (the "uni" executor) instead of a third process: ~10 s less per start here;
-               # the API server and the engine core stay separate processes, as served
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               **runner_test_env(runner), **(env_extra or {})}
+               "LTV_VLLM_CACHE": str(tmp / "cache"), "TOKENIZERS_PARALLELISM": "false"}
+        if layout == "inproc":
+            # the CPU backend then runs its one worker inside the engine-core process
+            # (the "uni" executor) instead of a third process: ~10 s less per start here;
+            # the API server and the engine core stay separate processes, as served
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        else:  # unset, whatever this pytest inherited: vLLM's MultiprocExecutor
+            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        env.update({**runner_test_env(runner), **(env_extra or {})})
         cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", str(model_dir),
                "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
                *[a for v in vector_args for a in ("--task-vector", v)], *extra,

@@ -6,7 +6,8 @@ from another vector, beta: its answers are beta's shift at every step) and the u
 name (`mine`, the bare model); concurrent mixed requests are checked against transformers with
 the right vector (`test_server.check_mixed`: within 1e-4 and told apart from every other
 answer). A third-party general plugin, installed for the test on PYTHONPATH, writes a file when
-vLLM loads it in the server's processes.
+vLLM loads it in the server's processes. Every server runs in vLLM's default process layout
+(the worker in a process of its own), as a user's does.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import os
 from pathlib import Path
 
 import pytest
-from test_server import check_mixed, make_assets, start_server, stop
+from test_server import PROMPTS, check_mixed, make_assets, start_server, stop
+from test_task_metrics import assert_quiet, samples, shift_size_sum, value, wait_for
 
 from ltv_vllm.serving.lora import export_lora
 
-pytestmark = pytest.mark.slow(seconds=110)  # see conftest's ordering
+pytestmark = pytest.mark.slow(seconds=160)  # see conftest's ordering
 
 PLUGIN = '''
 import os
@@ -58,13 +60,14 @@ def test_user_name_adapter_and_plugin_survive(assets, tokenizer, tmp_path, monke
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)  # unset: every installed plugin loads
     env = {"PYTHONPATH": os.pathsep.join(
                p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p),
-           "OTHER_PLUGIN_MARK": str(mark)}
+           "OTHER_PLUGIN_MARK": str(mark), "LTV_VLLM_SHIFT_READ": "0.2"}
     user = ["--served-model-name", "mine", "--lora-modules", f"ad={adapter}",
             "--max-lora-rank", "8"]
     if mode == "shift":  # LoRA is the user's own here: all of it theirs to give
         user += ["--enable-lora", "--lora-target-modules", "lm_head"]
     proc, url, log = start_server(model_dir, [f"alpha={alpha[1]}"], tmp_path,
-                                  ("--multi-task", mode, *user), env_extra=env)
+                                  ("--multi-task", mode, *user), env_extra=env,
+                                  layout="default")
     try:
         from test_server import HTTP
 
@@ -81,6 +84,7 @@ def test_user_name_adapter_and_plugin_survive(assets, tokenizer, tmp_path, monke
         if mode == "shift":  # (LoRA mode refuses ltv_task in every request)
             assert "not another model or a LoRA adapter" in json.dumps(r.json()), r.text
         assert list(mark.iterdir()), "the other plugin was not loaded"
+        assert_quiet(log)  # the shift sizes read all along, every read answered
     finally:
         stop(proc, log)
 
@@ -90,8 +94,9 @@ def test_plain_vllm_serve(assets, tokenizer, tmp_path, monkeypatch):
     (on this CPU build vLLM's console script cannot run: `python -m
     vllm.entrypoints.openai.api_server`, what it runs) with LTV_VLLM_DEPLOY=DIR: the same
     answers as `ltv-vllm serve` (every task and the bare model against transformers), the
-    same start-up self-check and the same gate; a command-line flag that replaces one of
-    ltv-vllm's stops it at start in one line."""
+    same start-up self-check and the same gate, the per-task counters equal to what was sent
+    and the shift's size equal to transformers' (its reads answered: no traceback in the
+    log); a command-line flag that replaces one of ltv-vllm's stops it at start in one line."""
     import re
     import sys
 
@@ -117,7 +122,8 @@ def test_plain_vllm_serve(assets, tokenizer, tmp_path, monkeypatch):
                              "--kv-cache-memory-bytes", str(64 << 20), *flags]
 
     env = {"LTV_VLLM_DEPLOY": str(dep)}
-    proc, url, log = start_server(model_dir, [], tmp_path, env_extra=env,
+    proc, url, log = start_server(model_dir, [], tmp_path, layout="default",
+                                  env_extra={**env, "LTV_VLLM_SHIFT_READ": "0.2"},
                                   launcher=vllm_serve())
     try:
         text = Path(log.name).read_text()
@@ -131,10 +137,31 @@ def test_plain_vllm_serve(assets, tokenizer, tmp_path, monkeypatch):
         r = HTTP.post(f"{url}/inference/v1/generate", json={
             "model": "alpha", "token_ids": [1, 2], "sampling_params": {"max_tokens": 1}})
         assert r.status_code >= 400, r.text
+        # per task: check_mixed's three rounds of one request per prompt (3, 4, 5 tokens,
+        # every step shifted: these vectors record no policy); the refusals above: none
+        sent = 3 * len(PROMPTS)
+        tokens = (3 + 4 + 5) * len(PROMPTS)
+        size = "ltv_vllm:task_shift_relative_size"
+        got = wait_for(url, f"{size}_count", "alpha", tokens, headers={})
+        for task in ("alpha", "gamma"):
+            assert value(got, "ltv_vllm:task_requests_total", task=task) == sent, task
+            assert value(got, "ltv_vllm:task_generation_tokens_total", task=task) == tokens
+        assert value(got, f"{size}_count", task="gamma") == 0  # logit-space: no h to shift
+        # one token per prompt more: the sum's step is transformers' ‖U Vᵀ h‖ / ‖h‖
+        before = value(got, f"{size}_sum", task="alpha")
+        for p in PROMPTS:
+            assert HTTP.post(f"{url}/v1/completions", timeout=60, json={
+                "model": "alpha", "prompt": p, "max_tokens": 1}).status_code == 200
+        got = wait_for(url, f"{size}_count", "alpha", tokens + len(PROMPTS), headers={})
+        want = shift_size_sum(model, tokenizer, vecs["alpha"][0], PROMPTS)
+        assert value(got, f"{size}_sum", task="alpha") - before == pytest.approx(want, rel=1e-4)
+        assert value(samples(url, {}), "ltv_vllm:task_requests_total", task="alpha") == (
+            sent + len(PROMPTS))
+        assert_quiet(log)  # in steady state: every read of the shift sizes answered
     finally:
         stop(proc, log)
     # the user's own --served-model-name on the command line wins over the config file in
     # vLLM, and the tasks would be gone: the server refuses to start, saying why
     with pytest.raises(RuntimeError, match=r"served model names \['mine'\] lack"):
-        start_server(model_dir, [], tmp_path, env_extra=env, attempts=1,
+        start_server(model_dir, [], tmp_path, env_extra=env, attempts=1, layout="default",
                      launcher=vllm_serve("--served-model-name", "mine"))

@@ -220,17 +220,16 @@ class ShiftSizeCollector:
         import logging
         import os
 
-        import cloudpickle
+        from ltv_vllm.serving.vllm_ext.shift_sizes import READ
 
-        from ltv_vllm.serving.vllm_ext.shift_sizes import read_shift_sizes
-
-        fn = cloudpickle.dumps(read_shift_sizes)  # by reference: the engine imports it
         every = float(os.environ.get(SHIFT_READ_ENV) or SHIFT_READ_SECONDS)
         failed = False
         while True:
             await asyncio.sleep(every)
             try:
-                results = await engine.collective_rpc(fn, timeout=30)
+                # by the worker's method name: what both of vLLM's executors accept from
+                # here (`shift_sizes.serve_reads`)
+                results = await engine.collective_rpc(READ, timeout=30)
             except Exception as e:  # noqa: BLE001 - a dead engine answers nothing else either
                 if not failed:
                     logging.getLogger(__name__).warning(

@@ -1,7 +1,7 @@
 """How large a task's shift is on live traffic: ‖W h‖ / ‖h‖ per shifted row, summed per
 task key in the engine (`ShiftSizes`, fed by the model wrapper's `_shifted`), read by the API
-server now and then (`read_shift_sizes`, through vLLM's `collective_rpc`) for its
-`/metrics` (`metrics.ShiftSizeCollector`).
+server now and then (`read_shift_sizes`, through vLLM's `collective_rpc`, by the worker
+method name READ) for its `/metrics` (`metrics.ShiftSizeCollector`).
 
 The sums stay on the engine's device, added to once per step in one product whatever the
 number of tasks (a host copy of the rows' task indices, two norms, two index-adds), so a
@@ -17,6 +17,8 @@ import torch
 from ltv_vllm.serving.vllm_ext.steps import row_index
 
 CAP = 4096  # task keys summed at once; past it the sums start again (a counter reset)
+# the worker method the API server's `collective_rpc` names (`serve_reads`)
+READ = "ltv_read_shift_sizes"
 
 
 class ShiftSizes:
@@ -25,6 +27,7 @@ class ShiftSizes:
     def __init__(self) -> None:
         self.slots: dict[str, int] = {}
         self.acc: torch.Tensor | None = None  # (slots, 2): sum of ratios, rows
+        serve_reads()  # made in the worker's process, as its model is built
 
     def record(self, tasks: list[str], h: torch.Tensor, delta: torch.Tensor,
                weight: torch.Tensor | None, row_task: torch.Tensor | None) -> None:
@@ -75,3 +78,14 @@ def read_shift_sizes(worker: Any) -> dict[str, Any]:
     config = getattr(worker, "vllm_config", None)
     dp = getattr(getattr(config, "parallel_config", None), "data_parallel_rank", 0) or 0
     return {"tp_rank": tp, "dp_rank": dp, "sizes": sizes.read() if sizes is not None else {}}
+
+
+def serve_reads() -> None:
+    """vLLM's workers (in this process) answer `collective_rpc(READ)` (idempotent). A name,
+    not a function: the API server's message to the engine core carries a function only with
+    VLLM_ALLOW_INSECURE_SERIALIZATION, and pre-pickled bytes reach a worker in a process of
+    its own (MultiprocExecutor) pickled once more, which it cannot call."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    if getattr(WorkerBase, READ, None) is not read_shift_sizes:
+        setattr(WorkerBase, READ, read_shift_sizes)
