@@ -445,6 +445,8 @@ def verify(log: list, versions: Versions, base: str, model_spec: str, tol: float
     def reference(prompt: str, tokens: list[int], tv) -> torch.Tensor:
         key = (prompt, tuple(tokens), id(tv))
         if key not in cache:
+            if len(cache) >= 64:  # the log is walked by prompt and tokens: old keys are done
+                cache.clear()
             ids = tok(prompt)["input_ids"] + tokens
             n_prompt = len(ids) - len(tokens)
             with torch.no_grad():
@@ -469,7 +471,9 @@ def verify(log: list, versions: Versions, base: str, model_spec: str, tol: float
         return worst if worst <= tol else None
 
     wrong, checked, worst = [], 0, 0.0
-    for rec in log:
+    # by prompt and tokens, so one answer's references are computed once and then dropped:
+    # a cache of every (prompt, tokens, version) row set held ~10 GB after 6,933 requests
+    for rec in sorted(log, key=lambda r: (r["prompt"], tuple(r.get("tokens") or ()))):
         if rec["status"] != 200:
             continue
         cands = ([None] if rec["name"] == base else
