@@ -106,7 +106,7 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
                  extra: tuple[str, ...] = (), *, cwd: Path | None = None,
                  env_extra: dict[str, str] | None = None, attempts: int = 3,
                  kv_bytes: int = 64 << 20, runner: str | None = None, launcher=None,
-                 layout: str = "default"):
+                 layout: str = "inproc"):
     """`ltv-vllm serve` on a free port; (process, url, log). `model_dir` may be relative to
     `cwd` (then it is also the served base model's name). The server runs in a process group
     of its own (`stop` ends all of it). A port taken between `free_port` and the server's
@@ -115,10 +115,8 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
     `runner`: vLLM's model runner ("1": V2, through `tests/v2shim`; None: as `serve` picks).
     `launcher(port)`: another command to start (a user's own `vllm serve`), in place of
     `ltv-vllm serve` (then `model_dir`, `vector_args` and `extra` are not used).
-    `layout`: "default" is vLLM's own, what users run (the worker in a process of its own:
-    what crosses between the API server, the engine core and the worker is pickled, as it
-    is for them); "inproc" runs the worker inside the engine-core process, some 7-12 s
-    faster to start here, for a twin of a default-layout test only."""
+    `layout`: "inproc" runs the worker inside the engine-core process (faster to start);
+    "default" is vLLM's own, what users run: the worker in a process of its own."""
     assert layout in ("inproc", "default"), layout
     for attempt in range(attempts):
         port = free_port()
