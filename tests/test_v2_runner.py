@@ -68,6 +68,20 @@ def run(runner: str, d: Path, vectors: dict[str, str], out: Path,
     return json.loads(out.read_text())
 
 
+def two_vectors(model, d, tmp, scale: float) -> tuple[dict, dict]:
+    """Task vectors "a" and "b" (rank 8, first-step policy) fitted to `model` at `d`, their
+    shift `scale`d; the vectors and their files under `tmp`."""
+    ident = model_identity(model, str(d))
+    tvs, paths = {}, {}
+    for name, seed in (("a", 1), ("b", 2)):
+        g = torch.Generator().manual_seed(seed)
+        tvs[name] = TaskVector("hidden", scale * torch.randn(128, 8, generator=g),
+                               torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None,
+                               ident, (5, 6), {"task": {"name": name}, "shift_steps": "first"})
+        paths[name] = str(tvs[name].save(tmp / f"{name}.safetensors"))
+    return tvs, paths
+
+
 @pytest.fixture(scope="module")
 def mix(tmp_path_factory, tokenizer):
     """The model, its two task vectors and their files."""
@@ -76,14 +90,7 @@ def mix(tmp_path_factory, tokenizer):
     model = make_vllm_llama(tokenizer, seed=37, tie=False)
     model.save_pretrained(d)
     tokenizer.save_pretrained(d)
-    ident = model_identity(model, str(d))
-    tvs, paths = {}, {}
-    for name, seed in (("a", 1), ("b", 2)):
-        g = torch.Generator().manual_seed(seed)
-        tvs[name] = TaskVector("hidden", 0.5 * torch.randn(128, 8, generator=g),
-                               torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None,
-                               ident, (5, 6), {"task": {"name": name}, "shift_steps": "first"})
-        paths[name] = str(tvs[name].save(tmp / f"{name}.safetensors"))
+    tvs, paths = two_vectors(model, d, tmp, 0.5)
     return tmp, d, model, tvs, paths
 
 
@@ -180,14 +187,7 @@ def copier(tmp_path_factory, tokenizer):
             model.lm_head.weight[follows[x]] += 3.0 * hx / hx.norm()
     model.save_pretrained(d)
     tokenizer.save_pretrained(d)
-    ident = model_identity(model, str(d))
-    tvs, paths = {}, {}
-    for name, seed in (("a", 1), ("b", 2)):
-        g = torch.Generator().manual_seed(seed)
-        tvs[name] = TaskVector("hidden", 0.05 * torch.randn(128, 8, generator=g),
-                               torch.linalg.qr(torch.randn(128, 8, generator=g))[0], None,
-                               ident, (5, 6), {"task": {"name": name}, "shift_steps": "first"})
-        paths[name] = str(tvs[name].save(tmp / f"{name}.safetensors"))
+    tvs, paths = two_vectors(model, d, tmp, 0.05)
     conts = []
     for p in COPY_PROMPTS:
         ids = tokenizer(p)["input_ids"]
