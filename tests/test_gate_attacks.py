@@ -31,6 +31,7 @@ from test_server import HTTP, start_server, stop
 
 from conftest import make_tokenizer, make_vllm_llama
 from ltv_vllm.core.vector import TaskVector, model_identity, read_safetensors
+from ltv_vllm.serving.keys import OPERATOR_ROUTES
 from ltv_vllm.serving.taskstore import TaskStore, vector_digest
 
 pytestmark = pytest.mark.slow(seconds=490)  # see conftest's ordering
@@ -211,8 +212,11 @@ class Server:
         # DELETE answers after 1 s at most (202 while the task's requests run on)
         self.proc, self.url, self.log = start_server(
             self.d, [f"beta={self.beta}"], self.tmp, self.args,
-            env_extra={"LTV_VLLM_DELETE_WAIT": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1"},
-            runner=self.runner)
+            # VLLM_SERVER_DEV_MODE: vLLM's /pause and /resume (`paused_engine`)
+            env_extra={"LTV_VLLM_DELETE_WAIT": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+                       "VLLM_SERVER_DEV_MODE": "1"},
+            # V1 in vLLM's default layout (what users run); V2, through the shim, in-process
+            runner=self.runner, layout="default" if self.runner is None else "inproc")
 
     def restart(self) -> None:
         """After an engine death (what the fuzzer reports): the store's tasks as served."""
@@ -416,6 +420,28 @@ def engine_requests(srv: Server) -> float:
     return total
 
 
+def task_requests(srv: Server, name: str) -> float:
+    """Requests for task `name` the API server has handed to its engine so far (the
+    `ltv_vllm:task_requests` counter, counted as the request enters the engine client)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in HTTP.get(
+        f"{srv.url}/metrics", timeout=60).text.splitlines()
+        if line.startswith("ltv_vllm:task_requests_total{") and f'task="{name}"' in line)
+
+
+@contextlib.contextmanager
+def paused_engine(srv: Server):
+    """The engine's scheduler paused with its requests kept (vLLM's `/pause?mode=keep`,
+    VLLM_SERVER_DEV_MODE): a request handed to it meanwhile waits, unscheduled, until the
+    scheduler resumes at the end of the block, however fast the CPU."""
+    r = HTTP.post(f"{srv.url}/pause", params={"mode": "keep"}, timeout=60)
+    assert r.status_code == 200, r.text
+    try:
+        yield
+    finally:
+        r = HTTP.post(f"{srv.url}/resume", timeout=60)
+        assert r.status_code == 200, r.text
+
+
 def engine_finished(srv: Server) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in HTTP.get(
         f"{srv.url}/metrics", timeout=60).text.splitlines()
@@ -571,60 +597,60 @@ def test_delete_waits_for_queued_requests(server):
     """DELETE once removed files a queued request still needed, and the engine died loading
     them: (a) a request naming the raw engine key was not counted, so DELETE returned at
     once; (b) a drain deadline deleted anyway. Now the raw key is refused (400; no error
-    lists one), and a DELETE of a task with requests queued behind a full batch
-    (--max-num-seqs 2) — named by `model`, or by `vllm_xargs.ltv_task` beside the base
-    model — never removes what they load before they are done: each is answered with the
-    task's shift, on a task its engine has not loaded yet (their first use), and each ends
-    after the DELETE was sent (the overlap this test is about, asserted). Per-request tasks:
-    the DELETE answers at once and the pin goes after them; LoRA: it answers within its wait
-    (1 s on this server: 200, or 202 "deleting") and the files go after them."""
+    lists one), and a DELETE of a task whose requests wait in the engine — named by
+    `model`, or by `vllm_xargs.ltv_task` beside the base model — never removes what they
+    load before they are done: each is answered with the task's shift, on a task its engine
+    has not loaded yet (their first use). The requests are held queued by construction: the
+    engine's scheduler is paused (vLLM's `/pause?mode=keep`, a dev route) from before they
+    are sent until after the DELETE's effects are checked, so none can be answered before
+    the DELETE (asserted). Per-request tasks: the DELETE answers at once and the pin goes
+    after them; LoRA: it answers after its wait (1 s on this server) with 202 "deleting"
+    and the files go after them."""
     srv, name = server, "delta-queued"
-    long = completion(srv.base, max_tokens=230, ignore_eos=True)
     for queued in (["raw"], ["named", "named"], ["xargs", "xargs"]):
         if srv.mode == "lora" and queued != ["named", "named"]:
             continue  # an engine key or an ltv_task is no LoRA task's name (refused)
         with own_tasks(srv, name):
             assert srv.upload(name, None).status_code == 201
             key = srv.raw_key(name)
+            pin = srv.store.root / ".pins" / f"{key}.safetensors"
             steps = srv.steps(name, {})
             bodies = [completion(name, max_tokens=3, prompt=PROMPTS[i]) if q == "named" else
                       completion(srv.base, max_tokens=3, prompt=PROMPTS[i],
                                  vllm_xargs={"ltv_task": name}) if q == "xargs" else
                       completion(srv.base, max_tokens=3, vllm_xargs={"ltv_task": key})
                       for i, q in enumerate(queued)]
+            held = [i for i, q in enumerate(queued) if q != "raw"]  # the raw key's: refused
+            refused = [i for i, q in enumerate(queued) if q == "raw"]
             results: dict[int, httpx.Response] = {}
-            ended: dict[int, float] = {}
 
-            def send(i: int, body: dict, results: dict = results, ended: dict = ended) -> None:
+            def send(i: int, body: dict, results: dict = results) -> None:
                 results[i] = post(srv, "/v1/completions", body)
-                ended[i] = time.time()
 
-            # eight long requests ahead of them, in the engine before they are sent: four
-            # rounds of the engine's batch of 2, so the task's requests are still queued
-            # when the DELETE is sent, on a fast CPU too
-            seen = engine_requests(srv)
-            threads = [threading.Thread(target=send, args=(-1 - i, long)) for i in range(8)]
-            for t in threads:
-                t.start()
-            wait_for(lambda seen=seen: engine_requests(srv) >= seen + 8,
-                     "the long requests never reached the engine")
-            threads += [threading.Thread(target=send, args=(i, b))
-                        for i, b in enumerate(bodies)]
-            for t in threads[8:]:
-                t.start()
-            raw = [i for i, q in enumerate(queued) if q == "raw"]
-            # the task's requests wait in the engine behind the long ones (a raw key's is
-            # refused at the gate: answered)
-            want = seen + 8 + len(bodies) - len(raw)
-            wait_for(lambda want=want, raw=raw, results=results:
-                     engine_requests(srv) >= want and all(i in results for i in raw),
-                     "the task's requests never reached the engine")
-            sent = time.time()
-            r = srv.delete(name)
-            assert r.status_code in (200, 202), r.text
-            if r.status_code == 202:
-                assert HTTP.get(f"{srv.url}/v1/ltv/tasks/{name}").json()["status"] == \
-                    "deleting"
+            handed = task_requests(srv, name)
+            threads = [threading.Thread(target=send, args=(i, b)) for i, b in enumerate(bodies)]
+            with paused_engine(srv):
+                for t in threads:
+                    t.start()
+                # each held request handed to the engine (where it waits: nothing is
+                # scheduled), each refused one answered
+                wait_for(lambda handed=handed, held=held, refused=refused, results=results:
+                         task_requests(srv, name) >= handed + len(held)
+                         and all(i in results for i in refused),
+                         "the task's requests never reached the engine")
+                r = srv.delete(name)
+                if srv.mode == "lora":  # its requests cannot end: the DELETE's wait runs out
+                    assert r.status_code == 202 and r.json()["status"] == "deleting", r.text
+                    view = HTTP.get(f"{srv.url}/v1/ltv/tasks/{name}").json()
+                    assert view["status"] == "deleting" and view["in_flight"] == len(held), \
+                        view
+                    assert name in srv.store.names(), "the files went before the requests"
+                else:  # the name goes at once, the pin stays for the requests queued
+                    assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+                    assert HTTP.get(f"{srv.url}/v1/ltv/tasks/{name}").status_code == 404
+                    assert pin.exists() or not held, "the pin went before the requests"
+                assert not [i for i in held if i in results], \
+                    "a request was answered while the engine was paused"
             for t in threads:
                 t.join(120)
             for i, q in enumerate(queued):
@@ -634,10 +660,9 @@ def test_delete_waits_for_queued_requests(server):
                 else:
                     assert results[i].status_code == 200, results[i].text
                     check_tokens(answer_tokens(results[i], False)[0], name, steps, f"q{i}")
-                    assert ended[i] > sent, "the request ended before the DELETE: no overlap"
             deadline = time.time() + 60
-            while HTTP.get(f"{srv.url}/v1/ltv/tasks/{name}").status_code != 404 or (
-                    srv.store.root / ".pins" / f"{key}.safetensors").exists():
+            while HTTP.get(f"{srv.url}/v1/ltv/tasks/{name}").status_code != 404 or \
+                    pin.exists():
                 assert time.time() < deadline, "the deleted task's files were never removed"
                 time.sleep(0.1)
             assert name not in srv.store.names()
@@ -922,7 +947,10 @@ NO_GENERATION = ("/ping", "/health", "/tokenize", "/detokenize", "/inference/v1/
 # outputs are (their bitmask kernel runs once the shim reads its mask as compiled Triton)
 INTERPRETER_CANNOT = ("top_k",)
 # operator routes of the live server that change it for every request (never fuzzed)
-NOT_FUZZED = ("/scale_elastic_ep", "/is_scaling_elastic_ep", "/v1/ltv/tasks")
+# the store's own route (fuzzed by its own bodies) and vLLM's operator routes but scale-out's
+# abort by id: the dev-mode routes the store server has (`paused_engine`) would pause, sleep
+# or reset its engine under the fuzzer
+NOT_FUZZED = ({"/v1/ltv/tasks"} | OPERATOR_ROUTES) - {"/inference/v1/abort_requests"}
 # vLLM's lax booleans (pydantic): what the gate must read as vLLM does
 LAX_TRUE, LAX_FALSE = [True, "true", 1, "yes", "on", "t", "1"], [False, 0, "no", "off", "f", 0.0]
 

@@ -48,11 +48,12 @@ def assets(tmp_path_factory, tokenizer):
 
 
 def start_replicas(d: Path, tmp: Path, store: str, polls: list[float | Path | tuple],
-                   env: dict[str, str] | None = None, extra: tuple[str, ...] = ()
-                   ) -> list[tuple]:
+                   env: dict[str, str] | None = None, extra: tuple[str, ...] = (),
+                   layout: str = "inproc") -> list[tuple]:
     """One server per poll interval on `store`, started together; a Path in `polls`: the
     user's own `vllm serve` from that `ltv-vllm serve --export` directory; a tuple: a poll
-    interval (or such a Path) and that replica's own vLLM flags."""
+    interval (or such a Path) and that replica's own vLLM flags. `layout`: vLLM's process
+    layout (`test_server.start_server`)."""
     def one(i_poll):
         i, poll = i_poll
         own: tuple[str, ...] = ()
@@ -70,10 +71,11 @@ def start_replicas(d: Path, tmp: Path, store: str, polls: list[float | Path | tu
                                 launcher=lambda port: [
                                     sys.executable, "-m", module,
                                     "--config", str(poll / "vllm.yaml"), "--port", str(port),
-                                    "--kv-cache-memory-bytes", str(64 << 20), *own])
+                                    "--kv-cache-memory-bytes", str(64 << 20), *own],
+                                layout=layout)
         return start_server(d, [], where, ("--task-store", store, "--store-poll", str(poll),
                                            "--api-key", "x", "--max-tasks", "4", *extra,
-                                           *own), env_extra=env)
+                                           *own), env_extra=env, layout=layout)
 
     with ThreadPoolExecutor(len(polls)) as pool:
         return list(pool.map(one, enumerate(polls)))
@@ -159,7 +161,7 @@ def test_three_replicas_on_a_shared_directory(assets, tokenizer, tmp_path):
     # B runs two data-parallel engines: its requests go to either, its DELETEs' barrier
     # reaches both
     servers = start_replicas(d, tmp_path, store, [POLL, (POLL, "--data-parallel-size", "2"),
-                                                  dep])
+                                                  dep], layout="default")
     (pa, a, la), (pb, b, lb), (pc, c, lc) = servers
     try:
         assert "EngineCore_DP1" in Path(lb.name).read_text()  # B's second engine

@@ -366,8 +366,10 @@ def multi_task_server(assets, tmp_path_factory, request):
         "--n-test", "3", "--seed", "2", "--dtype", "float32", "-o", str(relu), "--quiet"])
     assert r.exit_code == 0, r.output
     names = [f"{n}={p}" for n, (_, p) in vecs.items()] + [f"relu={relu}"]
+    # V1 in vLLM's default layout (what users run); V2, through the shim, in-process
     proc, url, log = start_server(d, names, tmp, ("--chat-template", PLAIN_CHAT, *SCHEDULER),
-                                  kv_bytes=KV_BYTES, runner=request.param)
+                                  kv_bytes=KV_BYTES, runner=request.param,
+                                  layout="default" if request.param is None else "inproc")
     try:
         yield url, relu
     finally:
