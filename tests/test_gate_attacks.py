@@ -409,17 +409,6 @@ def wait_for(condition, what: str, seconds: float = 120) -> None:
         time.sleep(0.02)
 
 
-def engine_requests(srv: Server) -> float:
-    """Requests that reached the engine so far (vLLM's /metrics): finished, running or
-    waiting for a slot in its batch."""
-    total = 0.0
-    for line in HTTP.get(f"{srv.url}/metrics", timeout=60).text.splitlines():
-        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{",
-                            "vllm:request_success_total")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def task_requests(srv: Server, name: str) -> float:
     """Requests for task `name` the API server has handed to its engine so far (the
     `ltv_vllm:task_requests` counter, counted as the request enters the engine client)."""
