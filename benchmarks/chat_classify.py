@@ -48,8 +48,8 @@ def main() -> None:
 
     from ltv_vllm.models.hardware import hardware, machine_line, resolve_for_model
     from ltv_vllm.models.resolve import resolve_model
-    from ltv_vllm.serving.offline import classification_params, parse_classification
-    from ltv_vllm.serving.serve import task_engine
+    from ltv_vllm.serving.launcher.recipe import task_engine
+    from ltv_vllm.serving.offline.llm import classification_params, parse_classification
     from ltv_vllm.tasks.data import load_dataset, sample_test
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 

@@ -38,8 +38,8 @@ from ltv_vllm.bench.online import Server
 from ltv_vllm.models.hardware import hardware, machine_line
 from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
 from ltv_vllm.serving.client import classify
-from ltv_vllm.serving.compile import CompileRequest
-from ltv_vllm.serving.serve import ServeOptions, plan_server
+from ltv_vllm.serving.launcher.serve import ServeOptions, plan_server
+from ltv_vllm.serving.store.compile import CompileRequest
 from ltv_vllm.tasks.specs import get_task
 
 HOST = "127.0.0.1"

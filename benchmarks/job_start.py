@@ -44,10 +44,10 @@ def job(spec: dict) -> dict:
 
 def run_setting(a) -> None:
     from ltv_vllm.models.resolve import resolve_model
-    from ltv_vllm.serving import jobs
+    from ltv_vllm.serving.offline import jobs
 
     if a.setting == "bare":  # the forkserver as it was: vLLM's import only
-        jobs.PRELOAD = tuple(m for m in jobs.PRELOAD if m != "ltv_vllm.serving.preload")
+        jobs.PRELOAD = tuple(m for m in jobs.PRELOAD if m != "ltv_vllm.serving.offline.preload")
     spec = {"model": resolve_model(a.model)}
     rows = []
     for i in range(a.jobs):
@@ -101,7 +101,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1].endswith(".job.json"):  # a forked job
-        from ltv_vllm.serving.jobs import job_main
+        from ltv_vllm.serving.offline.jobs import job_main
 
         job_main(job)
     else:

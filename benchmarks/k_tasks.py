@@ -67,7 +67,7 @@ def worker(a: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
     from ltv_vllm.models.resolve import resolve_model
-    from ltv_vllm.serving.serve import task_engine
+    from ltv_vllm.serving.launcher.recipe import task_engine
 
     model_dir = resolve_model(a.model)
     common = {"dtype": a.dtype, "enforce_eager": True, "max_model_len": 512, "seed": 0,

@@ -77,7 +77,7 @@ def main() -> None:
     import torch
 
     from ltv_vllm.core.vector import ModelIdentity, TaskVector
-    from ltv_vllm.serving.vllm_ext.models import LTVMixin
+    from ltv_vllm.serving.engine.models import LTVMixin
 
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
     ks = [int(k) for k in a.ks.split(",")]

@@ -26,8 +26,8 @@ def main(mode: str) -> None:
 
     from ltv_vllm.bench.workload import build_workload
     from ltv_vllm.models.resolve import resolve_model
-    from ltv_vllm.serving.offline import classification_params
-    from ltv_vllm.serving.serve import task_engine
+    from ltv_vllm.serving.launcher.recipe import task_engine
+    from ltv_vllm.serving.offline.llm import classification_params
 
     wl = build_workload("smollm2-135m", list(TASKS), n_per_task=100, k=30, n=256, lam=5.0,
                         seed=0, vector_dir=VECTORS, with_vectors=True, with_kernel=False)

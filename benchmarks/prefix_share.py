@@ -53,7 +53,8 @@ def run_mode(a) -> None:
     from ltv_vllm.models.hardware import hardware, resolve_for_model
     from ltv_vllm.models.resolve import resolve_model
     from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
-    from ltv_vllm.serving.serve import plan_lora, task_engine
+    from ltv_vllm.serving.launcher.lora_plan import plan_lora
+    from ltv_vllm.serving.launcher.recipe import task_engine
     from ltv_vllm.tasks.specs import get_task
 
     model_dir = resolve_model(a.model)

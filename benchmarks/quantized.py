@@ -36,7 +36,7 @@ def engine_job(job: dict) -> dict:
     """In a fresh process: one engine (the vector fused, or bare), every prompt's restricted
     label logprobs, in label order."""
     from ltv_vllm import make_llm
-    from ltv_vllm.serving.offline import classification_params
+    from ltv_vllm.serving.offline.llm import classification_params
 
     engine_args = {"max_model_len": 1024, "seed": 0, **job.get("engine_args", {})}
     if job["scheme"] != "none":
@@ -101,7 +101,7 @@ def main() -> None:
     from ltv_vllm.models.hardware import hardware, machine_line, resolve_for_model
     from ltv_vllm.models.loading import load_tokenizer, local_model_dir
     from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
-    from ltv_vllm.serving.capture import CaptureEngine, capture_states
+    from ltv_vllm.serving.offline.capture import CaptureEngine, capture_states
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     t_start = time.perf_counter()

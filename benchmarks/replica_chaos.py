@@ -51,8 +51,8 @@ from ltv_vllm.core.vector import TaskVector, load_task_vector
 from ltv_vllm.extraction.apply import task_vector_applied
 from ltv_vllm.models.hardware import hardware, machine_line
 from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
-from ltv_vllm.serving.shared_store import SharedStore, _generation_key, digest_of
-from ltv_vllm.serving.step_policy import parse_steps
+from ltv_vllm.serving.contract.wire import parse_steps
+from ltv_vllm.serving.store.shared_store import SharedStore, _generation_key, digest_of
 from ltv_vllm.tasks.specs import get_task
 
 HOST, KEY = "127.0.0.1", "chaos-key"

@@ -1,5 +1,5 @@
 """What the start-up self-check itself costs, apart from the engine's first-request warm-up:
-the same probe batch (`ltv_vllm.serving.selfcheck`) sent `--repeats` times through one
+the same probe batch (`ltv_vllm.serving.offline.selfcheck`) sent `--repeats` times through one
 offline engine with the probes, as a server holds them (processed logprobs).
 
     python benchmarks/selfcheck_cost.py --model smollm2-135m --out benchmarks/results/selfcheck_cost
@@ -31,9 +31,9 @@ if __name__ == "__main__":
 
     from ltv_vllm.models.hardware import hardware, machine_line, resolve_for_model
     from ltv_vllm.models.resolve import resolve_model
-    from ltv_vllm.serving.probes import probe_tokens, probe_vectors
-    from ltv_vllm.serving.selfcheck import probe_batch, probe_params, verdict
-    from ltv_vllm.serving.serve import task_engine
+    from ltv_vllm.serving.launcher.recipe import task_engine
+    from ltv_vllm.serving.store.probes import probe_tokens, probe_vectors
+    from ltv_vllm.serving.store.selfcheck_rows import probe_batch, probe_params, verdict
     model_dir = str(resolve_model(a.model))
     dtype = resolve_for_model(a.dtype, model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)

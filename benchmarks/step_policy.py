@@ -156,7 +156,7 @@ def through_server(a, served: dict, dtype: str) -> dict:
 
     from ltv_vllm.bench.online import Server
     from ltv_vllm.serving.client import generate
-    from ltv_vllm.serving.serve import ServeOptions, plan_server
+    from ltv_vllm.serving.launcher.serve import ServeOptions, plan_server
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -49,10 +49,10 @@ from ltv_vllm.bench.online import Server
 from ltv_vllm.extraction.apply import task_vector_applied
 from ltv_vllm.models.hardware import hardware, machine_line
 from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
-from ltv_vllm.serving.compile import CompileRequest
-from ltv_vllm.serving.serve import ServeOptions, plan_server
-from ltv_vllm.serving.step_policy import parse_steps
-from ltv_vllm.serving.taskstore import TaskStore, vector_digest
+from ltv_vllm.serving.contract.wire import parse_steps
+from ltv_vllm.serving.launcher.serve import ServeOptions, plan_server
+from ltv_vllm.serving.store.compile import CompileRequest
+from ltv_vllm.serving.store.taskstore import TaskStore, vector_digest
 from ltv_vllm.tasks.specs import get_task
 
 HOST, KEY = "127.0.0.1", "soak-key"

@@ -45,9 +45,9 @@ _API = {
     "evaluate": "ltv_vllm.evaluation.evaluate",
     "EvalConfig": "ltv_vllm.evaluation.evaluate",
     "UserError": "ltv_vllm.errors",
-    "make_llm": "ltv_vllm.serving.offline",
-    "task_llm": "ltv_vllm.serving.offline",
-    "classify_offline": "ltv_vllm.serving.offline",
+    "make_llm": "ltv_vllm.serving.offline.llm",
+    "task_llm": "ltv_vllm.serving.offline.llm",
+    "classify_offline": "ltv_vllm.serving.offline.llm",
 }
 
 __all__ = ["__version__", *sorted(_API)]

@@ -255,10 +255,11 @@ def bench_model(tmp_path_factory, tokenizer):
 
 
 def run_worker(name: str, job, work: Path, env: dict[str, str] | None = None) -> dict:
-    """`vllm_workers/NAME.py` as a job of the project's own runner (`ltv_vllm.serving.jobs`):
+    """`vllm_workers/NAME.py` as a job of the project's own runner
+    (`ltv_vllm.serving.offline.jobs`):
     a process of its own, forked from this pytest worker's job forkserver, which imported
     vLLM once for every engine test it runs; its log beside the job under `work`."""
-    from ltv_vllm.serving.jobs import run_job
+    from ltv_vllm.serving.offline.jobs import run_job
 
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -209,8 +209,8 @@ def test_a_bad_stored_prompt_format_is_refused(bad, match):
 def test_the_gate_reads_each_vectors_rendering(monkeypatch):
     """`rendering_refusal` over the request shapes, for a fused server's one vector (key "")
     fitted through a template: what `serve` puts in the API server's environment."""
-    from ltv_vllm.serving.step_policy import chat_env
-    from ltv_vllm.serving.vllm_ext.middleware import Ask
+    from ltv_vllm.serving.api_server.gate import Ask
+    from ltv_vllm.serving.contract.wire import chat_env
 
     mine, other = template_digest(CHATML), template_digest("x")
     for k, v in chat_env({"": mine}, mine).items():

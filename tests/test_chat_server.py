@@ -330,7 +330,7 @@ def test_a_chat_fitted_store_entry_is_served_after_a_restart(chat_server, tokeni
     with no opt-in and its completions refused, as before the restart."""
     from pathlib import Path
 
-    from ltv_vllm.serving.taskstore import TaskStore
+    from ltv_vllm.serving.store.taskstore import TaskStore
 
     url, model, vecs, _tmp = chat_server
     base = openai.OpenAI(base_url=f"{url}/v1", api_key="x").models.list().data[0].id

@@ -24,7 +24,7 @@ from ltv_vllm.serving.client import (
     remote_task,
     upload_task,
 )
-from ltv_vllm.serving.taskstore import StoreError
+from ltv_vllm.serving.store.taskstore import StoreError
 from ltv_vllm.tasks.specs import BUILTIN_TASKS
 
 TASK = BUILTIN_TASKS["sst2"]

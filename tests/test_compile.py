@@ -13,8 +13,8 @@ import torch
 
 from conftest import make_llama
 from ltv_vllm.errors import UserError
-from ltv_vllm.serving.compile import CompileError, compile_task, parse_request
-from ltv_vllm.serving.taskstore import EntryExists, TaskStore
+from ltv_vllm.serving.store.compile import CompileError, compile_task, parse_request
+from ltv_vllm.serving.store.taskstore import EntryExists, TaskStore
 
 pytestmark = pytest.mark.slow(seconds=13)  # see conftest's ordering
 
@@ -116,7 +116,7 @@ def _job(tmp_path, model_dir, request, name="job"):
 def test_worker_process_reports_done_or_failed_and_a_killed_one_leaves_no_entry(
         model_dir, tmp_path):
     job = _job(tmp_path, model_dir, body())
-    r = subprocess.run([sys.executable, "-m", "ltv_vllm.serving.compile", str(job)],
+    r = subprocess.run([sys.executable, "-m", "ltv_vllm.serving.store.compile", str(job)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     st = json.loads((job / "status.json").read_text())
@@ -128,7 +128,7 @@ def test_worker_process_reports_done_or_failed_and_a_killed_one_leaves_no_entry(
     assert store.names() == ["senti"]
     # the name is taken now: the second worker's entry is refused at publication
     again = _job(tmp_path, model_dir, body(), "again")
-    r = subprocess.run([sys.executable, "-m", "ltv_vllm.serving.compile", str(again)],
+    r = subprocess.run([sys.executable, "-m", "ltv_vllm.serving.store.compile", str(again)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     with pytest.raises(EntryExists, match="already exists"):
@@ -137,7 +137,7 @@ def test_worker_process_reports_done_or_failed_and_a_killed_one_leaves_no_entry(
     # killed while extracting: no entry, nothing in the store at all
     # (2400 queries: seconds of extraction, so the kill lands inside it)
     killed = _job(tmp_path, model_dir, body(name="other", queries=WORDS * 200), "killed")
-    p = subprocess.Popen([sys.executable, "-m", "ltv_vllm.serving.compile", str(killed)])
+    p = subprocess.Popen([sys.executable, "-m", "ltv_vllm.serving.store.compile", str(killed)])
     state = None
     deadline = time.time() + 120
     while state != "extracting":  # the kill must land inside the extraction, nowhere else

@@ -421,7 +421,7 @@ def test_the_capture_plan_counts_every_sets_prefix(model_dir, task):
     """`--engine vllm --dry-run` over M sets plans the longest prefix of them all."""
     from transformers import AutoTokenizer
 
-    from ltv_vllm.serving.capture import CaptureEngine, plan_capture
+    from ltv_vllm.serving.offline.capture import CaptureEngine, plan_capture
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ep = sample_episode(load_dataset(task), k=6, n=12, n_test=8, seed=3, demo_sets=3)

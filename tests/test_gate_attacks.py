@@ -31,8 +31,8 @@ from test_server import HTTP, start_server, stop
 
 from conftest import make_tokenizer, make_vllm_llama
 from ltv_vllm.core.vector import TaskVector, model_identity, read_safetensors
-from ltv_vllm.serving.keys import OPERATOR_ROUTES
-from ltv_vllm.serving.taskstore import TaskStore, vector_digest
+from ltv_vllm.serving.contract.keys import OPERATOR_ROUTES
+from ltv_vllm.serving.store.taskstore import TaskStore, vector_digest
 
 pytestmark = pytest.mark.slow(seconds=490)  # see conftest's ordering
 
@@ -132,7 +132,7 @@ def test_a_stored_bad_field_is_quarantined_not_served(probe, tmp_path):
     from click.testing import CliRunner
 
     from ltv_vllm.cli import main
-    from ltv_vllm.serving.taskstore import VECTOR
+    from ltv_vllm.serving.store.taskstore import VECTOR
 
     d, model, _ = probe
     store = TaskStore(tmp_path / "store")
@@ -234,7 +234,7 @@ class Server:
             return 0
         if self.mode == "lora":
             return None
-        from ltv_vllm.serving.step_policy import parse_steps
+        from ltv_vllm.serving.contract.wire import parse_steps
 
         if "ltv_steps" not in xargs:
             return self.defaults[task]
@@ -269,7 +269,7 @@ class Server:
         r = HTTP.post(f"{self.url}/v1/ltv/tasks", data={"name": name},
                       files={"vector": (path.name, path.read_bytes())}, timeout=60)
         if r.status_code == 201:
-            from ltv_vllm.serving.step_policy import parse_steps
+            from ltv_vllm.serving.contract.wire import parse_steps
 
             try:
                 self.defaults[name] = parse_steps(steps or "first")

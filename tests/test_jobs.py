@@ -9,7 +9,7 @@ import os
 import pytest
 
 from ltv_vllm.errors import UserError
-from ltv_vllm.serving.jobs import job_paths, run_job
+from ltv_vllm.serving.offline.jobs import job_paths, run_job
 
 pytestmark = pytest.mark.slow(seconds=7)  # the forkserver imports vLLM once
 

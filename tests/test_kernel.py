@@ -105,7 +105,7 @@ def test_kernel_vector_in_transformers_equals_a_hand_patched_forward(kernel_tv):
 
 
 def test_kernel_vector_file_round_trip_and_refusals(kernel_tv, tmp_path):
-    from ltv_vllm.serving.lora import refuse_non_lora
+    from ltv_vllm.serving.store.lora import refuse_non_lora
 
     _model, tv = kernel_tv
     for suffix in (".pt", ".safetensors"):

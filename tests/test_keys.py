@@ -15,7 +15,7 @@ from test_server import HTTP, PROMPTS, make_assets, start_server, stop
 from test_store_server import compile_body, wait_status
 
 from ltv_vllm.cli import main
-from ltv_vllm.serving.keys import KeysError, add_key, key_hash, may, read_keys
+from ltv_vllm.serving.contract.keys import KeysError, add_key, key_hash, may, read_keys
 
 pytestmark = pytest.mark.slow(seconds=45)  # see conftest's ordering
 

@@ -605,3 +605,89 @@ def test_no_tracker_numbers_or_machine_paths_reach_users():
         hit = machine.search(text)
         assert hit is None, (str(p.relative_to(root)),
                              text[max(0, hit.start() - 40):hit.end() + 40])
+
+
+# -- the serving wing, by the process each part runs in ------------------------------------------
+SERVING = PKG / "serving"
+# folder (or top-level module) → the serving folders it may import besides its own
+BY_PROCESS = {
+    "contract": set(),                                  # pure: every process
+    "store": {"contract"},                              # files, in whichever process
+    "engine": {"contract", "store"},                    # vLLM's engine core and workers
+    "api_server": {"contract", "store"},                # vLLM's API-server process
+    "launcher": {"contract", "store"},                  # `ltv-vllm serve`
+    "offline": {"contract", "store", "launcher", "client"},  # `vllm.LLM` jobs
+    "vllm_ext": {"contract", "store", "engine", "api_server"},  # what vLLM loads by name
+    "client": {"contract", "store"},                    # the user's process (HTTP)
+}
+PROCESS_WORDS = re.compile(r"process|\bpure\b", re.I)
+MAX_LINES, MAX_FUNCTION = 600, 70
+
+
+def serving_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "serving" else None
+
+
+def by_process_violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    found = []
+    for m, targets in graph(sources).items():
+        a = serving_part(m)
+        if a is None:
+            continue
+        if a not in BY_PROCESS:
+            found.append(f"{m}: in no serving folder")
+            continue
+        for t in targets:
+            b = serving_part(t)
+            if b is not None and b != a and b not in BY_PROCESS[a]:
+                found.append(f"{m} ({a}) imports {t} ({b})")
+    return found
+
+
+def test_the_serving_wing_imports_by_process():
+    """API-server code never imports engine code and the engine never API-server code; the
+    wire contract imports no other folder; only `vllm_ext` (what vLLM loads by name)
+    reaches both."""
+    assert by_process_violations(package_sources()) == []
+
+
+def test_the_serving_layout_check_can_fail():
+    sources = {"ltv_vllm.serving.api_server.gate": ("from ltv_vllm.serving.engine import steps",
+                                                     False),
+               "ltv_vllm.serving.engine.steps": ("", False),
+               "ltv_vllm.serving.contract.wire": ("import ltv_vllm.serving.store.taskstore",
+                                                   False),
+               "ltv_vllm.serving.store.taskstore": ("", False)}
+    assert by_process_violations(sources) == [
+        "ltv_vllm.serving.api_server.gate (api_server) imports ltv_vllm.serving.engine.steps "
+        "(engine)",
+        "ltv_vllm.serving.contract.wire (contract) imports ltv_vllm.serving.store.taskstore "
+        "(store)"]
+
+
+def test_contract_and_store_import_no_vllm_at_load():
+    """The pure folders: no vLLM import at module level (a function that builds vLLM's
+    request objects imports it when called)."""
+    for path in [*(SERVING / "contract").glob("*.py"), *(SERVING / "store").glob("*.py")]:
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "vllm" or n.startswith("vllm.") for n in names), \
+                f"{path.relative_to(PKG)}: imports {names} at load"
+
+
+def test_every_serving_module_names_its_process_and_stays_small():
+    for path in sorted(SERVING.rglob("*.py")):
+        name = path.relative_to(PKG)
+        text = path.read_text()
+        tree = ast.parse(text)
+        doc = ast.get_docstring(tree) or ""
+        if path.name != "__init__.py" or doc:
+            assert PROCESS_WORDS.search(doc), f"{name}: its docstring names no process"
+        assert text.count("\n") <= MAX_LINES, f"{name}: {text.count(chr(10))} lines"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                size = node.end_lineno - node.lineno + 1
+                assert size <= MAX_FUNCTION, f"{name}: {node.name} has {size} lines"

@@ -8,7 +8,7 @@ import torch
 from conftest import make_llama
 from ltv_vllm.core.vector import TaskVector, VectorError, model_identity
 from ltv_vllm.extraction.apply import task_vector_applied
-from ltv_vllm.serving.lora import export_lora, lora_rank
+from ltv_vllm.serving.store.lora import export_lora, lora_rank
 from ltv_vllm.tasks.specs import BUILTIN_TASKS
 
 PROMPT = "Review: the plot is dull\nSentiment:"
@@ -124,7 +124,7 @@ def test_cli_export_lora_rank(tmp_path, tokenizer, kind):
 
 
 def test_lowrank_fro_norm_equals_the_product_norm():
-    from ltv_vllm.serving.lora import lowrank_fro_norm
+    from ltv_vllm.serving.store.lora import lowrank_fro_norm
 
     g = torch.Generator().manual_seed(3)
     B, A = torch.randn(50, 4, generator=g), torch.randn(4, 30, generator=g)
@@ -134,7 +134,7 @@ def test_lowrank_fro_norm_equals_the_product_norm():
 
 def test_gain_bound_refuses_corrupt_vectors(tmp_path, tokenizer):
     """A served vector may not move the logits 1e3x more than the LM head itself does."""
-    from ltv_vllm.serving.lora import MAX_GAIN, lora_factors
+    from ltv_vllm.serving.store.lora import MAX_GAIN, lora_factors
 
     model = make_llama(len(tokenizer), seed=4)
     model.save_pretrained(tmp_path / "m")

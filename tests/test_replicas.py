@@ -33,8 +33,8 @@ from test_shared_store import S3Server
 from test_store_server import random_vector
 
 from ltv_vllm.cli import main
-from ltv_vllm.serving.shared_store import SharedStore
-from ltv_vllm.serving.taskstore import vector_digest
+from ltv_vllm.serving.store.shared_store import SharedStore
+from ltv_vllm.serving.store.taskstore import vector_digest
 
 pytestmark = pytest.mark.slow(seconds=150)  # see conftest's ordering
 

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from conftest import write_model_and_vectors
 from ltv_vllm.cli import main
 from ltv_vllm.core.vector import VectorError
-from ltv_vllm.serving.serve import parse_vector_specs, plan_lora
+from ltv_vllm.serving.launcher.lora_plan import plan_lora
+from ltv_vllm.serving.launcher.serve import parse_vector_specs
 
 
 @pytest.fixture()
@@ -144,7 +145,7 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     runtime; our endpoint plugin allowlisted either way; a dry run writes nothing (not even
     the store); bad combinations are refused in one line."""
     from ltv_vllm.core.vector import load_task_vector
-    from ltv_vllm.serving.taskstore import TaskStore
+    from ltv_vllm.serving.store.taskstore import TaskStore
 
     tmp, good, other = setup
     monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
@@ -206,7 +207,7 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     assert "--max-loras 9" in r.output and not shared.exists()
     # a shared store holding more tasks than --max-tasks: the replica serves --max-tasks of
     # them, so its LoRA slots are the flag's (not one per index entry)
-    from ltv_vllm.serving.shared_store import SharedStore
+    from ltv_vllm.serving.store.shared_store import SharedStore
 
     big = SharedStore(f"file://{tmp / 'big'}")
     for i in range(12):
@@ -231,7 +232,7 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
         assert r.exit_code != 0 and words in r.output, (args, r.output)
         assert len(r.output.strip().splitlines()) == 1
     # keys and the audit log: each bad combination or file one line, before the model loads
-    from ltv_vllm.serving.keys import add_key
+    from ltv_vllm.serving.contract.keys import add_key
 
     add_key(tmp / "keys.json", "ops", "admin")
     (tmp / "bad-keys.json").write_text('{"keys": [{"id": "a", "role": "root", "sha256": "0"}]}')
@@ -284,7 +285,7 @@ def test_a_held_store_is_refused_in_its_one_line(setup, monkeypatch, tokenizer):
 
     from conftest import make_llama
     from ltv_vllm.core.vector import load_task_vector
-    from ltv_vllm.serving.taskstore import TaskStore
+    from ltv_vllm.serving.store.taskstore import TaskStore
 
     tmp, _, other = setup
     monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
@@ -309,8 +310,8 @@ def test_a_held_store_is_refused_in_its_one_line(setup, monkeypatch, tokenizer):
 
 
 def test_server_settings_travel_whole_and_default_in_one_place():
-    from ltv_vllm.serving.serve import ServeOptions
-    from ltv_vllm.serving.settings import ENV, ServerSettings
+    from ltv_vllm.serving.contract.settings import ENV, ServerSettings
+    from ltv_vllm.serving.launcher.serve import ServeOptions
 
     s = ServerSettings(task_store="/x", max_tasks=3, task_rank=64, compile_threads=2,
                        max_body=5 << 20, max_upload=123)
@@ -536,7 +537,7 @@ def test_other_installed_plugins_keep_loading(setup, monkeypatch, tmp_path):
     would load unset (here a third-party general plugin, installed for the test), and no
     other endpoint plugin (those load only when named) nor vLLM's hub LoRA resolver (it reads
     being named as consent to download); a user's own list is kept, ours added."""
-    from ltv_vllm.serving.plugins import store_plugins
+    from ltv_vllm.serving.contract.plugins import store_plugins
 
     dist = tmp_path / "site" / "other_plugin-1.0.dist-info"
     dist.mkdir(parents=True)
@@ -573,7 +574,7 @@ def _vllm_argv(output: str) -> list[str]:
 
 def _parsed(output: str):
     """What vLLM's own parser reads of that argv (the last of a flag given twice wins)."""
-    from ltv_vllm.serving.serve import vllm_flags
+    from ltv_vllm.serving.launcher.flags import vllm_flags
 
     parsed = vllm_flags(_vllm_argv(output))
     assert parsed is not None, output
@@ -586,7 +587,7 @@ def test_user_flags_kept_merged_or_refused(setup, monkeypatch, tmp_path):
     overrides and logits processors are merged, a user's LoRA adapter joins the tasks'
     slot table in LoRA mode (its rank, targets and a slot added); conflicts are one line."""
     from ltv_vllm.core.vector import load_task_vector
-    from ltv_vllm.serving.lora import export_lora
+    from ltv_vllm.serving.store.lora import export_lora
 
     tmp, good, _ = setup
     monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
@@ -656,9 +657,10 @@ def test_export_reads_back_as_the_serve_command(setup, monkeypatch, tmp_path):
     started server would get; `deploy.apply` puts the environment in place in a process
     started with LTV_VLLM_DEPLOY (ltv-vllm's variables as written, the user's others kept,
     a fresh admission key, the plugin allowlist joined with the user's), once."""
-    from ltv_vllm.serving import deploy
-    from ltv_vllm.serving.serve import ServeOptions, plan_server, vllm_flags
-    from ltv_vllm.serving.step_policy import ADMIT_ENV
+    from ltv_vllm.serving.contract.wire import ADMIT_ENV
+    from ltv_vllm.serving.launcher.flags import vllm_flags
+    from ltv_vllm.serving.launcher.serve import ServeOptions, plan_server
+    from ltv_vllm.serving.vllm_ext import deploy
 
     tmp, good, _ = setup
     monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
@@ -691,7 +693,7 @@ def test_export_reads_back_as_the_serve_command(setup, monkeypatch, tmp_path):
 def test_a_plan_reads_each_vector_file_once(setup, monkeypatch, specs, tmp_path):
     """Planning a server (checks, overrides, warnings, chat digests) reads each vector file
     once, fused or multi-task; a file replaced meanwhile is read again."""
-    import ltv_vllm.serving.serve as serve_mod
+    import ltv_vllm.serving.launcher.serve as serve_mod
     from ltv_vllm.core.vector import load_task_vector
 
     tmp, good, _ = setup

@@ -242,7 +242,7 @@ def check_mixed(url: str, served: dict, model, tokenizer, per_request: bool = Fa
     every step is shifted. Every name three times per prompt, 3 to 5 tokens, the requests
     arriving over half a second: each answer is its own name's greedy loop within 1e-4 and
     ≥ 10× that from every other name's and the bare model's (`assert_told_apart`)."""
-    from ltv_vllm.serving.step_policy import parse_steps
+    from ltv_vllm.serving.contract.wire import parse_steps
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     jobs = [(name, p, 3 + r) for r in range(3) for name in served for p in PROMPTS]
@@ -669,7 +669,7 @@ def test_scheduler_paths(assets, tokenizer, multi_task_server):
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(call, enumerate(jobs)))
     assert preemptions(url) > before, "the burst did not overflow the KV cache"
-    from ltv_vllm.serving.step_policy import parse_steps
+    from ltv_vllm.serving.contract.wire import parse_steps
 
     sampled = []
     for job, r in zip(jobs, results, strict=True):

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from ltv_vllm.serving.shared_store import (
+from ltv_vllm.serving.store.shared_store import (
     KEEP,
     SharedStore,
     StoreUnavailable,
     is_shared,
 )
-from ltv_vllm.serving.taskstore import EntryExists, NoSuchEntry, StoreError
+from ltv_vllm.serving.store.taskstore import EntryExists, NoSuchEntry, StoreError
 
 
 def _free_port() -> int:
@@ -207,8 +207,8 @@ def test_several_api_server_processes_need_a_shared_store_served_by_key(tmp_path
     import argparse
     import asyncio
 
-    from ltv_vllm.serving.settings import ServerSettings
-    from ltv_vllm.serving.vllm_ext.endpoints import TaskEndpoints
+    from ltv_vllm.serving.api_server.endpoints import TaskEndpoints
+    from ltv_vllm.serving.contract.settings import ServerSettings
 
     args = argparse.Namespace(api_server_count=2, model=str(tmp_path / "m"))
     copy = str(tmp_path / "copy")
@@ -231,7 +231,7 @@ def test_several_api_server_processes_need_a_shared_store_served_by_key(tmp_path
 def test_a_store_being_made_reads_as_empty(tmp_path):
     """Replicas start together on a new store: one has written the marker, not yet the first
     index generation; another replica's plan reads it as empty, not as an error."""
-    from ltv_vllm.serving.shared_store import MARKER
+    from ltv_vllm.serving.store.shared_store import MARKER
 
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / MARKER).write_text('{"format": 1}')
@@ -280,7 +280,7 @@ GOOD_RECORD = {"format": 1, "name": "alpha", "source": "uploaded", "rank": 2, "f
 def test_an_index_entry_is_checked(name, item, reason):
     """Every kind of entry a replica cannot use is named with its reason (one of the
     metric's fixed labels) and one line; a good one passes."""
-    from ltv_vllm.serving.shared_store import SKIPS, entry_problem
+    from ltv_vllm.serving.store.shared_store import SKIPS, entry_problem
 
     assert entry_problem("alpha", {"digest": "a" * 64, "record": GOOD_RECORD}) is None
     got = entry_problem(name, item)
@@ -292,7 +292,7 @@ def test_an_index_is_served_in_its_order_up_to_a_bound(tmp_path):
     """`Index.servable`: the broken entries skipped with why, the good ones served oldest
     first (the index's order, as `add` appends) up to the bound, the rest skipped as past
     it; what the index holds is kept as it is (a writer keeps a newer release's records)."""
-    from ltv_vllm.serving.shared_store import Index
+    from ltv_vllm.serving.store.shared_store import Index
 
     good = {"digest": "b" * 64, "record": GOOD_RECORD}
     raw = {"zeta": good, "evil": "not-a-dict", "nan": {"digest": "c" * 64, "record": {

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from ltv_vllm.core.vector import ModelIdentity, TaskVector
-from ltv_vllm.serving.vllm_ext import models
-from ltv_vllm.serving.vllm_ext.models import SMALL, LTVMixin
-from ltv_vllm.serving.vllm_ext.shift_sizes import ShiftSizes
+from ltv_vllm.serving.engine import models
+from ltv_vllm.serving.engine.models import SMALL, LTVMixin
+from ltv_vllm.serving.engine.shift_sizes import ShiftSizes
 
 D, VOCAB = 24, 40
 IDENT = ModelIdentity("random", D, VOCAB, "none")

@@ -21,7 +21,7 @@ import json
 import pytest
 
 from ltv_vllm.core.vector import ALL, parse_steps
-from ltv_vllm.serving.step_policy import (
+from ltv_vllm.serving.contract.wire import (
     ADMIT_ENV,
     ADMIT_KEY,
     STEPS_KEY,

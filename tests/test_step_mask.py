@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from ltv_vllm.serving.vllm_ext import steps, v2
-from ltv_vllm.serving.vllm_ext.steps import RowPlanError
+from ltv_vllm.serving.engine import steps, v2
+from ltv_vllm.serving.engine.steps import RowPlanError
 
 # per request, in batch order: (slot, task, n: shifted tokens, None = all, prompt_len,
 # num_computed, num_scheduled, logits rows k = drafts + 1)

@@ -15,7 +15,7 @@ from test_server import HTTP, PROMPTS, check_mixed, make_assets, start_server, s
 from test_store_server import compile_body, doctored, random_vector, wait_status
 
 from conftest import assert_told_apart, plan
-from ltv_vllm.serving.taskstore import TaskStore
+from ltv_vllm.serving.store.taskstore import TaskStore
 
 pytestmark = pytest.mark.slow(seconds=113)  # see conftest's ordering
 

@@ -17,7 +17,7 @@ import torch
 from test_server import HTTP, PROMPTS, check_mixed, make_assets, oracle, start_server, stop
 from test_store_server import compile_body, no_paths, wait_status
 
-from ltv_vllm.serving.taskstore import TaskStore
+from ltv_vllm.serving.store.taskstore import TaskStore
 
 pytestmark = pytest.mark.slow(seconds=41)  # see conftest's ordering
 
@@ -32,8 +32,8 @@ HOOK = textwrap.dedent("""
     # test hook (tests/test_store_compile.py): a compile worker for a task named "die*" dies
     # right after writing its entry, before it can report success
     import os, sys
-    if "ltv_vllm.serving.compile" in getattr(sys, "orig_argv", []):
-        from ltv_vllm.serving import taskstore
+    if "ltv_vllm.serving.store.compile" in getattr(sys, "orig_argv", []):
+        from ltv_vllm.serving.store import taskstore
         _stage = taskstore.TaskStore.stage
         def stage(self, name, *a, **kw):
             out = _stage(self, name, *a, **kw)

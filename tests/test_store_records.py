@@ -11,7 +11,7 @@ import math
 import pytest
 
 from conftest import write_model_and_vectors
-from ltv_vllm.serving.taskstore import StoreError, TaskStore
+from ltv_vllm.serving.store.taskstore import StoreError, TaskStore
 
 
 @pytest.fixture()
@@ -78,8 +78,8 @@ def test_a_published_entry_that_does_not_read_is_removed(setup):
 def test_errors_name_no_store_path_or_url(tmp_path, monkeypatch, kind):
     """`_public`: the shared store's path and URL read as "<task store>" in an answer, as
     this server's copy and the model's directory already did."""
-    from ltv_vllm.serving.shared_store import SharedStore
-    from ltv_vllm.serving.vllm_ext.endpoints import TaskEndpoints
+    from ltv_vllm.serving.api_server.endpoints import TaskEndpoints
+    from ltv_vllm.serving.store.shared_store import SharedStore
 
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     spec = {"dir": str(tmp_path / "shared"), "file-url": f"file://{tmp_path / 'shared'}",

@@ -40,7 +40,7 @@ from test_server import (
 from conftest import reference_logprobs, write_model_and_vectors
 from ltv_vllm.cli import main
 from ltv_vllm.core.vector import TaskVector, read_safetensors
-from ltv_vllm.serving.taskstore import TaskStore
+from ltv_vllm.serving.store.taskstore import TaskStore
 
 pytestmark = pytest.mark.slow(seconds=54)  # see conftest's ordering
 

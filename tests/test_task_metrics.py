@@ -21,7 +21,7 @@ from test_replicas import metric
 from test_server import HTTP, PROMPTS, make_assets, start_server, stop
 from test_store_server import random_vector
 
-from ltv_vllm.serving.keys import SINGLE_KEY_ID
+from ltv_vllm.serving.contract.keys import SINGLE_KEY_ID
 
 pytestmark = pytest.mark.slow(seconds=170)  # see conftest's ordering
 

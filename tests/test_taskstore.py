@@ -17,7 +17,7 @@ from conftest import write_model_and_vectors
 from ltv_vllm.core.vector import load_task_vector
 from ltv_vllm.errors import UserError
 from ltv_vllm.models.checkpoint import read_lm_head
-from ltv_vllm.serving.taskstore import (
+from ltv_vllm.serving.store.taskstore import (
     EntryExists,
     NoSuchEntry,
     StoreError,
@@ -109,7 +109,7 @@ def test_a_crash_mid_write_leaves_no_entry(setup, monkeypatch):
     # a writer killed between writing and publishing: its temp directory stays behind
     code = textwrap.dedent(f"""
         import os
-        from ltv_vllm.serving.taskstore import TaskStore
+        from ltv_vllm.serving.store.taskstore import TaskStore
         from ltv_vllm.core.vector import load_task_vector
         os.rename = lambda *a: os._exit(9)   # die just before the publishing rename
         TaskStore({str(tmp / 'store')!r}).add("alpha", load_task_vector({str(tmp / 'good.pt')!r}),
@@ -249,9 +249,9 @@ def test_engine_store_vectors_check_the_digest_and_drop_the_least_recent(setup):
     checked) again when next asked for."""
     import shutil
 
-    from ltv_vllm.serving.step_policy import task_key
-    from ltv_vllm.serving.taskstore import vector_digest
-    from ltv_vllm.serving.vllm_ext.steps import StoreVectors
+    from ltv_vllm.serving.contract.wire import task_key
+    from ltv_vllm.serving.engine.steps import StoreVectors
+    from ltv_vllm.serving.store.taskstore import vector_digest
 
     tmp, good, _ = setup
     store = TaskStore(tmp / "store")
@@ -304,8 +304,8 @@ def test_pins_shared_by_processes_go_with_their_last_holder(setup):
     (a holder that died is no holder). The other process is a real one."""
     import signal
 
-    from ltv_vllm.serving.step_policy import task_key
-    from ltv_vllm.serving.taskstore import PINS, vector_digest
+    from ltv_vllm.serving.contract.wire import task_key
+    from ltv_vllm.serving.store.taskstore import PINS, vector_digest
 
     tmp, good, _ = setup
     root = tmp / "copy"
@@ -315,7 +315,7 @@ def test_pins_shared_by_processes_go_with_their_last_holder(setup):
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from ltv_vllm.serving.taskstore import PINS, TaskStore
+        from ltv_vllm.serving.store.taskstore import PINS, TaskStore
         other = TaskStore({str(root / ".api-b")!r}, pins=Path({str(root)!r}) / PINS)
         mine = TaskStore({str(root / ".api-a")!r}, create=False)
         other.pin(mine.get("a"), {key!r})

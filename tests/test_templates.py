@@ -140,7 +140,7 @@ def test_one_spec_file_for_compile(tmp_path):
     each JSONL line's text is made from its columns by `input`; the server's parser builds
     the same task from it."""
     from ltv_vllm.cli.serve import compile_request
-    from ltv_vllm.serving.compile import parse_request
+    from ltv_vllm.serving.store.compile import parse_request
 
     spec = write_nli(tmp_path)
     rows = [{"premise": "a cat sleeps", "hypothesis": "an animal sleeps", "label": "yes"},

@@ -20,7 +20,7 @@ import pytest
 from test_server import PROMPTS, check_mixed, make_assets, start_server, stop
 from test_task_metrics import assert_quiet, samples, shift_size_sum, value, wait_for
 
-from ltv_vllm.serving.lora import export_lora
+from ltv_vllm.serving.store.lora import export_lora
 
 pytestmark = pytest.mark.slow(seconds=160)  # see conftest's ordering
 

@@ -297,7 +297,7 @@ def copy_worker(model_dir: str, vectors: str, out: str, spec: str) -> None:
     from vllm import SamplingParams
 
     from ltv_vllm import task_llm
-    from ltv_vllm.serving.vllm_ext import v2
+    from ltv_vllm.serving.engine import v2
 
     prompt_of: dict[str, list[int]] = {}
     layout: list[list] = []

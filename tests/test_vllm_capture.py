@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import make_vllm_llama
-from ltv_vllm.serving.capture import CaptureEngine, capture_states
+from ltv_vllm.serving.offline.capture import CaptureEngine, capture_states
 
 pytestmark = pytest.mark.slow(seconds=6)  # see conftest's ordering
 

@@ -16,7 +16,7 @@ from ltv_vllm.cli import main
 from ltv_vllm.core.vector import load_task_vector
 from ltv_vllm.models.loading import load_model
 from ltv_vllm.pipeline.extract import ExtractOptions, extract, plan_episode
-from ltv_vllm.serving.capture import CaptureEngine, captured_model
+from ltv_vllm.serving.offline.capture import CaptureEngine, captured_model
 from ltv_vllm.tasks.specs import get_task
 
 pytestmark = pytest.mark.slow(seconds=31)  # see conftest's ordering

@@ -117,7 +117,7 @@ def steps_out(engines: dict) -> list[dict]:
 
 def task_expectations(served, logit_vector, kernel_vector) -> list[tuple]:
     """(vector or None, steps shifted or None for all) of each TASK_XARGS request."""
-    from ltv_vllm.serving.step_policy import parse_steps
+    from ltv_vllm.serving.contract.wire import parse_steps
 
     tv = served[2]
     vecs = {"lin": tv, "logit": logit_vector[0], "rbf": kernel_vector[0], "lin-first": tv}
@@ -336,7 +336,7 @@ def check_step_policies(out, policies, default, model, tokenizer, tv) -> None:
     """The batch holds each prompt under each of `policies` (None: the request names none,
     so `default` applies); each request is checked against the greedy loop that shifts
     exactly its steps."""
-    from ltv_vllm.serving.step_policy import parse_steps
+    from ltv_vllm.serving.contract.wire import parse_steps
 
     check_requests(out, [(tv, parse_steps(default if p is None else p)) for p in policies],
                    model, tokenizer)
@@ -375,7 +375,8 @@ def test_fold_leaves_a_pipeline_stage_without_the_head_alone(engines):
 
 def test_pipeline_parallel_is_refused_on_the_cpu_backend():
     from ltv_vllm.errors import ArgumentError
-    from ltv_vllm.serving.serve import ServeOptions, check_pipeline_parallel
+    from ltv_vllm.serving.launcher.recipe import check_pipeline_parallel
+    from ltv_vllm.serving.launcher.serve import ServeOptions
 
     with pytest.raises(ArgumentError, match="does not run on vLLM's CPU backend"):
         ServeOptions(None, ("v.pt",), vllm_args=("--pipeline-parallel-size", "2"))
@@ -387,7 +388,7 @@ def test_pipeline_parallel_is_refused_on_the_cpu_backend():
 
 def test_vector_for_another_model_refused_before_engine(served, logit_vector, tokenizer,
                                                         tmp_path):
-    from ltv_vllm.serving.serve import engine_kwargs
+    from ltv_vllm.serving.launcher.recipe import engine_kwargs
 
     d, _model, tv, _path = served
     with pytest.raises(VectorError, match="only a hidden-space vector"):

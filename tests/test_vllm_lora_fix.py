@@ -15,7 +15,7 @@ import torch
 
 from conftest import make_vllm_llama, reference_logprobs, run_worker
 from ltv_vllm.core.vector import TaskVector, model_identity
-from ltv_vllm.serving.lora import export_lora
+from ltv_vllm.serving.store.lora import export_lora
 from ltv_vllm.tasks.specs import BUILTIN_TASKS, label_token_ids
 
 pytestmark = pytest.mark.slow(seconds=6)  # see conftest's ordering

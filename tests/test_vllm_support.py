@@ -8,7 +8,7 @@ import logging
 import pytest
 from click.testing import CliRunner
 
-from ltv_vllm.serving.vllm_support import (
+from ltv_vllm.serving.contract.vllm_support import (
     OVERRIDE_ENV,
     RUNNER_ENV,
     UnsupportedVLLM,
@@ -59,7 +59,7 @@ def test_serve_refuses_an_unsupported_vllm(monkeypatch, tmp_path):
     """Before any model is resolved: one line, exit 1. (The V2 runner, when the user asks
     for it, is no longer refused.)"""
     from ltv_vllm.cli import main
-    from ltv_vllm.serving import vllm_support
+    from ltv_vllm.serving.contract import vllm_support
 
     monkeypatch.setattr(vllm_support, "installed_version", lambda: "0.35.0")
     args = ["serve", "--model", str(tmp_path / "none"), "--task-vector", str(tmp_path / "v.pt"),
@@ -78,7 +78,7 @@ def test_the_plugin_registers_nothing_on_an_unsupported_vllm(monkeypatch, caplog
     architecture, so an engine asked for one fails to start instead of running unchecked."""
     from vllm import ModelRegistry
 
-    from ltv_vllm.serving import vllm_support
+    from ltv_vllm.serving.contract import vllm_support
     from ltv_vllm.serving.vllm_ext import register
 
     registered: list[str] = []
@@ -98,7 +98,7 @@ def test_a_row_plan_that_does_not_match_the_rows_raises():
     """A step whose rows are not the tracked batch's slots (another runner, another vLLM)
     fails loudly: it once returned no plan, so a fused engine shifted every row and a
     multi-task engine none."""
-    from ltv_vllm.serving.vllm_ext import steps
+    from ltv_vllm.serving.engine import steps
 
     class Source:
         batch_size = 3
@@ -125,7 +125,7 @@ def test_install_metadata_allows_the_pythons_vllm_ships_for():
 
     from packaging.specifiers import SpecifierSet
 
-    from ltv_vllm.serving.vllm_support import RANGE
+    from ltv_vllm.serving.contract.vllm_support import RANGE
 
     meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
     python = SpecifierSet(meta["requires-python"])

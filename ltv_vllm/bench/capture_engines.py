@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ltv_vllm.models.hardware import machine_line
-from ltv_vllm.serving.jobs import job_main, run_job
+from ltv_vllm.serving.offline.jobs import job_main, run_job
 
 VARIANTS = ("transformers", "vllm-eager", "vllm")
 
@@ -60,7 +60,7 @@ def compare(model_spec: str, task_name: str, *, k: int, n: int, seed: int, dtype
 
     from ltv_vllm.models.hardware import resolve_for_model
     from ltv_vllm.models.loading import load_tokenizer, local_model_dir
-    from ltv_vllm.serving.capture import CaptureEngine, capture_states
+    from ltv_vllm.serving.offline.capture import CaptureEngine, capture_states
     from ltv_vllm.tasks.data import load_dataset, sample_episode
     from ltv_vllm.tasks.specs import get_task
 

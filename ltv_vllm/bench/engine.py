@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Self
 
-from ltv_vllm.serving.jobs import job_main
+from ltv_vllm.serving.offline.jobs import job_main
 
 KV_GAUGE = "vllm:kv_cache_usage_perc"
 
@@ -59,7 +59,7 @@ def _inputs(group: list[dict[str, Any]], gen_tokens: int | None) -> tuple[list, 
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from ltv_vllm.serving.offline import classification_params
+    from ltv_vllm.serving.offline.llm import classification_params
 
     prompts = [r["prompt"] for r in group]
     if gen_tokens:  # free generation: the shift's cost at every decoding step
@@ -76,7 +76,7 @@ def _inputs(group: list[dict[str, Any]], gen_tokens: int | None) -> tuple[list, 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM
 
-    from ltv_vllm.serving.offline import parse_classification
+    from ltv_vllm.serving.offline.llm import parse_classification
     t0 = time.perf_counter()
     llm = LLM(**job["llm_kwargs"], logprobs_mode="processed_logprobs", disable_log_stats=False)
     startup = time.perf_counter() - t0

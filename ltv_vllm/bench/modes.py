@@ -73,7 +73,9 @@ def per_task(queries: list[Query]) -> dict[str, list[Query]]:
 def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Query],
             lora_dir: Path) -> list[Engine]:
     """The engine(s) a mode needs for `queries` (a subset of the workload's)."""
-    from ltv_vllm.serving.serve import engine_kwargs, plan_lora, server_args, task_engine
+    from ltv_vllm.serving.launcher.lora_plan import plan_lora
+    from ltv_vllm.serving.launcher.recipe import engine_kwargs, task_engine
+    from ltv_vllm.serving.launcher.server_args import ServerSpec, server_args
 
     model = str(wl.model_dir)
     caching = mode != "icl-no-cache"
@@ -104,11 +106,10 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
             vec = (wl.kernel_vectors if mode == "kernel-fused" else wl.vectors)[task]
 
             def fused(host: str, port: int, vec: Path = vec) -> list[str]:
-                args, _, _ = server_args(model, {"": vec}, lora_dir=lora_dir,
-                                         served_name=BASE_NAME, host=host, port=port,
-                                         dtype=settings.dtype,
-                                         max_model_len=settings.max_model_len, fold=fold,
-                                         shift_steps=None if fold else steps)
+                args, _, _ = server_args(ServerSpec(
+                    model, {"": vec}, lora_dir=lora_dir, served_name=BASE_NAME, host=host,
+                    port=port, dtype=settings.dtype, max_model_len=settings.max_model_len,
+                    fold=fold, shift_steps=None if fold else steps))
                 return [*args, *flags]
 
             kwargs = engine_kwargs(model, vec, fold=fold, shift_steps=None if fold else steps)
@@ -121,9 +122,10 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
         engine = task_engine(model, vectors, shift_steps="all")
 
         def shift(host: str, port: int) -> list[str]:
-            args, _, _ = server_args(model, vectors, lora_dir=lora_dir, served_name=BASE_NAME,
-                                     host=host, port=port, dtype=settings.dtype,
-                                     max_model_len=settings.max_model_len, shift_steps="all")
+            args, _, _ = server_args(ServerSpec(
+                model, vectors, lora_dir=lora_dir, served_name=BASE_NAME, host=host,
+                port=port, dtype=settings.dtype, max_model_len=settings.max_model_len,
+                shift_steps="all"))
             return [*args, *flags]
 
         mixed = [request(wl, q, icl=False, model=q.task, xargs={"ltv_task": q.task})
@@ -141,11 +143,10 @@ def engines(mode: str, wl: Workload, settings: EngineSettings, queries: list[Que
         kwargs = {"model": model, **common, **plan.engine_kwargs()}
 
         def multi(host: str, port: int) -> list[str]:
-            args, _, _ = server_args(model, {t: wl.vectors[t] for t in names},
-                                     lora_dir=lora_dir, served_name=BASE_NAME, host=host,
-                                     port=port, dtype=settings.dtype,
-                                     max_model_len=settings.max_model_len, lora_rank_cap=cap,
-                                     lora=True)
+            args, _, _ = server_args(ServerSpec(
+                model, {t: wl.vectors[t] for t in names}, lora_dir=lora_dir,
+                served_name=BASE_NAME, host=host, port=port, dtype=settings.dtype,
+                max_model_len=settings.max_model_len, lora_rank_cap=cap, lora=True))
             return [*args, *flags]
 
         mixed = [request(wl, q, icl=False, model=q.task, lora=loras[q.task]) for q in queries]

@@ -25,7 +25,7 @@ import httpx
 
 from ltv_vllm.bench import BenchError
 from ltv_vllm.serving.client import classification, token_logprobs
-from ltv_vllm.serving.serve import SERVER_MODULE
+from ltv_vllm.serving.launcher.serve import SERVER_MODULE
 
 KV_GAUGE = "vllm:kv_cache_usage_perc"
 

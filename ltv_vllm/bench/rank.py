@@ -36,7 +36,7 @@ def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], 
     from ltv_vllm.methods import Context, MethodOptions, score_methods
     from ltv_vllm.models.loading import load_model
     from ltv_vllm.pipeline.extract import capture_episode, capture_test_zero_shot, episode_labels
-    from ltv_vllm.serving.lora import VLLM_LORA_RANKS, lora_rank
+    from ltv_vllm.serving.store.lora import VLLM_LORA_RANKS, lora_rank
     from ltv_vllm.tasks.data import load_dataset, sample_episode
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 

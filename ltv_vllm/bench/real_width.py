@@ -61,7 +61,7 @@ def bench_real_width(config_name: str, layers: int, tokenizer_model: str, *, tps
     from ltv_vllm.models.hardware import resolve_dtype
     from ltv_vllm.models.loading import local_model_dir
     from ltv_vllm.pipeline.extract import episode_prompts
-    from ltv_vllm.serving.capture import CaptureEngine, capture_states, plan_capture
+    from ltv_vllm.serving.offline.capture import CaptureEngine, capture_states, plan_capture
     from ltv_vllm.tasks.data import load_dataset, sample_episode
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 

@@ -20,7 +20,7 @@ from ltv_vllm.bench import BenchError
 from ltv_vllm.bench.modes import DEFAULT_MODES, MODES, Engine, engines, known_mode
 from ltv_vllm.bench.report import derive_rates
 from ltv_vllm.bench.workload import EngineSettings, Query, Workload, icl_queries, interleave
-from ltv_vllm.serving.jobs import job_paths, prestart, run_job
+from ltv_vllm.serving.offline.jobs import job_paths, prestart, run_job
 
 HOST = "127.0.0.1"
 NOISE_MODE = "zero-shot (again)"

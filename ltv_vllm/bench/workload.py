@@ -119,7 +119,7 @@ def build_workload(
 
     from ltv_vllm.models.cache import DEFAULT_MODEL
     from ltv_vllm.models.loading import local_model_dir
-    from ltv_vllm.serving.serve import checked_vector
+    from ltv_vllm.serving.launcher.serve import checked_vector
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     model_dir = Path(local_model_dir(model_spec or DEFAULT_MODEL))

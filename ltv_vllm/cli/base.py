@@ -284,7 +284,7 @@ class CaptureFlags:
     def capture_engine(self, dtype: str, source_engine: str = "transformers") -> Any:
         """The CaptureEngine of whichever model runs on vLLM (`--engine vllm`, or the
         transfer source with `--source-engine vllm`)."""
-        from ltv_vllm.serving.capture import CaptureEngine
+        from ltv_vllm.serving.offline.capture import CaptureEngine
 
         if "vllm" not in (self.engine, source_engine) and (
                 self.tensor_parallel_size != 1 or self.engine_args
@@ -310,7 +310,7 @@ class CaptureFlags:
         named = {k: extra.pop(k) for k in ("max_model_len", "enforce_eager",
                                             "enable_prefix_caching") if k in extra}
         if not self.dry_run:  # a plan may name GPUs this machine lacks; a run may not
-            from ltv_vllm.serving.serve import check_pipeline_parallel
+            from ltv_vllm.serving.launcher.recipe import check_pipeline_parallel
 
             check_pipeline_parallel(self.pipeline_parallel_size)
         return CaptureEngine(dtype=dtype, tensor_parallel_size=self.tensor_parallel_size,

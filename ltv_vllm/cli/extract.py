@@ -249,7 +249,7 @@ def _print_plan(model_spec: str | None, episodes: list[Any], engine: Any,
     `episodes`, printed; refused in one line when it does not fit."""
     from ltv_vllm.models.loading import load_tokenizer, local_model_dir
     from ltv_vllm.models.plan import describe, require_fit
-    from ltv_vllm.serving.capture import plan_capture
+    from ltv_vllm.serving.offline.capture import plan_capture
 
     path = local_model_dir(model_spec or "smollm2-135m")
     tokenizer = None  # a config-only directory: token counts are estimated
@@ -285,7 +285,7 @@ def _source_on_vllm(source: Any, episodes: list[Any], engine: Any, capture: Capt
     from dataclasses import replace
 
     from ltv_vllm.pipeline.extract import prefetch_source
-    from ltv_vllm.serving.capture import capture_states, check_run
+    from ltv_vllm.serving.offline.capture import capture_states, check_run
 
     engine = replace(engine, dtype=source.load["dtype"])  # the store's key holds this dtype
     check_run(source.path, episodes, engine, devices=capture.devices,
@@ -306,7 +306,7 @@ def _capture_on_vllm(model_spec: str | None, episodes: list[Any], engine: Any,
     import tempfile
 
     from ltv_vllm.models.loading import local_model_dir
-    from ltv_vllm.serving.capture import captured_model, check_run
+    from ltv_vllm.serving.offline.capture import captured_model, check_run
 
     spec = model_spec or "smollm2-135m"
     path = local_model_dir(spec)
@@ -404,7 +404,7 @@ def export_lora(vector: Path, output: Path, model_spec: str | None, rank: int | 
     from ltv_vllm.core.vector import load_task_vector
     from ltv_vllm.models.loading import local_model_dir
     from ltv_vllm.pipeline.extract import check_counts
-    from ltv_vllm.serving.lora import export_lora as run_export
+    from ltv_vllm.serving.store.lora import export_lora as run_export
 
     check_counts(rank=rank)
     check_writable(output, option="--output", directory=True)

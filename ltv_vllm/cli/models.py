@@ -148,7 +148,7 @@ def data_episode(task: str, k: int, n: int, n_test: int, seed: int, out: Path) -
 
     from ltv_vllm.core.fileio import atomic_write
     from ltv_vllm.pipeline.extract import check_counts
-    from ltv_vllm.serving.compile import CompileRequest
+    from ltv_vllm.serving.store.compile import CompileRequest
     from ltv_vllm.tasks.data import load_dataset, sample_episode
     from ltv_vllm.tasks.specs import get_task
 

@@ -20,7 +20,7 @@ from ltv_vllm.cli.base import (
     main,
 )
 from ltv_vllm.cli.models import tasks
-from ltv_vllm.serving.settings import ServerSettings
+from ltv_vllm.serving.contract.settings import ServerSettings
 
 
 @main.command()
@@ -51,8 +51,8 @@ def selfcheck(model_spec: str | None, dtype: str, tensor_parallel_size: int,
 
     from ltv_vllm.models.cache import DEFAULT_MODEL
     from ltv_vllm.models.loading import local_model_dir
-    from ltv_vllm.serving.selfcheck import SelfCheckOptions, selfcheck_in_subprocess
-    from ltv_vllm.serving.vllm_support import check_version
+    from ltv_vllm.serving.contract.vllm_support import check_version
+    from ltv_vllm.serving.offline.selfcheck import SelfCheckOptions, selfcheck_in_subprocess
 
     check_version()
     for flag, value in (("--tensor-parallel-size", tensor_parallel_size),
@@ -189,14 +189,15 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], store: StoreFlags, h
     On the CPU backend the engine runs eager (--enforce-eager) unless you pass a compilation
     flag of vLLM's own (--no-enforce-eager, -O, --compilation-config).
     """
-    from ltv_vllm.serving.serve import ServeOptions, default_store, plan_server
+    from ltv_vllm.serving.launcher.serve import ServeOptions, plan_server
+    from ltv_vllm.serving.launcher.store_setup import default_store
 
     if store.task_store == "":
         store = replace(store, task_store=str(default_store(model_spec)))
     plan = plan_server(ServeOptions(model_spec, vectors, dtype=dtype, max_model_len=max_model_len,
                                     vllm_args=vllm_args, selfcheck=not skip_selfcheck,
                                     **asdict(store), **asdict(http), **asdict(shift)))
-    from ltv_vllm.serving.step_policy import ADMIT_ENV
+    from ltv_vllm.serving.contract.wire import ADMIT_ENV
 
     def announce() -> None:
         for line in plan.warnings(done=not dry_run):
@@ -209,7 +210,7 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], store: StoreFlags, h
                              *(shlex.quote(a) for a in plan.argv)]), err=True)
 
     if export_dir is not None:
-        from ltv_vllm.serving.deploy import DEPLOY_ENV
+        from ltv_vllm.serving.launcher.deploy import DEPLOY_ENV
 
         announce()
         written = plan.export(export_dir.absolute())
@@ -241,7 +242,7 @@ def keys_group() -> None:
 @friendly
 def keys_add(file: str, key_id: str, role: str) -> None:
     """Make a key, store its sha256 in FILE (created if missing), print the key once."""
-    from ltv_vllm.serving.keys import add_key
+    from ltv_vllm.serving.contract.keys import add_key
 
     click.echo(add_key(file, key_id, role))
 
@@ -306,7 +307,7 @@ def compile_request(name: str, task: str, demos: str, queries: str, test: str | 
     """The JSON body of a compile from files (checked again, fully, by the server). `task`:
     a built-in task or the same spec file `extract` reads (its `data` not needed here); with
     an `input` template, each line's text is made from its fields as the data's are."""
-    from ltv_vllm.serving.compile import compile_spec
+    from ltv_vllm.serving.store.compile import compile_spec
     from ltv_vllm.tasks.data import input_text
     from ltv_vllm.tasks.specs import get_task
 

@@ -168,7 +168,7 @@ def vllm_scores(lm: LoadedModel, ctx: Context, methods: Sequence[str], arts: dic
     answers by the request step policy `first` in LTV's own engine), scored alike, and
     their agreement with transformers': the fraction of queries with the same parsed number
     (both unparsed counts as the same) and with the identical text."""
-    from ltv_vllm.serving.offline import generate_in_subprocess
+    from ltv_vllm.serving.offline.llm import generate_in_subprocess
 
     ep, tok = ctx.episode, lm.tokenizer
     task = ep.task

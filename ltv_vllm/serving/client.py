@@ -194,7 +194,9 @@ def _task_path(name: str) -> str:
     like "x/../other" or "v?x=1" would address another URL than the task's."""
     from urllib.parse import quote
 
-    from ltv_vllm.serving.taskstore import check_name  # here: taskstore imports the vector stack
+    from ltv_vllm.serving.store.taskstore import (
+        check_name,  # here: taskstore imports the vector stack
+    )
 
     return "/" + quote(check_name(name), safe="")
 
@@ -221,11 +223,11 @@ def upload_task(base_url: str, name: str, vector: str, *, api_key: str | None = 
 def compile_remote(base_url: str, request: dict[str, Any], *, wait: bool = False,
                    api_key: str | None = None, poll: float = 1.0,
                    on_status: Any = None) -> dict[str, Any]:
-    """POST a compile request (`ltv_vllm.serving.compile`); with `wait`, poll until the task is
+    """POST a compile request (`store.compile`); with `wait`, poll until the task is
     served (or the compile failed: ClientError), calling `on_status(view)` each time."""
     import time
 
-    from ltv_vllm.serving.taskstore import check_name
+    from ltv_vllm.serving.store.taskstore import check_name
 
     check_name(request.get("name"))  # `wait` polls it in the URL: checked before any request
     view = dict(_tasks_call("POST", base_url, api_key=api_key, json=request))

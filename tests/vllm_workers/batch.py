@@ -1,4 +1,4 @@
-"""A job (`ltv_vllm.serving.jobs`): several vLLM engines one after another in one process,
+"""A job (`ltv_vllm.serving.offline.jobs`): several vLLM engines one after another in one process,
 each torn down before the next.
 
 JOB: a list of {"key", "kind": "generate" | "classify", and that function's arguments};
@@ -27,6 +27,6 @@ def run_all(jobs: list[dict]) -> dict:
 
 
 if __name__ == "__main__":
-    from ltv_vllm.serving.jobs import job_main
+    from ltv_vllm.serving.offline.jobs import job_main
 
     job_main(run_all)

@@ -6,7 +6,7 @@ reads slot −1, which Python indexing makes the last (the only) slot. With ltv-
 loaded (`vllm_ext.fixes`) the bare request is the base model's; with VLLM_PLUGINS naming no
 plugin it is upstream's behaviour.
 
-A job (`ltv_vllm.serving.jobs`): JOB {"model_dir", "adapter_dir", "prompt"}; OUT the three
+A job (`ltv_vllm.serving.offline.jobs`): JOB {"model_dir", "adapter_dir", "prompt"}; OUT the three
 answers' top logprobs.
 """
 
@@ -34,6 +34,6 @@ def main(job: dict) -> dict:
 
 
 if __name__ == "__main__":
-    from ltv_vllm.serving.jobs import job_main
+    from ltv_vllm.serving.offline.jobs import job_main
 
     job_main(main)

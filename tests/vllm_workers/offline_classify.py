@@ -1,4 +1,4 @@
-"""Fresh process: ltv_vllm.serving.offline.make_llm + classify_offline; prints probabilities
+"""Fresh process: ltv_vllm.serving.offline.llm.make_llm + classify_offline; prints probabilities
 as JSON.
 
 argv: model_dir vector_path texts_json [dtype (default float32)]
@@ -14,7 +14,7 @@ def classify(model_dir: str, vector: str, texts: list[str], dtype: str = "float3
     """One engine: sst2 label and restricted probabilities of every text."""
     from offline_fused import shutdown
 
-    from ltv_vllm.serving.offline import classify_offline, make_llm
+    from ltv_vllm.serving.offline.llm import classify_offline, make_llm
     from ltv_vllm.tasks.specs import BUILTIN_TASKS
 
     llm = make_llm(model_dir, vector if vector != "-" else None, dtype=dtype,

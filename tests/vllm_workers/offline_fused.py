@@ -62,7 +62,7 @@ def pp_stage_fold(vector: str) -> dict:
     from vllm.model_executor.models.utils import PPMissingLayer
 
     from ltv_vllm.core.vector import load_task_vector
-    from ltv_vllm.serving.vllm_ext.models import LTVMixin
+    from ltv_vllm.serving.engine.models import LTVMixin
 
     class Stage(LTVMixin, nn.Module):
         pass
@@ -94,7 +94,7 @@ def generate(model_dir: str, vector: str | dict, prompts: list[str], max_tokens:
     from vllm import LLM
 
     from ltv_vllm import task_llm
-    from ltv_vllm.serving.serve import engine_kwargs
+    from ltv_vllm.serving.launcher.recipe import engine_kwargs
 
     common = dict(enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.5, seed=0,
                   tensor_parallel_size=tp)

@@ -1,4 +1,4 @@
-"""The selfcheck job (`ltv_vllm.serving.selfcheck`) with a bug planted in the row plan, in
+"""The selfcheck job (`ltv_vllm.serving.offline.selfcheck`) with a bug planted in the row plan, in
 this process's engine (VLLM_ENABLE_V1_MULTIPROCESSING=0: the model runs here, so the patch
 reaches it). JOB: the selfcheck's options plus {"plant": "reverse" | "off-by-one" |
 "v2-off-by-one" | "lora-bare-row" | "none"}.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 
 def planted_plan(kind: str):
-    from ltv_vllm.serving.vllm_ext import steps
+    from ltv_vllm.serving.engine import steps
 
     real = steps.take_plan
 
@@ -39,7 +39,7 @@ def planted_plan(kind: str):
 
 
 def plant_v2_off_by_one() -> None:
-    from ltv_vllm.serving.vllm_ext import v2
+    from ltv_vllm.serving.engine import v2
 
     real = v2.row_plan
 
@@ -54,7 +54,7 @@ def unfix_cpu_lora() -> None:
     already in this process), and the plugin's patch made a no-op for the engine to come."""
     from vllm.lora.punica_wrapper import punica_cpu
 
-    from ltv_vllm.serving.vllm_ext import fixes
+    from ltv_vllm.serving.engine import fixes
 
     cls = punica_cpu.PunicaWrapperCPU
     patched = cls.add_lora_logits
@@ -66,8 +66,8 @@ def unfix_cpu_lora() -> None:
 
 
 def run(job: dict) -> dict:
-    from ltv_vllm.serving import selfcheck
-    from ltv_vllm.serving.vllm_ext import models
+    from ltv_vllm.serving.engine import models
+    from ltv_vllm.serving.offline import selfcheck
 
     kind = job.pop("plant")
     if kind == "lora-bare-row":
@@ -80,6 +80,6 @@ def run(job: dict) -> dict:
 
 
 if __name__ == "__main__":
-    from ltv_vllm.serving.jobs import job_main
+    from ltv_vllm.serving.offline.jobs import job_main
 
     job_main(run)

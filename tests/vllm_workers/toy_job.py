@@ -1,4 +1,4 @@
-"""A job (`ltv_vllm.serving.jobs`) that does what it is told, to test the runner itself.
+"""A job (`ltv_vllm.serving.offline.jobs`) that does what it is told, to test the runner itself.
 
 JOB {"mode": "ok" | "raise" | "kill"}: ok returns its pid and the LTV_TOY variable it was
 given, and what it found already done by the forkserver it was forked from (`preloaded`);
@@ -28,11 +28,11 @@ def preloaded() -> dict:
 
     isa = sys.modules.get("torch._inductor.cpu_vec_isa")
     return {"worker": "vllm.v1.worker.cpu_worker" in sys.modules,
-            "plugin": "ltv_vllm.serving.vllm_ext.models" in sys.modules,
+            "plugin": "ltv_vllm.serving.engine.models" in sys.modules,
             "vec_isa_probed": bool(isa and isa.valid_vec_isa_list.cache_info().currsize)}
 
 
 if __name__ == "__main__":
-    from ltv_vllm.serving.jobs import job_main
+    from ltv_vllm.serving.offline.jobs import job_main
 
     job_main(run)

@@ -1,0 +1,69 @@
+"""A task store behind the server (compiled and uploaded tasks, added at run time): the
+launcher's part — which store, its rank and entries, the upload limit. Runs in the
+launcher process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ltv_vllm.core.vector import VectorError
+
+DEFAULT_STORE_N = 256       # ridge fits on N queries have rank ≤ min(N, d)
+
+
+def default_store(model_spec: str | None) -> Path:
+    """`--task-store` without a value: one store per model under the cache."""
+    import re
+
+    from ltv_vllm.models.cache import DEFAULT_MODEL, cache_dir
+
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", (model_spec or DEFAULT_MODEL).strip("/"))
+    return cache_dir() / "task-stores" / key
+
+
+def shared_store(spec: str | None) -> tuple[str | None, int]:
+    """`--task-store` as a shared store (`serving.shared_store`): its URL or directory and how
+    many tasks its index holds; (None, 0) for a store of this server's own. Checked here, in
+    one line, before anything starts: a store that does not answer, or is not one."""
+    from ltv_vllm.serving.store.shared_store import SharedStore, is_shared
+
+    if not is_shared(spec):
+        return None, 0
+    assert spec is not None
+    url = spec if spec.startswith("s3://") else str(
+        Path(spec.removeprefix("file://")).absolute())
+    return url, SharedStore(url, create=False).size()  # a new one is made by `prepare`
+
+
+def store_rank(model_dir: str | Path) -> int:
+    """The LoRA rank a store server reserves: a compiled task's full rank min(N, d) at the
+    default N (an upload of higher rank is cut to it)."""
+    from ltv_vllm.models.checkpoint import identity_from_dir
+    from ltv_vllm.serving.store.lora import lora_rank
+
+    return lora_rank(min(identity_from_dir(model_dir).hidden_size, DEFAULT_STORE_N))
+
+
+def store_entries(root: str, model_dir: Path, vectors: dict[str, Path]
+                  ) -> tuple[dict[str, Path], dict[str, str]]:
+    """The store's entries a server on `model_dir` can serve (name → directory), and those it
+    cannot (name → why: they go to quarantine, never stop the start); read only."""
+    from ltv_vllm.serving.store.taskstore import TaskStore
+
+    entries, bad = TaskStore(root, create=False).checked(model_dir)
+    if clash := sorted(set(entries) & set(vectors)):
+        raise VectorError(f"task {clash[0]!r} is both a --task-vector and an entry of the task "
+                          "store; rename one")
+    return {name: e.path for name, e in entries.items()}, bad
+
+
+def upload_limit(model_dir: str | Path) -> int:
+    """Bytes a task-vector upload may have: a float32 vector of vLLM's largest LoRA rank in
+    logit space (vocab + d rows), its gram and bias, and 1 MiB for the header and framing."""
+    from ltv_vllm.models.checkpoint import identity_from_dir
+    from ltv_vllm.serving.store.lora import VLLM_LORA_RANKS
+
+    ident = identity_from_dir(model_dir)
+    r = VLLM_LORA_RANKS[-1]
+    return 4 * (r * (ident.vocab_size + ident.hidden_size) + r * r + ident.vocab_size) + (1 << 20)
