@@ -4,7 +4,7 @@ run, each in a process of its own (its own peak RSS), from the same job forkserv
 
   transformers  load the model, `Capturer.hidden` + `Capturer.icl` (the demos' KV cache
                 shared by packed queries: the default path of `extract`)
-  vllm-eager    `serving.capture` with enforce_eager (no compilation at start-up)
+  vllm-eager    `offline.capture` with enforce_eager (no compilation at start-up)
   vllm          the same with vLLM's default compilation
 
 Each row: engine start (model load, plus compilation for vLLM), capture, the share of the

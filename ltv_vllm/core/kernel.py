@@ -12,7 +12,7 @@ scaled by the median squared distance between train states, λ's by K's diagonal
 
 Stored like a linear vector (`TaskVector`, map "rbf"): U = A (d_out, N), V = Sᵀ (d, N),
 and γ; `TaskVector.delta` applies it, so the transformers hook and vLLM's fused wrapper
-(`vllm_ext.models`, which calls `delta` on its own rows) compute the same thing. It is not
+(`engine.models`, which calls `delta` on its own rows) compute the same thing. It is not
 linear: it cannot be folded into the LM head, carried as a LoRA, or cut to a lower rank.
 """
 

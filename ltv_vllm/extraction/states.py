@@ -1,5 +1,5 @@
 """Captured states looked up by prompt: the `hidden` / `icl` interface of `Capturer`, over
-a table another engine filled (vLLM's pooling runner, `serving.capture`).
+a table another engine filled (vLLM's pooling runner, `offline.capture`).
 
 An extraction on vLLM knows every prompt it needs before anything runs (the episode's
 zero-shot and ICL prompts, train and test), so the CLI sends them to one engine in one job

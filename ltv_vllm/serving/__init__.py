@@ -1,7 +1,8 @@
-"""Serving, the only wing that imports vLLM: `serve` (the `ltv-vllm serve` launcher and
-engine arguments), `vllm_ext` (the plugin: LTV model wrappers, the task endpoints, the gate
-middleware, fixes for vLLM bugs), `lora` (a task vector as a PEFT adapter; no vLLM in it),
-`taskstore` (the runtime task store), `compile` (a served task extracted from
-demonstrations), `client` (the HTTP client), `offline` (one `vllm.LLM` job in a process),
-`capture` (h of a prompt's last token from vLLM's pooling runner) and `jobs` (the process a
-job runs in)."""
+"""Serving, the wing that runs with vLLM, laid out by the process each part runs in
+(docs/architecture.md, "Serving"): `contract` (pure, every process: settings, the request's
+wire format, keys, the names vLLM loads ours by), `store` (task files: the task store, a
+shared store, adapters, compile), `launcher` (`ltv-vllm serve`), `api_server` (vLLM's
+API-server process: the gate, the task registry and routes, metrics), `engine` (vLLM's engine
+core and workers: the model wrappers and the row plan), `offline` (job processes of ours:
+`vllm.LLM`, captures, the self-check), `vllm_ext` (the one surface vLLM loads by name) and
+`client` (the HTTP client, in the user's process)."""

@@ -34,7 +34,7 @@ class Compiles:
         from ltv_vllm.serving.store.compile import parse_request
         from ltv_vllm.serving.store.taskstore import full_disk
 
-        try:  # whole and within the compile limit (middleware.Gate)
+        try:  # whole and within the compile limit (api_server.gate)
             body = json.loads(await request.body())
         except RecursionError:
             return _error(400, "malformed JSON: nested too deeply", "BadRequestError")

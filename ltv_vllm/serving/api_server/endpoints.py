@@ -11,7 +11,7 @@ server load an arbitrary path.
     GET    /v1/ltv/tasks          every task in the store, and the compiles under way
     GET    /v1/ltv/tasks/{name}   one task (status: queued, compiling, ready, failed,
                                   deleting)
-    POST   /v1/ltv/tasks          JSON: a compile request (`serving.compile`): checked, then
+    POST   /v1/ltv/tasks          JSON: a compile request (`store.compile`): checked, then
                                   202 and compiled by a worker process; served when ready
                                   multipart: `name` and a task-vector file `vector`
                                   → checked against the model, stored, served: 201
@@ -98,7 +98,7 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
         self.worker = asyncio.Semaphore(1)  # one compile at a time
         self.tokenizer: Any = None
         self.max_model_len = 0
-        # a store many replicas share (`serving.shared_store`), followed: None when the store
+        # a store many replicas share (`store.shared_store`), followed: None when the store
         # is this server's alone
         self.shared: Any = None
         self.replica = f"{socket.gethostname()}:{os.getpid()}"  # who wrote an index generation
@@ -230,7 +230,7 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
     async def _selfcheck(self, engine_client: Any, args: Any,
                          lora: dict[str, str] | None) -> None:
         """Before the server answers anything: the probe tasks the engine holds (or, `lora`,
-        the probe adapters), mixed with bare rows, each row checked (`serving.selfcheck`); a
+        the probe adapters), mixed with bare rows, each row checked (`offline.selfcheck`); a
         wrong row stops the start with its one line (SelfCheckFailed)."""
         from ltv_vllm.serving.api_server.selfcheck import engine_selfcheck
         from ltv_vllm.serving.store.probes import PROBES, SERVED_PREFIX

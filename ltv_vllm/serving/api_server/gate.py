@@ -24,7 +24,7 @@ vLLM's authentication and before any handler reads a body. In order, for each HT
    - a malformed `ltv_steps`, `ltv_task` or `ltv_chat` (JSON `true` is not a count);
    - beam search wherever a vector shifts the request (vLLM runs each beam step as a new
      request without `vllm_xargs`): on a fused server, and for a task of a multi-task server;
-   - a request rendered otherwise than its vector was fitted (`step_policy.rendering_refusal`),
+   - a request rendered otherwise than its vector was fitted (`wire.rendering_refusal`),
      unless it opts in (`ltv_chat: "allow"`): a chat request (chat, batch chat, responses,
      messages, /invocations with `messages`) to a completion-fitted vector; to a chat-fitted
      one (`extract --format chat`) a completion request, a chat on another route, a
@@ -130,7 +130,7 @@ class Gate:
 
     # -- 1. the key -------------------------------------------------------------------------
     def tokens(self, scope: dict[str, Any]) -> list[tuple[bytes, str, str]]:
-        """(sha256, key id, role) of each accepted key: `serve --api-keys`' (`serving.keys`),
+        """(sha256, key id, role) of each accepted key: `serve --api-keys`' (`contract.keys`),
         and vLLM's `--api-key` values, else VLLM_API_KEY (as vLLM's own
         AuthenticationMiddleware chooses them), each an admin key."""
         if self._tokens is None:
@@ -446,7 +446,7 @@ class Gate:
         return ask.path in SHIFT_PATHS
 
     def admit(self, ask: Ask) -> bool:
-        """Stamp a request this gate admits for a shift (`step_policy.stamp`: the engine
+        """Stamp a request this gate admits for a shift (`wire.stamp`: the engine
         shifts no request without one, whatever route it came by); its `ltv_steps` handed on
         as the engine reads it ("all" or a count). Whether the body changed."""
         adm = admission()
@@ -504,7 +504,7 @@ class LoraGate(Gate):
 
 
 class TaskGate(Gate):
-    """Steps 1, 2 and 3, for multi-task serving with per-request tasks (`vllm_ext.steps`):
+    """Steps 1, 2 and 3, for multi-task serving with per-request tasks (`engine.steps`):
     the gate alone decides a request's task. A request whose `model` (or
     `vllm_xargs.ltv_task`) is a served task gets `vllm_xargs.ltv_task` set to its engine key
     (the body handed on is rewritten), so the engine shifts its rows with that task's vector.

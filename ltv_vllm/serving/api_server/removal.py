@@ -131,7 +131,7 @@ class Removal:
                 try:
                     await self.engine.remove_lora(lora.lora_int_id)
                 except Exception as e:  # noqa: BLE001 - the name is unserved already; an
-                    # adapter left in the engine is never used again (vllm_ext.fixes)
+                    # adapter left in the engine is never used again (engine.fixes)
                     logger.warning("ltv-vllm: adapter of deleted task %r stays in the "
                                    "engine: %s", name, e)
             await asyncio.to_thread(self.store.remove, name)

@@ -30,7 +30,7 @@ from ltv_vllm.serving.store.selfcheck_rows import (
 async def engine_selfcheck(engine_client: Any, model_dir: str | Path,
                            probe_names: dict[str, str],
                            lora: dict[str, str] | None = None) -> dict[str, Any]:
-    """The probe batch through a running engine (the server's, at start: `vllm_ext.endpoints`),
+    """The probe batch through a running engine (the server's, at start: `api_server.endpoints`),
     all requests in flight together. `probe_names`: PROBES' names → the names the engine
     holds them under; `lora`: instead, LORA_PROBES' names → their adapter directories (sent
     as LoRA requests, removed from the engine after). Chunked prefill is forced only where

@@ -33,7 +33,7 @@ class Uploads:
             return _error(415, "POST /v1/ltv/tasks takes a compile request (application/json) "
                                "or multipart/form-data with a `name` and a task-vector file "
                                "`vector`", "BadRequestError")
-        try:  # the body is whole and within the upload limit (middleware.Gate)
+        try:  # the body is whole and within the upload limit (api_server.gate)
             form = await request.form(max_files=1, max_fields=4)
         except Exception as e:  # noqa: BLE001 - starlette's parser: malformed multipart
             return self._fail(400, f"malformed multipart body: {e}", "BadRequestError")

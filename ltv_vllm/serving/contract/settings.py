@@ -1,9 +1,12 @@
-"""What ltv-vllm's code inside vLLM's API-server process needs to know, in one frozen object.
+"""What ltv-vllm's code in vLLM's processes needs to know, in one frozen object. Pure; read
+in every process `ltv-vllm serve` (or an export) starts.
 
-`ltv-vllm serve` decides these settings and starts vLLM's server with them; the gate
-middleware and the task-store endpoints (`vllm_ext`) read them there. vLLM builds those from
-dotted names in its own process, so the environment is the only way in: one variable holding
-the object as JSON. Every default is written here once (the CLI's flags show them).
+`ltv-vllm serve` decides these settings and starts vLLM's server with them; the gate and the
+task-store endpoints read them in the API-server process, the engine's workers the task
+store's root (`store.vectors.store_root`). vLLM builds our classes from dotted names in its
+own processes, so the environment is the only way in: one variable holding the object as
+JSON, written once by the launcher (`launcher.serve`). Every default is written here
+once (the CLI's flags show them).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class ServerSettings:
     required: dict[str, Any] | None = None  # what vLLM must have parsed (`deploy`)
     api_keys: list[dict[str, str]] | None = None  # keys with roles (`keys`): hashes only
     audit_log: str | None = None   # store operations as JSON lines: a file ("-": stderr)
-    task_metrics: bool = True      # per-task metrics on /metrics (`vllm_ext.metrics`)
+    task_metrics: bool = True      # per-task metrics on /metrics (`api_server.metrics`)
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}

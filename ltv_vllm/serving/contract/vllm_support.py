@@ -76,7 +76,7 @@ def speculative_problem(spec: Mapping[str, object] | None, has_triton: bool,
 
     Every engine ltv-vllm builds registers a custom logits processor, and vLLM's V1 runner
     refuses those beside a speculative config; its V2 runner takes them, and plans the
-    shift of draft rows on the device (`vllm_ext.v2`). So drafts need V2: the user's
+    shift of draft rows on the device (`engine.v2`). So drafts need V2: the user's
     setting, or vLLM's default where Triton runs. `has_triton`: vLLM's own `HAS_TRITON`."""
     if not spec:
         return None

@@ -57,13 +57,17 @@ def named_tasks(environ: Mapping[str, str] | None = None) -> frozenset[str]:
 
 def engine_tasks(args: Mapping[str, Any], adm: Any) -> frozenset[str]:
     """What the engine's request check admits as `ltv_task`: the command-line tasks' names
-    (offline engines, and a server's own); on a served engine, also the task key of a request
-    the gate stamped (`admitted` checked the stamp): the gate alone maps a name to a store
-    task's engine key, from its task registry, and its stamp says it did. A client's own
-    `ltv_task` never carries a stamp."""
+    (offline engines, and a server's own); on a served engine, also a task-store task's engine
+    key "NAME@DIGEST" on a request the gate stamped (`admitted` checked the stamp). Only the
+    gate writes such a key (`TaskGate`, from its task registry: a client's `ltv_task` with an
+    "@" is refused before anything reads it), so the API server's check needs no table of the
+    store's keys. Any other name the gate stamped is checked here as before: a fused server's
+    gate hands a client's `ltv_task` on as given."""
     static = named_tasks()
-    if adm is not None and ADMIT_KEY in args and isinstance(args.get(TASK_KEY), str):
-        return static | {args[TASK_KEY]}
+    task = args.get(TASK_KEY)
+    if (adm is not None and ADMIT_KEY in args and isinstance(task, str)
+            and task.partition("@")[0] and "@" in task):
+        return static | {task}
     return static
 
 
@@ -198,7 +202,7 @@ def rendering_refusal(task: str, fitted: str | None, payload: Mapping[str, Any],
 # A task (or a fused vector) shifts only a request the gate admitted: the gate reads the
 # request as vLLM parsed it on a route whose path through vLLM is proven, and writes an HMAC of
 # what it admitted (task and step policy) into `vllm_xargs`. The engine's request check
-# (`vllm_ext.steps`), which vLLM runs for every request of every route (present or added by a
+# (`engine.steps`), which vLLM runs for every request of every route (present or added by a
 # vLLM upgrade: `/inference/v1/generate`, scoring, background responses...), refuses a request
 # that carries a task without a valid stamp, and the engine shifts no row without one. The key
 # is made by `serve` for each start and lives only in the server's environment; a client never

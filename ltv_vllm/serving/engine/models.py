@@ -7,7 +7,7 @@ logit-space vector adds U (Vᵀ h) to the logits instead. Which rows, and with w
 is each request's choice (`steps`: its task and step policy); without one, the engine's own
 vector shifts every row (prompt-logprob rows included). The engine's vector is named by the HF
 config attribute `ltv_task_vector`, a multi-task engine's vectors by `ltv_tasks` (set through
-`hf_overrides`, see `ltv_vllm.serving.launcher.serve.engine_kwargs` / `task_engine_kwargs`).
+`hf_overrides`, see `ltv_vllm.serving.launcher.recipe.engine_kwargs` / `task_engine`).
 
 Tensor parallelism: hidden states are replicated on every rank, so every rank applies the same
 shift before its vocab shard of the LM head — no communication is added. A logit-space delta
@@ -194,7 +194,7 @@ class LTVMixin:
     @classmethod
     def get_model_state_cls(cls) -> type:
         """vLLM's V2 runner asks the model for its state class (V1 never does): ours plans
-        each step's rows for the per-request shift (`vllm_ext.v2`)."""
+        each step's rows for the per-request shift (`engine.v2`)."""
         from ltv_vllm.serving.engine.v2 import LTVModelState
 
         return LTVModelState

@@ -1,7 +1,8 @@
 """How large a task's shift is on live traffic (runs in vLLM's engine worker processes):
 ‖W h‖ / ‖h‖ per shifted row, summed per task key in the engine (`ShiftSizes`, fed by the
-model wrapper's `_shifted`), read by the API server now and then (`read_shift_sizes`, through vLLM's `collective_rpc`, by the worker
-method name READ) for its `/metrics` (`metrics.ShiftSizeCollector`).
+model wrapper's `_shifted`), read by the API server now and then (`read_shift_sizes`,
+through vLLM's `collective_rpc`, by the worker method name READ) for its `/metrics`
+(`api_server.metrics.ShiftSizeCollector`).
 
 The sums stay on the engine's device, added to once per step in one product whatever the
 number of tasks (a host copy of the rows' task indices, two norms, two index-adds), so a

@@ -31,7 +31,7 @@ names are part of that key.
 On vLLM's V1 model runner (0.32 and 0.33: docs/architecture.md, "The vLLM contract"; what
 a CPU build runs by default) the processor plans the rows. On the V2 runner (a GPU build's
 default) the same class is loaded through V2's interface and only checks requests; the
-model's V2 state plans the rows (`vllm_ext.v2`), drafts included. A plan that does not
+model's V2 state plans the rows (`engine.v2`), drafts included. A plan that does not
 match a step's rows raises (`RowPlanError`).
 """
 
@@ -99,7 +99,7 @@ def take_plan(rows: int) -> dict[str, list[int] | None] | None:
     `RowPlanError`: a runner whose rows are not the batch's slots in order (another vLLM,
     another runner) must fail loudly, never shift the wrong rows."""
     PLAN.mask = None
-    if PLAN.ready is not None:  # V2: built from the step's own row layout (`vllm_ext.v2`)
+    if PLAN.ready is not None:  # V2: built from the step's own row layout (`engine.v2`)
         plan, PLAN.ready = PLAN.ready, None
         PLAN.mask, PLAN.ready_mask = PLAN.ready_mask, None
         if rows != PLAN.rows:
@@ -136,7 +136,7 @@ class LTVStepPolicy(LogitsProcessor, V2LogitsProcessor):
     Both of vLLM's processor interfaces, so one class serves whichever runner vLLM picks:
     on V1 it tracks the batch (`update_state`) and arms the row plan; on V2 it only checks
     requests (`validate_params`) and takes no row (`add_request` → False), since V2's
-    processors run after the LM head: there the model state (`vllm_ext.v2`) plans the rows
+    processors run after the LM head: there the model state (`engine.v2`) plans the rows
     from the step's own layout before the forward, so the shift stays before the LM head
     and raw logprobs include it."""
 

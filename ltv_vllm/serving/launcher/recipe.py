@@ -112,11 +112,11 @@ def engine_kwargs(
 @dataclass(frozen=True)
 class TaskEngine:
     """Multi-task serving with per-request tasks: every vector held by the engine, each
-    request shifted by its own task's vector on its own rows (`vllm_ext.steps`).
+    request shifted by its own task's vector on its own rows (`engine.steps`).
 
     `kwargs` are for `vllm.LLM` / EngineArgs; `env` must be in the environment of the process
     that admits requests (the `vllm.LLM` caller, the API server) before the engine starts: it
-    names the tasks a request may choose (`step_policy.tasks_env`). A request chooses its
+    names the tasks a request may choose (`wire.tasks_env`). A request chooses its
     task with `SamplingParams(extra_args={"ltv_task": NAME})`; through `ltv-vllm serve` the
     OpenAI `model` name does it."""
 
@@ -170,7 +170,7 @@ def check_shift_steps(shift_steps: str | None, *, per_request: bool) -> None:
 
 
 def step_processor(per_request: bool, lora: bool = False) -> str:
-    """The per-request step policy's logits processor (`vllm_ext.steps`), by name: the engine
+    """The per-request step policy's logits processor (`engine.steps`), by name: the engine
     process imports it (this one need not import vLLM). `lora`: LoRA multi-task serving,
     whose processor also refuses prompt logprobs (`LTVLoraRefused`)."""
     return processor("LTVStepPolicy" if per_request else "LTVLoraRefused" if lora

@@ -23,7 +23,7 @@ def default_store(model_spec: str | None) -> Path:
 
 
 def shared_store(spec: str | None) -> tuple[str | None, int]:
-    """`--task-store` as a shared store (`serving.shared_store`): its URL or directory and how
+    """`--task-store` as a shared store (`store.shared_store`): its URL or directory and how
     many tasks its index holds; (None, 0) for a store of this server's own. Checked here, in
     one line, before anything starts: a store that does not answer, or is not one."""
     from ltv_vllm.serving.store.shared_store import SharedStore, is_shared

@@ -10,7 +10,7 @@ vLLM 0.32 refuses `normalize=`; `use_activation=False` is what keeps h raw.
     h = final_hidden(llm, prompts)          # [len(prompts), d], float32
 
 The engine keeps global state per process, so a run that also uses transformers or another
-engine runs this in a job (`python -m ltv_vllm.serving.offline.capture JOB OUT`, `serving.jobs`).
+engine runs this in a job (`python -m ltv_vllm.serving.offline.capture JOB OUT`, `offline.jobs`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ output goes to a log beside them, and a failure is one line naming the log. Used
 offline generation jobs (`offline`) and the serving benchmark's engine jobs (`bench.engine`).
 The task store's compile worker is the one exception: it runs asynchronously under the
 server, reports its progress while it runs and can be stopped, so it keeps its own protocol
-(`compile`, `vllm_ext.endpoints`).
+(`compile`, `api_server.endpoints`).
 
 A fresh interpreter spends most of an engine job importing vLLM (about 17 s of a 24 s job on
 a 2-core AVX2 EPYC, tiny model), so jobs are forked from a multiprocessing *forkserver* that

@@ -63,7 +63,7 @@ def task_llm(
     `shift_steps`: the policy of requests naming none (None: each vector's own);
     `engine_args`: any other `vllm.LLM` argument, passed through (`llm_with`).
 
-    The task names are written to this process's environment (`step_policy.tasks_env`): the
+    The task names are written to this process's environment (`wire.tasks_env`): the
     engine admits requests for them only."""
     from ltv_vllm.serving.launcher.recipe import task_engine
 
@@ -84,7 +84,7 @@ def _model_dir(model_spec: str | None) -> Path:
 def llm_with(model_dir: Path, ours: Mapping[str, Any], dtype: str,
              engine_args: Mapping[str, Any]) -> Any:
     """`vllm.LLM` with ltv-vllm's arguments (`ours`) and the caller's (`engine_args`), as
-    `serve` joins them with a user's flags (`user_flags`): `hf_overrides` and
+    `serve` joins them with a user's flags (`launcher.flags`): `hf_overrides` and
     `logits_processors` merged, a `model` or a `logprobs_mode` other than the processed
     logprobs (what classification reads) refused, `dtype` given once. Eager on the CPU backend
     unless the caller chose how to compile (its compile warm-up costs over a minute per

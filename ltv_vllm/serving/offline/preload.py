@@ -1,4 +1,4 @@
-"""What the job forkserver (`serving.jobs`) does once, so that no forked job does it again.
+"""What the job forkserver (`offline.jobs`) does once, so that no forked job does it again.
 
 Imported by the forkserver only, before any job forks from it; never by library code (its
 import has the side effects below). An offline SmolLM2-135M engine job went from 10.2 s to

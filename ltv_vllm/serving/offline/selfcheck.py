@@ -13,14 +13,14 @@ model's own logits do that); a row of task T with policy n must be shifted at ex
 first n steps, to T's token, and a bare row at none. The first wrong row is one line
 naming the vLLM version, the runner and the device (`SelfCheckFailed`).
 
-What it checks is the row plan (`vllm_ext.steps`), which fused and per-request serving share.
+What it checks is the row plan (`engine.steps`), which fused and per-request serving share.
 In LoRA mode (`--multi-task lora`) the probes are adapters instead (`probes.LORA_PROBES`:
 LoRA has no bias, so each moves one of eight tokens of its own to the top, at every step),
 sent with the same mix of bare rows, lengths, budgets and n; each row's best token at each
 step must be one of its own adapter's, and a bare row's none of them (`check_lora_rows`):
-what vLLM's LoRA batching (and the CPU backend's fix, `vllm_ext.fixes`) gives each row.
+what vLLM's LoRA batching (and the CPU backend's fix, `engine.fixes`) gives each row.
 
-    python -m ltv_vllm.serving.offline.selfcheck JOB OUT    (a job: `serving.jobs`)
+    python -m ltv_vllm.serving.offline.selfcheck JOB OUT    (a job: `offline.jobs`)
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def run_selfcheck(opts: SelfCheckOptions) -> dict[str, Any]:
 # the LoRA probes' adapter ids: far above the ids a server gives its own adapters (from 1)
 def selfcheck_in_subprocess(opts: SelfCheckOptions, work: Path,
                             module: str = "ltv_vllm.serving.offline.selfcheck") -> dict[str, Any]:
-    """`run_selfcheck` in a fresh process (`serving.jobs`); SelfCheckFailed raised here,
+    """`run_selfcheck` in a fresh process (`offline.jobs`); SelfCheckFailed raised here,
     its line whole. `module`: the job's module (a test plants a bug with its own)."""
     from ltv_vllm.models.hardware import engine_device
     from ltv_vllm.serving.contract.vllm_support import cpu_rank_binding

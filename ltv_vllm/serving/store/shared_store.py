@@ -23,7 +23,7 @@ The index is untrusted input (any replica, any release, anyone who can write the
 writes it): a replica serves only the entries in the shape `add` writes, at most its
 --max-tasks of them, oldest first (`Index.servable`), and skips the others, reported.
 
-Pure I/O, no vLLM: `serve` reads it to plan, the task endpoints (`vllm_ext.endpoints`) to
+Pure I/O, no vLLM: `serve` reads it to plan, the task endpoints (`api_server.endpoints`) to
 upload, delete and follow the index.
 """
 

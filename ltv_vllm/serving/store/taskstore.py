@@ -1,7 +1,7 @@
 """The task store: tasks compiled (or uploaded) for a server, one directory per task.
 
     ROOT/NAME/                    one entry: complete, or absent
-        adapter_config.json       the task's lm_head LoRA in PEFT format (`vllm_ext.lora`),
+        adapter_config.json       the task's lm_head LoRA in PEFT format (`store.lora`),
         adapter_model.safetensors   so vLLM's runtime LoRA loading takes ROOT/NAME as it is
         ltv_vllm.json             the adapter's provenance (written by export_lora)
         vector.safetensors        the served task vector: the adapter's own factors (an entry
@@ -98,7 +98,7 @@ def full_disk(e: BaseException, what: str, root: Path) -> StoreFull | None:
 
 def vector_digest(path: str | Path) -> str:
     """A vector file's content, named: the first 16 hex digits of its sha256 (a served store
-    task's engine key, `step_policy.task_key`, which the engine checks when it loads it)."""
+    task's engine key, `wire.task_key`, which the engine checks when it loads it)."""
     import hashlib
 
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]

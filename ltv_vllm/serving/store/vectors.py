@@ -71,7 +71,7 @@ def store_root(config: Any) -> str | None:
 class RequestShift:
     """A request's task key and the number of generated tokens it shifts (None: all), as an
     engine reads them from its `SamplingParams` — one reading for both of vLLM's runners
-    (`LTVStepPolicy` on V1, `vllm_ext.v2.LTVModelState` on V2)."""
+    (`LTVStepPolicy` on V1, `engine.v2.LTVModelState` on V2)."""
 
     def __init__(self, vllm_config: Any, vectors: StoreVectors) -> None:
         hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
