@@ -22,7 +22,7 @@ import types
 
 
 def _stand_in_vllm() -> None:
-    """Empty modules for the vLLM names `vllm_ext.models` and `vllm_ext.steps` import, where
+    """Empty modules for the vLLM names `vllm_ext.models` and `engine.steps` import, where
     vLLM is not installed: their classes are only subclassed, never run, by this script."""
     import importlib.abc
     import importlib.machinery

@@ -7,7 +7,7 @@ Per scheme (none first), on the packaged model and the task's held-out queries:
                 question (processed logprobs, what `classify` reads); a bare engine answers
                 zero-shot
   reference     vLLM's pooling runner with the same scheme captures the quantized model's own
-                final hidden state h_q on the same prompts (`serving.capture`); the reference
+                final hidden state h_q on the same prompts (`offline.capture`); the reference
                 answer is log_softmax((h_q + W h_q) · W_labels) over the label rows of the LM
                 head, read from the checkpoint (vLLM's online schemes leave the LM head
                 unquantized)

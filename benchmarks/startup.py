@@ -76,7 +76,7 @@ def main() -> None:
         "folded-compiled": ["--task-vector", a.vector, "--fold", "--no-enforce-eager"],
         "multi-compiled": ["--task-vector", f"a={a.vector}", "--task-vector", f"b={a.vector}",
                            "--no-enforce-eager"],
-        # the start-up self-check (`serving.selfcheck`) left out: what it adds to a start
+        # the start-up self-check (`offline.selfcheck`) left out: what it adds to a start
         "fused-noselfcheck": ["--task-vector", a.vector, "--skip-selfcheck"],
         "multi-noselfcheck": ["--task-vector", f"a={a.vector}", "--task-vector",
                               f"b={a.vector}", "--skip-selfcheck"],
