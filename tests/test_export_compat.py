@@ -1,9 +1,9 @@
 """Configs an earlier release's `ltv-vllm serve --export` wrote keep starting: every dotted
 name they hand vLLM (the gate's `--middleware`, the `--logits-processors`, the model
 architecture ModelRegistry loads, the plugin entry points) still loads the class this
-release serves with, and today's export of the same inputs is the same file
-(`fixtures/export-0.1.0`, written at release 0.1.0). `test_user_deployment` starts plain
-`vllm serve` from today's export."""
+release serves with, and today's export of the same inputs is the same config and reads as
+the same settings (`fixtures/export-0.1.0`, written at release 0.1.0). `test_user_deployment`
+starts plain `vllm serve` from today's export."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from conftest import write_model_and_vectors
 from ltv_vllm.cli import main
+from ltv_vllm.serving.contract.settings import ENV, ServerSettings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "export-0.1.0"
 KINDS = {"fused": ["--task-vector", "{good}"],
@@ -84,7 +85,12 @@ def test_todays_export_is_the_earlier_releases(tmp_path, tokenizer, monkeypatch)
         assert r.exit_code == 0, r.output
         assert (normalized((out / "vllm.yaml").read_text(), tmp_path)
                 == (FIXTURES / kind / "vllm.yaml").read_text()), kind
-        env = json.loads((out / "environment.json").read_text())
-        env["env"].pop("VLLM_PLUGINS", None)
-        assert (normalized(json.dumps(env, indent=1, sort_keys=True), tmp_path) + "\n"
-                == (FIXTURES / kind / "environment.json").read_text()), kind
+        # the environment: every variable 0.1.0 wrote, the same; its settings read today
+        # as today's settings of the same server (a field added since at its default)
+        old = json.loads((FIXTURES / kind / "environment.json").read_text())
+        new = json.loads(normalized((out / "environment.json").read_text(), tmp_path))
+        new["env"].pop("VLLM_PLUGINS", None)
+        assert new["admit_every"] == old["admit_every"], kind
+        assert {k: v for k, v in new["env"].items() if k != ENV} == {
+            k: v for k, v in old["env"].items() if k != ENV}, kind
+        assert ServerSettings.from_env(old["env"]) == ServerSettings.from_env(new["env"]), kind

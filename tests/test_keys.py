@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -58,6 +59,51 @@ def test_keys_file_and_the_rule(tmp_path):
                  "/scale_elastic_ep", "/collective_rpc", "/inference/v2/anything"):
         assert not may("inference", "POST", path) and may("admin", "POST", path), path
     assert not may("inference", "GET", "/server_info")
+
+
+def test_key_lifecycle_in_the_file(tmp_path):
+    """`keys add | rotate | revoke`, expiry and the metrics role, against the file and the
+    rule (the server's side: `keys_change_without_a_restart`)."""
+    from ltv_vllm.serving.contract.keys import (
+        KeyRing,
+        parse_expiry,
+        revoke_key,
+        rotate_key,
+    )
+
+    path = tmp_path / "keys.json"
+    ops = add_key(path, "ops", "admin")
+    prom = add_key(path, "prom", "metrics", expires=1000)
+    assert read_keys(path)[1] == {"id": "prom", "role": "metrics", "sha256": key_hash(prom),
+                                  "expires": 1000}
+    ring = KeyRing(read_keys(path)[:1], str(path), [], poll=0)  # the file changed since
+    assert ring.refresh(0) is None  # the first look reads it
+    assert [i for _, i, _ in ring.accepted(999)] == ["ops", "prom"]
+    assert [i for _, i, _ in ring.accepted(1000)] == ["ops"]  # expired from its second on
+    new = rotate_key(path, "prom")
+    assert new != prom and read_keys(path)[1]["sha256"] == key_hash(new)
+    assert read_keys(path)[1]["expires"] == 1000  # kept unless a new one is given
+    assert ring.refresh(0) is None and ring.keys[1]["sha256"] == key_hash(new)
+    revoke_key(path, "prom")
+    ring.refresh(0)
+    assert [k["id"] for k in ring.keys] == ["ops"]
+    with pytest.raises(KeysError, match="last key"):
+        revoke_key(path, "ops")
+    with pytest.raises(KeysError, match="no key 'nope'"):
+        rotate_key(path, "nope")
+    path.write_text("[]")  # broken: reported once, the last good keys kept
+    assert "stay in force" in ring.refresh(0) and ring.refresh(0) is None
+    assert [k["id"] for k in ring.keys] == ["ops"] and key_hash(ops) == ring.keys[0]["sha256"]
+    assert may("metrics", "GET", "/metrics") and not may("metrics", "POST", "/metrics")
+    for method, route in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                          ("GET", "/v1/ltv/tasks"), ("GET", "/health/x")):
+        assert not may("metrics", method, route), route
+    assert not may("nobody", "GET", "/v1/models")  # an unknown role: nothing
+    assert parse_expiry("2d", 100) == 100 + 2 * 86400
+    assert parse_expiry("2030-01-01", 0) == 1893456000
+    for bad in ("soon", "1999-01-01"):
+        with pytest.raises(KeysError, match="--expires"):
+            parse_expiry(bad, 1e9)
 
 
 def test_roles_and_the_audit_log_through_the_server(assets, tmp_path):
@@ -153,5 +199,50 @@ def test_roles_and_the_audit_log_through_the_server(assets, tmp_path):
         text = audit.read_text()
         assert admin not in text and user not in text  # no secret in it
         assert "\n" not in got[-1]["error"] and "no task" in got[-1]["error"]
+        keys_change_without_a_restart(url, keys, admin, user, log)
     finally:
         stop(proc, log)
+
+
+def answered(url: str, path: str, key: str, want: int, method: str = "GET",
+             seconds: float = 10.0) -> None:
+    """`method path` with `key` answers `want` within `seconds` (the server reads its keys
+    file again at most every LTV_VLLM_KEYS_POLL = 1 s); each try is a real request."""
+    end = time.time() + seconds
+    while True:
+        r = HTTP.request(method, f"{url}{path}", headers={"Authorization": f"Bearer {key}"},
+                         timeout=60)
+        if r.status_code == want or time.time() > end:
+            assert r.status_code == want, (path, r.status_code, r.text)
+            return
+        time.sleep(0.1)
+
+
+def keys_change_without_a_restart(url, keys, admin, user, log):  # noqa: PLR0913
+    """`keys add | rotate | revoke` and an expiry reach the running server within its poll;
+    a metrics key only scrapes; a keys file that stops reading keeps the keys read before."""
+    from ltv_vllm.serving.contract.keys import revoke_key, rotate_key
+
+    prom = add_key(keys, "prom", "metrics")  # added after the start
+    answered(url, "/metrics", prom, 200)
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                         ("GET", "/v1/ltv/tasks"), ("POST", "/tokenize")):
+        answered(url, path, prom, 403, method, seconds=0)
+    new = rotate_key(keys, "app-1")  # the old key goes, the new one answers
+    answered(url, "/v1/models", user, 401)
+    answered(url, "/v1/models", new, 200, seconds=0)
+    revoke_key(keys, "app-1")
+    answered(url, "/v1/models", new, 401)
+    soon = add_key(keys, "brief", "inference", expires=int(time.time()) + 3)
+    answered(url, "/v1/models", soon, 200)
+    answered(url, "/v1/models", soon, 401, seconds=15)  # refused once it expires
+    keys.write_text("{not json")  # a broken file: the keys read before stay in force
+    end = time.time() + 15
+    while "the keys read before stay in force" not in Path(log.name).read_text():
+        # each request makes the gate look (at most once a poll); the log line says it read
+        # the broken file (it arrives through a pipe, so after the answer)
+        answered(url, "/v1/models", admin, 200, seconds=0)
+        assert time.time() < end, "the broken keys file was never reported"
+    answered(url, "/v1/models", admin, 200, seconds=0)
+    answered(url, "/metrics", prom, 200, seconds=0)
+    answered(url, "/v1/models", new, 401, seconds=0)

@@ -88,6 +88,7 @@ def base_names(scope: dict[str, Any]) -> set[str]:
 
 
 MODELS_PATH = "/v1/models"
+TASKS_PATH = "/v1/ltv/tasks"
 
 
 def listed(body: bytes, cards: list[dict[str, Any]]) -> bytes:
@@ -146,3 +147,16 @@ def error_response(status: int, message: str, err_type: str, param: str | None =
 
     return JSONResponse(status_code=status, content={"error": {
         "message": message, "type": err_type, "param": param, "code": status}})
+
+
+def store_route(path: str) -> bool:
+    """Whether `path` is one of the task store's own routes: /v1/ltv/tasks, or
+    /v1/ltv/tasks/NAME with NAME a valid task name."""
+    from ltv_vllm.serving.store.taskstore import NAME
+
+    path = path.rstrip("/")
+    name = path.removeprefix(TASKS_PATH + "/")
+    return path == TASKS_PATH or (name != path and NAME.fullmatch(name) is not None)
+
+
+# requests in flight per served model name (multi-task mode); read by the task endpoints

@@ -54,11 +54,13 @@ import json
 import logging
 import os
 import secrets
+import time
 from typing import Any
 
 from ltv_vllm.serving.api_server import metrics
-from ltv_vllm.serving.api_server.asgi import (
+from ltv_vllm.serving.api_server.asgi import (  # noqa: F401 - TASKS_PATH re-exported
     MODELS_PATH,
+    TASKS_PATH,
     TooLarge,
     base_name,
     base_names,
@@ -67,6 +69,7 @@ from ltv_vllm.serving.api_server.asgi import (
     renamed,
     respond,
     size_text,
+    store_route,
     with_listing,
 )
 from ltv_vllm.serving.api_server.ask import (  # noqa: F401 - Ask re-exported
@@ -98,21 +101,8 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/ping")  # liveness probes: answer without the key
 KEY_STATE = "ltv_key"  # the request's key id in the ASGI scope's state (`keys`)
 OPEN_BODY = 1 << 10  # bytes a liveness probe's body may have (it is read before the app)
-TASKS_PATH = "/v1/ltv/tasks"
 MAX_COMPILE_BODY = 64 << 20  # a compile request's JSON (its limits: `store.compile`)
 
-
-def store_route(path: str) -> bool:
-    """Whether `path` is one of the task store's own routes: /v1/ltv/tasks, or
-    /v1/ltv/tasks/NAME with NAME a valid task name."""
-    from ltv_vllm.serving.store.taskstore import NAME
-
-    path = path.rstrip("/")
-    name = path.removeprefix(TASKS_PATH + "/")
-    return path == TASKS_PATH or (name != path and NAME.fullmatch(name) is not None)
-
-
-# requests in flight per served model name (multi-task mode); read by the task endpoints
 
 class Gate:
     """Pure ASGI middleware (vLLM's `--middleware` adds a class with `app.add_middleware`):
@@ -125,30 +115,38 @@ class Gate:
         settings = ServerSettings.from_env()
         self.max_body = settings.max_body
         self.max_upload = settings.max_upload
-        self._tokens: list[bytes] | None = None
+        self._ring: Any = None  # the keys accepted (`contract.keys.KeyRing`), on first use
         self._registry: TaskRegistry | None = None  # set by the first request (`registry`)
 
     # -- 1. the key -------------------------------------------------------------------------
-    def tokens(self, scope: dict[str, Any]) -> list[tuple[bytes, str, str]]:
-        """(sha256, key id, role) of each accepted key: `serve --api-keys`' (`contract.keys`),
-        and vLLM's `--api-key` values, else VLLM_API_KEY (as vLLM's own
-        AuthenticationMiddleware chooses them), each an admin key."""
-        if self._tokens is None:
-            from ltv_vllm.serving.contract.keys import identities
+    def tokens(self, scope: dict[str, Any]) -> list[tuple[bytes, str, str]] | None:
+        """(sha256, key id, role) of each key accepted now: `serve --api-keys`' (`contract.keys`:
+        the file read again when it changes, expired keys left out), and vLLM's `--api-key`
+        values, else VLLM_API_KEY (as vLLM's own AuthenticationMiddleware chooses them), each
+        an admin key. None: the server runs without keys."""
+        if self._ring is None:
+            from ltv_vllm.serving.contract.keys import KeyRing
 
             args = getattr(getattr(scope.get("app"), "state", None), "args", None)
             if args is None:  # the app is not started yet: nothing is served either
                 return [(b"", "", "")]
             single = [k for k in (getattr(args, "api_key", None)
                                   or [os.environ.get("VLLM_API_KEY")]) if k]
-            self._tokens = identities(ServerSettings.from_env().api_keys, single)
-        return self._tokens
+            settings = ServerSettings.from_env()
+            self._ring = KeyRing(settings.api_keys, settings.api_keys_file, single)
+        ring = self._ring
+        if not (ring.keys or ring.path or ring.single):
+            return None
+        now = time.time()
+        if (problem := ring.refresh(now)) is not None:
+            logger.warning("ltv-vllm gate: %s", problem)
+        return ring.accepted(now)
 
     def identify(self, scope: dict[str, Any]) -> tuple[str, str] | None:
         """(key id, role) of the request's key; ("", "admin") on a server without keys;
         None: no key, or not one of the server's."""
         tokens = self.tokens(scope)
-        if not tokens:
+        if tokens is None:
             return "", "admin"  # the server runs without a key
         auth = ""
         for k, v in scope.get("headers") or []:
@@ -286,9 +284,10 @@ class Gate:
             return
         store = store_route(path)
         hooks = self._registry.store if self._registry is not None else None
-        if store and hooks is not None and hooks.audit_refusal is not None:
-            # a refused change of the store is audited too; no other path (the audit log's
-            # names are task names, its lines bounded)
+        if (store and method not in ("GET", "HEAD") and hooks is not None
+                and hooks.audit_refusal is not None):
+            # a refused change of the store is audited too; no read, no other path (the
+            # audit log's names are task names, its lines bounded)
             await hooks.audit_refusal({**scope, "path": path.rstrip("/")}, who[0], 403)
         metrics.refused("forbidden")
         what = ("changing the task store" if store or path.startswith(TASKS_PATH)

@@ -1,16 +1,21 @@
 """API keys with roles: who may call what on a server.
 
     {"keys": [{"id": "ops", "role": "admin", "sha256": "<hex of the key>"},
-              {"id": "app-1", "role": "inference", "sha256": "..."}]}
+              {"id": "app-1", "role": "inference", "sha256": "...", "expires": 1767225600},
+              {"id": "prometheus", "role": "metrics", "sha256": "..."}]}
 
-`serve --api-keys FILE` reads this file (made by `ltv-vllm keys add`, which prints each new
-key once and stores only its sha256): `inference` keys call the model routes and list
-(completions, chat, `/v1/models`, `GET /v1/ltv/tasks`), `admin` keys also change the task
+`serve --api-keys FILE` reads this file (made by `ltv-vllm keys add | revoke | rotate`, which
+print a new key once and store only its sha256): `inference` keys call the model routes and
+list (completions, chat, `/v1/models`, `GET /v1/ltv/tasks`), `admin` keys also change the task
 store (upload, compile, DELETE) and call vLLM's operator routes (scaling, aborting requests
-by id, caches, sleep: `OPERATOR_ROUTES`). The gate (`vllm_ext.middleware`)
-compares a request's key against every stored hash in constant time and refuses a role's
-missing right with a 403. vLLM's single `--api-key` stays what it was: one key with every
-right (an admin key). Pure: no vLLM import.
+by id, caches, sleep: `OPERATOR_ROUTES`), `metrics` keys only scrape `GET /metrics`. A key
+with `expires` (Unix seconds, UTC) is refused from then on. A running server reads the file
+again when it changes (`KeyRing`, checked at most every `KEYS_POLL` seconds), so a key added,
+revoked or rotated takes effect without a restart. The gate (`api_server.gate`) compares a
+request's key against every stored hash in constant time and refuses a role's missing right
+with a 403. vLLM's single `--api-key` stays what it was: one key with every right (an admin
+key). Pure: no vLLM import; runs in the launcher (the `keys` commands, `serve`'s checks) and in
+vLLM's API-server process (the gate).
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ import json
 import os
 import re
 import secrets
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
 from ltv_vllm.errors import UserError
 
-ROLES = ("inference", "admin")
+ROLES = ("inference", "admin", "metrics")
+KEYS_POLL_ENV = "LTV_VLLM_KEYS_POLL"  # seconds between looks at the keys file (a stat)
+KEYS_POLL = 1.0
 KEY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SINGLE_KEY_ID = "api-key"  # vLLM's --api-key, as the gate names it (audit log, metrics)
 
@@ -55,8 +63,9 @@ def read_keys(path: str | Path) -> list[dict[str, str]]:
     out = []
     for i, k in enumerate(keys):
         where = f"--api-keys {p}: key {i}"
-        if not isinstance(k, dict) or set(k) != {"id", "role", "sha256"}:
-            raise KeysError(f"{where}: give exactly id, role and sha256")
+        if not isinstance(k, dict) or not {"id", "role", "sha256"} <= set(k) <= {
+                "id", "role", "sha256", "expires"}:
+            raise KeysError(f"{where}: give exactly id, role and sha256 (and expires, if any)")
         if not isinstance(k["id"], str) or not KEY_ID.fullmatch(k["id"]):
             raise KeysError(f"{where}: id must be 1-64 letters, digits, '_', '.', '-'")
         if k["id"] in seen or k["id"] == SINGLE_KEY_ID:
@@ -67,32 +76,107 @@ def read_keys(path: str | Path) -> list[dict[str, str]]:
         if not isinstance(k["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}", k["sha256"]):
             raise KeysError(f"{where}: sha256 must be 64 lowercase hex digits (the key's "
                             "hash, never the key)")
+        if "expires" in k and (isinstance(k["expires"], bool)
+                               or not isinstance(k["expires"], int) or k["expires"] < 0):
+            raise KeysError(f"{where}: expires must be Unix seconds (an integer)")
         seen.add(k["id"])
-        out.append({"id": k["id"], "role": k["role"], "sha256": k["sha256"]})
+        out.append({"id": k["id"], "role": k["role"], "sha256": k["sha256"],
+                    **({"expires": k["expires"]} if "expires" in k else {})})
     return out
 
 
-def add_key(path: str | Path, key_id: str, role: str) -> str:
-    """Make a new key, store its hash in the keys file (created if missing; written whole,
-    then renamed into place) and return the key itself: the only time it is shown."""
-    p = Path(path)
-    keys = read_keys(p) if p.exists() else []
-    if role not in ROLES:
-        raise KeysError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+def check_id(key_id: str) -> None:
     if not KEY_ID.fullmatch(key_id) or key_id == SINGLE_KEY_ID:
         raise KeysError(f"key id {key_id!r}: use 1-64 letters, digits, '_', '.', '-' (not "
                         f"{SINGLE_KEY_ID!r})")
-    if any(k["id"] == key_id for k in keys):
-        raise KeysError(f"key id {key_id!r} is in {p} already")
-    key = "ltv-" + secrets.token_urlsafe(32)
-    keys.append({"id": key_id, "role": role, "sha256": key_hash(key)})
+
+
+def write_keys(path: str | Path, keys: list[dict[str, Any]]) -> None:
+    """The keys file written whole, then renamed into place (a server reading it meanwhile
+    sees the old file or the new one, never half of one); 0600: hashes, but private."""
+    p = Path(path)
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # hashes, but private
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"keys": keys}, f, indent=1)
         f.write("\n")
     os.replace(tmp, p)
+
+
+def new_key() -> tuple[str, str]:
+    """(a new key, its sha256)."""
+    key = "ltv-" + secrets.token_urlsafe(32)
+    return key, key_hash(key)
+
+
+def add_key(path: str | Path, key_id: str, role: str, expires: int | None = None) -> str:
+    """Make a new key, store its hash in the keys file (created if missing) and return the
+    key itself: the only time it is shown. `expires`: Unix seconds it is refused from."""
+    p = Path(path)
+    keys = read_keys(p) if p.exists() else []
+    if role not in ROLES:
+        raise KeysError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    check_id(key_id)
+    if any(k["id"] == key_id for k in keys):
+        raise KeysError(f"key id {key_id!r} is in {p} already")
+    key, digest = new_key()
+    keys.append({"id": key_id, "role": role, "sha256": digest,
+                 **({"expires": int(expires)} if expires is not None else {})})
+    write_keys(p, keys)
     return key
+
+
+def revoke_key(path: str | Path, key_id: str) -> None:
+    """Take a key out of the keys file (a running server refuses it within `KEYS_POLL`
+    seconds); the last key cannot go (a server with a keys file and no key would answer
+    no one)."""
+    keys = read_keys(path)
+    rest = [k for k in keys if k["id"] != key_id]
+    if len(rest) == len(keys):
+        raise KeysError(f"no key {key_id!r} in {path}")
+    if not rest:
+        raise KeysError(f"{key_id!r} is the last key in {path}: add another first")
+    write_keys(path, rest)
+
+
+def rotate_key(path: str | Path, key_id: str, expires: int | None = None) -> str:
+    """A new key for `key_id` (same role; the old one refused within `KEYS_POLL` seconds);
+    the new key, shown once. `expires` replaces the old expiry (None: the old one is kept)."""
+    keys = read_keys(path)
+    if not any(k["id"] == key_id for k in keys):
+        raise KeysError(f"no key {key_id!r} in {path}")
+    key, digest = new_key()
+    out = []
+    for k in keys:
+        if k["id"] == key_id:
+            k = {**k, "sha256": digest, **({"expires": int(expires)} if expires else {})}
+        out.append(k)
+    write_keys(path, out)
+    return key
+
+
+def parse_expiry(text: str, now: float) -> int:
+    """`--expires`: a duration from `now` (`30d`, `12h`, `90m`) or an ISO-8601 date or time
+    (UTC unless it says otherwise), as Unix seconds; KeysError in one line otherwise."""
+    from datetime import datetime
+
+    m = re.fullmatch(r"(\d+)([dhm])", text.strip())
+    if m:
+        return int(now) + int(m.group(1)) * {"d": 86400, "h": 3600, "m": 60}[m.group(2)]
+    try:
+        when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise KeysError(f"--expires {text!r}: give a duration (30d, 12h, 90m) or an ISO-8601 "
+                        "date or time (2027-01-31, 2027-01-31T12:00:00Z)") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    if when.timestamp() <= now:
+        raise KeysError(f"--expires {text!r} is in the past")
+    return int(when.timestamp())
+
+
+def expired(k: dict[str, Any], now: float) -> bool:
+    return "expires" in k and now >= k["expires"]
 
 
 # vLLM 0.32's operator routes (whatever the method): each changes the server for every client
@@ -119,10 +203,14 @@ INFERENCE_PREFIX, INFERENCE_ROUTES = "/inference/", ("/inference/v1/generate",)
 def may(role: str, method: str, path: str) -> bool:
     """Whether `role` may call `method path` (the gate's rule): admin everything; inference
     everything but the store's changes and the operator routes (`OPERATOR_ROUTES`, anything
-    under /inference/ but generate)."""
+    under /inference/ but generate); metrics only a scrape of /metrics."""
     if role == "admin":
         return True
     path = path.rstrip("/")
+    if role == "metrics":
+        return path == "/metrics" and method in ("GET", "HEAD")
+    if role != "inference":
+        return False
     if path.startswith("/v1/ltv/tasks") and method not in ("GET", "HEAD"):
         return False
     if path.startswith(INFERENCE_PREFIX):
@@ -130,10 +218,63 @@ def may(role: str, method: str, path: str) -> bool:
     return path not in OPERATOR_ROUTES
 
 
-def identities(keys: list[dict[str, Any]] | None, single: list[str]) -> list[
-        tuple[bytes, str, str]]:
-    """(sha256 digest, key id, role) of each accepted key: the keys file's, and vLLM's
-    `--api-key` values as admin keys."""
-    out = [(bytes.fromhex(k["sha256"]), k["id"], k["role"]) for k in keys or []]
+def identities(keys: list[dict[str, Any]] | None, single: list[str],
+               now: float | None = None) -> list[tuple[bytes, str, str]]:
+    """(sha256 digest, key id, role) of each accepted key: the keys file's not expired at
+    `now` (None: every one), and vLLM's `--api-key` values as admin keys."""
+    out = [(bytes.fromhex(k["sha256"]), k["id"], k["role"]) for k in keys or []
+           if now is None or not expired(k, now)]
     out += [(hashlib.sha256(k.encode()).digest(), SINGLE_KEY_ID, "admin") for k in single]
     return out
+
+
+class KeyRing:
+    """The keys a running server accepts (the API-server process's gate): the keys file's as
+    `serve` read it (`keys`, hashes only), read again at the first look and whenever the file
+    at `path` changes
+    (its size, mtime or inode: a stat at most every `poll` seconds), so an added, revoked or
+    rotated key takes effect within `poll` seconds of the write, and an expired one at once.
+    A file that does not read meanwhile (removed, malformed) keeps the last good keys and is
+    reported once (`problem`): an error in the file never opens the server."""
+
+    def __init__(self, keys: list[dict[str, Any]] | None, path: str | None, single: list[str],
+                 poll: float | None = None) -> None:
+        self.keys, self.path, self.single = list(keys or []), path, list(single)
+        self.poll = float(os.environ.get(KEYS_POLL_ENV) or KEYS_POLL) if poll is None else poll
+        # the file is read at the first look too: it may have changed since `serve` read it
+        self.stamp: tuple[int, int, int] | None = None
+        self.checked = float("-inf")
+        self.problem: str | None = None
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        if self.path is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_size, st.st_mtime_ns, st.st_ino
+
+    def refresh(self, now: float) -> str | None:
+        """Read the file again if it changed; a one-line problem the first time it does not
+        read (None: fine, or reported already)."""
+        if self.path is None or now - self.checked < self.poll:
+            return None
+        self.checked = now
+        stamp = self._stamp()
+        if stamp == self.stamp:
+            return None
+        try:
+            keys = read_keys(self.path)
+        except KeysError as e:
+            self.stamp = stamp  # looked at: not read again until it changes
+            if str(e) != self.problem:
+                self.problem = str(e)
+                return f"{e}; the keys read before stay in force"
+            return None
+        self.keys, self.stamp, self.problem = keys, stamp, None
+        return None
+
+    def accepted(self, now: float) -> list[tuple[bytes, str, str]]:
+        """(sha256 digest, key id, role) of every key accepted at `now`."""
+        return identities(self.keys, self.single, now)

@@ -37,6 +37,7 @@ class ServerSettings:
     selfcheck_lora: dict[str, str] | None = None  # LoRA mode: the probe adapters to check
     required: dict[str, Any] | None = None  # what vLLM must have parsed (`deploy`)
     api_keys: list[dict[str, str]] | None = None  # keys with roles (`keys`): hashes only
+    api_keys_file: str | None = None  # ...and their file, read again when it changes
     audit_log: str | None = None   # store operations as JSON lines: a file ("-": stderr)
     task_metrics: bool = True      # per-task metrics on /metrics (`api_server.metrics`)
 

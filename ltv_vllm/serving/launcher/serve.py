@@ -437,7 +437,8 @@ def _plan_settings(opts: ServeOptions, model_dir: Path, store: _StorePlan,
     if opts.api_keys is not None:
         from ltv_vllm.serving.contract.keys import read_keys
 
-        settings = replace(settings, api_keys=read_keys(opts.api_keys))
+        settings = replace(settings, api_keys=read_keys(opts.api_keys),
+                           api_keys_file=str(Path(opts.api_keys).absolute()))
     if opts.audit_log not in (None, "-"):
         audit = check_writable(opts.audit_log, option="--audit-log")
         settings = replace(settings, audit_log=str(audit.absolute()))
