@@ -150,7 +150,7 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
         self.models = state.openai_serving_models
         self.registry = TaskRegistry.of(state)  # the gate's too (the app's)
         self.engine = engine_client
-        self._configure(settings, args)
+        self._configure(settings)
         self._serve_kept()
         if self.shared is not None:
             await self._start_following()
@@ -181,7 +181,7 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
             self.store = TaskStore(root)
         self.model_dir = Path(args.model)
 
-    def _configure(self, settings: ServerSettings, args: Any) -> None:  # noqa: ARG002
+    def _configure(self, settings: ServerSettings) -> None:
         """The settings this server's store follows, its tokenizer and its shared store."""
         self.max_tasks = settings.max_tasks
         self.max_rank = settings.task_rank

@@ -245,6 +245,7 @@ class KeyRing:
         self.stamp: tuple[int, int, int] | None = None
         self.checked = float("-inf")
         self.problem: str | None = None
+        self._ids: list[tuple[Any, ...]] | None = None
 
     def _stamp(self) -> tuple[int, int, int] | None:
         if self.path is None:
@@ -273,8 +274,15 @@ class KeyRing:
                 return f"{e}; the keys read before stay in force"
             return None
         self.keys, self.stamp, self.problem = keys, stamp, None
+        self._ids = None
         return None
 
     def accepted(self, now: float) -> list[tuple[bytes, str, str]]:
-        """(sha256 digest, key id, role) of every key accepted at `now`."""
-        return identities(self.keys, self.single, now)
+        """(sha256 digest, key id, role) of every key accepted at `now` (the digests decoded
+        once per read of the file, not per request)."""
+        if self._ids is None:
+            self._ids = [(k.get("expires"), *ident) for k, ident in
+                         zip(self.keys, identities(self.keys, []), strict=True)]
+            self._ids += [(None, *ident) for ident in identities([], self.single)]
+        return [tuple(ident) for expires, *ident in self._ids
+                if expires is None or now < expires]
