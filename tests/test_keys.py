@@ -41,7 +41,9 @@ def test_keys_file_and_the_rule(tmp_path):
                        ({"keys": [{"id": "a", "role": "admin", "sha256": "secret"}]}, "sha256"),
                        ({"keys": [{"id": "a", "role": "admin", "sha256": "0" * 64}] * 2},
                         "taken"),
-                       ({"keys": [{"id": "a", "role": "admin"}]}, "exactly")]:
+                       ({"keys": [{"id": "a", "role": "admin"}]}, "give id, role and sha256"),
+                       ({"keys": [{"id": "a", "role": "admin", "sha256": "0" * 64,
+                                   "owner": "x"}]}, "nothing else")]:
         path.write_text(json.dumps(bad))
         with pytest.raises(KeysError, match=words) as e:
             read_keys(path)
@@ -78,8 +80,8 @@ def test_key_lifecycle_in_the_file(tmp_path):
                                   "expires": 1000}
     ring = KeyRing(read_keys(path)[:1], str(path), [], poll=0)  # the file changed since
     assert ring.refresh(0) is None  # the first look reads it
-    assert [i for _, i, _ in ring.accepted(999)] == ["ops", "prom"]
-    assert [i for _, i, _ in ring.accepted(1000)] == ["ops"]  # expired from its second on
+    assert [c.key_id for _, c in ring.accepted(999)] == ["ops", "prom"]
+    assert [c.key_id for _, c in ring.accepted(1000)] == ["ops"]  # expired from its second on
     new = rotate_key(path, "prom")
     assert new != prom and read_keys(path)[1]["sha256"] == key_hash(new)
     assert read_keys(path)[1]["expires"] == 1000  # kept unless a new one is given
@@ -104,6 +106,109 @@ def test_key_lifecycle_in_the_file(tmp_path):
     for bad in ("soon", "1999-01-01"):
         with pytest.raises(KeysError, match="--expires"):
             parse_expiry(bad, 1e9)
+
+
+def test_scopes_and_limits_in_the_keys_file(tmp_path):
+    """A key's scope and limits: checked in the file, read back as the gate reads them, the
+    rule a scoped key follows, and the token bucket against a hand count."""
+    from ltv_vllm.serving.api_server.tenancy import Limiter
+    from ltv_vllm.serving.contract.keys import Caller, KeyRing
+    from ltv_vllm.serving.contract.tenancy import Limits, Scope
+
+    path = tmp_path / "keys.json"
+    add_key(path, "ops", "admin")
+    add_key(path, "a", "admin", scope={"prefix": "team-a."}, limits={"in_flight": 2})
+    add_key(path, "b", "inference", scope={"tasks": ["sst2", "agnews"]},
+            limits={"rate": 2, "burst": 3})
+    entries = read_keys(path)
+    assert entries[1]["scope"] == {"prefix": "team-a."}
+    assert entries[2]["scope"] == {"tasks": ["agnews", "sst2"]}
+    ring = KeyRing(entries, str(path), [], poll=0, limits=Limits(in_flight=9))
+    callers = {c.key_id: c for _, c in ring.accepted(0)}
+    assert callers["ops"] == Caller("ops", "admin", None, Limits(in_flight=9))  # the default
+    a, b = callers["a"], callers["b"]
+    assert a.scope == Scope(prefix="team-a.") and a.limits == Limits(in_flight=2)
+    assert b.scope.covers("sst2") and not b.scope.covers("sst") and not b.scope.covers(None)
+    assert a.scope.covers("team-a.x") and not a.scope.covers("team-b.x")
+    assert not a.scope.covers("team-a.x@" + "0" * 16)  # an engine key is no task name
+    for bad, words in [({"scope": {"prefix": ""}}, "prefix"), ({"scope": {"tasks": []}}, "tasks"),
+                       ({"scope": {"prefix": "a", "tasks": ["b"]}}, "scope must be"),
+                       ({"limits": {"in_flight": 0}}, "in_flight"),
+                       ({"limits": {"rate": -1}}, "rate"), ({"limits": {"burst": 2}}, "give rate"),
+                       ({"limits": {"rate": True}}, "rate"), ({"limits": {"cpu": 1}}, "limits"),
+                       ({"role": "metrics", "scope": {"prefix": "a"}}, "metrics key")]:
+        doc = {"keys": [{"id": "x", "role": "inference", "sha256": "0" * 64, **bad}]}
+        path.write_text(json.dumps(doc))
+        with pytest.raises(KeysError, match=words) as e:
+            read_keys(path)
+        assert "\n" not in str(e.value)
+    # a scoped key: its own routes, no operator route, no scrape, whatever its role
+    assert may("admin", "POST", "/v1/ltv/tasks", scoped=True)
+    for method, route in (("GET", "/metrics"), ("POST", "/pause"), ("POST", "/collective_rpc"),
+                          ("POST", "/inference/v1/abort_requests")):
+        assert not may("admin", method, route, scoped=True), route
+        assert may("admin", method, route), route
+    assert may("inference", "POST", "/inference/v1/generate", scoped=True)
+    # the bucket: 3 at once, then 2 a second; in flight: 2 at once, freed by release
+    lim = Limiter()
+    took = [lim.take(b, 100.0) for _ in range(4)]
+    assert took[:3] == [None] * 3 and took[3] == ("rate", 1)
+    for _ in range(3):
+        lim.release(b)
+    assert lim.take(b, 100.49) == ("rate", 1)  # 0.98 of a token: not yet
+    assert lim.take(b, 100.5) is None  # one token back after half a second
+    assert lim.take(b, 100.5) == ("rate", 1)
+    assert lim.take(b, 110.0) is None  # refilled, never past the burst
+    assert [lim.take(b, 110.0) for _ in range(3)] == [None, None, ("rate", 1)]
+    assert lim.take(a, 0) is None and lim.take(a, 0) is None
+    assert lim.take(a, 0) == ("in_flight", 1)
+    lim.release(a)
+    assert lim.take(a, 0) is None
+    assert lim.take(Caller("free", "admin"), 0) is None  # no limits: nothing counted
+    assert "free" not in lim.in_flight
+
+
+def test_keys_in_a_shared_store(tmp_path):
+    """`keys ... --store`: one source every replica's ring follows, changed by compare-and-
+    swap (two writers lose nothing), its broken generation keeping the keys read before."""
+    from ltv_vllm.serving.contract.keys import KeyRing
+    from ltv_vllm.serving.store.shared_keys import StoreKeys
+
+    spec = f"file://{tmp_path / 'shared'}"
+    r = CliRunner().invoke(main, ["keys", "add", "--store", spec, "--id", "ops",
+                                  "--role", "admin"])
+    assert r.exit_code == 0, r.output
+    ops = r.output.strip()
+    store = StoreKeys(spec)
+    assert [k["id"] for k in store.read()] == ["ops"] and ops not in str(store.read())
+    ring = KeyRing([], store, [], poll=0)
+    assert ring.refresh(0) is None and [c.key_id for _, c in ring.accepted(0)] == ["ops"]
+    # two writers at once (the second read the same generation): both changes land
+    from ltv_vllm.serving.contract.keys import added
+
+    first = store._newest()
+    calls = []
+
+    def change(keys):
+        calls.append(len(keys))
+        if len(calls) == 1:  # another writer publishes meanwhile
+            store.store.backend.create(f"keys/{first[0] + 1:012d}.json", json.dumps(
+                {"generation": first[0] + 1, "keys": added(keys, "other", "inference")[0]})
+                .encode())
+        return added(keys, "mine", "inference")[0]
+    store.update(change)
+    assert calls == [1, 2] and [k["id"] for k in store.read()] == ["ops", "other", "mine"]
+    assert ring.refresh(1) is None and len(ring.accepted(1)) == 3
+    r = CliRunner().invoke(main, ["keys", "revoke", "--store", spec, "--id", "other"])
+    assert r.exit_code == 0, r.output
+    ring.refresh(2)
+    assert [c.key_id for _, c in ring.accepted(2)] == ["ops", "mine"]
+    g = store.stamp()
+    (tmp_path / "shared" / "keys" / f"{g + 1:012d}.json").write_text("{")  # broken
+    assert "stay in force" in ring.refresh(3)
+    assert [c.key_id for _, c in ring.accepted(3)] == ["ops", "mine"]
+    r = CliRunner().invoke(main, ["keys", "list", str(tmp_path / "k.json"), "--store", spec])
+    assert r.exit_code != 0 and "one of them" in r.output
 
 
 def test_roles_and_the_audit_log_through_the_server(assets, tmp_path):

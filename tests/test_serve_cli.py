@@ -152,9 +152,21 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     store = tmp / "store"
 
-    def run(*args):
-        return CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), *args, "--dry-run"])
+    def run(*args, bare=False):
+        from test_server import open_store
 
+        return CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), *args,
+                                         *([] if bare else open_store(args)), "--dry-run"])
+
+    # a store without any key: refused unless said, in one line, before the model loads
+    for args in (("--task-store", str(store)), ("--task-store", f"file://{tmp / 'open'}"),
+                 ("--task-store", str(store), "--task-vector", f"beta={good}",
+                  "--multi-task", "lora")):
+        r = run(*args, bare=True)
+        assert r.exit_code != 0 and "--allow-unauthenticated" in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1 and not store.exists()
+    r = run("--task-vector", f"beta={good}", "--skip-selfcheck", bare=True)  # no store: open
+    assert r.exit_code == 0, r.output
     r = run("--task-store", str(store))
     assert r.exit_code == 0, r.output
     assert not store.exists()  # a missing store is an empty one, created only by a real start

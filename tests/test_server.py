@@ -133,6 +133,7 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
         cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", str(model_dir),
                "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
                *[a for v in vector_args for a in ("--task-vector", v)], *extra,
+               *open_store(extra),
                "--enforce-eager",
                # not vLLM's 1 GiB: half a second of page faults per start, for nothing
                "--kv-cache-memory-bytes", str(kv_bytes)]
@@ -166,6 +167,14 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
             stop(proc, log)
             raise RuntimeError("server did not start: " + log_path.read_text()[-3000:])
     raise AssertionError("unreachable")
+
+
+def open_store(extra) -> list[str]:
+    """`--allow-unauthenticated` for a test's task store served with no key (a store's own
+    keys tests give theirs, and the flag then changes nothing): `serve` refuses it
+    otherwise."""
+    keyed = any(a in extra for a in ("--api-keys", "--api-key", "--allow-unauthenticated"))
+    return ["--allow-unauthenticated"] if "--task-store" in extra and not keyed else []
 
 
 def _copy(src, dst) -> None:

@@ -1,10 +1,11 @@
 """`ltv-vllm` command line: thin click commands, each a call into the library, one module per
 command group — `base` (the root group, one-line errors, shared option types and groups),
 `models` (models, tasks, data), `extract` (extract, inspect, export-lora, evaluate, report),
-`serve` (selfcheck, serve, classify, compile, tasks remote) and `bench` (the benchmarks).
+`serve` (selfcheck, serve, classify, compile, tasks remote), `keys` (a server's API keys)
+and `bench` (the benchmarks).
 Importing this package registers every command on `main`."""
 
-from ltv_vllm.cli import bench, extract, models, serve  # noqa: F401 - they register commands
+from ltv_vllm.cli import bench, extract, keys, models, serve  # noqa: F401 - they register commands
 from ltv_vllm.cli.base import main
 from ltv_vllm.cli.serve import compile_request
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import asdict, dataclass, replace
-from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +91,10 @@ class HttpFlags:
     host: str
     port: int
     api_keys: str | None
+    allow_unauthenticated: bool
+    key_in_flight: int | None
+    key_rate: float | None
+    key_burst: int | None
     audit_log: str | None
     task_metrics: bool
 
@@ -140,7 +143,20 @@ class ShiftFlags:
     click.option("--api-keys", default=None, metavar="FILE",
                  help="Keys with roles (inference, admin, metrics; `ltv-vllm keys add`): an "
                       "inference key gets a 403 on the task store's changes. The file is read "
-                      "again when it changes (keys add, revoke, rotate)."),
+                      "again when it changes (keys add, revoke, rotate). A shared "
+                      "--task-store that holds keys (keys add --store) is served with those."),
+    click.option("--allow-unauthenticated", is_flag=True,
+                 help="Serve a --task-store with no key at all: anyone who reaches the port "
+                      "may add, replace and delete tasks (refused without this flag)."),
+    click.option("--key-in-flight", type=int, default=None, metavar="N",
+                 help="Each key's requests in flight at once, unless its entry sets its own; "
+                      "past it a 429 [default: no limit]."),
+    click.option("--key-rate", type=float, default=None, metavar="R",
+                 help="Each key's requests a second (a token bucket), unless its entry sets "
+                      "its own; past it a 429 with Retry-After [default: no limit]."),
+    click.option("--key-burst", type=int, default=None, metavar="B",
+                 help="With --key-rate: requests a key may send at once over the rate "
+                      "[default: one second's]."),
     click.option("--audit-log", default=None, metavar="FILE",
                  help="With --task-store: every store operation as a JSON line, appended "
                       "(- for stderr)."),
@@ -208,8 +224,11 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], store: StoreFlags, h
             return
         # the admission key is the server's secret: never printed (a fresh one each start)
         shown = {k: "<a fresh key>" if k == ADMIT_ENV else v for k, v in plan.env.items()}
+        argv = [("<your key>" if i and plan.argv[i - 1] == "--api-key" else
+                 "--api-key=<your key>" if a.startswith("--api-key=") else a)
+                for i, a in enumerate(plan.argv)]  # a key given to vLLM is not echoed
         click.echo(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown.items()),
-                             *(shlex.quote(a) for a in plan.argv)]), err=True)
+                             *(shlex.quote(a) for a in argv)]), err=True)
 
     if export_dir is not None:
         from ltv_vllm.serving.launcher.deploy import DEPLOY_ENV
@@ -229,82 +248,6 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], store: StoreFlags, h
     # nothing printed before it), then prints the warnings and the command, then the server
     # replaces this process
     plan.start(announce)
-
-
-@main.group("keys")
-def keys_group() -> None:
-    """API keys with roles for `serve --api-keys FILE`."""
-
-
-EXPIRES = click.option("--expires", default=None, metavar="WHEN",
-                       help="Refuse the key from then on: a duration (30d, 12h, 90m) or an "
-                            "ISO-8601 date or time (UTC unless given) [default: never].")
-
-
-@keys_group.command("add")
-@click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--id", "key_id", required=True, help="The key's name (audit log, metrics).")
-@click.option("--role", type=click.Choice(["inference", "admin", "metrics"]), required=True,
-              help="inference: model routes and listing; admin: also the task store's changes "
-                   "and vLLM's operator routes; metrics: GET /metrics only.")
-@EXPIRES
-@friendly
-def keys_add(file: str, key_id: str, role: str, expires: str | None) -> None:
-    """Make a key, store its sha256 in FILE (created if missing), print the key once. A
-    server started with `--api-keys FILE` accepts it within a second, without a restart."""
-    import time
-
-    from ltv_vllm.serving.contract.keys import add_key, parse_expiry
-
-    when = parse_expiry(expires, time.time()) if expires is not None else None
-    click.echo(add_key(file, key_id, role, when))
-
-
-@keys_group.command("list")
-@click.argument("file", type=click.Path(dir_okay=False, exists=True))
-@friendly
-def keys_list(file: str) -> None:
-    """The keys in FILE: id, role, and when each expires (never a key or its hash)."""
-    import time
-    from datetime import datetime
-
-    from ltv_vllm.serving.contract.keys import expired, read_keys
-
-    now = time.time()
-    for k in read_keys(file):
-        when = ("never" if "expires" not in k else datetime.fromtimestamp(
-            k["expires"], UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            + (" (expired)" if expired(k, now) else ""))
-        click.echo(f"{k['id']}\t{k['role']}\texpires {when}")
-
-
-@keys_group.command("revoke")
-@click.argument("file", type=click.Path(dir_okay=False, exists=True))
-@click.option("--id", "key_id", required=True, help="The key to take out.")
-@friendly
-def keys_revoke(file: str, key_id: str) -> None:
-    """Take a key out of FILE: servers started with `--api-keys FILE` refuse it within a
-    second (LTV_VLLM_KEYS_POLL), without a restart."""
-    from ltv_vllm.serving.contract.keys import revoke_key
-
-    revoke_key(file, key_id)
-    click.echo(f"revoked {key_id}")
-
-
-@keys_group.command("rotate")
-@click.argument("file", type=click.Path(dir_okay=False, exists=True))
-@click.option("--id", "key_id", required=True, help="The key to replace (its role is kept).")
-@EXPIRES
-@friendly
-def keys_rotate(file: str, key_id: str, expires: str | None) -> None:
-    """A new key for an id (same role), printed once; the old one is refused within a
-    second by servers started with `--api-keys FILE`."""
-    import time
-
-    from ltv_vllm.serving.contract.keys import parse_expiry, rotate_key
-
-    when = parse_expiry(expires, time.time()) if expires is not None else None
-    click.echo(rotate_key(file, key_id, when))
 
 
 # every command that talks to a server (classify, compile, tasks remote ...)

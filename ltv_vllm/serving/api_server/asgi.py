@@ -91,9 +91,10 @@ MODELS_PATH = "/v1/models"
 TASKS_PATH = "/v1/ltv/tasks"
 
 
-def listed(body: bytes, cards: list[dict[str, Any]]) -> bytes:
+def listed(body: bytes, cards: list[dict[str, Any]], keep: Any = None) -> bytes:
     """vLLM's `/v1/models` answer with the store's task cards: added, or (a LoRA adapter
-    vLLM lists itself) merged into its card."""
+    vLLM lists itself) merged into its card; `keep(card)`: the cards a caller sees (None:
+    all)."""
     doc = json.loads(body)
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list):
@@ -106,12 +107,14 @@ def listed(body: bytes, cards: list[dict[str, Any]]) -> bytes:
             have[card["id"]]["ltv"] = card["ltv"]
         else:
             data.append({**card, "root": root, "parent": root})
+    if keep is not None:
+        doc["data"] = [c for c in data if isinstance(c, dict) and keep(c)]
     return json.dumps(doc).encode()
 
 
-def with_listing(send: Any, cards: list[dict[str, Any]]) -> Any:
-    """`send` for `/v1/models`: the answer's body held, the store's cards added (`listed`),
-    and its length set again."""
+def with_listing(send: Any, cards: list[dict[str, Any]], keep: Any = None) -> Any:
+    """`send` for `/v1/models`: the answer's body held, the store's cards added and those
+    the caller may not see taken out (`listed`), and its length set again."""
     held: list[dict[str, Any]] = []
 
     async def send_listed(msg: dict[str, Any]) -> None:
@@ -127,7 +130,7 @@ def with_listing(send: Any, cards: list[dict[str, Any]]) -> Any:
             start = held[0]
             if start["status"] == 200:
                 try:
-                    body = listed(body, cards)
+                    body = listed(body, cards, keep)
                 except ValueError:
                     pass
             headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]

@@ -145,6 +145,7 @@ class Ask:
     model: Any
     route: str = ""  # the path it arrived on
     view: dict[str, Any] = field(default_factory=dict)
+    tenant: Any = None  # the caller's `contract.tenancy.Scope` (None: every task)
 
     @classmethod
     def of(cls, path: str, payload: dict[str, Any], scope: dict[str, Any]) -> Ask:

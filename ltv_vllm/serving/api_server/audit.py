@@ -48,14 +48,18 @@ class AuditLog:
                 **fields, "key": key, "client": client, "replica": self.replica}
         await asyncio.to_thread(self._write_audit, json.dumps(line))
 
-    async def _audit_refusal(self, scope: dict[str, Any], key: str, status: int) -> None:
-        """A store change the gate refused (a key without the admin role)."""
+    async def _audit_refusal(self, scope: dict[str, Any], key: str, status: int,
+                             op: str | None = None, name: str | None = None,
+                             error: str = "forbidden: not an admin key") -> None:
+        """A request the gate refused: a store change without the admin role, or (`op`
+        "use", `name`) a model outside the key's scope."""
         path = str(scope.get("path", ""))
         client = scope.get("client")
-        await self._log({"DELETE": "delete"}.get(str(scope.get("method")), "add"),
-                        path.rstrip("/").removeprefix(TASKS_PATH).strip("/") or None, key,
-                        client[0] if client else None, status=status,
-                        error="forbidden: not an admin key")
+        if op is None:
+            op = {"DELETE": "delete"}.get(str(scope.get("method")), "add")
+            name = path.rstrip("/").removeprefix(TASKS_PATH).strip("/") or None
+        await self._log(op, name, key, client[0] if client else None, status=status,
+                        error=error)
 
     def _write_audit(self, text: str) -> None:
         if self.audit == "-":

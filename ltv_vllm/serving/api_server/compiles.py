@@ -18,6 +18,7 @@ from typing import Any
 from ltv_vllm.serving.api_server.asgi import error_response as _error
 from ltv_vllm.serving.api_server.gate import KEY_STATE
 from ltv_vllm.serving.api_server.metrics import store_operation
+from ltv_vllm.serving.api_server.tenancy import outside
 from ltv_vllm.serving.contract.names import COMPILE_WORKER
 from ltv_vllm.serving.store.compile import ENTRY
 
@@ -40,6 +41,9 @@ class Compiles:
             return _error(400, "malformed JSON: nested too deeply", "BadRequestError")
         except ValueError as e:
             return _error(400, f"malformed JSON: {e}", "BadRequestError")
+        if (out := outside(request, body.get("name") if isinstance(body, dict) else None)
+                ) is not None:
+            return out
         try:
             req = await asyncio.to_thread(parse_request, body, tokenizer=self.tokenizer,
                                           max_model_len=self.max_model_len)

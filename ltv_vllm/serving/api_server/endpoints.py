@@ -66,6 +66,7 @@ from ltv_vllm.serving.api_server.metrics import store_operation
 from ltv_vllm.serving.api_server.registry import StoreHooks, TaskRegistry
 from ltv_vllm.serving.api_server.removal import Removal
 from ltv_vllm.serving.api_server.residency import _multiprocess_metrics, _register_residency
+from ltv_vllm.serving.api_server.tenancy import tenant_of as _tenant
 from ltv_vllm.serving.api_server.uploads import Uploads
 from ltv_vllm.serving.contract.settings import ServerSettings
 from ltv_vllm.serving.contract.wire import named_tasks, task_key
@@ -246,27 +247,33 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
         router = APIRouter()
 
         @router.get("/v1/ltv/tasks")
-        async def list_tasks() -> Any:
+        async def list_tasks(request: Request) -> Any:
             if (off := self._off()) is not None:
                 return off
             entries = await asyncio.to_thread(self._entries)
             # an entry being deleted is listed as such; one being published is still its job
-            return {"object": "list", "data": [self._view(e) for e in entries
-                                               if e.name not in self.deleting
-                                               and e.name not in self.jobs]
+            data = ([self._view(e) for e in entries
+                     if e.name not in self.deleting and e.name not in self.jobs]
                     + [self._job_view(n) for n in sorted(self.jobs)]
-                    + [self._deleting_view(n) for n in sorted(self.deleting)]}
+                    + [self._deleting_view(n) for n in sorted(self.deleting)])
+            tenant = _tenant(request)  # a scoped key lists its own tasks only
+            return {"object": "list", "data": [t for t in data if tenant is None
+                                               or tenant.covers(t["name"])]}
 
         @router.get("/v1/ltv/tasks/{name}")
-        async def get_task(name: str) -> Any:
+        async def get_task(name: str, request: Request) -> Any:
             if (off := self._off(name)) is not None:
                 return off
+            if (hidden := self._hidden(request, name)) is not None:
+                return await self._audit(request, "read", name, hidden)
             return await self._entry_orerror_response(name)
 
         @router.delete("/v1/ltv/tasks/{name}")
         async def delete_task(name: str, request: Request) -> Any:
             if (off := self._off(name)) is not None:
                 return off
+            if (hidden := self._hidden(request, name)) is not None:
+                return await self._audit(request, "delete", name, hidden)
             t0 = time.perf_counter()
             answer = await self._delete(name)
             await self._siblings_follow()
@@ -310,6 +317,15 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
             except UserError as e:
                 return _error(400, str(e), "BadRequestError", "name")
         return None
+
+    def _hidden(self, request: Any, name: str) -> Any:
+        """A scoped key's 404 for a task outside its scope: the answer a name no store holds
+        gets, whether this one exists or not (None: in scope)."""
+        tenant = _tenant(request)
+        if tenant is None or tenant.covers(name):
+            return None
+        return self._fail(404, f"no task {name!r} in {self.store.root}", "NotFoundError",
+                          "name")
 
     def _entries(self) -> list[Any]:
         """This server's entries that read; one that does not is skipped (never a failed

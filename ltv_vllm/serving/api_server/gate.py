@@ -12,6 +12,9 @@ vLLM's authentication and before any handler reads a body. In order, for each HT
    anyone. Refused: 401, nothing read. A request with more than one Authorization header is
    a 400 on every path (the gate and vLLM could each read another key). A key's role
    (`keys.may`) may refuse the route: 403, audited only on the task store's own routes.
+   A key's limits (`api_server.tenancy.Limiter`) may refuse the request: 429, Retry-After.
+   A scoped key (`contract.tenancy`) naming a model outside its scope gets a 404 that
+   reads as for a name nothing serves, audited.
 2. **Body size**, counted on the bytes that arrive (not the Content-Length header, which a
    chunked body does not send): a task-vector upload may be `ServerSettings.max_upload` bytes, a
    compile request `MAX_COMPILE_BODY`, anything else `ServerSettings.max_body`. Past the limit the
@@ -44,16 +47,16 @@ vLLM's authentication and before any handler reads a body. In order, for each HT
      flight per adapter name.
    Liveness probes carry no body worth reading: more than `OPEN_BODY` bytes is a 413.
 
+`Gate` serves one fused vector; the multi-task servers' gates (`LoraGate`, `TaskGate`) and
+the folded one's are in `api_server.task_gates`.
+
 Otherwise the body read here is handed on unchanged: the handlers downstream read it as usual.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
-import secrets
 import time
 from typing import Any
 
@@ -83,23 +86,32 @@ from ltv_vllm.serving.api_server.ask import (  # noqa: F401 - Ask re-exported
     route_refusal,
 )
 from ltv_vllm.serving.api_server.registry import TaskRegistry
+from ltv_vllm.serving.api_server.tenancy import (  # noqa: F401 - KEY_STATE re-exported
+    KEY_STATE,
+    SCOPE_STATE,
+    KeyCheck,
+    Limiter,
+    hidden,
+    listing_filter,
+    missing,
+    not_found,
+    too_many,
+)
+from ltv_vllm.serving.contract.keys import Caller
 from ltv_vllm.serving.contract.settings import ServerSettings
 from ltv_vllm.serving.contract.wire import (
     ADMIT_KEY,
-    LORA_PROMPT_LOGPROBS,
     STEPS_KEY,
     TASK_KEY,
     admission,
     canonical_steps,
-    named_tasks,
     stamp,
-    task_prompt_logprobs,
     unknown_task,
 )
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/ping")  # liveness probes: answer without the key
-KEY_STATE = "ltv_key"  # the request's key id in the ASGI scope's state (`keys`)
+CALLER_STATE = "ltv_caller"  # the request's `keys.Caller` in the ASGI scope's state
 OPEN_BODY = 1 << 10  # bytes a liveness probe's body may have (it is read before the app)
 MAX_COMPILE_BODY = 64 << 20  # a compile request's JSON (its limits: `store.compile`)
 
@@ -115,52 +127,9 @@ class Gate:
         settings = ServerSettings.from_env()
         self.max_body = settings.max_body
         self.max_upload = settings.max_upload
-        self._ring: Any = None  # the keys accepted (`contract.keys.KeyRing`), on first use
+        self.keys = KeyCheck()  # the keys accepted, read on first use (`tenancy`)
+        self.limiter = Limiter()  # each key's requests in flight and request rate
         self._registry: TaskRegistry | None = None  # set by the first request (`registry`)
-
-    # -- 1. the key -------------------------------------------------------------------------
-    def tokens(self, scope: dict[str, Any]) -> list[tuple[bytes, str, str]] | None:
-        """(sha256, key id, role) of each key accepted now: `serve --api-keys`' (`contract.keys`:
-        the file read again when it changes, expired keys left out), and vLLM's `--api-key`
-        values, else VLLM_API_KEY (as vLLM's own AuthenticationMiddleware chooses them), each
-        an admin key. None: the server runs without keys."""
-        if self._ring is None:
-            from ltv_vllm.serving.contract.keys import KeyRing
-
-            args = getattr(getattr(scope.get("app"), "state", None), "args", None)
-            if args is None:  # the app is not started yet: nothing is served either
-                return [(b"", "", "")]
-            single = [k for k in (getattr(args, "api_key", None)
-                                  or [os.environ.get("VLLM_API_KEY")]) if k]
-            settings = ServerSettings.from_env()
-            self._ring = KeyRing(settings.api_keys, settings.api_keys_file, single)
-        ring = self._ring
-        if not (ring.keys or ring.path or ring.single):
-            return None
-        now = time.time()
-        if (problem := ring.refresh(now)) is not None:
-            logger.warning("ltv-vllm gate: %s", problem)
-        return ring.accepted(now)
-
-    def identify(self, scope: dict[str, Any]) -> tuple[str, str] | None:
-        """(key id, role) of the request's key; ("", "admin") on a server without keys;
-        None: no key, or not one of the server's."""
-        tokens = self.tokens(scope)
-        if tokens is None:
-            return "", "admin"  # the server runs without a key
-        auth = ""
-        for k, v in scope.get("headers") or []:
-            if k == b"authorization":
-                auth = v.decode("latin-1")
-        scheme, _, key = auth.partition(" ")
-        if scheme.lower() != "bearer":
-            return None
-        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
-        found = None
-        for t, key_id, role in tokens:  # constant time, every key compared
-            if secrets.compare_digest(digest, t) and found is None:
-                found = key_id, role
-        return found
 
     # -- 2. the body ------------------------------------------------------------------------
     def limit(self, scope: dict[str, Any]) -> tuple[int, str]:
@@ -223,6 +192,24 @@ class Gate:
         if scope["type"] != "http" or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
+        caller = (scope.get("state") or {}).get(CALLER_STATE)
+        if caller is None or self.path(scope).rstrip("/") == "/metrics":
+            await self.handle(scope, receive, send, registry)  # not a client's request
+            return
+        if (over := self.limiter.take(caller, time.monotonic())) is not None:
+            metrics.key_request(caller.key_id, over[0])
+            await respond(send, 429, too_many(caller, *over),
+                          [(b"retry-after", str(over[1]).encode())])
+            return
+        metrics.key_request(caller.key_id, "admitted")
+        try:
+            await self.handle(scope, receive, send, registry)
+        finally:
+            self.limiter.release(caller)
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any,
+                     registry: TaskRegistry) -> None:
+        """Steps 2 and 3, then the app."""
         read = await self.read(scope, receive, send)
         if read is None:
             return
@@ -257,7 +244,7 @@ class Gate:
             return None
         if scope.get("method") == "OPTIONS" or self.path(scope) in OPEN_PATHS:
             return scope
-        who = self.identify(scope)
+        who = await self.keys.identify(scope)
         if who is None:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008})
@@ -270,31 +257,43 @@ class Gate:
         from ltv_vllm.serving.contract.keys import may
 
         method, path = str(scope.get("method", "GET")), self.path(scope)
-        if not may(who[1], method, path):
+        if not may(who.role, method, path, who.scope is not None):
             await self.forbid(scope, send, who, method, path)
             return None
-        # who made the request, for the task endpoints' audit log
-        return {**scope, "state": {**(scope.get("state") or {}), KEY_STATE: who[0]}}
+        # who made the request: the limits, the scope's checks, the endpoints' audit log
+        return {**scope, "state": {**(scope.get("state") or {}), KEY_STATE: who.key_id,
+                                   SCOPE_STATE: who.scope, CALLER_STATE: who}}
 
-    async def forbid(self, scope: dict[str, Any], send: Any, who: tuple[str, str],
+    async def forbid(self, scope: dict[str, Any], send: Any, who: Caller,
                      method: str, path: str) -> None:
-        """A 403 for a key whose role does not take the route (audited on the store's own)."""
+        """A 403 for a key whose role (or scope) does not take the route (audited on the
+        store's own)."""
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
         store = store_route(path)
-        hooks = self._registry.store if self._registry is not None else None
-        if (store and method not in ("GET", "HEAD") and hooks is not None
-                and hooks.audit_refusal is not None):
+        if store and method not in ("GET", "HEAD"):
             # a refused change of the store is audited too; no read, no other path (the
             # audit log's names are task names, its lines bounded)
-            await hooks.audit_refusal({**scope, "path": path.rstrip("/")}, who[0], 403)
+            await self.audit(scope, who.key_id, 403, path=path.rstrip("/"))
         metrics.refused("forbidden")
-        what = ("changing the task store" if store or path.startswith(TASKS_PATH)
-                else f"{method} {path[:80]} (an operator route)")
+        if who.scope is not None and not store:
+            what = (f"{method} {path[:80]} spans every tenant: it takes an unscoped key")
+        else:
+            what = ("changing the task store" if store or path.startswith(TASKS_PATH)
+                    else f"{method} {path[:80]} (an operator route)") + " takes an admin key"
         await respond(send, 403, json_error(
-            403, f"Forbidden: key {who[0]!r} has the {who[1]} role; {what} takes an "
-                 "admin key", "PermissionDeniedError"))
+            403, f"Forbidden: key {who.key_id!r} has the {who.role} role"
+                 f"{' and a scope' if who.scope is not None else ''}; {what}",
+            "PermissionDeniedError"))
+
+    async def audit(self, scope: dict[str, Any], key_id: str, status: int,
+                    path: str | None = None, **fields: Any) -> None:
+        """An audit line for a request the gate refused (with `--audit-log`)."""
+        hooks = self._registry.store if self._registry is not None else None
+        if hooks is not None and hooks.audit_refusal is not None:
+            await hooks.audit_refusal({**scope, **({"path": path} if path else {})},
+                                      key_id, status, **fields)
 
     async def read(self, scope: dict[str, Any], receive: Any,
                    send: Any) -> tuple[bytes, list[dict]] | None:
@@ -334,9 +333,17 @@ class Gate:
             return scope, body, None, None
         try:
             ask = Ask.of(self.path(scope), payload, scope)
+            ask.tenant = (scope.get("state") or {}).get(SCOPE_STATE)
+            if (answer := await self.out_of_scope(scope, ask)) is not None:
+                await respond(send, *answer)
+                return None
             if (why := await self.resolve(ask)) is not None:
                 metrics.refused("unresolved")
                 await respond(send, 503, json_error(503, why, "ServiceUnavailableError"))
+                return None
+            if missing(ask.tenant, ask.model, scope, self._registry):
+                metrics.refused("unknown_task")  # its own name, not served (yet)
+                await respond(send, 404, not_found(ask.model))
                 return None
             if (refused := self.refuse(scope, ask)) is None:
                 return self.admitted(scope, body, ask)
@@ -384,9 +391,11 @@ class Gate:
 
         if shown is not None:
             send = renamed(send, base_name(scope), shown)
-        if (registry.store is not None and scope.get("method") == "GET"
-                and self.path(scope).rstrip("/") == MODELS_PATH):
-            send = with_listing(send, registry.store.listing())
+        if scope.get("method") == "GET" and self.path(scope).rstrip("/") == MODELS_PATH:
+            keep = listing_filter((scope.get("state") or {}).get(SCOPE_STATE), scope)
+            if registry.store is not None or keep is not None:
+                cards = registry.store.listing() if registry.store is not None else []
+                send = with_listing(send, cards, keep)
         if counted is None:
             await self.app(scope, replayed, send)
             return
@@ -397,6 +406,26 @@ class Gate:
             registry.leave(counted)
 
     # -- 3. what a request asks of the shift ----------------------------------------------------
+    async def out_of_scope(self, scope: dict[str, Any], ask: Ask) -> tuple[int, bytes] | None:
+        """A scoped caller's request naming a model or task outside its scope: (status, body)
+        of its answer, the same whether the name exists or not (audited), or None."""
+        from ltv_vllm.serving.api_server.tenancy import served
+
+        named = ask.named if isinstance(ask.named, str) else None
+        for name, status in ((ask.model, 404), (named, 400)):
+            if not hidden(ask.tenant, name, scope):
+                continue
+            key_id = (scope.get("state") or {}).get(KEY_STATE, "")
+            await self.audit(scope, key_id, status, op="use", name=str(name)[:80],
+                             error="out of the key's scope")
+            metrics.refused("unknown_task")
+            if status == 404:
+                return 404, not_found(name)
+            mine = {t for t in served(scope, self._registry) if ask.tenant.covers(t)}
+            return 400, json_error(400, unknown_task(name, mine), "BadRequestError",
+                                   f"vllm_xargs.{TASK_KEY}")
+        return None
+
 
     async def resolve(self, ask: Ask) -> str | None:
         """Before the request is judged: each model it names that this replica does not
@@ -463,137 +492,3 @@ class Gate:
         """The name the response's `model` should carry where vLLM would name the base model
         (None: as vLLM answers)."""
         return None
-
-
-class FoldedGate(Gate):
-    """A fused server whose vector is folded into the LM head: every token of every request
-    is shifted by the weights themselves. Its engine admits only stamped requests (so no
-    route the gate does not serve can reach the shifted head), and vLLM's beam search sends
-    each step as a new request without the stamp: refused here, as on an unfolded server."""
-
-
-class LoraGate(Gate):
-    """Steps 1, 2 and 3, for multi-task serving with LoRA adapters: a task is an adapter
-    chosen by `model`, which applies at every step (beam search's too: vLLM hands each beam
-    step the request's adapter)."""
-
-    def refuse(self, scope: dict[str, Any], ask: Ask) -> tuple[str, ...] | None:
-        if (bad := ask.malformed()) is not None:
-            return bad
-        if ask.named is not None:
-            # the engine refuses it, but on a background response only after a 200
-            # "queued" (then "queued" forever): refused here, on every route
-            return (f"vllm_xargs.{TASK_KEY}: a LoRA server (--multi-task lora) serves a task "
-                    "as the adapter its `model` names", "BadRequestError",
-                    f"vllm_xargs.{TASK_KEY}")
-        if ask.prompt_logprobs:
-            return LORA_PROMPT_LOGPROBS, "BadRequestError", "prompt_logprobs"
-        adapter = isinstance(ask.model, str) and ask.model not in base_names(scope)
-        if adapter and ask.path not in (*SHIFT_PATHS, *NO_SHIFT_PATHS):
-            # vLLM chooses an adapter by `model` on every route; only these are proven
-            # (a background response, scoring, scale-out generate outlive or bypass them)
-            return route_refusal(f"task {ask.model!r}")
-        if (adapter
-                and (ask.chat or ask.path in SHIFT_PATHS)):
-            return ask.rendering(ask.model, ask.model, self._registry.chat_fitted())
-        return None
-
-    def counted(self, ask: Ask) -> Any:
-        return ask.model
-
-
-class TaskGate(Gate):
-    """Steps 1, 2 and 3, for multi-task serving with per-request tasks (`engine.steps`):
-    the gate alone decides a request's task. A request whose `model` (or
-    `vllm_xargs.ltv_task`) is a served task gets `vllm_xargs.ltv_task` set to its engine key
-    (the body handed on is rewritten), so the engine shifts its rows with that task's vector.
-    Every task is a served name of the one model, so vLLM's own routes would otherwise answer
-    it with the bare model: a task named on any other route, or a request shape the shift
-    cannot follow (beam search), is a 400 rather than an unshifted answer."""
-
-    def __init__(self, app: Any) -> None:
-        super().__init__(app)
-        # never an engine key (a store task's NAME@DIGEST, a probe's @NAME): the gate's own
-        self.tasks = frozenset(t for t in named_tasks() if "@" not in t)
-
-    def is_task(self, name: Any) -> bool:
-        """A command-line task's name, or a task-store task served now (never an engine key:
-        those are the server's own)."""
-        return isinstance(name, str) and (name in self.tasks or name in self._registry.keys)
-
-    def task(self, ask: Ask) -> Any:
-        """The task a request names (by `model` or `vllm_xargs.ltv_task`), or None."""
-        if self.is_task(ask.model):
-            return ask.model
-        named = ask.named
-        return named if self.is_task(named) else None
-
-    def counted(self, ask: Ask) -> Any:
-        # a store task by its engine key: a DELETE frees the name at once and waits, for the
-        # key's pin, only for the requests admitted with that key
-        task = self.task(ask)
-        return self._registry.key_of(task) if task is not None else None
-
-    def refuse(self, scope: dict[str, Any], ask: Ask) -> tuple[str, ...] | None:
-        if (bad := ask.malformed()) is not None:
-            return bad
-        named, task = ask.named, self.task(ask)
-        if named is not None and not self.is_task(named):
-            return unknown_task(named, self.tasks | set(self._registry.keys)), "BadRequestError", \
-                f"vllm_xargs.{TASK_KEY}"
-        if self.is_task(ask.model) and named is not None and named != ask.model:
-            return (f"model {ask.model!r} and vllm_xargs.{TASK_KEY} {named!r} name two tasks; "
-                    "name one", "BadRequestError", "vllm_xargs")
-        if named is not None and ask.model is not None and not self.is_task(ask.model) \
-                and (not isinstance(ask.model, str) or ask.model not in base_names(scope)):
-            return (f"model {str(ask.model)[:80]!r} beside vllm_xargs.{TASK_KEY}: a task's "
-                    "vector shifts the base model it was fitted on; name the served base "
-                    "model or the task itself, not another model or a LoRA adapter",
-                    "BadRequestError", "model")
-        if ask.path in NO_SHIFT_PATHS:
-            return None  # nothing is generated: a task's name stands for the model's tokenizer
-        if ask.path not in SHIFT_PATHS:
-            if task is not None or ask.ltv_keys:
-                return route_refusal(f"task {task!r}" if task is not None
-                                     else f"vllm_xargs.{ask.ltv_keys[0]}")
-            return None
-        if task is None:
-            return None  # the bare model
-        if ask.beam:
-            return beam_refusal(f"task {task!r}"), "BadRequestError", "use_beam_search"
-        if ask.prompt_logprobs:  # the engine refuses them too; here before any stream starts
-            return task_prompt_logprobs(), "BadRequestError", "prompt_logprobs"
-        return ask.rendering(task, task, self._registry.chat_fitted())
-
-    def shifts(self, ask: Ask) -> bool:
-        # after `rewrite`: a task's request carries its engine key (refused otherwise)
-        return ask.path in SHIFT_PATHS and isinstance(ask.named, str)
-
-    def shown(self, scope: dict[str, Any], ask: Ask) -> str | None:
-        # vLLM answers every request with its first served name; a task's request names
-        # the task it got (by `model`, or by `vllm_xargs.ltv_task` beside the base name)
-        if ask.path not in SHIFT_PATHS:
-            return None
-        task = self.task(ask)
-        return task if task is not None and task != base_name(scope) else None
-
-    def rewrite(self, scope: dict[str, Any], ask: Ask) -> bool:
-        task = self.task(ask)
-        if task is None:
-            return False
-        if ask.path in NO_SHIFT_PATHS:
-            if task in self._registry.keys and ask.model == task:
-                ask.set_model(base_name(scope))  # a store task's tokenizer is the model's
-                return True
-            return False
-        # SHIFT_PATHS only (refuse): the engine's key for the task, and for a store task the
-        # base model's name (store tasks are not served model names of vLLM's)
-        if task in self._registry.keys:
-            ask.set_model(base_name(scope))
-        ask.payload["vllm_xargs"] = {**(ask.xargs or {}),
-                                     TASK_KEY: self._registry.key_of(task)}
-        return True
-
-
-# where a task's shift is applied (vLLM passes `vllm_xargs` on to the engine); /invocations
-# is served as one of them (`Ask.of`)

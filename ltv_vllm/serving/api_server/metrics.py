@@ -14,6 +14,7 @@ process's values to a file that every scrape sums).
   of a request's task and step policy). A request's shifted tokens are the generated tokens
   its policy shifts: min(steps, generated) per choice.
 - Refusals by reason: the gate's (`refused`).
+- Requests by key id, admitted or over a limit (`key_request`: `api_server.tenancy`).
 - Store operations and their durations: the task endpoints' (`store_operation`).
 - What a replica holds (with rank and size) is read at each scrape (`endpoints.Residency`).
 - The shift's relative size ‖W h‖ / ‖h‖ per task on live traffic: summed in the engine
@@ -39,6 +40,7 @@ STORE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 30
 # why the gate refused a request (`refused`): the label values
 REASONS = ("unauthorized", "forbidden", "too_large", "unresolved", "malformed", "unknown_task",
            "two_names", "beam_search", "prompt_logprobs", "route", "rendering")
+OUTCOMES = ("admitted", "in_flight", "rate")  # a key's request: admitted, or past a limit
 
 
 class TaskMetrics:
@@ -66,16 +68,24 @@ class TaskMetrics:
         self.store = Histogram("ltv_vllm:store_operation_seconds", "Task-store operations "
                                "(upload, compile, delete, resolve, load) and how they ended",
                                ["op", "result"], buckets=STORE_BUCKETS)
+        self.keys = Counter("ltv_vllm:key_requests", "Requests by key id (the keys file's; "
+                            "api-key: vLLM's --api-key; empty: no key), admitted or refused "
+                            "over the key's limit (429)", ["key", "outcome"])
         self.names: set[str] = set()
+        self.key_ids: set[str] = set()
 
     def task(self, name: str) -> str:
         """`name` as a label value, bounded (LABELS)."""
-        if name in self.names:
-            return name
-        if len(self.names) >= LABELS:
-            return OTHER
-        self.names.add(name)
+        return _bounded(self.names, name)
+
+
+def _bounded(seen: set[str], name: str) -> str:
+    if name in seen:
         return name
+    if len(seen) >= LABELS:
+        return OTHER
+    seen.add(name)
+    return name
 
 
 _METRICS: list[TaskMetrics] = []
@@ -98,6 +108,13 @@ def refused(reason: str) -> None:
     """Count a request the gate refused (`reason`: one of REASONS)."""
     if enabled():
         get().refusals.labels(reason if reason in REASONS else "malformed").inc()
+
+
+def key_request(key_id: str, outcome: str) -> None:
+    """Count a request by its key id (`outcome`: one of OUTCOMES)."""
+    if enabled():
+        m = get()
+        m.keys.labels(_bounded(m.key_ids, key_id), outcome).inc()
 
 
 def refusal_reason(refusal: tuple[Any, ...]) -> str:

@@ -36,8 +36,8 @@ class StoreHooks:
     listing: Callable[[], list[dict[str, Any]]]
     # a model this replica does not serve yet (a shared store's): None, or why it gets a 503
     resolve: Callable[[str], Awaitable[str | None]] | None = None
-    # a store change the gate refused: (scope, key id, status), for the audit log
-    audit_refusal: Callable[[dict[str, Any], str, int], Awaitable[None]] | None = None
+    # a request the gate refused: (scope, key id, status[, op, name, error]), audited
+    audit_refusal: Callable[..., Awaitable[None]] | None = None
 
 
 @dataclass

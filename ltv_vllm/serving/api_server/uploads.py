@@ -14,6 +14,7 @@ from typing import Any
 
 from ltv_vllm.serving.api_server.asgi import error_response as _error
 from ltv_vllm.serving.api_server.asgi import media_type
+from ltv_vllm.serving.api_server.tenancy import outside
 from ltv_vllm.serving.contract.wire import served_template, task_key
 from ltv_vllm.serving.store.shared_store import (
     StoreUnavailable,
@@ -45,6 +46,8 @@ class Uploads:
         if not isinstance(name, str) or upload is None or isinstance(upload, str):
             return _error(400, "send a `name` field and a task-vector file `vector`",
                           "BadRequestError")
+        if (out := outside(request, name)) is not None:
+            return out
         try:
             check_name(name)
         except UserError as e:

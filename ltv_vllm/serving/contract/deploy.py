@@ -6,6 +6,7 @@ API server at start (`required_problem`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +46,10 @@ def required_problem(args: Any, required: Mapping[str, Any]) -> str | None:
     if missing := [n for n in required.get("lora_modules", []) if n not in have]:
         return (f"--lora-modules lacks task {missing[0]!r}: one given on the command line "
                 "replaced it")
+    if required.get("api_key") and not (getattr(args, "api_key", None)
+                                        or os.environ.get("VLLM_API_KEY")):
+        return ("this export was made with --api-key, which it does not hold: give the key "
+                "at start (VLLM_API_KEY=KEY in the environment, or --api-key KEY)")
     if (want := required.get("logprobs_mode")) and getattr(args, "logprobs_mode", None) != want:
         return f"--logprobs-mode must be {want} (classification reads it)"
     return None

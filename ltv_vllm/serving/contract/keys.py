@@ -2,6 +2,8 @@
 
     {"keys": [{"id": "ops", "role": "admin", "sha256": "<hex of the key>"},
               {"id": "app-1", "role": "inference", "sha256": "...", "expires": 1767225600},
+              {"id": "team-a", "role": "admin", "sha256": "...",
+               "scope": {"prefix": "team-a."}, "limits": {"in_flight": 8, "rate": 5}},
               {"id": "prometheus", "role": "metrics", "sha256": "..."}]}
 
 `serve --api-keys FILE` reads this file (made by `ltv-vllm keys add | revoke | rotate`, which
@@ -9,7 +11,8 @@ print a new key once and store only its sha256): `inference` keys call the model
 list (completions, chat, `/v1/models`, `GET /v1/ltv/tasks`), `admin` keys also change the task
 store (upload, compile, DELETE) and call vLLM's operator routes (scaling, aborting requests
 by id, caches, sleep: `OPERATOR_ROUTES`), `metrics` keys only scrape `GET /metrics`. A key
-with `expires` (Unix seconds, UTC) is refused from then on. A running server reads the file
+with `expires` (Unix seconds, UTC) is refused from then on; `scope` and `limits`
+(`contract.tenancy`) bound what a key reaches and takes. A running server reads the file
 again when it changes (`KeyRing`, checked at most every `KEYS_POLL` seconds), so a key added,
 revoked or rotated takes effect without a restart. The gate (`api_server.gate`) compares a
 request's key against every stored hash in constant time and refuses a role's missing right
@@ -27,9 +30,10 @@ import re
 import secrets
 from datetime import UTC
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ltv_vllm.errors import UserError
+from ltv_vllm.serving.contract.tenancy import Limits, Scope, TenancyError, limits_of, scope_of
 
 ROLES = ("inference", "admin", "metrics")
 KEYS_POLL_ENV = "LTV_VLLM_KEYS_POLL"  # seconds between looks at the keys file (a stat)
@@ -40,6 +44,19 @@ SINGLE_KEY_ID = "api-key"  # vLLM's --api-key, as the gate names it (audit log, 
 
 class KeysError(UserError):
     """A keys file that cannot be used (one line)."""
+
+
+FIELDS = {"id", "role", "sha256", "expires", "scope", "limits"}
+
+
+class Caller(NamedTuple):
+    """Who sent a request, as the gate found it: the key's id and role, its scope (None:
+    every task) and its limits (None: none)."""
+
+    key_id: str
+    role: str
+    scope: Scope | None = None
+    limits: Limits | None = None
 
 
 def key_hash(key: str) -> str:
@@ -56,33 +73,48 @@ def read_keys(path: str | Path) -> list[dict[str, str]]:
         raise KeysError(f"--api-keys {p}: cannot read it ({e.strerror})") from None
     except ValueError as e:
         raise KeysError(f"--api-keys {p}: not JSON ({e})") from None
+    return check_keys(doc, f"--api-keys {p}")
+
+
+def check_keys(doc: Any, where: str) -> list[dict[str, Any]]:
+    """The keys of a keys document (`{"keys": [...]}`, read from `where`), checked."""
     keys = doc.get("keys") if isinstance(doc, dict) else None
     if not isinstance(keys, list) or not keys:
-        raise KeysError(f"--api-keys {p}: expected {{\"keys\": [...]}} with at least one key")
+        raise KeysError(f"{where}: expected {{\"keys\": [...]}} with at least one key")
     seen: set[str] = set()
-    out = []
-    for i, k in enumerate(keys):
-        where = f"--api-keys {p}: key {i}"
-        if not isinstance(k, dict) or not {"id", "role", "sha256"} <= set(k) <= {
-                "id", "role", "sha256", "expires"}:
-            raise KeysError(f"{where}: give exactly id, role and sha256 (and expires, if any)")
-        if not isinstance(k["id"], str) or not KEY_ID.fullmatch(k["id"]):
-            raise KeysError(f"{where}: id must be 1-64 letters, digits, '_', '.', '-'")
-        if k["id"] in seen or k["id"] == SINGLE_KEY_ID:
-            raise KeysError(f"{where}: id {k['id']!r} is taken")
-        if k["role"] not in ROLES:
-            raise KeysError(f"{where}: role must be one of {', '.join(ROLES)}, got "
-                            f"{str(k['role'])[:40]!r}")
-        if not isinstance(k["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}", k["sha256"]):
-            raise KeysError(f"{where}: sha256 must be 64 lowercase hex digits (the key's "
-                            "hash, never the key)")
-        if "expires" in k and (isinstance(k["expires"], bool)
-                               or not isinstance(k["expires"], int) or k["expires"] < 0):
-            raise KeysError(f"{where}: expires must be Unix seconds (an integer)")
-        seen.add(k["id"])
-        out.append({"id": k["id"], "role": k["role"], "sha256": k["sha256"],
-                    **({"expires": k["expires"]} if "expires" in k else {})})
-    return out
+    return [_checked(k, f"{where}: key {i}", seen) for i, k in enumerate(keys)]
+
+
+def _checked(k: Any, where: str, seen: set[str]) -> dict[str, Any]:
+    """One keys-file entry, checked, as it is written back."""
+    if not isinstance(k, dict) or not {"id", "role", "sha256"} <= set(k) <= FIELDS:
+        raise KeysError(f"{where}: give id, role and sha256 (and expires, scope, limits, "
+                        "if any), nothing else")
+    if not isinstance(k["id"], str) or not KEY_ID.fullmatch(k["id"]):
+        raise KeysError(f"{where}: id must be 1-64 letters, digits, '_', '.', '-'")
+    if k["id"] in seen or k["id"] == SINGLE_KEY_ID:
+        raise KeysError(f"{where}: id {k['id']!r} is taken")
+    if k["role"] not in ROLES:
+        raise KeysError(f"{where}: role must be one of {', '.join(ROLES)}, got "
+                        f"{str(k['role'])[:40]!r}")
+    if not isinstance(k["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}", k["sha256"]):
+        raise KeysError(f"{where}: sha256 must be 64 lowercase hex digits (the key's "
+                        "hash, never the key)")
+    if "expires" in k and (isinstance(k["expires"], bool)
+                           or not isinstance(k["expires"], int) or k["expires"] < 0):
+        raise KeysError(f"{where}: expires must be Unix seconds (an integer)")
+    if "scope" in k and k["role"] == "metrics":
+        raise KeysError(f"{where}: a metrics key scrapes the whole server; scope an "
+                        "inference or admin key")
+    try:
+        scope, limits = scope_of(k), limits_of(k, None)
+    except TenancyError as e:
+        raise KeysError(f"{where}: {e}") from None
+    seen.add(k["id"])
+    return {"id": k["id"], "role": k["role"], "sha256": k["sha256"],
+            **({"expires": k["expires"]} if "expires" in k else {}),
+            **({"scope": scope.to_json()} if scope is not None else {}),
+            **({"limits": limits.to_json()} if limits is not None else {})}
 
 
 def check_id(key_id: str) -> None:
@@ -109,49 +141,68 @@ def new_key() -> tuple[str, str]:
     return key, key_hash(key)
 
 
-def add_key(path: str | Path, key_id: str, role: str, expires: int | None = None) -> str:
-    """Make a new key, store its hash in the keys file (created if missing) and return the
-    key itself: the only time it is shown. `expires`: Unix seconds it is refused from."""
-    p = Path(path)
-    keys = read_keys(p) if p.exists() else []
+def added(keys: list[dict[str, Any]], key_id: str, role: str, expires: int | None = None,
+          scope: dict[str, Any] | None = None, limits: dict[str, Any] | None = None,
+          where: str = "the keys") -> tuple[list[dict[str, Any]], str]:
+    """`keys` with a new key (its hash), and the key itself: the only time it is shown.
+    `expires`: Unix seconds it is refused from; `scope`, `limits`: `contract.tenancy`."""
     if role not in ROLES:
         raise KeysError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     check_id(key_id)
     if any(k["id"] == key_id for k in keys):
-        raise KeysError(f"key id {key_id!r} is in {p} already")
+        raise KeysError(f"key id {key_id!r} is in {where} already")
     key, digest = new_key()
-    keys.append({"id": key_id, "role": role, "sha256": digest,
-                 **({"expires": int(expires)} if expires is not None else {})})
+    entry = {"id": key_id, "role": role, "sha256": digest,
+             **({"expires": int(expires)} if expires is not None else {}),
+             **({"scope": scope} if scope is not None else {}),
+             **({"limits": limits} if limits is not None else {})}
+    return [*keys, _checked(entry, f"key {key_id!r}", {k["id"] for k in keys})], key
+
+
+def revoked(keys: list[dict[str, Any]], key_id: str,
+            where: str = "the keys") -> list[dict[str, Any]]:
+    """`keys` without `key_id`'s; the last key cannot go (a server with keys and none
+    left would answer no one)."""
+    rest = [k for k in keys if k["id"] != key_id]
+    if len(rest) == len(keys):
+        raise KeysError(f"no key {key_id!r} in {where}")
+    if not rest:
+        raise KeysError(f"{key_id!r} is the last key in {where}: add another first")
+    return rest
+
+
+def rotated(keys: list[dict[str, Any]], key_id: str, expires: int | None = None,
+            where: str = "the keys") -> tuple[list[dict[str, Any]], str]:
+    """`keys` with a new key for `key_id` (role, scope and limits kept), and the key.
+    `expires` replaces the old expiry (None: the old one is kept)."""
+    if not any(k["id"] == key_id for k in keys):
+        raise KeysError(f"no key {key_id!r} in {where}")
+    key, digest = new_key()
+    return [{**k, "sha256": digest, **({"expires": int(expires)} if expires else {})}
+            if k["id"] == key_id else k for k in keys], key
+
+
+def add_key(path: str | Path, key_id: str, role: str, expires: int | None = None,
+            scope: dict[str, Any] | None = None, limits: dict[str, Any] | None = None) -> str:
+    """`added` to the keys file at `path` (created if missing); the new key."""
+    p = Path(path)
+    keys, key = added(read_keys(p) if p.exists() else [], key_id, role, expires, scope,
+                      limits, where=str(p))
     write_keys(p, keys)
     return key
 
 
 def revoke_key(path: str | Path, key_id: str) -> None:
-    """Take a key out of the keys file (a running server refuses it within `KEYS_POLL`
-    seconds); the last key cannot go (a server with a keys file and no key would answer
-    no one)."""
-    keys = read_keys(path)
-    rest = [k for k in keys if k["id"] != key_id]
-    if len(rest) == len(keys):
-        raise KeysError(f"no key {key_id!r} in {path}")
-    if not rest:
-        raise KeysError(f"{key_id!r} is the last key in {path}: add another first")
-    write_keys(path, rest)
+    """`revoked` from the keys file (a running server refuses it within `KEYS_POLL`
+    seconds)."""
+    write_keys(path, revoked(read_keys(path), key_id, where=str(path)))
 
 
 def rotate_key(path: str | Path, key_id: str, expires: int | None = None) -> str:
-    """A new key for `key_id` (same role; the old one refused within `KEYS_POLL` seconds);
-    the new key, shown once. `expires` replaces the old expiry (None: the old one is kept)."""
-    keys = read_keys(path)
-    if not any(k["id"] == key_id for k in keys):
-        raise KeysError(f"no key {key_id!r} in {path}")
-    key, digest = new_key()
-    out = []
-    for k in keys:
-        if k["id"] == key_id:
-            k = {**k, "sha256": digest, **({"expires": int(expires)} if expires else {})}
-        out.append(k)
-    write_keys(path, out)
+    """`rotated` in the keys file (the old key refused within `KEYS_POLL` seconds); the new
+    key, shown once."""
+    keys, key = rotated(read_keys(path), key_id, expires, where=str(path))
+    write_keys(path, keys)
     return key
 
 
@@ -200,13 +251,17 @@ OPERATOR_ROUTES = frozenset({
 INFERENCE_PREFIX, INFERENCE_ROUTES = "/inference/", ("/inference/v1/generate",)
 
 
-def may(role: str, method: str, path: str) -> bool:
+def may(role: str, method: str, path: str, scoped: bool = False) -> bool:
     """Whether `role` may call `method path` (the gate's rule): admin everything; inference
     everything but the store's changes and the operator routes (`OPERATOR_ROUTES`, anything
-    under /inference/ but generate); metrics only a scrape of /metrics."""
+    under /inference/ but generate); metrics only a scrape of /metrics. A `scoped` key
+    (`contract.tenancy`) calls no operator route and does not scrape: those span tenants."""
+    path = path.rstrip("/")
+    if scoped and (path in OPERATOR_ROUTES or path == "/metrics"
+                   or (path.startswith(INFERENCE_PREFIX) and path not in INFERENCE_ROUTES)):
+        return False
     if role == "admin":
         return True
-    path = path.rstrip("/")
     if role == "metrics":
         return path == "/metrics" and method in ("GET", "HEAD")
     if role != "inference":
@@ -219,70 +274,106 @@ def may(role: str, method: str, path: str) -> bool:
 
 
 def identities(keys: list[dict[str, Any]] | None, single: list[str],
-               now: float | None = None) -> list[tuple[bytes, str, str]]:
-    """(sha256 digest, key id, role) of each accepted key: the keys file's not expired at
-    `now` (None: every one), and vLLM's `--api-key` values as admin keys."""
-    out = [(bytes.fromhex(k["sha256"]), k["id"], k["role"]) for k in keys or []
-           if now is None or not expired(k, now)]
-    out += [(hashlib.sha256(k.encode()).digest(), SINGLE_KEY_ID, "admin") for k in single]
+               now: float | None = None, limits: Limits | None = None
+               ) -> list[tuple[bytes, Caller]]:
+    """(sha256 digest, caller) of each accepted key: the keys file's not expired at `now`
+    (None: every one), and vLLM's `--api-key` values as admin keys; `limits`: the server's
+    default for a key without its own."""
+    out = [(bytes.fromhex(k["sha256"]),
+            Caller(k["id"], k["role"], scope_of(k), limits_of(k, limits)))
+           for k in keys or [] if now is None or not expired(k, now)]
+    out += [(hashlib.sha256(k.encode()).digest(), Caller(SINGLE_KEY_ID, "admin", None, limits))
+            for k in single]
     return out
 
 
-class KeyRing:
-    """The keys a running server accepts (the API-server process's gate): the keys file's as
-    `serve` read it (`keys`, hashes only), read again at the first look and whenever the file
-    at `path` changes
-    (its size, mtime or inode: a stat at most every `poll` seconds), so an added, revoked or
-    rotated key takes effect within `poll` seconds of the write, and an expired one at once.
-    A file that does not read meanwhile (removed, malformed) keeps the last good keys and is
-    reported once (`problem`): an error in the file never opens the server."""
+class KeyFile:
+    """Where a server's keys live: a keys file (`serve --api-keys FILE`). `stamp` changes
+    whenever the file does (size, mtime, inode); `read` gives its keys or a KeysError. A
+    shared store's keys (`store.shared_keys.StoreKeys`) answer the same two calls."""
 
-    def __init__(self, keys: list[dict[str, Any]] | None, path: str | None, single: list[str],
-                 poll: float | None = None) -> None:
-        self.keys, self.path, self.single = list(keys or []), path, list(single)
-        self.poll = float(os.environ.get(KEYS_POLL_ENV) or KEYS_POLL) if poll is None else poll
-        # the file is read at the first look too: it may have changed since `serve` read it
-        self.stamp: tuple[int, int, int] | None = None
-        self.checked = float("-inf")
-        self.problem: str | None = None
-        self._ids: list[tuple[Any, ...]] | None = None
+    def __init__(self, path: str) -> None:
+        self.path = path
 
-    def _stamp(self) -> tuple[int, int, int] | None:
-        if self.path is None:
-            return None
+    def __str__(self) -> str:
+        return self.path
+
+    def stamp(self) -> Any:
         try:
             st = os.stat(self.path)
         except OSError:
             return None
         return st.st_size, st.st_mtime_ns, st.st_ino
 
+    def read(self) -> list[dict[str, Any]]:
+        return read_keys(self.path)
+
+
+class KeyRing:
+    """The keys a running server accepts (the API-server process's gate): the keys as
+    `serve` read them (`keys`, hashes only), read again from `source` at the first look and
+    whenever its stamp changes (a keys file's stat, a shared store's newest keys generation:
+    at most every `poll` seconds), so an added, revoked or rotated key takes effect within
+    `poll` seconds of the write, and an expired one at once. A source that does not read
+    meanwhile (removed, malformed, unreachable) keeps the last good keys and is reported once
+    (`problem`): an error in the keys never opens the server."""
+
+    def __init__(self, keys: list[dict[str, Any]] | None, source: Any, single: list[str],
+                 poll: float | None = None, limits: Limits | None = None) -> None:
+        if isinstance(source, str | Path):
+            source = KeyFile(str(source))
+        self.keys, self.source, self.single = list(keys or []), source, list(single)
+        self.limits = limits
+        self.poll = float(os.environ.get(KEYS_POLL_ENV) or KEYS_POLL) if poll is None else poll
+        # read at the first look too: the keys may have changed since `serve` read them
+        self.stamp: Any = None
+        self.checked = float("-inf")
+        self.problem: str | None = None
+        self._ids: list[tuple[Any, ...]] | None = None
+
+    @property
+    def path(self) -> str | None:
+        """Where the keys are read from (None: only the keys given)."""
+        return None if self.source is None else str(self.source)
+
+    def due(self, now: float) -> bool:
+        return self.source is not None and now - self.checked >= self.poll
+
     def refresh(self, now: float) -> str | None:
-        """Read the file again if it changed; a one-line problem the first time it does not
-        read (None: fine, or reported already)."""
-        if self.path is None or now - self.checked < self.poll:
+        """Read the keys again if they changed; a one-line problem the first time they do
+        not read (None: fine, or reported already)."""
+        if not self.due(now):
             return None
         self.checked = now
-        stamp = self._stamp()
+        try:
+            stamp = self.source.stamp()
+        except KeysError as e:
+            return self._trouble(e, self.stamp)
         if stamp == self.stamp:
             return None
         try:
-            keys = read_keys(self.path)
+            keys = self.source.read()
         except KeysError as e:
-            self.stamp = stamp  # looked at: not read again until it changes
-            if str(e) != self.problem:
-                self.problem = str(e)
-                return f"{e}; the keys read before stay in force"
-            return None
+            return self._trouble(e, stamp)
         self.keys, self.stamp, self.problem = keys, stamp, None
         self._ids = None
         return None
 
-    def accepted(self, now: float) -> list[tuple[bytes, str, str]]:
-        """(sha256 digest, key id, role) of every key accepted at `now` (the digests decoded
-        once per read of the file, not per request)."""
+    def _trouble(self, e: KeysError, stamp: Any) -> str | None:
+        self.stamp = stamp  # looked at: not read again until it changes
+        if str(e) != self.problem:
+            self.problem = str(e)
+            return f"{e}; the keys read before stay in force"
+        return None
+
+    def accepted(self, now: float) -> list[tuple[bytes, Caller]]:
+        """(sha256 digest, caller) of every key accepted at `now` (the digests decoded once
+        per read of the keys, not per request)."""
         if self._ids is None:
             self._ids = [(k.get("expires"), *ident) for k, ident in
-                         zip(self.keys, identities(self.keys, []), strict=True)]
-            self._ids += [(None, *ident) for ident in identities([], self.single)]
-        return [tuple(ident) for expires, *ident in self._ids
+                         zip(self.keys, identities(self.keys, [], limits=self.limits),
+                             strict=True)]
+            self._ids += [(None, *ident)
+                          for ident in identities([], self.single, limits=self.limits)]
+        return [(digest, caller) for expires, digest, caller in self._ids
                 if expires is None or now < expires]

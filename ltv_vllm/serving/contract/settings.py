@@ -38,6 +38,8 @@ class ServerSettings:
     required: dict[str, Any] | None = None  # what vLLM must have parsed (`deploy`)
     api_keys: list[dict[str, str]] | None = None  # keys with roles (`keys`): hashes only
     api_keys_file: str | None = None  # ...and their file, read again when it changes
+    keys_store: str | None = None  # ...or the shared store whose keys they are (`shared_keys`)
+    key_limits: dict[str, Any] | None = None  # a key's limits unless it has its own (`tenancy`)
     audit_log: str | None = None   # store operations as JSON lines: a file ("-": stderr)
     task_metrics: bool = True      # per-task metrics on /metrics (`api_server.metrics`)
 

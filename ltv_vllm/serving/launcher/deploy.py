@@ -52,6 +52,23 @@ def flags_to_config(argv: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def without_api_key(flags: Sequence[str]) -> tuple[list[str], bool]:
+    """`flags` without vLLM's `--api-key` and its values (an export holds no secret: the
+    key is given at each start, as VLLM_API_KEY), and whether one was there."""
+    out: list[str] = []
+    dropping = keyed = False
+    for token in flags:
+        if token == "--api-key" or token.startswith("--api-key="):
+            dropping = token == "--api-key"
+            keyed = True
+            continue
+        if dropping and not token.startswith("--"):
+            continue
+        dropping = False
+        out.append(token)
+    return out, keyed
+
+
 def export(directory: Path, flags: Sequence[str], env: Mapping[str, str],
            admit_every: bool | None) -> list[Path]:
     """Write `vllm.yaml` and `environment.json` into `directory` (created); the paths.

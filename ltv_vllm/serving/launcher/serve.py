@@ -102,6 +102,11 @@ class ServeOptions:
     compile_threads: int = ServerSettings.compile_threads  # the engine keeps the other cores
     max_body_mib: int = ServerSettings.max_body >> 20  # any body but an upload or a compile
     api_keys: str | None = None        # a keys file with roles (`contract.keys`)
+    # a task store served with no key at all: refused unless the operator says so
+    allow_unauthenticated: bool = False
+    key_in_flight: int | None = None   # each key's limits unless it has its own (`tenancy`)
+    key_rate: float | None = None
+    key_burst: int | None = None
     audit_log: str | None = None       # the task store's operations as JSON lines ("-": stderr)
     task_metrics: bool = ServerSettings.task_metrics  # per-task metrics on /metrics
     selfcheck: bool = True  # probe the engine's row plan at start (`api_server.selfcheck`)
@@ -130,6 +135,14 @@ class ServeOptions:
             raise ArgumentError("--api-keys with vLLM's --api-key (or VLLM_API_KEY): vLLM "
                                 "would refuse every other key; add that key to the file as "
                                 "an admin key (ltv-vllm keys add) instead")
+        if self.key_limits is not None:
+            from ltv_vllm.serving.contract.tenancy import Limits, TenancyError
+
+            try:
+                Limits.of(self.key_limits, "--key-in-flight/--key-rate/--key-burst")
+            except TenancyError as e:
+                raise ArgumentError(str(e).replace("in_flight", "--key-in-flight").replace(
+                    "rate", "--key-rate").replace("burst", "--key-burst")) from None
         if self.audit_log is not None and self.task_store is None:
             raise ArgumentError("--audit-log records the task store's operations: give it "
                                 "with --task-store")
@@ -151,6 +164,18 @@ class ServeOptions:
     def vllm(self) -> VllmArgs:
         """vLLM's own arguments, parsed once."""
         return VllmArgs(tuple(self.vllm_args))
+
+    @property
+    def key_limits(self) -> dict[str, Any] | None:
+        """The server's default limits of a key (`contract.tenancy.Limits`), as settings."""
+        out = {k: v for k, v in (("in_flight", self.key_in_flight), ("rate", self.key_rate),
+                                 ("burst", self.key_burst)) if v is not None}
+        return out or None
+
+    @property
+    def keyed(self) -> bool:
+        """Whether a key of vLLM's own is given (`--api-key`, VLLM_API_KEY)."""
+        return self.vllm.value("--api-key") is not None or bool(os.environ.get("VLLM_API_KEY"))
 
     @property
     def lora(self) -> bool:
@@ -259,9 +284,15 @@ class ServerPlan:
         self.prepare(replica=False)
         env = {k: v for k, v in self.env.items() if k != ADMIT_ENV}  # a fresh key per start
         if settings.shared_store:  # each start makes its own copy (`vllm_ext.deploy.apply`)
-            env.update(replace(settings, task_store=None).to_env())
+            settings = replace(settings, task_store=None)
+        # no secret is written: vLLM's --api-key is given at each start (VLLM_API_KEY), and
+        # keys are read from their file or store there (no hashes copied either)
+        flags, keyed = deploy.without_api_key(self.flags)
+        if keyed:
+            settings = replace(settings, required={**(settings.required or {}), "api_key": True})
+        env.update(replace(settings, api_keys=None).to_env())
         every = json.loads(self.env[ADMIT_ENV])["every"] if ADMIT_ENV in self.env else None
-        return deploy.export(directory, self.flags, env, every)
+        return deploy.export(directory, flags, env, every)
 
     def start(self, announce: Any = None) -> None:
         """Prepare, then `announce()` (what `serve` prints), then replace this process with
@@ -293,6 +324,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     model_dir = local_model_dir(spec)  # a hub id: fetched, or found in the cache offline
     parsed = parse_vector_specs(list(opts.vectors))
     store = _plan_store(opts, model_dir, parsed)
+    keys = _plan_keys(opts, store)  # a store open to anyone refused before the heavy work
     probes, lora_probes, notes = _plan_probes(opts, model_dir)
     args, lora, task_env = server_args(_server_spec(opts, model_dir, parsed, store, probes,
                                                     lora_probes))
@@ -308,7 +340,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     given = {n: checked_vector(model_dir, p) for n, p in parsed.items()}  # read above, once
     notes += shortfall_notes(given)
     env.update(_plan_chat(opts, model_dir, given, store.entries, notes))
-    settings = _plan_settings(opts, model_dir, store, lora, bool(probes), lora_probes)
+    settings = _plan_settings(opts, model_dir, store, lora, bool(probes), lora_probes, keys)
     if probes or lora_probes is not None or store.entries is not None or opts.task_metrics:
         # the endpoint plugin: the self-check at start, the task store's routes, the
         # per-task metrics (counted where it hands requests to the engine)
@@ -358,6 +390,34 @@ def _plan_store(opts: ServeOptions, model_dir: Path, parsed: dict[str, Path]) ->
         return _StorePlan(shared, replica_root(shared), {}, {})
     entries, quarantine = store_entries(opts.task_store, model_dir, parsed)
     return _StorePlan(None, Path(opts.task_store).absolute(), entries, quarantine)
+
+
+def _plan_keys(opts: ServeOptions, store: _StorePlan
+               ) -> tuple[list[dict[str, Any]] | None, str | None, str | None]:
+    """The keys a server accepts beside vLLM's own `--api-key`: (their entries, hashes only;
+    the keys file; the shared store they live in). A shared store that holds keys is served
+    with them (every replica follows one source); a task store with no key at all is refused
+    unless the operator says --allow-unauthenticated."""
+    from ltv_vllm.serving.contract.keys import read_keys
+
+    if store.shared is not None:
+        from ltv_vllm.serving.store.shared_keys import StoreKeys
+
+        source = StoreKeys(store.shared)
+        if source.exists():
+            if opts.api_keys is not None or opts.keyed:
+                raise ArgumentError(f"task store {store.shared} holds the API keys every "
+                                    "replica follows: drop --api-keys and --api-key here "
+                                    "(change them with `ltv-vllm keys ... --store`)")
+            return source.read(), None, store.shared
+    if opts.api_keys is not None:
+        return read_keys(opts.api_keys), str(Path(opts.api_keys).absolute()), None
+    if opts.task_store is not None and not opts.keyed and not opts.allow_unauthenticated:
+        raise ArgumentError("a task store served without an API key lets anyone who reaches "
+                            "the port add, replace and delete its tasks: give --api-keys FILE "
+                            "(ltv-vllm keys add), keys in the shared store (ltv-vllm keys add "
+                            "--store), or --api-key; or say --allow-unauthenticated")
+    return None, None, None
 
 
 def _plan_probes(opts: ServeOptions, model_dir: Path) -> tuple[Any, Any, list[str]]:
@@ -431,14 +491,13 @@ def _plan_chat(opts: ServeOptions, model_dir: Path, given: dict[str, TaskVector]
 
 
 def _plan_settings(opts: ServeOptions, model_dir: Path, store: _StorePlan,
-                   lora: LoraPlan | None, probes: bool, lora_probes: Any) -> ServerSettings:
-    """The server's settings (`contract.settings`), but what vLLM must have parsed."""
-    settings = ServerSettings(max_body=opts.max_body_mib << 20)
-    if opts.api_keys is not None:
-        from ltv_vllm.serving.contract.keys import read_keys
-
-        settings = replace(settings, api_keys=read_keys(opts.api_keys),
-                           api_keys_file=str(Path(opts.api_keys).absolute()))
+                   lora: LoraPlan | None, probes: bool, lora_probes: Any,
+                   keyring: tuple[Any, str | None, str | None]) -> ServerSettings:
+    """The server's settings (`contract.settings`), but what vLLM must have parsed;
+    `keyring`: `_plan_keys`'."""
+    settings = ServerSettings(max_body=opts.max_body_mib << 20, key_limits=opts.key_limits)
+    keys, keys_file, keys_store = keyring
+    settings = replace(settings, api_keys=keys, api_keys_file=keys_file, keys_store=keys_store)
     if opts.audit_log not in (None, "-"):
         audit = check_writable(opts.audit_log, option="--audit-log")
         settings = replace(settings, audit_log=str(audit.absolute()))

@@ -54,6 +54,7 @@ from ltv_vllm.serving.store.taskstore import (
 
 FORMAT = 1
 MARKER, OBJECTS, INDEX = "ltv-store.json", "objects", "index"
+KEYS = "keys"  # the store's API keys, if it holds any (`shared_keys`)
 KEEP = 64  # index generations kept (older ones are collected by the writer of a newer one)
 RETRIES = 64  # compare-and-swap attempts before an update gives up (StoreUnavailable)
 SCHEMES = ("s3://", "file://")
@@ -319,7 +320,8 @@ class SharedStore:
     def _refuse_foreign(self) -> None:
         if isinstance(self.backend, DirBackend) and self.backend.root.is_dir() and any(
                 p for p in self.backend.root.iterdir()
-                if not p.name.startswith(".") and p.name not in (MARKER, INDEX, OBJECTS)):
+                if not p.name.startswith(".")
+                and p.name not in (MARKER, INDEX, OBJECTS, KEYS)):
             raise StoreError(f"task store {self}: a directory that is not a shared store (it "
                              "holds other files); give an empty or new directory")
 
