@@ -731,3 +731,49 @@ def test_a_plan_reads_each_vector_file_once(setup, monkeypatch, specs, tmp_path)
     reads.clear()
     serve_mod.plan_server(serve_mod.ServeOptions(str(tmp / "m"), vectors))
     assert str(good.resolve()) in reads
+
+
+def test_an_export_holds_no_secret(setup, monkeypatch):
+    """`--export` with vLLM's `--api-key`: the key is in no file of the export, and a start
+    from it without a key stops in one line (`required_problem`); keys files and a shared
+    store's keys are written as where they are, never as hashes."""
+    from types import SimpleNamespace
+
+    from ltv_vllm.serving.contract.deploy import required_problem
+    from ltv_vllm.serving.contract.keys import add_key
+    from ltv_vllm.serving.contract.settings import ServerSettings
+
+    tmp, good, _ = setup
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    secret = "sk-do-not-write-me-0123456789"
+    for extra, where in ((("--", "--api-key", secret), "dep1"),
+                         ((f"--api-key={secret}",), "dep2")):
+        r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-store",
+                                      f"file://{tmp / 'shared'}", "--export",
+                                      str(tmp / where), *extra])
+        assert r.exit_code == 0, r.output
+        assert secret not in r.output
+        files = list((tmp / where).rglob("*"))
+        assert files and not any(secret in p.read_text() for p in files if p.is_file())
+        env = json.loads((tmp / where / "environment.json").read_text())["env"]
+        settings = ServerSettings.from_env(env)
+        assert settings.required["api_key"] is True
+        args = SimpleNamespace(served_model_name=settings.required["served_model_name"],
+                               api_key=None, hf_overrides=settings.required["hf_overrides"],
+                               logits_processors=settings.required["logits_processors"],
+                               middleware=settings.required["middleware"], lora_modules=[],
+                               logprobs_mode=settings.required["logprobs_mode"])
+        assert "give the key at start" in required_problem(args, settings.required)
+        assert required_problem(SimpleNamespace(**{**vars(args), "api_key": ["k"]}),
+                                settings.required) is None
+    keys = tmp / "keys.json"
+    add_key(keys, "ops", "admin")
+    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-store",
+                                  f"file://{tmp / 'shared'}", "--api-keys", str(keys),
+                                  "--export", str(tmp / "dep3")])
+    assert r.exit_code == 0, r.output
+    settings = ServerSettings.from_env(json.loads(
+        (tmp / "dep3" / "environment.json").read_text())["env"])
+    assert settings.api_keys is None and settings.api_keys_file == str(keys)
+    assert "api_key" not in settings.required
