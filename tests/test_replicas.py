@@ -71,7 +71,9 @@ def start_replicas(d: Path, tmp: Path, store: str, polls: list[float | Path | tu
                                 launcher=lambda port: [
                                     sys.executable, "-m", module,
                                     "--config", str(poll / "vllm.yaml"), "--port", str(port),
-                                    "--kv-cache-memory-bytes", str(64 << 20), *own],
+                                    "--kv-cache-memory-bytes", str(64 << 20),
+                                    # given at the start: the export holds no key
+                                    "--api-key", "x", *own],
                                 layout=layout)
         return start_server(d, [], where, ("--task-store", store, "--store-poll", str(poll),
                                            "--api-key", "x", "--max-tasks", "4", *extra,
