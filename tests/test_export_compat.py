@@ -35,13 +35,14 @@ def load(dotted: str, sep: str) -> object:
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_an_earlier_release_config_names_todays_classes(kind):
-    from ltv_vllm.serving.api_server import gate
+    from ltv_vllm.serving.api_server import gate, task_gates
     from ltv_vllm.serving.contract.names import WRAPPERS, model_class
     from ltv_vllm.serving.engine import models, steps
 
     config = yaml.safe_load((FIXTURES / kind / "vllm.yaml").read_text())
     middleware = load(config["middleware"], ".")
-    assert middleware is getattr(gate, config["middleware"].rpartition(".")[2])
+    name = config["middleware"].rpartition(".")[2]
+    assert middleware is (getattr(gate, name, None) or getattr(task_gates, name))
     assert issubclass(middleware, gate.Gate)
     processor = load(config["logits-processors"], ":")
     assert processor is getattr(steps, config["logits-processors"].rpartition(":")[2])

@@ -139,7 +139,7 @@ def test_a_stored_bad_field_is_quarantined_not_served(probe, tmp_path):
     entry = store.add("alpha", probe_vector(model, d, "alpha", "all"), d)
     save_with_steps(entry.vector(), entry.path / VECTOR, "-1")
     r = CliRunner().invoke(main, ["serve", "--model", str(d), "--task-store", str(store.root),
-                                  "--dry-run"])
+                                  "--allow-unauthenticated", "--dry-run"])
     assert r.exit_code == 0, r.output
     warning = [line for line in r.output.splitlines() if "'alpha' is not served" in line]
     assert len(warning) == 1 and "shift_steps" in warning[0] and "would be moved" in \
@@ -812,7 +812,8 @@ def test_a_second_server_on_a_held_store_refuses_to_start(server, tmp_path):
     srv = server
     before = sorted(p.name for p in srv.store.root.iterdir())
     cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", str(srv.d),
-           "--task-store", str(srv.store.root), "--port", "1", "--dtype", "float32"]
+           "--task-store", str(srv.store.root), "--port", "1", "--dtype", "float32",
+           "--allow-unauthenticated"]
     env = {**__import__("os").environ, "LTV_VLLM_CACHE": str(tmp_path / "cache")}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode != 0, r.stderr[-2000:]
