@@ -312,7 +312,8 @@ def test_a_held_store_is_refused_in_its_one_line(setup, monkeypatch, tokenizer):
     fd = store.hold()  # the other server (this process: a second lock on it is refused)
     try:
         r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-store",
-                                      str(store.root), "--skip-selfcheck"])
+                                      str(store.root), "--skip-selfcheck",
+                                      "--allow-unauthenticated"])
     finally:
         os.close(fd)
     assert r.exit_code == 1, r.output
@@ -517,9 +518,10 @@ def test_every_server_kind_leaves_the_runner_to_vllm(setup, monkeypatch):
              "folded": ["--task-vector", str(good), "--fold"],
              "per-request": ["--task-vector", f"a={good}", "--task-vector", f"b={good}"],
              "lora": ["--task-vector", f"a={good}", "--multi-task", "lora"],
-             "store": ["--task-vector", f"a={good}", "--task-store", str(tmp / "s1")],
+             "store": ["--task-vector", f"a={good}", "--task-store", str(tmp / "s1"),
+                       "--allow-unauthenticated"],
              "lora store": ["--task-vector", f"a={good}", "--multi-task", "lora",
-                            "--task-store", str(tmp / "s2")]}
+                            "--task-store", str(tmp / "s2"), "--allow-unauthenticated"]}
     for kind, args in kinds.items():
         r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), *args, "--dry-run"])
         assert r.exit_code == 0, (kind, r.output)
@@ -566,7 +568,8 @@ def test_other_installed_plugins_keep_loading(setup, monkeypatch, tmp_path):
     tmp, good, _ = setup
     monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
     r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-vector",
-                                  f"a={good}", "--task-store", str(tmp / "s3"), "--dry-run"])
+                                  f"a={good}", "--task-store", str(tmp / "s3"),
+                                  "--allow-unauthenticated", "--dry-run"])
     assert r.exit_code == 0, r.output
     line = next(x for x in r.output.split() if x.startswith("VLLM_PLUGINS="))
     assert set(line.split("=", 1)[1].split(",")) == set(allow), line
