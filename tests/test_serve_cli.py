@@ -165,6 +165,9 @@ def test_task_store_dry_run_and_refusals(setup, monkeypatch, tokenizer):
         r = run(*args, bare=True)
         assert r.exit_code != 0 and "--allow-unauthenticated" in r.output, r.output
         assert len(r.output.strip().splitlines()) == 1 and not store.exists()
+    r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "nope"), "--task-store",
+                                  str(store), "--dry-run"])  # before the model is looked for
+    assert r.exit_code != 0 and "--allow-unauthenticated" in r.output, r.output
     r = run("--task-vector", f"beta={good}", "--skip-selfcheck", bare=True)  # no store: open
     assert r.exit_code == 0, r.output
     r = run("--task-store", str(store))

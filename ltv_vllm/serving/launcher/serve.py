@@ -32,6 +32,7 @@ from ltv_vllm.serving.launcher.recipe import check_pipeline_parallel, check_shif
 from ltv_vllm.serving.launcher.server_args import ServerSpec, required_of, server_args
 from ltv_vllm.serving.launcher.store_setup import (
     shared_store,
+    shared_url,
     store_entries,
     store_rank,
     upload_limit,
@@ -320,11 +321,12 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     check_version()
     opts.vllm.check_speculative()
     opts.vllm.user  # noqa: B018 - the user's flags read (and refused) before the model
+    # a store open to anyone is refused before the model is resolved (or fetched)
+    keys = _plan_keys(opts, shared_url(opts.task_store))
     spec = opts.model_spec or DEFAULT_MODEL
     model_dir = local_model_dir(spec)  # a hub id: fetched, or found in the cache offline
     parsed = parse_vector_specs(list(opts.vectors))
     store = _plan_store(opts, model_dir, parsed)
-    keys = _plan_keys(opts, store)  # a store open to anyone refused before the heavy work
     probes, lora_probes, notes = _plan_probes(opts, model_dir)
     args, lora, task_env = server_args(_server_spec(opts, model_dir, parsed, store, probes,
                                                     lora_probes))
@@ -392,7 +394,7 @@ def _plan_store(opts: ServeOptions, model_dir: Path, parsed: dict[str, Path]) ->
     return _StorePlan(None, Path(opts.task_store).absolute(), entries, quarantine)
 
 
-def _plan_keys(opts: ServeOptions, store: _StorePlan
+def _plan_keys(opts: ServeOptions, shared: str | None
                ) -> tuple[list[dict[str, Any]] | None, str | None, str | None]:
     """The keys a server accepts beside vLLM's own `--api-key`: (their entries, hashes only;
     the keys file; the shared store they live in). A shared store that holds keys is served
@@ -400,16 +402,16 @@ def _plan_keys(opts: ServeOptions, store: _StorePlan
     unless the operator says --allow-unauthenticated."""
     from ltv_vllm.serving.contract.keys import read_keys
 
-    if store.shared is not None:
+    if shared is not None:
         from ltv_vllm.serving.store.shared_keys import StoreKeys
 
-        source = StoreKeys(store.shared)
+        source = StoreKeys(shared)
         if source.exists():
             if opts.api_keys is not None or opts.keyed:
-                raise ArgumentError(f"task store {store.shared} holds the API keys every "
+                raise ArgumentError(f"task store {shared} holds the API keys every "
                                     "replica follows: drop --api-keys and --api-key here "
                                     "(change them with `ltv-vllm keys ... --store`)")
-            return source.read(), None, store.shared
+            return source.read(), None, shared
     if opts.api_keys is not None:
         return read_keys(opts.api_keys), str(Path(opts.api_keys).absolute()), None
     if opts.task_store is not None and not opts.keyed and not opts.allow_unauthenticated:

@@ -26,14 +26,22 @@ def shared_store(spec: str | None) -> tuple[str | None, int]:
     """`--task-store` as a shared store (`store.shared_store`): its URL or directory and how
     many tasks its index holds; (None, 0) for a store of this server's own. Checked here, in
     one line, before anything starts: a store that does not answer, or is not one."""
-    from ltv_vllm.serving.store.shared_store import SharedStore, is_shared
+    from ltv_vllm.serving.store.shared_store import SharedStore
+
+    url = shared_url(spec)
+    if url is None:
+        return None, 0
+    return url, SharedStore(url, create=False).size()  # a new one is made by `prepare`
+
+
+def shared_url(spec: str | None) -> str | None:
+    """`--task-store` as a shared store's URL or absolute directory (None: not one)."""
+    from ltv_vllm.serving.store.shared_store import is_shared
 
     if not is_shared(spec):
-        return None, 0
+        return None
     assert spec is not None
-    url = spec if spec.startswith("s3://") else str(
-        Path(spec.removeprefix("file://")).absolute())
-    return url, SharedStore(url, create=False).size()  # a new one is made by `prepare`
+    return spec if spec.startswith("s3://") else str(Path(spec.removeprefix("file://")).absolute())
 
 
 def store_rank(model_dir: str | Path) -> int:

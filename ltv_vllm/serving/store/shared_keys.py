@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ltv_vllm.serving.contract.keys import KeysError, check_keys
-from ltv_vllm.serving.store.shared_store import KEYS, SharedStore, StoreError, _now
+from ltv_vllm.serving.store.shared_store import KEYS, SharedStore, StoreError, _now, drop_older
 
 KEEP = 16  # generations kept
 RETRIES = 32
@@ -126,9 +126,4 @@ class StoreKeys:
         return self._io("update its keys", attempt)
 
     def _collect(self, newest: int) -> None:
-        try:
-            for g in self._generations():
-                if g <= newest - KEEP:
-                    self.store.backend.delete(_key(g))
-        except Exception:  # noqa: BLE001 - best effort; the next writer collects again
-            pass
+        drop_older(self.store.backend, self._generations, _key, newest, KEEP)

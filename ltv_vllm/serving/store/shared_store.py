@@ -398,12 +398,7 @@ class SharedStore:
     def _collect(self, newest: int) -> None:
         """Drop index generations older than KEEP before `newest` (a reader that listed one
         of them reads the list again)."""
-        try:
-            for g in self._generations():
-                if g <= newest - KEEP:
-                    self.backend.delete(_generation_key(g))
-        except Exception:  # noqa: BLE001 - collection is best effort; the next writer retries
-            pass
+        drop_older(self.backend, self._generations, _generation_key, newest, KEEP)
 
     # -- entries ----------------------------------------------------------------------------------
     def put_vector(self, data: bytes) -> str:
@@ -447,6 +442,18 @@ class SharedStore:
                 raise NoSuchEntry(f"no task {name!r} in the task store")
             del tasks[name]
         return self.update(change, writer)
+
+
+def drop_older(backend: Any, generations: Callable[[], list[int]],
+               key_of: Callable[[int], str], newest: int, keep: int) -> None:
+    """Delete the generations (`key_of(g)`) older than `keep` before `newest`; best effort:
+    the next writer collects what this one could not."""
+    try:
+        for g in generations():
+            if g <= newest - keep:
+                backend.delete(key_of(g))
+    except Exception:  # noqa: BLE001 - the storage's errors, whatever the backend
+        pass
 
 
 def _now() -> str:
