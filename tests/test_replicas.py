@@ -120,7 +120,10 @@ def wait_loaded(url: str, name: str, digest: str | None, deadline: float) -> flo
         time.sleep(0.05)
 
 
-def stream(url: str, name: str, prompt: str, n: int) -> list[int]:
+def stream(url: str, name: str, prompt: str, n: int,
+           started: threading.Event | None = None) -> list[int]:
+    """A greedy stream's token ids; `started` is set once its first token has come (the
+    request is then in the engine, by construction)."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     toks = []
     for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=n, stream=True,
@@ -129,7 +132,24 @@ def stream(url: str, name: str, prompt: str, n: int) -> list[int]:
                                                "ignore_eos": True}, logprobs=1):
         lp = chunk.choices[0].logprobs
         toks += [int(t.split(":", 1)[1]) for t in (lp.tokens if lp else [])]
+        if toks and started is not None:
+            started.set()
     return toks
+
+
+def streams_then(jobs: list[tuple[str, str, str, int]], then) -> list[list[int]]:
+    """Each job's stream, with `then()` called once every one has its first token; a
+    stream's failure is raised here."""
+    started = [threading.Event() for _ in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(stream, *job, ev) for job, ev in zip(jobs, started, strict=True)]
+        for ev, fut in zip(started, futures, strict=True):
+            while not ev.wait(0.1):
+                if fut.done():
+                    fut.result()  # raises a stream's failure before its first token
+                    break
+        then()
+        return [f.result() for f in futures]
 
 
 def metric(url: str, name: str, **labels: str) -> float | None:
@@ -200,20 +220,16 @@ def test_three_replicas_on_a_shared_directory(assets, tokenizer, tmp_path):
         want = {}
         for url in (a, c):
             want[url] = stream(url, "alpha", PROMPTS[0], n)
-        streams: dict = {}
+        deleted: list = []
 
-        def run(url):
-            streams[url] = stream(url, "alpha", PROMPTS[0], n)
+        def delete():
+            r = HTTP.delete(f"{b}/v1/ltv/tasks/alpha", headers=KEY)
+            deleted.append(time.time())
+            assert r.status_code == 200, r.text
 
-        threads = [threading.Thread(target=run, args=(url,)) for url in (a, c)]
-        for t in threads:
-            t.start()
-        time.sleep(0.3)
-        assert HTTP.delete(f"{b}/v1/ltv/tasks/alpha", headers=KEY).status_code == 200
-        t_del = time.time()
-        for t in threads:
-            t.join()
-        assert streams == want
+        got = streams_then([(url, "alpha", PROMPTS[0], n) for url in (a, c)], delete)
+        assert dict(zip((a, c), got, strict=True)) == want
+        t_del = deleted[0]
         lag_a = wait_loaded(a, "alpha", None, time.time() + 10 * POLL + 10)
         client = openai.OpenAI(base_url=f"{a}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.NotFoundError):
@@ -347,17 +363,12 @@ def test_one_replica_with_two_api_servers(assets, tokenizer, tmp_path):
         # answered, neither process serves the name
         n = 40
         want = stream(url, "alpha", PROMPTS[0], n)
-        got: list = []
-        threads = [threading.Thread(target=lambda: got.append(stream(url, "alpha",
-                                                                     PROMPTS[0], n)))
-                   for _ in range(3)]
-        for t in threads:
-            t.start()
-        time.sleep(0.5)
-        assert HTTP.delete(f"{url}/v1/ltv/tasks/alpha", headers=KEY).status_code == 200
-        assert [fresh("alpha") for _ in range(12)] == [404] * 12
-        for t in threads:
-            t.join()
+
+        def delete():
+            assert HTTP.delete(f"{url}/v1/ltv/tasks/alpha", headers=KEY).status_code == 200
+            assert [fresh("alpha") for _ in range(12)] == [404] * 12
+
+        got = streams_then([(url, "alpha", PROMPTS[0], n)] * 3, delete)
         assert got == [want] * 3
         deadline = time.time() + 30
         while (copy / ".pins" / f"{key}.safetensors").exists() or holders.exists():

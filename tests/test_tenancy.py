@@ -121,36 +121,46 @@ def test_tenants_on_one_server(assets, tmp_path):
         stop(proc, log)
 
 
+def key_counts(url: str, ops: str) -> dict[str, float]:
+    """The `ltv_vllm:key_requests_total` samples on /metrics, by their labelled name."""
+    text = HTTP.get(f"{url}/metrics", headers=auth(ops)).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("ltv_vllm:key_requests_total")}
+
+
 def limits_through_the_server(url: str, ops: str, burst: str, one: str, base: str) -> None:
     """A token bucket of 2 (0.05/s): two requests, then 429 with Retry-After; one request in
-    flight at once: a second is a 429 while a stream is held open, and answered once it
-    ends; both counted by key id on /metrics."""
+    flight at once: a second is a 429 while one is held (its body half sent), and answered
+    once it ends; both counted by key id on /metrics."""
     got = [HTTP.get(f"{url}/v1/models", headers=auth(burst)) for _ in range(3)]
     assert [r.status_code for r in got] == [200, 200, 429], [r.text for r in got]
     assert int(got[2].headers["retry-after"]) >= 1 and "burst" in got[2].text
-    opened, release = threading.Event(), threading.Event()
+    release = threading.Event()
 
-    def hold() -> None:  # a stream held open: the request is in flight until it is read
-        with HTTP.stream("POST", f"{url}/v1/completions", headers=auth(one), timeout=120,
-                         json={"model": base, "prompt": "the", "max_tokens": 200,
-                               "stream": True, "ignore_eos": True}) as r:
-            assert r.status_code == 200
-            for _ in r.iter_lines():
-                opened.set()
-                if release.is_set():
-                    break
+    def body():  # a body sent in two parts: the request is in flight until the second
+        yield b'{"model": "' + base.encode() + b'", "prompt": "the", '
+        release.wait(120)
+        yield b'"max_tokens": 1}'
 
+    def hold() -> httpx.Response:
+        return HTTP.post(f"{url}/v1/completions", content=body(), timeout=120,
+                         headers={**auth(one), "content-type": "application/json"})
+
+    def admitted(key: str) -> float:
+        return key_counts(url, ops).get(
+            f'ltv_vllm:key_requests_total{{key="{key}",outcome="admitted"}}', 0.0)
+
+    before = admitted("one")
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(hold)
-        assert opened.wait(120)
+        while admitted("one") == before:  # the held request has its slot
+            assert not held.done(), held.result().text
         r = HTTP.get(f"{url}/v1/models", headers=auth(one))
         assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
         release.set()
-        held.result()
-    answered(url, "/v1/models", one, 200, seconds=30)  # the slot freed with the stream
-    text = HTTP.get(f"{url}/metrics", headers=auth(ops)).text
-    counts = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-              for line in text.splitlines() if line.startswith("ltv_vllm:key_requests_total")}
+        assert held.result().status_code == 200, held.result().text
+    answered(url, "/v1/models", one, 200, seconds=30)  # the slot freed with the request
+    counts = key_counts(url, ops)
     assert counts['ltv_vllm:key_requests_total{key="burst",outcome="rate"}'] == 1
     assert counts['ltv_vllm:key_requests_total{key="burst",outcome="admitted"}'] == 2
     assert counts['ltv_vllm:key_requests_total{key="one",outcome="in_flight"}'] >= 1
