@@ -37,14 +37,16 @@ def free_port() -> int:
 
 
 def start(model: str, vectors: dict[str, str], metrics: bool, dtype: str, log: Path,
-          cache: Path) -> tuple[subprocess.Popen, str]:
+          cache: Path, extra: tuple[str, ...] = (),
+          max_model_len: int = 512) -> tuple[subprocess.Popen, str]:
+    """`ltv-vllm serve` of `model` with `vectors` by name (`extra`: more serve flags)."""
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", model, "--port",
-           str(port), "--dtype", dtype, "--max-model-len", "512", "--skip-selfcheck",
+           str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), "--skip-selfcheck",
            *[a for n, p in vectors.items() for a in ("--task-vector", f"{n}={p}")],
-           *([] if metrics else ["--no-task-metrics"]),
+           *([] if metrics else ["--no-task-metrics"]), *extra,
            "--", "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(256 << 20)]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ,

@@ -377,8 +377,13 @@ def inspect(path: Path) -> None:
     click.echo(f"model: {json.dumps(tv.model.to_dict())}")
     click.echo(f"label token ids: {list(tv.label_token_ids)}")
     pv = tv.provenance
-    shown = {k: v for k, v in pv.to_dict().items() if k not in ("metrics", "task", "hardware")}
+    shown = {k: v for k, v in pv.to_dict().items()
+             if k not in ("metrics", "task", "hardware", "demonstrations")}
     click.echo(f"provenance: {json.dumps(shown)}")
+    if pv.demonstrations:  # their text can be long: counted here, in the file's meta in full
+        sets = pv.demonstrations
+        click.echo(f"demonstrations: {len(sets)} set{'s' * (len(sets) > 1)} of "
+                   f"{', '.join(str(len(d)) for d in sets)}")
     if pv.hardware:
         click.echo(f"extracted on: {machine_line(pv.hardware)}, {pv.dtype}")
     if pv.metrics:

@@ -97,6 +97,7 @@ class HttpFlags:
     key_burst: int | None
     audit_log: str | None
     task_metrics: bool
+    fidelity_sample: float
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,11 @@ class ShiftFlags:
                  show_default=True,
                  help="Per-task requests, tokens, latency, refusals and store operations on "
                       "vLLM's /metrics (docs/operating.md)."),
+    click.option("--fidelity-sample", type=float, default=ServerSettings.fidelity_sample,
+                 show_default=True, metavar="RATE",
+                 help="Re-ask this share (0..1) of each task's completion requests with its "
+                      "ICL prompt, after the answer, and export the live KL to it on "
+                      "/metrics (docs/operating.md, \"Live fidelity\")."),
     name="http")
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--max-model-len", type=int, default=None)

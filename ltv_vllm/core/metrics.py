@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,6 +44,40 @@ def kl_per_query(ref_logits: torch.Tensor, other_logits: torch.Tensor) -> torch.
 def d_ntp(icl_logits: torch.Tensor, tv_logits: torch.Tensor) -> float:
     """d_NTP = mean over queries of KL(P_icl ‖ P_tv), both restricted to the label tokens."""
     return float(kl_per_query(icl_logits, tv_logits).mean())
+
+
+class LiveSample(NamedTuple):
+    """One request's fidelity, from the two distributions' top-N log-probabilities
+    (`live_sample`): KL(P_icl ‖ P_tv) and whether their argmax agree, or None for both when
+    the tokens it needs were not all among the top N (`over` is then "incomplete")."""
+
+    kl: float | None
+    agree: bool | None
+    over: str  # "labels" | "top" | "incomplete"
+
+
+def live_sample(icl: Mapping[int, float], tv: Mapping[int, float],
+                labels: Sequence[int]) -> LiveSample:
+    """d_NTP's per-query term for one live request, from the token → log-probability maps a
+    server returns (each the top N of the full vocabulary). With labels: over the label tokens
+    (as `d_ntp`: both restricted to them), exact when every label is in both maps, else
+    incomplete — a label missing from a top N is not known, and no stand-in value is used.
+    Without labels: over the tokens in both maps, each distribution renormalized over them
+    (at least two), and the agreement of the full distributions' top tokens."""
+    if labels:
+        if any(t not in icl or t not in tv for t in labels):
+            return LiveSample(None, None, "incomplete")
+        z_icl = torch.tensor([[icl[t] for t in labels]], dtype=torch.float64)
+        z_tv = torch.tensor([[tv[t] for t in labels]], dtype=torch.float64)
+        return LiveSample(float(kl_per_query(z_icl, z_tv)[0]),
+                          bool(predictions(z_icl)[0] == predictions(z_tv)[0]), "labels")
+    common = [t for t in icl if t in tv]
+    if len(common) < 2:
+        return LiveSample(None, None, "incomplete")
+    z_icl = torch.tensor([[icl[t] for t in common]], dtype=torch.float64)
+    z_tv = torch.tensor([[tv[t] for t in common]], dtype=torch.float64)
+    top = max(icl, key=icl.__getitem__) == max(tv, key=tv.__getitem__)
+    return LiveSample(float(kl_per_query(z_icl, z_tv)[0]), top, "top")
 
 
 def untrusted_number(v: Any) -> float | None:

@@ -166,6 +166,26 @@ def check_prompt_format(v: dict[str, Any], where: str = "meta.prompt_format") ->
         raise VectorError(f"{where}.template_sha256: 64 lowercase hex digits")
 
 
+def check_demonstrations(v: Any, where: str = "meta.demonstrations") -> None:
+    """A vector's demonstration sets as a server reads them: a non-empty list of non-empty
+    lists of {"text": str, "label": int | float}, nothing else (a server builds ICL prompts
+    from them)."""
+    if not isinstance(v, list) or not v:
+        raise VectorError(f"{where}: a non-empty list of demonstration sets, got {_kind(v)}")
+    for i, demos in enumerate(v):
+        if not isinstance(demos, list) or not demos:
+            raise VectorError(f"{where}[{i}]: a non-empty list of demonstrations, "
+                              f"got {_kind(demos)}")
+        for j, e in enumerate(demos):
+            label = e.get("label") if isinstance(e, dict) else None
+            if (not isinstance(e, dict) or set(e) != {"text", "label"}
+                    or not isinstance(e["text"], str) or isinstance(label, bool)
+                    or not isinstance(label, int | float)
+                    or not math.isfinite(float(label))):
+                raise VectorError(f"{where}[{i}][{j}]: an object {{text: string, label: "
+                                  "number}}")
+
+
 def _kind(v: Any) -> str:
     return "null" if v is None else type(v).__name__
 
@@ -216,6 +236,10 @@ class Provenance:
     # the prompts it was fitted on: {"name": "chat", "demos", "template_sha256"} through a
     # chat template (`tasks.chat`); None or {"name": "completion"}: the completion format
     prompt_format: dict[str, Any] | None = None
+    # the demonstration sets it was fitted on, each [{"text", "label"}, ...] (label: the class
+    # index, a regression task's number): a server re-asks sampled requests with the first
+    # set's ICL prompt to watch its fidelity live (`api_server.fidelity`)
+    demonstrations: list[list[dict[str, Any]]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -267,6 +291,8 @@ class Provenance:
                     kw[k] = finite_or_none(v)
                 if k == "prompt_format":
                     check_prompt_format(v)
+            elif k == "demonstrations":
+                check_demonstrations(v, where)
         return cls(**kw, extra=d)
 
     def to_dict(self) -> dict[str, Any]:

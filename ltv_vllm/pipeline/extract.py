@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -409,9 +409,16 @@ def extract(
     prov = replace(art.provenance, k=opts.k_for(task), n=opts.n, metrics=sc.metrics,
                    timings=timings, metrics_rank=art.rank if vector else None,
                    shift_steps=DEFAULT_SHIFT_STEPS if vector else None,
-                   prompt_format=task.record() if task.prompt_format == "chat" else None)
+                   prompt_format=task.record() if task.prompt_format == "chat" else None,
+                   demonstrations=demonstrations(episode.demo_sets) if vector else None)
     return Extraction(method, replace(art, provenance=prov), sc.metrics, timings,
                       dict(sc.params.get(method, {})), episode, sc.logits)
+
+
+def demonstrations(sets: Sequence[Sequence[Any]]) -> list[list[dict[str, Any]]]:
+    """An episode's demonstration sets as a vector file records them (`Provenance`)."""
+    return [[{"text": e.text, "label": e.label if isinstance(e.label, float) else int(e.label)}
+             for e in demos] for demos in sets]
 
 
 def _transfer_provenance(lm: LoadedModel, episode: Episode, res: TransferResult,
@@ -438,6 +445,7 @@ def _transfer_provenance(lm: LoadedModel, episode: Episode, res: TransferResult,
         source_model=source.identity.to_dict(),
         source_load={k: v for k, v in source.load.items() if v is not None},
         shift_steps=DEFAULT_SHIFT_STEPS,
+        demonstrations=demonstrations([episode.demos]),
         extra={"lam_loo": res.factors.loo.to_dict()} if res.factors.loo is not None else {},
     )
 

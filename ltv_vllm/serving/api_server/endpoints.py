@@ -128,8 +128,8 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         """vLLM's call once its app state is built, before the server answers anything: what
-        vLLM parsed checked, the self-check run, the metrics wrapped, then the task store
-        opened and its tasks served (`_open_store`)."""
+        vLLM parsed checked, the self-check run, the metrics wrapped, live fidelity's sampler
+        made, then the task store opened and its tasks served (`_open_store`)."""
         from ltv_vllm.serving.contract.deploy import required_problem
 
         settings = ServerSettings.from_env()
@@ -145,6 +145,13 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
 
             names = getattr(args, "served_model_name", None) or [args.model]
             instrument(engine_client, str(names[0]), TaskRegistry.of(state))
+        if engine_client is not None and settings.fidelity_sample > 0:
+            from ltv_vllm.serving.api_server.fidelity import STATE, LiveFidelity
+
+            sampler = LiveFidelity(engine_client, TaskRegistry.of(state),
+                                   settings.fidelity_sample)
+            await sampler.warm()
+            setattr(state, STATE, sampler)
         if engine_client is None or not settings.task_store:
             return  # not a task-store server: the routes answer 404
         self._open_store(settings, args)

@@ -51,6 +51,8 @@ vLLM's authentication and before any handler reads a body. In order, for each HT
 the folded one's are in `api_server.task_gates`.
 
 Otherwise the body read here is handed on unchanged: the handlers downstream read it as usual.
+Once a completion request a vector shifted is answered (a 200, its last byte sent), it is
+offered to live fidelity (`api_server.fidelity`, with `serve --fidelity-sample`).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from ltv_vllm.serving.api_server import metrics
 from ltv_vllm.serving.api_server.asgi import (  # noqa: F401 - TASKS_PATH re-exported
@@ -85,6 +87,7 @@ from ltv_vllm.serving.api_server.ask import (  # noqa: F401 - Ask re-exported
     one_line,
     route_refusal,
 )
+from ltv_vllm.serving.api_server.fidelity import Probe, fidelity_of, probe_of
 from ltv_vllm.serving.api_server.registry import TaskRegistry
 from ltv_vllm.serving.api_server.tenancy import (  # noqa: F401 - KEY_STATE re-exported
     KEY_STATE,
@@ -114,6 +117,36 @@ OPEN_PATHS = ("/health", "/ping")  # liveness probes: answer without the key
 CALLER_STATE = "ltv_caller"  # the request's `keys.Caller` in the ASGI scope's state
 OPEN_BODY = 1 << 10  # bytes a liveness probe's body may have (it is read before the app)
 MAX_COMPILE_BODY = 64 << 20  # a compile request's JSON (its limits: `store.compile`)
+
+
+class Judged(NamedTuple):
+    """A request as the gate hands it on: its scope and body (rewritten where the gate
+    changed them), the name it is counted under in flight, the task its response names, and
+    what live fidelity may re-ask of it (`api_server.fidelity`)."""
+
+    scope: dict[str, Any]
+    body: bytes
+    counted: str | None = None
+    shown: str | None = None
+    probe: Probe | None = None
+
+
+def answered(send: Any, then: Any) -> Any:
+    """`send`, calling `then()` once a 200 response's last body message is sent."""
+    status: list[int] = []
+
+    async def watched(msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.start":
+            status.append(msg.get("status", 0))
+        await send(msg)
+        if (msg["type"] == "http.response.body" and not msg.get("more_body")
+                and status == [200]):
+            try:
+                then()
+            except Exception as e:  # noqa: BLE001 - the client has its answer: never its error
+                logger.warning("ltv-vllm gate: after a request: %s", one_line(e))
+
+    return watched
 
 
 class Gate:
@@ -217,8 +250,7 @@ class Gate:
         judged = await self.judge(scope, body, send)
         if judged is None:
             return
-        scope, body, counted, shown = judged
-        await self.forward(scope, receive, send, body, extra, counted, shown, registry)
+        await self.forward(judged, receive, send, extra, registry)
 
     def registry(self, scope: dict[str, Any]) -> TaskRegistry:
         """This API-server process's task registry, on the app's state (`api_server.registry`)."""
@@ -311,15 +343,13 @@ class Gate:
             await respond(send, 413, too_large, [(b"connection", b"close")])
             return None
 
-    async def judge(self, scope: dict[str, Any], body: bytes, send: Any
-                    ) -> tuple[dict[str, Any], bytes, str | None, str | None] | None:
-        """Step 3: (scope, body as handed on, the name it is counted under in flight, the task
-        its response names), or None once refused. Every POST body but the store's own is
-        read as vLLM will read it: as JSON, whatever its content type says (FastAPI parses a
-        body without one as JSON), so no header can hide a field."""
+    async def judge(self, scope: dict[str, Any], body: bytes, send: Any) -> Judged | None:
+        """Step 3: the request as handed on (`Judged`), or None once refused. Every POST body
+        but the store's own is read as vLLM will read it: as JSON, whatever its content type
+        says (FastAPI parses a body without one as JSON), so no header can hide a field."""
         if (scope.get("method") != "POST" or not body
                 or self.path(scope).rstrip("/") == TASKS_PATH):
-            return scope, body, None, None
+            return Judged(scope, body)
         try:
             payload = json.loads(body)
         except RecursionError:
@@ -328,9 +358,9 @@ class Gate:
                                                 "BadRequestError"))
             return None
         except ValueError:
-            return scope, body, None, None  # vLLM answers it with its own 400
+            return Judged(scope, body)  # vLLM answers it with its own 400
         if not isinstance(payload, dict):
-            return scope, body, None, None
+            return Judged(scope, body)
         try:
             ask = Ask.of(self.path(scope), payload, scope)
             ask.tenant = (scope.get("state") or {}).get(SCOPE_STATE)
@@ -362,8 +392,7 @@ class Gate:
         await respond(send, 400, json_error(400, *refused))
         return None
 
-    def admitted(self, scope: dict[str, Any], body: bytes, ask: Ask
-                 ) -> tuple[dict[str, Any], bytes, str | None, str | None]:
+    def admitted(self, scope: dict[str, Any], body: bytes, ask: Ask) -> Judged:
         """A request the gate admits: its body rewritten (task key, stamp, /invocations'
         model) where anything changed."""
         counted = self.counted(ask)
@@ -375,13 +404,27 @@ class Gate:
         if changed:
             body = json.dumps(ask.payload).encode()
             scope = {**scope, "headers": ask.headers(scope, len(body))}
-        return scope, body, counted if isinstance(counted, str) else None, shown
+        return Judged(scope, body, counted if isinstance(counted, str) else None, shown,
+                      self.probe(scope, ask))
 
-    async def forward(self, scope: dict[str, Any], receive: Any, send: Any, body: bytes,
-                      extra: list[dict], counted: str | None, shown: str | None,
+    def probe(self, scope: dict[str, Any], ask: Ask) -> Probe | None:
+        """What live fidelity may re-ask once this request is answered (`api_server.fidelity`):
+        here, a completion request the fused vector shifts."""
+        if ask.path != SHIFT_PATHS[0] or not self.shifts(ask):
+            return None
+        xargs = ask.payload.get("vllm_xargs")
+        key = xargs.get(TASK_KEY, "") if isinstance(xargs, dict) else ""
+        return probe_of(scope, key, base_name(scope) if key == "" else key.partition("@")[0],
+                        ask.payload)
+
+    async def forward(self, judged: Judged, receive: Any, send: Any, extra: list[dict],
                       registry: TaskRegistry) -> None:
         """Hand the request on with the body read here (the handlers read it as usual),
-        counted in flight under `counted` until the handler returns."""
+        counted in flight under `judged.counted` until the handler returns; once answered
+        with a 200, its probe offered to live fidelity."""
+        scope, body, counted, shown, probe = judged
+        if probe is not None:
+            send = answered(send, lambda: fidelity_of(scope).offer(probe))
         replay = [{"type": "http.request", "body": body, "more_body": False}, *extra]
 
         async def replayed() -> dict[str, Any]:

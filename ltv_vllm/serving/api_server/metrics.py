@@ -15,6 +15,9 @@ process's values to a file that every scrape sums).
   its policy shifts: min(steps, generated) per choice.
 - Refusals by reason: the gate's (`refused`).
 - Requests by key id, admitted or over a limit (`key_request`: `api_server.tenancy`).
+- Live fidelity: re-asked requests by outcome, their KL to the ICL prompt and argmax
+  agreement, beside the extraction's d_NTP (`fidelity`: `api_server.fidelity`); its re-asks
+  are not counted as the task's requests.
 - Store operations and their durations: the task endpoints' (`store_operation`).
 - What a replica holds (with rank and size) is read at each scrape (`endpoints.Residency`).
 - The shift's relative size ‖W h‖ / ‖h‖ per task on live traffic: summed in the engine
@@ -41,13 +44,14 @@ STORE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 30
 REASONS = ("unauthorized", "forbidden", "too_large", "unresolved", "malformed", "unknown_task",
            "two_names", "beam_search", "prompt_logprobs", "route", "rendering")
 OUTCOMES = ("admitted", "in_flight", "rate")  # a key's request: admitted, or past a limit
+PROBE_ID = "ltv-fidelity-"  # live fidelity's re-asks' request ids start so: not traffic
 
 
 class TaskMetrics:
     """The metric objects (one set per process: `get`)."""
 
     def __init__(self) -> None:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram, Summary
 
         self.requests = Counter("ltv_vllm:task_requests", "Requests a task vector shifts, by "
                                 "task and step policy (all, first, k: the first k > 1)",
@@ -71,6 +75,19 @@ class TaskMetrics:
         self.keys = Counter("ltv_vllm:key_requests", "Requests by key id (the keys file's; "
                             "api-key: vLLM's --api-key; empty: no key), admitted or refused "
                             "over the key's limit (429)", ["key", "outcome"])
+        self.fidelity = Counter("ltv_vllm:task_fidelity_samples", "A task's requests "
+                                "offered for a live fidelity re-ask (`serve --fidelity-sample`)"
+                                ", by outcome: measured, incomplete (a label outside both "
+                                "top-N), dropped (one in flight), unsupported, failed",
+                                ["task", "outcome"])
+        self.live_kl = Summary("ltv_vllm:task_fidelity_kl", "KL(P_icl || P_tv) of the next "
+                               "token, in nats, over the re-asked requests of a task (over "
+                               "its label tokens, as d_NTP)", ["task"])
+        self.agree = Counter("ltv_vllm:task_fidelity_agreements", "Re-asked requests whose "
+                             "ICL prompt and vector put the same token first", ["task"])
+        self.baseline = Gauge("ltv_vllm:task_extraction_d_ntp", "A task's d_NTP at "
+                              "extraction, on its held-out queries (the vector file's)",
+                              ["task"], multiprocess_mode="max")
         self.names: set[str] = set()
         self.key_ids: set[str] = set()
 
@@ -115,6 +132,29 @@ def key_request(key_id: str, outcome: str) -> None:
     if enabled():
         m = get()
         m.keys.labels(_bounded(m.key_ids, key_id), outcome).inc()
+
+
+FIDELITY = ("measured", "incomplete", "dropped", "unsupported", "failed")
+
+
+def fidelity(task: str, outcome: str, kl: float | None = None,
+             agree: bool | None = None) -> None:
+    """Count a live fidelity offer (`outcome`: one of FIDELITY) and, measured, its KL and
+    agreement (`api_server.fidelity`)."""
+    if enabled():
+        m = get()
+        name = m.task(task)
+        m.fidelity.labels(name, outcome).inc()
+        if kl is not None:
+            m.live_kl.labels(name).observe(kl)
+            m.agree.labels(name).inc(1 if agree else 0)
+
+
+def fidelity_baseline(task: str, d: float | None) -> None:
+    """A task's extraction-time d_NTP beside its live KL (nothing when the file has none)."""
+    if enabled() and d is not None:
+        m = get()
+        m.baseline.labels(m.task(task)).set(d)
 
 
 def refusal_reason(refusal: tuple[Any, ...]) -> str:
@@ -173,7 +213,8 @@ def instrument(engine_client: Any, base: str, registry: Any) -> None:
     async def generate(prompt: Any, sampling_params: Any, request_id: str, *args: Any,
                        **kwargs: Any) -> Any:
         try:
-            which = label(sampling_params, kwargs.get("lora_request")) if enabled() else None
+            which = (label(sampling_params, kwargs.get("lora_request"))
+                     if enabled() and not str(request_id).startswith(PROBE_ID) else None)
         except Exception:  # noqa: BLE001 - the engine decides and answers; never the metrics
             which = None
         if which is None:

@@ -42,6 +42,9 @@ class ServerSettings:
     key_limits: dict[str, Any] | None = None  # a key's limits unless it has its own (`tenancy`)
     audit_log: str | None = None   # store operations as JSON lines: a file ("-": stderr)
     task_metrics: bool = True      # per-task metrics on /metrics (`api_server.metrics`)
+    # the share of a task's answered completion requests re-asked with its ICL prompt
+    # (`api_server.fidelity`); 0: none
+    fidelity_sample: float = 0.0
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}

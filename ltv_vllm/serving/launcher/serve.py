@@ -110,6 +110,8 @@ class ServeOptions:
     key_burst: int | None = None
     audit_log: str | None = None       # the task store's operations as JSON lines ("-": stderr)
     task_metrics: bool = ServerSettings.task_metrics  # per-task metrics on /metrics
+    # a task's completion requests re-asked with its ICL prompt (`api_server.fidelity`)
+    fidelity_sample: float = ServerSettings.fidelity_sample
     selfcheck: bool = True  # probe the engine's row plan at start (`api_server.selfcheck`)
 
     def __post_init__(self) -> None:
@@ -144,6 +146,8 @@ class ServeOptions:
             except TenancyError as e:
                 raise ArgumentError(str(e).replace("in_flight", "--key-in-flight").replace(
                     "rate", "--key-rate").replace("burst", "--key-burst")) from None
+        if self.fidelity_sample:
+            self._check_fidelity()
         if self.audit_log is not None and self.task_store is None:
             raise ArgumentError("--audit-log records the task store's operations: give it "
                                 "with --task-store")
@@ -160,6 +164,17 @@ class ServeOptions:
             raise ArgumentError("--lora-rank cuts LoRA adapters: give it with --multi-task lora")
         fused = len(self.vectors) == 1 and "=" not in self.vectors[0] and not self.task_store
         check_shift_steps(self.shift_steps, per_request=not self.fold and (fused or not self.lora))
+
+    def _check_fidelity(self) -> None:
+        rate = self.fidelity_sample
+        if not (isinstance(rate, int | float) and 0 <= rate <= 1):
+            raise ArgumentError(f"--fidelity-sample is a share of requests, 0..1; got {rate}")
+        if not self.task_metrics:
+            raise ArgumentError("--fidelity-sample exports its figures on /metrics: give it "
+                                "without --no-task-metrics")
+        if self.fold or self.lora:
+            raise ArgumentError("--fidelity-sample re-asks a task's requests with and without "
+                                "its shift, per request: not with --fold or --multi-task lora")
 
     @functools.cached_property
     def vllm(self) -> VllmArgs:
@@ -343,7 +358,8 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     notes += shortfall_notes(given)
     env.update(_plan_chat(opts, model_dir, given, store.entries, notes))
     settings = _plan_settings(opts, model_dir, store, lora, bool(probes), lora_probes, keys)
-    if probes or lora_probes is not None or store.entries is not None or opts.task_metrics:
+    if (probes or lora_probes is not None or store.entries is not None or opts.task_metrics
+            or opts.fidelity_sample):
         # the endpoint plugin: the self-check at start, the task store's routes, the
         # per-task metrics (counted where it hands requests to the engine)
         env["VLLM_PLUGINS"] = store_plugins()
@@ -358,7 +374,8 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
         env.update(new_admission(every="" in parsed))
     # what vLLM must have parsed at start (checked by the endpoint plugin: another launcher's
     # command line may have replaced a flag, `contract.deploy.required_problem`)
-    settings = replace(settings, required=required_of(args), task_metrics=opts.task_metrics)
+    settings = replace(settings, required=required_of(args), task_metrics=opts.task_metrics,
+                       fidelity_sample=float(opts.fidelity_sample))
     env.update(settings.to_env())
     # ours after the user's: vLLM keeps a flag's last value, and ours hold theirs merged in
     module = MULTI_SERVER_MODULE if opts.vllm.api_servers > 1 else SERVER_MODULE

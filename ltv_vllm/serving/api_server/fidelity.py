@@ -1,0 +1,237 @@
+"""Live fidelity: how close a task's answers stay to the ICL prompt its vector replaces, on
+the traffic it serves. Runs in vLLM's API-server process.
+
+A vector is fitted so that the model's next-token distribution under the shift matches the
+one under its ICL prompt (the paper's d_NTP, measured once at extraction on held-out queries
+like the ones it was fitted on). Live traffic can drift away from those queries. With
+`serve --fidelity-sample RATE` the gate offers each answered completion request of a task
+(`Gate.probe`); a RATE share of them is re-asked here, after the client's answer is sent,
+twice, one token each: the vector on the client's prompt, and the bare model on the ICL
+prompt the vector replaces — the task's first demonstration set (`meta.demonstrations`)
+before the client's query, as extraction builds it (`Task.demos_text`). The two top-N
+log-probability maps (N: vLLM's `--max-logprobs`) give KL(P_icl ‖ P_tv) and whether their
+argmax agree (`core.metrics.live_sample`: over the task's label tokens, else over the top
+tokens), exported per task (`metrics.fidelity`) beside the extraction's d_NTP.
+
+Never in the client's way: a re-ask starts once the client's response is complete, at most
+one is in flight (an offer meanwhile is dropped and counted), and under vLLM's
+`--scheduling-policy priority` it runs behind every client request. It is counted in flight
+under its task's engine key, as a client's request is, so a DELETE waits for it; a task
+unserved before its re-ask starts is not re-asked. Chat-fitted vectors and vectors without
+demonstrations (files from before they were recorded, hand-made ones) are counted, not
+sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from ltv_vllm.core.metrics import live_sample
+from ltv_vllm.serving.api_server import metrics
+from ltv_vllm.serving.contract.names import CONFIG_KEY
+from ltv_vllm.serving.contract.wire import (
+    ADMIT_KEY,
+    STEPS_KEY,
+    TASK_KEY,
+    TASKS_CONFIG_KEY,
+    admission,
+    stamp,
+)
+from ltv_vllm.serving.store.vectors import FUSED, StoreVectors, store_root
+
+logger = logging.getLogger(__name__)
+STATE = "ltv_fidelity"  # the attribute of the app's state that holds the `LiveFidelity`
+PROBE_ID = metrics.PROBE_ID  # its requests' ids start so (not traffic: `metrics.instrument`)
+LOW_PRIORITY = 1 << 20  # vLLM serves lower values first (priority scheduling only)
+KEEP = 256  # teachers kept (a store's churn: least recently used dropped)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the gate hands over of an answered request a vector shifted: its task's engine
+    key ("" for a fused vector), the name its metrics carry, the prompt, and the
+    `vllm_xargs` it was admitted with (its stamp included)."""
+
+    key: str
+    name: str
+    prompt: str
+    xargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """A task's ICL prompt around a zero-shot prompt, and what its vector recorded."""
+
+    lead: str                 # what every zero-shot prompt of the task starts with
+    prefix: str               # what its ICL prompt has before the query (lead + demos)
+    labels: tuple[int, ...]   # the label tokens (empty: a task without them)
+    d_ntp: float | None       # the extraction's d_NTP on held-out queries
+
+    def prompt(self, zero_shot: str) -> str:
+        """The ICL prompt of a request's prompt: its query after the demonstrations."""
+        query = zero_shot[len(self.lead):] if zero_shot.startswith(self.lead) else zero_shot
+        return self.prefix + query
+
+
+def teacher_of(tv: Any) -> Teacher | None:
+    """The teacher a vector recorded: None for one without demonstrations, or fitted through
+    a chat template (its ICL prompt is a conversation, not a text before the query)."""
+    from ltv_vllm.core.metrics import untrusted_number
+    from ltv_vllm.tasks.data import Example
+    from ltv_vllm.tasks.specs import task_from_dict
+
+    prov = tv.provenance
+    fmt = (prov.prompt_format or {}).get("name", "completion")
+    if not prov.demonstrations or not prov.task or fmt != "completion":
+        return None
+    task = task_from_dict(prov.task)
+    demos = [Example(e["text"], e["label"]) for e in prov.demonstrations[0]]
+    scores = (prov.metrics or {}).get(prov.method or "ltv")
+    d = untrusted_number(scores.get("d_ntp")) if isinstance(scores, dict) else None
+    return Teacher(task.zero_shot_prefix, task.demos_text(demos), tuple(tv.label_token_ids), d)
+
+
+def bare_xargs() -> dict[str, Any]:
+    """The `vllm_xargs` of a bare-model request: none, or on a server whose every request
+    needs the gate's stamp (a fused vector), no step shifted, stamped."""
+    adm = admission()
+    if adm is None or not adm.every:
+        return {}
+    return {STEPS_KEY: 0, ADMIT_KEY: stamp(adm, FUSED, 0)}
+
+
+class LiveFidelity:
+    """This API-server process's sampler (module docstring); made by the task endpoints'
+    `init_state`, kept on the app's state (`STATE`), offered requests by the gate."""
+
+    def __init__(self, engine: Any, registry: Any, rate: float,
+                 rng: random.Random | None = None) -> None:
+        self.engine, self.registry, self.rate = engine, registry, rate
+        self.rng = rng or random.Random()
+        self.busy: asyncio.Task | None = None
+        self.teachers: OrderedDict[str, Teacher | None] = OrderedDict()
+        self.warned: set[str] = set()  # tasks whose failed re-ask was logged
+        self.ids = itertools.count()
+        cfg = engine.model_config
+        n = int(cfg.max_logprobs)
+        self.top = n if n > 0 else int(cfg.get_vocab_size())
+        sched = getattr(engine.vllm_config, "scheduler_config", None)
+        self.priority = LOW_PRIORITY if getattr(sched, "policy", "fcfs") == "priority" else 0
+        self.store = StoreVectors(store_root(cfg.hf_config))
+
+    async def warm(self) -> None:
+        """One bare request with log-probabilities before the server answers anything: vLLM
+        compiles its logprob-rank kernel on the first such request (seconds on a CPU, with
+        every request of that step waiting), which would otherwise be the first re-ask's.
+        (The start-up self-check asks for logprobs too; with --skip-selfcheck only this.)"""
+        try:
+            await self._ask("warm", bare_xargs())
+        except Exception as e:  # noqa: BLE001 - a re-ask that fails later is counted
+            logger.warning("ltv-vllm: the fidelity sampler's warm-up request failed: %s",
+                           str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+
+    def offer(self, probe: Probe) -> None:
+        """An answered request: re-asked with probability `rate` unless one is in flight."""
+        if self.rng.random() >= self.rate:
+            return
+        if self.busy is not None and not self.busy.done():
+            metrics.fidelity(probe.name, "dropped")
+            return
+        if "@" in probe.key:  # a store task's: counted in flight as a client's request is
+            if probe.key not in self.registry.keys.values():
+                return  # unserved since (a DELETE): its pin may be going
+            self.registry.enter(probe.key)  # so a DELETE waits for it
+        self.busy = asyncio.ensure_future(self._probe(probe))
+
+    async def _probe(self, probe: Probe) -> None:
+        try:
+            teacher = await self._teacher(probe.key)
+            if teacher is None:
+                metrics.fidelity(probe.name, "unsupported")
+                return
+            metrics.fidelity_baseline(probe.name, teacher.d_ntp)
+            tv, icl = await asyncio.gather(self._ask(probe.prompt, probe.xargs),
+                                           self._ask(teacher.prompt(probe.prompt), bare_xargs()))
+            s = live_sample(icl, tv, teacher.labels)
+            metrics.fidelity(probe.name, "measured" if s.kl is not None else "incomplete",
+                             s.kl, s.agree)
+        except Exception as e:  # noqa: BLE001 - a re-ask never answers a client: counted
+            metrics.fidelity(probe.name, "failed")
+            if probe.name not in self.warned:  # once per task: a rate must not flood the log
+                self.warned.add(probe.name)
+                logger.warning("ltv-vllm: a fidelity re-ask of task %r failed (counted in "
+                               "ltv_vllm:task_fidelity_samples_total, said here once): %s",
+                               probe.name, str(e).splitlines()[0][:200] if str(e)
+                               else type(e).__name__)
+        finally:
+            if "@" in probe.key:
+                self.registry.leave(probe.key)
+
+    async def _teacher(self, key: str) -> Teacher | None:
+        if key in self.teachers:
+            self.teachers.move_to_end(key)
+            return self.teachers[key]
+        tv = await asyncio.to_thread(self._vector, key)
+        t = self.teachers[key] = teacher_of(tv)
+        while len(self.teachers) > KEEP:
+            self.teachers.popitem(last=False)
+        return t
+
+    def _vector(self, key: str) -> Any:
+        """A task's vector as the engine holds it: the fused one, a command-line task's, or
+        a store key's (from its pin, checked against its digest)."""
+        from ltv_vllm.core.vector import load_task_vector
+
+        hf = self.engine.model_config.hf_config
+        if "@" in key:
+            return self.store.get(key)
+        if key == FUSED:
+            return load_task_vector(getattr(hf, CONFIG_KEY))
+        return load_task_vector(json.loads(getattr(hf, TASKS_CONFIG_KEY))[key]["path"])
+
+    async def _ask(self, prompt: str, xargs: dict[str, Any]) -> dict[int, float]:
+        """The first next-token distribution of `prompt` (top N: token → log-probability),
+        tokenized as vLLM's completion route tokenizes a prompt."""
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+        from vllm.sampling_params import SamplingParams
+
+        engine = self.engine
+        (engine_input,) = await engine.renderer.render_cmpl_async(
+            [parse_model_prompt(engine.model_config, prompt)])
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.top,
+                                extra_args=dict(xargs) or None)
+        last = None
+        async for out in engine.generate(engine_input, params, f"{PROBE_ID}{next(self.ids)}",
+                                         priority=self.priority):
+            last = out
+        if last is None or not last.outputs or not last.outputs[0].logprobs:
+            raise RuntimeError("the engine returned no log-probabilities")
+        return {int(t): float(lp.logprob) for t, lp in last.outputs[0].logprobs[0].items()}
+
+
+def probe_of(scope: dict[str, Any], key: str | None, name: str, payload: dict[str, Any]
+             ) -> Probe | None:
+    """What the gate offers of a request it admitted (None: nothing to offer): a completion
+    request with one text prompt, one choice, shifted at its first token, on a server that
+    samples."""
+    state = getattr(scope.get("app"), "state", None)
+    if key is None or getattr(state, STATE, None) is None:
+        return None
+    prompt, xargs = payload.get("prompt"), payload.get("vllm_xargs") or {}
+    if not isinstance(prompt, str) or payload.get("n") not in (None, 1) or payload.get("echo"):
+        return None
+    if not isinstance(xargs, dict) or xargs.get(STEPS_KEY) == 0 \
+            or xargs.get(TASK_KEY, FUSED) != key:
+        return None
+    return Probe(key, name, prompt, dict(xargs))
+
+
+def fidelity_of(scope: dict[str, Any]) -> LiveFidelity | None:
+    return getattr(getattr(scope.get("app"), "state", None), STATE, None)

@@ -1,0 +1,263 @@
+"""Live fidelity (`serve --fidelity-sample`): a task's answered completion requests re-asked
+with the ICL prompt its vector replaces, and the KL between the two next-token
+distributions exported per task.
+
+Through a real server in vLLM's default process layout, on a vector compiled from
+demonstrations: on the held-out queries it was scored on, the live KL is the extraction's
+own d_NTP, and each request's KL and argmax agreement are those of a hand computation with
+transformers (the ICL prompt's forward; the zero-shot forward with the shift added by hand);
+another task's prompts move it far away. The re-asks are not counted as the task's requests.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from test_server import HTTP, make_assets, start_server, stop
+from test_task_metrics import FIDELITY_NAMES, dashboard_names
+
+from ltv_vllm.core.vector import VectorError, load_task_vector
+from ltv_vllm.serving.api_server.fidelity import teacher_of
+from ltv_vllm.serving.store.compile import compile_task, parse_request
+from ltv_vllm.serving.store.taskstore import TaskStore
+
+pytestmark = pytest.mark.slow(seconds=70)  # see conftest's ordering
+
+TASK = {"in_prefix": "Review", "label_prefix": "Sentiment", "labels": ["negative", "positive"],
+        "instruction": "Rate the review."}
+WORDS = ["the plot is dull", "a warm and funny film", "boring and slow", "great acting",
+         "i loved it", "a waste of time", "fresh and bright", "flat and tired", "so good",
+         "so bad", "the cast shines", "the script fails", "truly moving", "painfully dull",
+         "a fine cast", "an awful mess", "sharp and witty", "a tedious bore", "bright fun",
+         "dreary and grey", "the best of the year", "the worst film", "what a joy",
+         "never again"]
+TEST = [{"text": w, "label": TASK["labels"][i % 2]} for i, w in enumerate(WORDS[16:])]
+# another task's prompts: what the vector was not fitted for
+OTHER = [f"Question: {w}\nAnswer type:" for w in
+         ("who wrote it", "where is the sea", "how far is the moon", "what is a cat",
+          "when did it rain", "why is the sky blue", "which road is it", "how many eggs")]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, tokenizer):
+    return make_assets(tmp_path_factory, tokenizer, tie=False)
+
+
+def compiled(d, tokenizer, root) -> object:
+    """The task compiled from demonstrations on the served model (transformers)."""
+    req = parse_request({"name": "senti", "task": TASK,
+                         "demos": [{"text": w, "label": TASK["labels"][i % 2]}
+                                   for i, w in enumerate(WORDS[:4])],
+                         "queries": WORDS[4:16], "test": TEST, "lam": 1.0},
+                        tokenizer=tokenizer, max_model_len=256)
+    compile_task(req, d, root, base_model=str(d))
+    return TaskStore(root).get("senti").vector()
+
+
+def by_hand(model, tokenizer, tv, prompts: list[str]) -> list[tuple[float, bool]]:
+    """Each zero-shot prompt's KL(P_icl ‖ P_tv) over the label tokens, and whether the two
+    put the same label first: the ICL prompt written out here from the file's demonstrations,
+    transformers' forward of it, and its forward of the zero-shot prompt with U Vᵀ h added."""
+    demos = "".join(f"Review: {e['text']}\nSentiment: {TASK['labels'][e['label']]}\n"
+                    for e in tv.provenance.demonstrations[0])
+    lead = TASK["instruction"] + "\n"
+    labels = list(tv.label_token_ids)
+    U, V = tv.U.double(), tv.V.double()
+    out = []
+    for p in prompts:
+        query = p.removeprefix(lead)
+        with torch.no_grad():
+            ids = torch.tensor([tokenizer(lead + demos + query)["input_ids"]])
+            z_icl = model(input_ids=ids).logits[0, -1, labels].double()
+            ids = torch.tensor([tokenizer(p)["input_ids"]])
+            h = model.model(input_ids=ids).last_hidden_state[0, -1].double()
+            h_tv = h + U @ (V.T @ h)
+            z_tv = (model.lm_head.weight.double() @ h_tv)[labels]
+        lp, lq = z_icl - torch.logsumexp(z_icl, 0), z_tv - torch.logsumexp(z_tv, 0)
+        kl = float(sum(math.exp(a) * (a - b) for a, b in zip(lp.tolist(), lq.tolist(),
+                                                              strict=True)))
+        out.append((kl, int(z_icl.argmax()) == int(z_tv.argmax())))
+    return out
+
+
+def series(url: str) -> dict[str, float]:
+    text = HTTP.get(f"{url}/metrics").text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("ltv_vllm:task_")}
+
+
+def measured(url: str, task: str) -> float:
+    return series(url).get(
+        f'ltv_vllm:task_fidelity_samples_total{{outcome="measured",task="{task}"}}', 0.0)
+
+
+def ask_each(url: str, model: str, prompts: list[str]) -> None:
+    """One request at a time, each waiting for its re-ask to be measured (one is in flight
+    at most: a request answered meanwhile would be dropped)."""
+    for p in prompts:
+        before = measured(url, model)
+        r = HTTP.post(f"{url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": p, "max_tokens": 2, "temperature": 0.0})
+        assert r.status_code == 200, r.text
+        deadline = time.time() + 60
+        while measured(url, model) == before:
+            assert time.time() < deadline, series(url)
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("served", ["store", "named", "fused"])
+def test_live_fidelity_through_a_server(served, assets, tokenizer, tmp_path):
+    """A task-store task (in vLLM's default process layout), a command-line task by name, and
+    one fused vector."""
+    d, model, _ = assets
+    root = tmp_path / "store"
+    tv = compiled(d, tokenizer, root)
+    path = TaskStore(root).get("senti").vector_path
+    d_ntp = tv.provenance.metrics["ltv"]["d_ntp"]
+    lead = TASK["instruction"] + "\n"
+    matched = [f"{lead}Review: {e['text']}\nSentiment:" for e in TEST]
+    want = by_hand(model.float().eval(), tokenizer, tv, matched + OTHER)
+    flags = ("--fidelity-sample", "1", "--max-logprobs", "400")
+    if served == "store":
+        proc, url, log = start_server(d, [], tmp_path, (
+            "--task-store", str(root), "--allow-unauthenticated", *flags), layout="default")
+    else:
+        proc, url, log = start_server(d, [f"senti={path}" if served == "named" else str(path)],
+                                      tmp_path, flags)
+    name = "senti"  # a fused vector's server is named after its task too
+    kl_sum = f'ltv_vllm:task_fidelity_kl_sum{{task="{name}"}}'
+    kl_count = f'ltv_vllm:task_fidelity_kl_count{{task="{name}"}}'
+    agree = f'ltv_vllm:task_fidelity_agreements_total{{task="{name}"}}'
+    try:
+        ask_each(url, name, matched)
+        got = series(url)
+        assert got[kl_count] == len(matched)
+        live = got[kl_sum] / got[kl_count]
+        # the held-out queries it was scored on: the extraction's own d_NTP, and each
+        # request's KL (summed) and agreement those of the hand computation
+        assert live == pytest.approx(d_ntp, rel=1e-3, abs=1e-6), (live, d_ntp)
+        hand = want[:len(matched)]
+        assert got[kl_sum] == pytest.approx(sum(k for k, _ in hand), rel=1e-3, abs=1e-6)
+        assert got[agree] == sum(a for _, a in hand)
+        assert got[f'ltv_vllm:task_extraction_d_ntp{{task="{name}"}}'] == pytest.approx(d_ntp)
+        # another task's prompts: far from it
+        ask_each(url, name, OTHER)
+        after = series(url)
+        mismatched = (after[kl_sum] - got[kl_sum]) / (after[kl_count] - got[kl_count])
+        hand_other = want[len(matched):]
+        assert mismatched == pytest.approx(sum(k for k, _ in hand_other) / len(OTHER),
+                                           rel=1e-3, abs=1e-6)
+        assert mismatched > 4 * d_ntp, (mismatched, d_ntp)  # 0.179 against 0.036 here
+        # the re-asks are not the task's traffic
+        assert after[f'ltv_vllm:task_requests_total{{policy="first",task="{name}"}}'] == \
+            len(matched) + len(OTHER)
+        assert not any(k.startswith("ltv_vllm:task_fidelity_samples_total")
+                       and 'outcome="measured"' not in k for k in after), after
+        # the dashboard's fidelity panels query series this server exports
+        exported = {k.partition("{")[0] for k in after}
+        assert FIDELITY_NAMES <= exported, sorted(FIDELITY_NAMES - exported)
+        assert FIDELITY_NAMES <= dashboard_names()
+    finally:
+        stop(proc, log)
+
+
+def test_the_teacher_a_vector_records(assets, tokenizer, tmp_path):
+    """The ICL prompt a server builds around a request's prompt is the extraction's own
+    (`Task.icl_prompt` of the file's first demonstration set), with or without the
+    instruction line in front; a file without demonstrations has none; a malformed
+    demonstration is refused when the file is read."""
+    from ltv_vllm.tasks.data import Example
+    from ltv_vllm.tasks.specs import task_from_dict
+
+    d, _, vecs = assets
+    tv = compiled(d, tokenizer, tmp_path / "store")
+    teacher = teacher_of(tv)
+    task = task_from_dict(tv.provenance.task)
+    demos = [Example(e["text"], e["label"]) for e in tv.provenance.demonstrations[0]]
+    assert [e["text"] for e in tv.provenance.demonstrations[0]] == WORDS[:4]
+    for text in ("so good", "a dull film"):
+        want = task.icl_prompt(task.demos_text(demos), text)
+        assert teacher.prompt(task.zero_shot(text)) == want
+        assert teacher.prompt(task.query(text)) == want
+    assert teacher.labels == tv.label_token_ids
+    assert teacher.d_ntp == tv.provenance.metrics["ltv"]["d_ntp"]
+    assert teacher_of(vecs["alpha"][0]) is None  # made by hand: no demonstrations
+    meta = tv.provenance.to_dict()
+    for bad in ([], [[]], [[{"text": 1, "label": 0}]], [[{"text": "a", "label": True}]],
+                [[{"text": "a", "label": 0, "x": 1}]]):
+        with pytest.raises(VectorError, match="meta.demonstrations"):
+            type(tv.provenance).from_dict({**meta, "demonstrations": bad})
+    assert load_task_vector(tv.save(tmp_path / "v.pt")).provenance.demonstrations == \
+        tv.provenance.demonstrations
+
+
+def test_the_sampler_keeps_one_re_ask_in_flight(monkeypatch):
+    """At most one re-ask in flight: an offer meanwhile is dropped and counted; a share of 0.5
+    re-asks about half the offers; a task unserved before its re-ask starts is not re-asked,
+    and a re-ask is counted in flight under its task's engine key until it ends."""
+    import asyncio
+    import random
+    from types import SimpleNamespace
+
+    from ltv_vllm.serving.api_server import fidelity as fid
+    from ltv_vllm.serving.api_server.registry import TaskRegistry
+
+    counted: list = []
+    monkeypatch.setattr(fid.metrics, "fidelity",
+                        lambda _name, outcome, *_: counted.append(outcome))
+    monkeypatch.setattr(fid.metrics, "fidelity_baseline", lambda *_: None)
+    cfg = SimpleNamespace(max_logprobs=20, hf_config=SimpleNamespace(), get_vocab_size=lambda: 9)
+    engine = SimpleNamespace(model_config=cfg, vllm_config=SimpleNamespace())
+    registry = TaskRegistry()
+    registry.serve("t", "t@abc")
+
+    async def run() -> None:
+        gate = asyncio.Event()
+        sampler = fid.LiveFidelity(engine, registry, 1.0, random.Random(0))
+        held: list = []
+
+        async def teacher(key):
+            held.append(registry.held(key))
+            await gate.wait()
+            return None  # no demonstrations: counted as unsupported
+
+        sampler._teacher = teacher
+        probe = fid.Probe("t@abc", "t", "p", {})
+        sampler.offer(probe)
+        await asyncio.sleep(0)
+        sampler.offer(probe)  # one in flight: dropped
+        gate.set()
+        await sampler.busy
+        assert counted == ["dropped", "unsupported"] and held == [1]
+        assert registry.held("t@abc") == 0
+        registry.unserve("t")
+        sampler.offer(probe)  # unserved: not re-asked
+        assert sampler.busy.done() and counted == ["dropped", "unsupported"]
+        sampler.rate = 0.5
+        registry.serve("t", "t@abc")
+        n = 0
+        for _ in range(400):
+            sampler.offer(probe)
+            n += not sampler.busy.done()
+            await sampler.busy
+        assert 160 < n < 240, n
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("flags,words", [
+    (("--fidelity-sample", "1.5"), "0..1"),
+    (("--fidelity-sample", "0.1", "--no-task-metrics"), "without --no-task-metrics"),
+    (("--fidelity-sample", "0.1", "--fold"), "not with --fold"),
+])
+def test_fidelity_sample_refused_where_it_cannot_work(flags, words, tmp_path):
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    r = CliRunner().invoke(main, ["serve", "--task-vector", str(tmp_path / "v.pt"), *flags,
+                                  "--dry-run"])
+    assert r.exit_code != 0 and words in r.output, r.output
