@@ -17,7 +17,6 @@ round the server's re-asks by outcome are read from its /metrics.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -27,66 +26,40 @@ RATES = (0.0, 0.01, 0.1)
 SHAPES = {"classify": 1, "generate": 16}
 
 
-def make_vectors(model_dir: Path, k: int, rank: int, out: Path) -> tuple[dict[str, str],
-                                                                          list[str]]:
-    """K random vectors recording the TREC episode's task and demonstrations; the episode's
-    test queries' zero-shot prompts."""
-    import torch
+def episode_vectors(model_dir: Path, k: int, rank: int, out: Path
+                    ) -> tuple[dict[str, str], list[str]]:
+    """K random vectors (`k_tasks.make_vectors`) recording the TREC episode's task and
+    demonstrations; the episode's test queries' zero-shot prompts."""
+    from k_tasks import make_vectors
 
-    from ltv_vllm.core.vector import TaskVector
-    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.models.loading import load_tokenizer
     from ltv_vllm.pipeline.extract import ExtractOptions, demonstrations, plan_episode
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     task = get_task("trec")
     episode = plan_episode(task, ExtractOptions(k=30, n=16, n_test=128))
-    loaded = load_model(str(model_dir), dtype="float32")
-    ident, d = loaded.identity, int(loaded.model.config.hidden_size)
-    labels = tuple(label_token_ids(task, loaded.tokenizer))
-    del loaded
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for t in range(k):
-        g = torch.Generator().manual_seed(t)
-        U = 0.02 * torch.randn(d, rank, generator=g)
-        V = torch.linalg.qr(torch.randn(d, rank, generator=g))[0]
-        tv = TaskVector("hidden", U, V, None, ident, labels, {
-            "task": {**task.to_dict(), "name": f"t{t}"}, "shift_steps": "all",
-            "demonstrations": demonstrations(episode.demo_sets)})
-        paths[f"t{t}"] = str(tv.save(out / f"t{t}.safetensors"))
+    labels = tuple(label_token_ids(task, load_tokenizer(str(model_dir))))
+    paths = make_vectors(model_dir, k, rank, out, labels, task.to_dict(),
+                         {"demonstrations": demonstrations(episode.demo_sets)})
     return paths, [task.zero_shot(e.text) for e in episode.test]
 
 
 def outcomes(url: str) -> dict[str, float]:
     """The server's re-asks by outcome, all tasks."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
+    from metrics_cost import totals
 
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in fam.samples:
-            if s.name == "ltv_vllm:task_fidelity_samples_total":
-                out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0.0) + s.value
-    return out
+    return totals(url, ("ltv_vllm:task_fidelity_samples_total",), by="outcome")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--tasks", type=int, default=4)
-    ap.add_argument("--rank", type=int, default=256)
-    ap.add_argument("--requests", type=int, default=256, help="requests per cell and round")
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2, help="servers per rate, rotating")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from metrics_cost import load, load_args, start, stop
+
+    ap = load_args(__doc__, "benchmarks/results/fidelity_cost", "servers per rate, rotating")
     ap.add_argument("--max-model-len", type=int, default=2048,
                     help="the served context: it must hold the ICL prompt (k = 30 TREC "
                          "demonstrations and a query)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/fidelity_cost"))
     a = ap.parse_args()
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from metrics_cost import load, start, stop
 
     from ltv_vllm.bench.workload import machine
     from ltv_vllm.models.resolve import resolve_model
@@ -94,7 +67,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     scratch = a.out / "work"
     scratch.mkdir(exist_ok=True)
-    vectors, ps = make_vectors(resolve_model(a.model), a.tasks, a.rank, scratch / "vectors")
+    vectors, ps = episode_vectors(resolve_model(a.model), a.tasks, a.rank, scratch / "vectors")
     names = list(vectors)
     seconds: dict[str, list[float]] = {}
     asked: dict[str, list[dict[str, float]]] = {}

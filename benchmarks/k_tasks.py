@@ -41,7 +41,11 @@ def prompts(r: int) -> list[str]:
             for i in range(r)]
 
 
-def make_vectors(model_dir: Path, k: int, rank: int, out: Path) -> dict[str, str]:
+def make_vectors(model_dir: Path, k: int, rank: int, out: Path,
+                 labels: tuple[int, ...] = (5, 6), task: dict | None = None,
+                 meta: dict | None = None) -> dict[str, str]:
+    """K random vectors t0..t{K-1} at `rank` (every step shifted; their values do not change
+    the cost); `task`, `meta`: more of each file's task spec and meta."""
     import torch
 
     from ltv_vllm.core.vector import TaskVector
@@ -56,8 +60,9 @@ def make_vectors(model_dir: Path, k: int, rank: int, out: Path) -> dict[str, str
         g = torch.Generator().manual_seed(t)
         U = 0.02 * torch.randn(d, rank, generator=g)
         V = torch.linalg.qr(torch.randn(d, rank, generator=g))[0]
-        tv = TaskVector("hidden", U, V, None, ident, (5, 6),
-                        {"task": {"name": f"t{t}"}, "shift_steps": "all"})
+        tv = TaskVector("hidden", U, V, None, ident, labels,
+                        {"task": {**(task or {}), "name": f"t{t}"}, "shift_steps": "all",
+                         **(meta or {})})
         paths[f"t{t}"] = str(tv.save(out / f"t{t}.safetensors"))
     return paths
 

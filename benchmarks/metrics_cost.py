@@ -99,30 +99,43 @@ async def load(url: str, model: str, tasks: list[str] | None, tokens: int, reque
         return time.perf_counter() - t
 
 
-def counted(url: str) -> dict[str, float]:
-    """The server's per-task request and shifted-token totals (all tasks)."""
+def totals(url: str, names: tuple[str, ...], by: str | None = None) -> dict[str, float]:
+    """The server's samples of the metrics `names`, summed over their labels (but `by`, whose
+    value then keys the sums)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
         for s in fam.samples:
-            if s.name in ("ltv_vllm:task_requests_total", "ltv_vllm:task_shifted_tokens_total"):
-                out[s.name] = out.get(s.name, 0.0) + s.value
+            if s.name in names:
+                key = s.labels[by] if by else s.name
+                out[key] = out.get(key, 0.0) + s.value
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def counted(url: str) -> dict[str, float]:
+    """The server's per-task request and shifted-token totals (all tasks)."""
+    return totals(url, ("ltv_vllm:task_requests_total", "ltv_vllm:task_shifted_tokens_total"))
+
+
+def load_args(doc: str, out: str, rounds: str) -> argparse.ArgumentParser:
+    """The options of a side-by-side serving cost benchmark (this one's, fidelity_cost's)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tasks", type=int, default=4)
     ap.add_argument("--rank", type=int, default=256)
     ap.add_argument("--requests", type=int, default=256, help="requests per cell and round")
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2, help="servers per mode, alternating")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/metrics_cost"))
-    a = ap.parse_args()
+    ap.add_argument("--rounds", type=int, default=2, help=rounds)
+    ap.add_argument("--out", type=Path, default=Path(out))
+    return ap
+
+
+def main() -> None:
+    a = load_args(__doc__, "benchmarks/results/metrics_cost",
+                  "servers per mode, alternating").parse_args()
 
     sys.path.insert(0, str(Path(__file__).parent))
     from k_tasks import make_vectors, prompts
