@@ -409,7 +409,7 @@ class Gate:
 
     def probe(self, scope: dict[str, Any], ask: Ask) -> Probe | None:
         """What live fidelity may re-ask once this request is answered (`api_server.fidelity`):
-        here, a completion request the fused vector shifts."""
+        a completion request a vector shifts (fused, or a task named by its engine key)."""
         if ask.path != SHIFT_PATHS[0] or not self.shifts(ask):
             return None
         xargs = ask.payload.get("vllm_xargs")
