@@ -423,3 +423,69 @@ def bench_scaling_cmd(model_spec: str, task_list: str, ns: str, demo_sets: int, 
                         log=lambda m: click.echo(m, err=True))
     partial.unlink(missing_ok=True)
     click.echo(scaling_markdown(doc))
+
+
+@bench.command("teachers")
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
+@click.option("--tasks", "task_list", default="packaged", show_default=True,
+              help="Comma-separated task names/spec files, or 'packaged' for all seven.")
+@click.option("--k", default=30, show_default=True,
+              help="Demonstrations of each k-shot prompt (the prompt a vector replaces).")
+@click.option("--many-k", default=120, show_default=True,
+              help="Demonstrations of the many-shot teacher's prompt (k//K per class).")
+@click.option("--demo-sets", default=2, show_default=True,
+              help="k-shot demonstration sets M (the `sets` teacher and the ensemble).")
+@click.option("--n", default=256, show_default=True)
+@click.option("--runs", default=3, show_default=True,
+              help="Episodes per task (seeds seed, seed+1, ...).")
+@lam_option("Every fit, each episode its own λ.")
+@click.option("--n-test", default=100, show_default=True)
+@_SEED
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--dtype", default="bfloat16", show_default=True, type=DTYPE, help=DTYPE_HELP)
+@click.option("--variants", default=None,
+              help="Comma-separated base/calibration[/gold weight] fits (base one|sets|many, "
+                   "calibration icl|batch|contextual) [default: all bases × calibrations and "
+                   "four gold blends].")
+@click.option("--rescore", is_flag=True,
+              help="Score the variants from the states stored under --out alone (refused "
+                   "where an episode's are missing); loads no model.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/teachers"), show_default=True)
+@friendly
+def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, demo_sets: int,
+                       n: int, runs: int, lam: float | str, n_test: int, seed: int,
+                       batch_size: int, dtype: str, variants: str | None, rescore: bool,
+                       out_dir: Path) -> None:
+    """Fit vectors to better teachers than one k-shot prompt (many-shot, calibrated, gold
+    blends) and score them against it; every episode's states are kept under --out/states,
+    so rerunning with other --variants or --lam rescores without a recapture."""
+    from ltv_vllm.bench.teachers import DEFAULT_VARIANTS, bench_teachers, parse_variant
+    from ltv_vllm.models.loading import load_tokenizer
+    from ltv_vllm.pipeline.extract import ExtractOptions, check_counts, plan_episode
+    from ltv_vllm.tasks.data import load_dataset, many_shot_demos
+    from ltv_vllm.tasks.specs import get_tasks, label_token_ids
+
+    check_counts(runs=runs, k=k, n=n, lam=lam, n_test=n_test, batch_size=batch_size)
+    check_counts(k=many_k)
+    if demo_sets < 1:
+        raise ArgumentError(f"--demo-sets must be at least 1, got {demo_sets}")
+    chosen = _csv(variants) if variants else list(DEFAULT_VARIANTS)
+    for v in chosen:
+        try:
+            parse_variant(v)
+        except ValueError as e:
+            raise ArgumentError(f"--variants: {e}") from None
+    check_writable(out_dir, option="--out", directory=True)
+    tok = load_tokenizer(model_spec)
+    tasks = get_tasks(task_list)
+    for t in tasks:  # labels, k, N, the sets and the many-shot set before the model loads
+        label_token_ids(t, tok)
+        ep = plan_episode(t, ExtractOptions(k=k, n=n, n_test=n_test, seed=seed, n_val=0,
+                                            demo_sets=demo_sets))
+        many_shot_demos(load_dataset(t), ep, many_k)
+    doc = bench_teachers(model_spec, tasks, k=k, many_k=many_k, demo_sets=demo_sets, n=n,
+                         runs=runs, lam=lam, n_test=n_test, seed=seed, batch_size=batch_size,
+                         dtype=dtype, variants=chosen, out_dir=out_dir, rescore=rescore,
+                         command=_command_line(), log=lambda m: click.echo(m, err=True))
+    click.echo(f"results in {out_dir}: {len(doc['rows'])} episodes")

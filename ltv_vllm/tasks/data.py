@@ -837,3 +837,27 @@ __all__ = [
     "sample_episode",
     "sample_test",
 ]
+
+
+def many_shot_demos(dataset: Dataset, episode: Episode, k: int) -> tuple[Example, ...]:
+    """A many-shot teacher's demonstrations for `episode`: k//K per class (shuffled) from the
+    train examples that are neither its queries nor its validation examples, from a stream of
+    its own (the episode's k-shot demonstrations, its queries and its test are unchanged, so
+    a many-shot teacher is compared with the k-shot prompt on the same queries)."""
+    task = dataset.task
+    K = task.num_classes
+    if k < K:
+        raise DataError(f"k={k} is smaller than the number of classes ({K}) of {task.name!r}")
+    taken = set(episode.queries) | set(episode.val)
+    per_class = k // K
+    rng = _Rng(f"ltv_vllm.demos:{episode.seed}:many{k}")
+    idx: list[int] = []
+    for c, pool in enumerate(_indices_by_class(dataset.train, K)):
+        free = [i for i in pool if dataset.train[i] not in taken]
+        if len(free) < per_class:
+            raise DataError(f"{task.name}: class {task.labels[c]!r} has {len(free)} train "
+                            f"examples besides the queries, a {k}-shot teacher needs "
+                            f"{per_class}")
+        idx += rng.take(free, per_class)
+    rng.shuffle(idx)
+    return tuple(dataset.train[i] for i in idx)

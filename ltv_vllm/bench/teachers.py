@@ -1,0 +1,337 @@
+"""Which teacher a vector should imitate (issue 72): k-shot, M k-shot sets, many-shot, each
+raw, calibrated or blended with gold labels, from states captured once and kept on disk.
+
+Per task and run, one episode (k demonstrations, N train queries, the test subset) and:
+  * h_zs on the train queries and the test subset;
+  * for each of the M k-shot demonstration sets and for one many-shot set (`many_shot_demos`:
+    same queries, its own demonstrations): h_icl on the train queries, the test subset and
+    the content-free inputs (`core.teacher.CONTENT_FREE`), each set's seconds and its prompt's
+    token count.
+Those tensors are written to `states/<task>_run<r>.safetensors` beside the results, so every
+fit variant (teacher, calibration, gold blend, λ) is rescored from them without a recapture
+(`--rescore`), and a sweep grown by tasks, runs or variants captures only what is new.
+
+A variant is base/calibration[/gold weight]: base `one` (the first k-shot prompt: the paper's
+target), `sets` (the M prompts' mean state: multi-prompt LTV), `many` (the many-shot prompt).
+Each is scored by its teacher's own test accuracy (its calibration applied; a gold blend has
+no test-time teacher, so its teacher row is the unblended one), its LTV's accuracy and d_NTP
+against one k-shot prompt (mean over the M), against the M-prompt ensemble and against its own
+teacher, through the method registry's `ltv` (`score_methods`) as every other path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ltv_vllm.core.teacher import (
+    CALIBRATIONS,
+    CONTENT_FREE,
+    TeacherOptions,
+    calibration_offset,
+    label_logprobs,
+    teacher_states,
+)
+from ltv_vllm.evaluation import ensemble as ens
+from ltv_vllm.extraction.capture import zero_shot_states
+from ltv_vllm.models.hardware import machine_line
+
+BASES = ("one", "sets", "many")
+DEFAULT_VARIANTS = tuple(f"{b}/{c}" for b in BASES for c in CALIBRATIONS) + (
+    "one/icl/0.5", "sets/icl/0.5", "many/icl/0.5", "many/batch/0.5")
+
+
+def parse_variant(spec: str) -> tuple[str, TeacherOptions]:
+    """'base/calibration[/gold weight]' → (base, TeacherOptions); ValueError naming it."""
+    parts = spec.split("/")
+    if len(parts) not in (2, 3) or parts[0] not in BASES:
+        raise ValueError(f"variant {spec!r}: base/calibration[/gold weight], base one of "
+                         f"{', '.join(BASES)}")
+    gold = float(parts[2]) if len(parts) == 3 else 0.0
+    return parts[0], TeacherOptions(calibration=parts[1], gold_weight=gold)
+
+
+def capture(cap: Any, task: Any, ep: Any, many: Sequence[Any], h_zs_test: torch.Tensor,
+            labels_train: torch.Tensor, labels_test: torch.Tensor) -> tuple[dict[str, torch.Tensor],
+                                                                            dict[str, Any]]:
+    """Every state an episode's variants need, float32, and what capturing them cost."""
+    queries = [task.query(e.text) for e in ep.queries]
+    tests = [task.query(e.text) for e in ep.test]
+    cf = [task.query(t) for t in CONTENT_FREE]
+    t0 = time.perf_counter()
+    h_zs = zero_shot_states(cap, task, [e.text for e in ep.queries],
+                            desc=f"{task.name} zero-shot train")
+    cost: dict[str, Any] = {"zero_shot_seconds": time.perf_counter() - t0, "sets": []}
+    out: dict[str, list[torch.Tensor]] = {"train": [], "test": [], "cf": []}
+    prefixes = [*ep.demo_prefixes(), task.demos_text(many)]
+    for m, prefix in enumerate(prefixes):
+        name = "many" if m == len(prefixes) - 1 else f"set {m + 1}"
+        t0 = time.perf_counter()
+        out["train"].append(cap.icl(prefix, queries, desc=f"{task.name} {name} train").float())
+        seconds = time.perf_counter() - t0
+        out["test"].append(cap.icl(prefix, tests, desc=f"{task.name} {name} test").float())
+        out["cf"].append(cap.icl(prefix, cf, desc=f"{task.name} {name} content-free").float())
+        cost["sets"].append({"seconds": seconds, "prompt_tokens": len(cap.encode(prefix)),
+                             "k": len(many) if name == "many" else len(ep.demos)})
+    states = {"h_zs": h_zs.float(), "h_zs_test": h_zs_test.float(),
+              "h_icl": torch.stack(out["train"]), "h_icl_test": torch.stack(out["test"]),
+              "h_icl_cf": torch.stack(out["cf"]), "labels": labels_train,
+              "labels_test": labels_test}
+    return states, cost
+
+
+def teacher_base(states: dict[str, torch.Tensor], base: str) -> dict[str, torch.Tensor]:
+    """The base teacher's train, test and content-free states: the first k-shot set, the
+    mean over the M k-shot sets, or the many-shot set (the last one stored)."""
+    if base == "one":
+        i = slice(0, 1)
+    elif base == "sets":
+        i = slice(0, states["h_icl"].shape[0] - 1)
+    else:
+        i = slice(-1, None)
+    return {k: states[k][i].mean(0) for k in ("h_icl", "h_icl_test", "h_icl_cf")}
+
+
+def score_variants(states: dict[str, torch.Tensor], variants: Sequence[str], lam: float | str,
+                   ctx_for: Callable[[torch.Tensor, torch.Tensor], Any],
+                   head: tuple[torch.Tensor, torch.Tensor]) -> dict[str, dict[str, float]]:
+    """Each variant's teacher accuracy, LTV accuracy and its d_NTP against one k-shot prompt,
+    the ensemble and its own teacher, from one episode's stored states. `ctx_for(h_zs,
+    h_icl)`: the registry's Context for a fit to that target."""
+    from ltv_vllm.core.metrics import accuracy, d_ntp
+    from ltv_vllm.methods import score_methods
+
+    w_c, b_c = head
+    labels = states["labels_test"].long()
+    k_sets = states["h_icl_test"][:-1]  # the M k-shot prompts (the references)
+    z_sets, refs = ens.references(k_sets, w_c, b_c)
+    zs_test = states["h_zs_test"]
+    base_scores = ens.set_scores({"zero-shot": zs_test @ w_c.T + b_c, "icl": z_sets[0],
+                                  **refs}, z_sets, labels)
+    out: dict[str, dict[str, float]] = dict(base_scores)
+    for spec in variants:
+        base, opts = parse_variant(spec)
+        t = teacher_base(states, base)
+        logp = label_logprobs(t["h_icl"], w_c, b_c)
+        offset = calibration_offset(opts, logp, label_logprobs(t["h_icl_cf"], w_c, b_c))
+        target = teacher_states(t["h_icl"], w_c, b_c, opts, offset, gold=states["labels"])
+        test_teacher = teacher_states(t["h_icl_test"], w_c, b_c,
+                                      TeacherOptions(calibration=opts.calibration), offset)
+        z_teacher = (test_teacher @ w_c.T + b_c).float()
+        sc = score_methods(ctx_for(states["h_zs"], target.float()), ["ltv"], zs_test,
+                           test_teacher.float(), labels, head=head)
+        z = sc.logits["ltv"]
+        row = ens.set_scores({"v": z}, z_sets, labels)["v"]
+        row.update({"teacher_accuracy": accuracy(z_teacher, labels),
+                    "d_ntp_teacher": d_ntp(z_teacher, z), "lam": sc.params["ltv"]["lam"]})
+        out[spec] = row
+    return out
+
+
+def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int,
+                   demo_sets: int, n: int, runs: int, lam: float | str, n_test: int,
+                   seed: int, batch_size: int, dtype: str, variants: Sequence[str],
+                   out_dir: Path, command: str, rescore: bool = False,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Capture what is missing under out_dir/states, score every variant, write results."""
+    from safetensors.torch import load_file, save_file
+
+    from ltv_vllm.bench import report
+    from ltv_vllm.bench.workload import machine
+    from ltv_vllm.core.fileio import atomic_write
+    from ltv_vllm.extraction.capture import Capturer, label_head
+    from ltv_vllm.methods import Context, MethodOptions
+    from ltv_vllm.models.checkpoint import identity_from_dir
+    from ltv_vllm.models.loading import load_model, load_tokenizer, local_model_dir
+    from ltv_vllm.pipeline.extract import ExtractOptions, capture_test_zero_shot, plan_episode
+    from ltv_vllm.tasks.data import load_dataset, many_shot_demos
+    from ltv_vllm.tasks.specs import label_token_ids
+
+    for v in variants:
+        parse_variant(v)
+    hw = machine()
+    states_dir = out_dir / "states"
+    states_dir.mkdir(parents=True, exist_ok=True)
+    config = {"model": model_spec, "dtype": dtype, "k": k, "many_k": many_k,
+              "demo_sets": demo_sets, "n": n, "n_test": n_test, "seed": seed}
+    lm = None
+    tok = load_tokenizer(model_spec)
+    identity = identity_from_dir(local_model_dir(model_spec))
+    rows, t_start = [], time.perf_counter()
+    for task, run in itertools.product(tasks, range(runs)):
+        ep = plan_episode(task, ExtractOptions(k=k, n=n, lam=5.0, seed=seed + run,
+                                               n_test=n_test, n_val=0, demo_sets=demo_sets))
+        label_ids = label_token_ids(task, tok)
+        path = states_dir / f"{task.name}_run{run}.safetensors"
+        meta_path = path.with_suffix(".json")
+        have = path.is_file() and meta_path.is_file() and json.loads(
+            meta_path.read_text()).get("config") == config
+        if not have:
+            if rescore:
+                raise FileNotFoundError(f"{path}: no stored states of this configuration "
+                                        "to rescore (run without --rescore to capture them)")
+            if lm is None:
+                lm = load_model(model_spec, dtype=dtype)
+                cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=True,
+                               special_tokens=task.special_tokens)
+            many = many_shot_demos(load_dataset(task), ep, many_k)
+            st, cost = capture(cap, task, ep, many, capture_test_zero_shot(cap, task, ep),
+                               torch.tensor([e.label for e in ep.queries]),
+                               torch.tensor([e.label for e in ep.test]))
+            w_c, b_c = label_head(lm.model, label_ids)
+            st["w_c"], st["b_c"] = w_c, b_c
+            save_file({k_: v.contiguous() for k_, v in st.items()}, str(path))
+            atomic_write(meta_path, lambda p, c=cost: Path(p).write_text(json.dumps(
+                {"config": config, "cost": c, "machine": machine_line(hw)}, indent=1)))
+        st = load_file(str(path))
+        meta = json.loads(meta_path.read_text())
+        head = (st["w_c"], st["b_c"])
+
+        def ctx_for(h_zs: torch.Tensor, h_icl: torch.Tensor, ep=ep, ids=label_ids) -> Any:
+            return Context(None, ep, ids, MethodOptions(lam=lam, batch_size=batch_size,
+                                                        progress=False),
+                           identity=identity, h_zs=h_zs, h_icl=h_icl, dtype=dtype)
+
+        scores = score_variants(st, variants, lam, ctx_for, head)
+        rows.append({"task": task.name, "run": run, "seed": seed + run, "scores": scores,
+                     "cost": meta["cost"], "machine": meta["machine"]})
+        best = max(variants, key=lambda v: scores[v]["accuracy"])
+        log(f"{task.name} run {run}: zero-shot {100 * scores['zero-shot']['accuracy']:.1f}% "
+            f"ICL {100 * scores['icl']['accuracy']:.1f}% LTV one/icl "
+            f"{100 * scores['one/icl']['accuracy']:.1f}% best {best} "
+            f"{100 * scores[best]['accuracy']:.1f}%" if "one/icl" in scores else task.name)
+    doc = {"command": command, **config, "lam": lam, "runs": runs,
+           "tasks": [t.name for t in tasks], "variants": list(variants), "machine": hw,
+           "threads": torch.get_num_threads(), "wall_seconds": time.perf_counter() - t_start,
+           "rows": rows}
+    doc["summary"] = summarise(doc)
+    report.write(doc, out_dir, teachers_markdown(doc))
+    doc["plots"] = [str(teachers_plot(doc, out_dir))]
+    return doc
+
+
+def summarise(doc: dict[str, Any]) -> dict[str, Any]:
+    """{task: {method: means over runs}}, and per variant: tasks at or above one k-shot
+    prompt, the mean accuracy gap to it, and the share of its teacher's gain recovered."""
+    rows, tasks = doc["rows"], doc["tasks"]
+    per: dict[str, dict[str, dict[str, float]]] = {}
+    for t in tasks:
+        rs = [r for r in rows if r["task"] == t]
+        per[t] = {m: {key: statistics.fmean(r["scores"][m][key] for r in rs)
+                      for key in rs[0]["scores"][m] if key != "set_accuracy"}
+                  for m in rs[0]["scores"]}
+    overall = {}
+    for v in doc["variants"]:
+        gaps = [per[t][v]["accuracy"] - per[t]["icl"]["accuracy"] for t in tasks]
+        gain = [per[t][v]["teacher_accuracy"] - per[t]["zero-shot"]["accuracy"] for t in tasks]
+        got = [per[t][v]["accuracy"] - per[t]["zero-shot"]["accuracy"] for t in tasks]
+        overall[v] = {"at_or_above": sum(g >= 0 for g in gaps),
+                      "mean_gap": statistics.fmean(gaps),
+                      "accuracy": statistics.fmean(per[t][v]["accuracy"] for t in tasks),
+                      "teacher_accuracy": statistics.fmean(per[t][v]["teacher_accuracy"]
+                                                           for t in tasks),
+                      "recovery": sum(got) / sum(gain) if sum(gain) > 0 else None}
+    return {"per_task": per, "overall": overall}
+
+
+def teachers_markdown(doc: dict[str, Any]) -> str:
+    s, tasks = doc["summary"], doc["tasks"]
+    per, overall = s["per_task"], s["overall"]
+    costs = [r["cost"] for r in doc["rows"]]
+    machines = sorted({r["machine"] for r in doc["rows"]})
+    lines = ["# Teachers: what a vector is fitted to imitate", "", "```", doc["command"], "```",
+             "", f"Model `{doc['model']}` ({doc['dtype']}), k={doc['k']} (M={doc['demo_sets']} "
+             f"sets), many-shot k={doc['many_k']}, N={doc['n']}, λ={doc['lam']}, "
+             f"{doc['n_test']} test queries, {doc['runs']} run(s) per task (means over runs); "
+             f"captured on {'; '.join(machines)}, {doc['threads']} threads; this command's "
+             f"wall time {doc['wall_seconds'] / 60:.1f} min.", "",
+             "A variant is base/calibration[/gold weight]: base `one` = the first k-shot "
+             "prompt, `sets` = the mean state of the M k-shot prompts, `many` = the many-shot "
+             "prompt; calibration `icl` = none, `batch` = batch calibration over the N train "
+             "queries, `contextual` = content-free calibration; a gold weight blends each "
+             "train query's gold label into its target. *teacher* is the teacher's own test "
+             "accuracy (a gold blend's: the unblended teacher).", "",
+             "**Accuracy (%)**", "", "| Method | " + " | ".join(tasks) + " | Avg. |",
+             "|---|" + "---|" * (len(tasks) + 1)]
+
+    def row(label: str, vals: list[float], fmt: str = "{:.1f}", scale: float = 100) -> str:
+        return (f"| {label} | " + " | ".join(fmt.format(scale * v) for v in vals)
+                + f" | {fmt.format(scale * statistics.fmean(vals))} |")
+
+    lines.append(row("Zero-shot", [per[t]["zero-shot"]["accuracy"] for t in tasks]))
+    lines.append(row(f"ICL, one {doc['k']}-shot prompt (mean over the M)",
+                     [per[t]["icl"]["accuracy"] for t in tasks]))
+    lines.append(row(f"ICL ensemble ({doc['demo_sets']} prompts)",
+                     [per[t][ens.ENSEMBLE]["accuracy"] for t in tasks]))
+    for v in doc["variants"]:
+        lines.append(row(f"teacher {v}", [per[t][v]["teacher_accuracy"] for t in tasks]))
+        lines.append(row(f"**LTV {v}**", [per[t][v]["accuracy"] for t in tasks]))
+    for key, title in (("d_ntp", f"d_NTP against one {doc['k']}-shot prompt"),
+                       ("d_ntp_ensemble", f"d_NTP against the {doc['demo_sets']}-prompt "
+                                          "ensemble"),
+                       ("d_ntp_teacher", "d_NTP against its own teacher")):
+        lines += ["", f"**{title}**", "", "| LTV variant | " + " | ".join(tasks) + " | Avg. |",
+                  "|---|" + "---|" * (len(tasks) + 1)]
+        lines += [row(v, [per[t][v][key] for t in tasks], "{:.3f}", 1) for v in doc["variants"]]
+    lines += ["", "**Against one k-shot prompt** (tasks at or above it; mean accuracy gap in "
+              "points; share of the teacher's own gain over zero-shot recovered, summed over "
+              "tasks)", "", "| LTV variant | at or above | mean gap | recovery of its teacher |",
+              "|---|---|---|---|"]
+    for v in doc["variants"]:
+        o = overall[v]
+        rec = "–" if o["recovery"] is None else f"{100 * o['recovery']:.0f} %"
+        lines.append(f"| {v} | {o['at_or_above']} of {len(tasks)} | "
+                     f"{100 * o['mean_gap']:+.1f} | {rec} |")
+    k_sets = [c["sets"][:-1] for c in costs]
+    many = [c["sets"][-1] for c in costs]
+    lines += ["", "**Extraction cost per run** (mean over episodes; train-query passes only, "
+              "the test's are not a cost of extraction)", "",
+              "| Teacher | prompt tokens | capture seconds (zero-shot + its sets) |", "|---|---|---|",
+              f"| one {doc['k']}-shot prompt | "
+              f"{statistics.fmean(s_[0]['prompt_tokens'] for s_ in k_sets):.0f} | "
+              f"{statistics.fmean(c['zero_shot_seconds'] + s_[0]['seconds'] for c, s_ in zip(costs, k_sets, strict=True)):.1f} |",
+              f"| {doc['demo_sets']} {doc['k']}-shot prompts | "
+              f"{statistics.fmean(sum(x['prompt_tokens'] for x in s_) for s_ in k_sets):.0f} | "
+              f"{statistics.fmean(c['zero_shot_seconds'] + sum(x['seconds'] for x in s_) for c, s_ in zip(costs, k_sets, strict=True)):.1f} |",
+              f"| one {doc['many_k']}-shot prompt | "
+              f"{statistics.fmean(m['prompt_tokens'] for m in many):.0f} | "
+              f"{statistics.fmean(c['zero_shot_seconds'] + m['seconds'] for c, m in zip(costs, many, strict=True)):.1f} |",
+              "", "Calibration and gold blends add no forward pass but the content-free "
+              f"inputs' ({len(CONTENT_FREE)} prompts per set).", ""]
+    return "\n".join(lines)
+
+
+def teachers_plot(doc: dict[str, Any], out_dir: Path) -> Path:
+    """Per variant: its LTV's mean accuracy gap to one k-shot prompt against its teacher's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ltv_vllm.core.fileio import save_figure
+
+    overall, per, tasks = doc["summary"]["overall"], doc["summary"]["per_task"], doc["tasks"]
+    icl = statistics.fmean(per[t]["icl"]["accuracy"] for t in tasks)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    vs = doc["variants"]
+    x = range(len(vs))
+    ax.bar([i - 0.2 for i in x], [100 * (overall[v]["teacher_accuracy"] - icl) for v in vs],
+           0.4, label="teacher", color="tab:green")
+    ax.bar([i + 0.2 for i in x], [100 * (overall[v]["accuracy"] - icl) for v in vs], 0.4,
+           label="its LTV", color="tab:blue")
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xticks(list(x), vs, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel(f"accuracy − one {doc['k']}-shot prompt (points, mean over tasks)")
+    ax.set_title(f"{doc['model']} ({doc['dtype']}): teachers and their vectors, "
+                 f"{doc['runs']} run(s) × {len(tasks)} tasks", fontsize=10)
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return save_figure(fig, out_dir / "teachers.png")
