@@ -39,6 +39,7 @@ from ltv_vllm.core.teacher import (
     label_logprobs,
     teacher_states,
 )
+from ltv_vllm.errors import ArgumentError
 from ltv_vllm.evaluation import ensemble as ens
 from ltv_vllm.extraction.capture import zero_shot_states
 from ltv_vllm.models.hardware import machine_line
@@ -99,7 +100,7 @@ def teacher_base(states: dict[str, torch.Tensor], base: str) -> dict[str, torch.
     return {k: states[k][i].mean(0) for k in ("h_icl", "h_icl_test", "h_icl_cf")}
 
 
-def score_variants(states: dict[str, torch.Tensor], variants: Sequence[str], lam: float | str,
+def score_variants(states: dict[str, torch.Tensor], variants: Sequence[str],
                    ctx_for: Callable[[torch.Tensor, torch.Tensor], Any],
                    head: tuple[torch.Tensor, torch.Tensor]) -> dict[str, dict[str, float]]:
     """Each variant's teacher accuracy, LTV accuracy and its d_NTP against one k-shot prompt,
@@ -175,7 +176,7 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
             meta_path.read_text()).get("config") == config
         if not have:
             if rescore:
-                raise FileNotFoundError(f"{path}: no stored states of this configuration "
+                raise ArgumentError(f"{path}: no stored states of this configuration "
                                         "to rescore (run without --rescore to capture them)")
             if lm is None:
                 lm = load_model(model_spec, dtype=dtype)
@@ -199,7 +200,7 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
                                                         progress=False),
                            identity=identity, h_zs=h_zs, h_icl=h_icl, dtype=dtype)
 
-        scores = score_variants(st, variants, lam, ctx_for, head)
+        scores = score_variants(st, variants, ctx_for, head)
         rows.append({"task": task.name, "run": run, "seed": seed + run, "scores": scores,
                      "cost": meta["cost"], "machine": meta["machine"]})
         best = max(variants, key=lambda v: scores[v]["accuracy"])
@@ -289,20 +290,19 @@ def teachers_markdown(doc: dict[str, Any]) -> str:
         rec = "–" if o["recovery"] is None else f"{100 * o['recovery']:.0f} %"
         lines.append(f"| {v} | {o['at_or_above']} of {len(tasks)} | "
                      f"{100 * o['mean_gap']:+.1f} | {rec} |")
-    k_sets = [c["sets"][:-1] for c in costs]
-    many = [c["sets"][-1] for c in costs]
     lines += ["", "**Extraction cost per run** (mean over episodes; train-query passes only, "
               "the test's are not a cost of extraction)", "",
-              "| Teacher | prompt tokens | capture seconds (zero-shot + its sets) |", "|---|---|---|",
-              f"| one {doc['k']}-shot prompt | "
-              f"{statistics.fmean(s_[0]['prompt_tokens'] for s_ in k_sets):.0f} | "
-              f"{statistics.fmean(c['zero_shot_seconds'] + s_[0]['seconds'] for c, s_ in zip(costs, k_sets, strict=True)):.1f} |",
-              f"| {doc['demo_sets']} {doc['k']}-shot prompts | "
-              f"{statistics.fmean(sum(x['prompt_tokens'] for x in s_) for s_ in k_sets):.0f} | "
-              f"{statistics.fmean(c['zero_shot_seconds'] + sum(x['seconds'] for x in s_) for c, s_ in zip(costs, k_sets, strict=True)):.1f} |",
-              f"| one {doc['many_k']}-shot prompt | "
-              f"{statistics.fmean(m['prompt_tokens'] for m in many):.0f} | "
-              f"{statistics.fmean(c['zero_shot_seconds'] + m['seconds'] for c, m in zip(costs, many, strict=True)):.1f} |",
+              "| Teacher | prompt tokens | capture seconds (zero-shot + its sets) |",
+              "|---|---|---|"]
+    for label, pick in ((f"one {doc['k']}-shot prompt", lambda sets: sets[:1]),
+                        (f"{doc['demo_sets']} {doc['k']}-shot prompts", lambda sets: sets[:-1]),
+                        (f"one {doc['many_k']}-shot prompt", lambda sets: sets[-1:])):
+        tokens = statistics.fmean(sum(x["prompt_tokens"] for x in pick(c["sets"]))
+                                  for c in costs)
+        seconds = statistics.fmean(c["zero_shot_seconds"]
+                                   + sum(x["seconds"] for x in pick(c["sets"])) for c in costs)
+        lines.append(f"| {label} | {tokens:.0f} | {seconds:.1f} |")
+    lines += [
               "", "Calibration and gold blends add no forward pass but the content-free "
               f"inputs' ({len(CONTENT_FREE)} prompts per set).", ""]
     return "\n".join(lines)

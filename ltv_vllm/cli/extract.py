@@ -74,12 +74,23 @@ from ltv_vllm.errors import ArgumentError
               type=click.Path(exists=True, dir_okay=False),
               help="Your unlabeled queries (.jsonl/.csv, the data's format): N is their "
                    "count [default: N sampled from the task's data].")
+@click.option("--teacher", default="icl", show_default=True,
+              type=click.Choice(["icl", "batch", "contextual"]),
+              help="What the vector imitates: the ICL prompt's states (icl), batch-calibrated "
+                   "(the label log-probabilities less their mean over the N queries) or "
+                   "contextually calibrated (divided by content-free inputs'); docs/methods.md.")
+@click.option("--gold-weight", default=0.0, show_default=True, type=float,
+              help="Blend each labelled query's gold label into its target with this weight "
+                   "(0 ≤ w < 1; 0: no blend).")
+@click.option("--gold-share", default=1.0, show_default=True, type=float,
+              help="With --gold-weight: the share of the N queries whose labels are used.")
 @_source_options
 @_capture_options
 @friendly
 def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: FormatFlags,
             output: Path | None, quiet: bool, demo_sets: int, demos_file: str | None,
-            queries_file: str | None, method: str, source: SourceFlags, capture: CaptureFlags,
+            queries_file: str | None, teacher: str, gold_weight: float, gold_share: float,
+            method: str, source: SourceFlags, capture: CaptureFlags,
             **method_flags: Any) -> None:
     """Extract a task vector (or a baseline's artifact) and report zero-shot / ICL / the
     method's accuracy and d_NTP on held-out queries.
@@ -87,6 +98,8 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
     With --source-model LARGE: a logit-space vector for --model, fitted to LARGE's ICL
     (cross-model transfer; the two must share a tokenizer).
     """
+    # Everything a user can get wrong is refused here, before any model loads.
+    from ltv_vllm.core.teacher import TeacherOptions
     from ltv_vllm.methods import get_method
     from ltv_vllm.models.hardware import device_line, engine_device, resolve_device
     from ltv_vllm.models.loading import load_model, load_tokenizer
@@ -99,10 +112,17 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
     from ltv_vllm.pipeline.extract import extract as run_extract
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
-    # Everything a user can get wrong is refused here, before any model loads.
     opts = replace(_extract_options(episode, progress=not quiet, method_flags=method_flags,
-                                    methods=[method]), demo_sets=demo_sets)
+                                    methods=[method]), demo_sets=demo_sets,
+                   teacher=TeacherOptions(teacher, gold_weight, gold_share))
     source_opts = source.options(episode.batch_size, quiet)
+    if not opts.teacher.is_default:
+        from ltv_vllm.pipeline.extract import states_methods
+
+        if source_opts is not None or method not in states_methods():
+            raise ArgumentError(f"--teacher {teacher} / --gold-weight shape the states a map "
+                                f"is fitted to: methods {', '.join(states_methods())}, "
+                                "without --source-model")
     m = get_method(method)
     check_engine(method, capture.engine)  # an inner-layer method on vLLM: refused here
     source_on_vllm = source_opts is not None and source_opts.engine == "vllm"

@@ -145,7 +145,7 @@ def parse_steps(value: Any) -> int | None:
 # refuses over 4,300 digits with a message of its own): a clear 400 here instead
 MAX_STEPS = 1 << 62
 _DICT_FIELDS = ("task", "hardware", "timings", "source_model", "source_load", "metrics",
-                "engine", "prompt_format")
+                "engine", "prompt_format", "teacher")
 PROMPT_DEMOS = ("turns", "inline")
 
 
@@ -240,6 +240,9 @@ class Provenance:
     # index, a regression task's number): a server re-asks sampled requests with the first
     # set's ICL prompt to watch its fidelity live (`api_server.fidelity`)
     demonstrations: list[list[dict[str, Any]]] | None = None
+    # what it was fitted to imitate (`core.teacher`): calibration, gold weight and share,
+    # and the demonstration prefix's token count
+    teacher: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -22,12 +22,20 @@ import torch
 from ltv_vllm import __version__
 from ltv_vllm.core.metrics import accuracy, d_ntp
 from ltv_vllm.core.ridge import Factors, truncate
+from ltv_vllm.core.teacher import (
+    CONTENT_FREE,
+    TeacherOptions,
+    calibration_offset,
+    label_logprobs,
+    teacher_states,
+)
 from ltv_vllm.core.vector import DEFAULT_SHIFT_STEPS, ModelIdentity, Provenance, TaskVector
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.extraction.capture import (
     Capturer,
     full_head,
     icl_states_per_set,
+    label_head,
     mean_over_sets,
     zero_shot_states,
 )
@@ -115,6 +123,9 @@ class ExtractOptions:
     # multi-prompt fitting: the train target h_icl is the mean over this many demonstration
     # sets of k (`Episode.demo_sets`); the test's ICL reference stays the first set's prompt
     demo_sets: int = 1
+    # what the vector imitates (`core.teacher`): the prompt's states (default), calibrated,
+    # or blended with the train queries' gold labels
+    teacher: TeacherOptions = field(default_factory=TeacherOptions)
 
     def __post_init__(self) -> None:
         check_counts(k=self.k, n=self.n, lam=self.lam, n_test=self.n_test,
@@ -385,8 +396,14 @@ def extract(
     episode = episode or plan_episode(task, opts)
     names = [method, *(b for b in m.compare_with if b != method)]
     check_format(names, task, lm, episode)
+    check_teacher(opts.teacher, method, task, lm, episode)
+    prompt_tokens = check_context(lm.tokenizer, episode, task.special_tokens,
+                                  context_length(lm))
     cap = capturer_for(lm, opts.batch_size, opts.progress, task.special_tokens)
     c = capture_episode(cap, episode)
+    if not opts.teacher.is_default:
+        c = teach(cap, episode, c, label_rows(lm, label_ids) or label_head(lm.model, label_ids),
+                  opts.teacher)
     if isinstance(lm, CapturedModel):
         check_engine(method, lm.engine.get("name", "vllm"))
         # the engine captured train and test in one batch: the train prompts' share
@@ -410,9 +427,82 @@ def extract(
                    timings=timings, metrics_rank=art.rank if vector else None,
                    shift_steps=DEFAULT_SHIFT_STEPS if vector else None,
                    prompt_format=task.record() if task.prompt_format == "chat" else None,
-                   demonstrations=demonstrations(episode.demo_sets) if vector else None)
+                   demonstrations=demonstrations(episode.demo_sets) if vector else None,
+                   teacher={**opts.teacher.record(), "prompt_tokens": prompt_tokens})
     return Extraction(method, replace(art, provenance=prov), sc.metrics, timings,
                       dict(sc.params.get(method, {})), episode, sc.logits)
+
+
+def context_length(lm: LoadedModel | CapturedModel) -> int | None:
+    """The model's context in tokens, from its config (None where it states none)."""
+    if isinstance(lm, CapturedModel):
+        import json as _json
+
+        cfg = _json.loads((Path(lm.path) / "config.json").read_text())
+        return cfg.get("text_config", cfg).get("max_position_embeddings")
+    return getattr(lm.model.config, "max_position_embeddings", None)
+
+
+def check_context(tokenizer: Any, episode: Episode, special_tokens: bool,
+                  limit: int | None) -> int:
+    """The longest demonstration prefix's token count; refused in one line, before any pass,
+    where it and the longest query do not fit the model's context (a many-shot teacher's
+    k is bounded by it)."""
+    task = episode.task
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
+
+    prefix = max(count(p) for p in episode.demo_prefixes())
+    texts = [e.text for e in (*episode.queries, *episode.test)]
+    longest = max(texts, key=len) if texts else ""
+    total = count(episode.demo_prefix() + task.query(longest))
+    if limit is not None and max(prefix, total) > limit:
+        raise ArgumentError(f"{task.name}: the ICL prompt of k={len(episode.demos)} "
+                            f"demonstrations takes {max(prefix, total)} tokens, over the "
+                            f"model's context of {limit}; use a smaller --k")
+    return prefix
+
+
+def check_teacher(teacher: TeacherOptions, method: str, task: Task, lm: Any,
+                  episode: Episode) -> None:
+    """A teacher other than the prompt's own states needs a method fitted on them, a
+    classification task, the content-free prompts' states (transformers) for contextual
+    calibration, and labelled queries for a gold blend: one line each, before any pass."""
+    if teacher.is_default:
+        return
+    if method not in states_methods():
+        raise ArgumentError(f"--teacher {teacher.calibration} / --gold-weight shape the "
+                            f"states a map is fitted to: methods {', '.join(states_methods())}")
+    if is_regression(task):
+        raise ArgumentError(f"{task.name} is a regression task: a teacher reshapes label "
+                            "distributions")
+    if teacher.calibration == "contextual" and isinstance(lm, CapturedModel):
+        raise ArgumentError("--teacher contextual captures its content-free prompts with "
+                            "transformers (--engine transformers)")
+    if teacher.gold_weight and any(not isinstance(e.label, int) or not
+                                   0 <= e.label < task.num_classes for e in episode.queries):
+        raise ArgumentError("--gold-weight blends the queries' gold labels: every query needs "
+                            "a label of the task")
+
+
+def teach(cap: Any, episode: Episode, c: Captures, head: tuple[torch.Tensor, torch.Tensor],
+          teacher: TeacherOptions) -> Captures:
+    """The captures with the teacher's states in place of the prompt's: the train target
+    (gold labels blended where asked) and the test reference (calibrated, never blended:
+    a test query has no label at serving time)."""
+    w_c, b_c = head
+    task = episode.task
+    cf = None
+    if teacher.calibration == "contextual":
+        cf = label_logprobs(mean_over_sets(icl_states_per_set(
+            cap, episode, [task.query(t) for t in CONTENT_FREE], desc="content-free")), w_c, b_c)
+    offset = calibration_offset(teacher, label_logprobs(c.h_icl, w_c, b_c), cf)
+    gold = torch.tensor([int(e.label) for e in episode.queries])
+    h_icl = teacher_states(c.h_icl, w_c, b_c, teacher, offset, gold).float()
+    test = teacher_states(c.h_icl_test, w_c, b_c,
+                          TeacherOptions(calibration=teacher.calibration), offset).float()
+    return replace(c, h_icl=h_icl, h_icl_test=test)
 
 
 def demonstrations(sets: Sequence[Sequence[Any]]) -> list[list[dict[str, Any]]]:
