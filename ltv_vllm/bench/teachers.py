@@ -166,6 +166,7 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
     tok = load_tokenizer(model_spec)
     identity = identity_from_dir(local_model_dir(model_spec))
     rows, t_start = [], time.perf_counter()
+    zs_test: dict[str, torch.Tensor] = {}
     for task, run in itertools.product(tasks, range(runs)):
         ep = plan_episode(task, ExtractOptions(k=k, n=n, lam=5.0, seed=seed + run,
                                                n_test=n_test, n_val=0, demo_sets=demo_sets))
@@ -183,7 +184,9 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
                 cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=True,
                                special_tokens=task.special_tokens)
             many = many_shot_demos(load_dataset(task), ep, many_k)
-            st, cost = capture(cap, task, ep, many, capture_test_zero_shot(cap, task, ep),
+            if task.name not in zs_test:  # the test subset is the same for every run
+                zs_test[task.name] = capture_test_zero_shot(cap, task, ep)
+            st, cost = capture(cap, task, ep, many, zs_test[task.name],
                                torch.tensor([e.label for e in ep.queries]),
                                torch.tensor([e.label for e in ep.test]))
             w_c, b_c = label_head(lm.model, label_ids)

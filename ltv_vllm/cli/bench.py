@@ -460,9 +460,17 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
     """Fit vectors to better teachers than one k-shot prompt (many-shot, calibrated, gold
     blends) and score them against it; every episode's states are kept under --out/states,
     so rerunning with other --variants or --lam rescores without a recapture."""
+    from dataclasses import replace
+
     from ltv_vllm.bench.teachers import DEFAULT_VARIANTS, bench_teachers, parse_variant
-    from ltv_vllm.models.loading import load_tokenizer
-    from ltv_vllm.pipeline.extract import ExtractOptions, check_counts, plan_episode
+    from ltv_vllm.models.checkpoint import context_length
+    from ltv_vllm.models.loading import load_tokenizer, local_model_dir
+    from ltv_vllm.pipeline.extract import (
+        ExtractOptions,
+        check_context,
+        check_counts,
+        plan_episode,
+    )
     from ltv_vllm.tasks.data import load_dataset, many_shot_demos
     from ltv_vllm.tasks.specs import get_tasks, label_token_ids
 
@@ -478,12 +486,15 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
             raise ArgumentError(f"--variants: {e}") from None
     check_writable(out_dir, option="--out", directory=True)
     tok = load_tokenizer(model_spec)
+    context = context_length(local_model_dir(model_spec))
     tasks = get_tasks(task_list)
     for t in tasks:  # labels, k, N, the sets and the many-shot set before the model loads
         label_token_ids(t, tok)
         ep = plan_episode(t, ExtractOptions(k=k, n=n, n_test=n_test, seed=seed, n_val=0,
                                             demo_sets=demo_sets))
-        many_shot_demos(load_dataset(t), ep, many_k)
+        many = many_shot_demos(load_dataset(t), ep, many_k)
+        for e in (ep, replace(ep, demos=many, extra_demos=())):  # each prompt fits the context
+            check_context(tok, e, t.special_tokens, context)
     doc = bench_teachers(model_spec, tasks, k=k, many_k=many_k, demo_sets=demo_sets, n=n,
                          runs=runs, lam=lam, n_test=n_test, seed=seed, batch_size=batch_size,
                          dtype=dtype, variants=chosen, out_dir=out_dir, rescore=rescore,

@@ -100,6 +100,12 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise VectorError(f"{path}: no readable config.json ({e})") from None
 
 
+def context_length(path: str | Path) -> int | None:
+    """The context in tokens an HF model directory's config states (None: it states none)."""
+    cfg = _read_config(Path(path))
+    return cfg.get("text_config", cfg).get("max_position_embeddings")
+
+
 def identity_from_dir(path: str | Path, name: str | None = None) -> ModelIdentity:
     """ModelIdentity of an HF model directory: what a server checks before its engine starts."""
     path = Path(path)

@@ -58,6 +58,7 @@ from ltv_vllm.methods import (
     score_methods,
 )
 from ltv_vllm.models.cache import cache_dir
+from ltv_vllm.models.checkpoint import context_length as checkpoint_context
 from ltv_vllm.models.checkpoint import (
     identity_from_dir,
     read_label_rows,
@@ -436,10 +437,7 @@ def extract(
 def context_length(lm: LoadedModel | CapturedModel) -> int | None:
     """The model's context in tokens, from its config (None where it states none)."""
     if isinstance(lm, CapturedModel):
-        import json as _json
-
-        cfg = _json.loads((Path(lm.path) / "config.json").read_text())
-        return cfg.get("text_config", cfg).get("max_position_embeddings")
+        return checkpoint_context(lm.path)
     return getattr(lm.model.config, "max_position_embeddings", None)
 
 
