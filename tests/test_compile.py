@@ -75,6 +75,57 @@ def test_compile_equals_a_direct_ridge_solve(model_dir, tokenizer, tmp_path):
     assert rec["metrics"] in (None, {}) and rec["n_test"] == 0
 
 
+def test_compile_with_a_teacher_fits_its_target(model_dir, tokenizer, tmp_path):
+    """A compile body's teacher (batch calibration blended with the queries' gold labels):
+    the entry's map is the ridge solve on the target made by hand (the calibrated, blended
+    distribution from its formula; the least state change through the pseudo-inverse, the
+    free constant in closed form), and the served file records the teacher."""
+    from transformers import AutoModelForCausalLM
+
+    from ltv_vllm.tasks.specs import label_token_ids
+
+    gold = ["positive", "negative", "positive", "negative", "positive", "negative",
+            "positive", "negative"]
+    qs = [{"text": q, "label": y} for q, y in zip(WORDS[4:12], gold, strict=True)]
+    req = parse_request(body(lam=3.0, queries=qs, teacher={"calibration": "batch",
+                                                            "gold_weight": 0.5}),
+                        tokenizer=tokenizer, max_model_len=512)
+    assert req.to_dict()["queries"] == qs and req.to_dict()["teacher"]["gold_weight"] == 0.5
+    compile_task(req, model_dir, tmp_path / "store", base_model=str(model_dir))
+    tv = TaskStore(tmp_path / "store").get("senti").vector()
+    assert tv.provenance.teacher["calibration"] == "batch"
+    assert tv.provenance.teacher["gold_weight"] == 0.5
+    model = AutoModelForCausalLM.from_pretrained(model_dir).float().eval()
+    prefix = "".join(f"Review: {d['text']}\nSentiment: {d['label']}\n" for d in body()["demos"])
+
+    def h(p):
+        with torch.no_grad():
+            return model.model(input_ids=torch.tensor([tokenizer(p)["input_ids"]])
+                               ).last_hidden_state[0, -1].double()
+
+    h_zs = torch.stack([h(f"Review: {q}\nSentiment:") for q in WORDS[4:12]])
+    h_icl = torch.stack([h(prefix + f"Review: {q}\nSentiment:") for q in WORDS[4:12]])
+    w_c = model.lm_head.weight[label_token_ids(req.task, tokenizer)].double()
+    p = torch.softmax(h_icl @ w_c.T, -1)
+    q = p / torch.exp(torch.log(p).mean(0))
+    q = q / q.sum(1, keepdim=True)
+    onehot = torch.nn.functional.one_hot(torch.tensor([("negative", "positive").index(y)
+                                                       for y in gold]), 2).double()
+    q = 0.5 * q + 0.5 * onehot
+    pinv = torch.linalg.pinv(w_c)
+    a = (torch.log(q) - torch.log(p)) @ pinv.T  # pinv δ per query
+    one = pinv @ torch.ones(2, dtype=torch.float64)
+    c = -(a @ one) / (one @ one)
+    target = h_icl + a + c[:, None] * one
+    d = h_zs.shape[1]
+    w = torch.linalg.solve(h_zs.T @ h_zs + 3.0 * torch.eye(d, dtype=torch.float64),
+                           h_zs.T @ (target - h_zs)).T
+    torch.testing.assert_close((tv.U @ tv.V.T).double(), w, atol=1e-4, rtol=1e-3)
+    plain = torch.linalg.solve(h_zs.T @ h_zs + 3.0 * torch.eye(d, dtype=torch.float64),
+                               h_zs.T @ (h_icl - h_zs)).T
+    assert ((tv.U @ tv.V.T).double() - plain).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("over,words", [
     ({"name": "../x"}, "task name"),
     ({"colour": 1}, "unknown field 'colour'"),
@@ -93,6 +144,11 @@ def test_compile_equals_a_direct_ridge_solve(model_dir, tokenizer, tmp_path):
     ({"lam": 10**400}, "got 1000000000000000000000000000000000000..."),
     ({"test": [{"text": "x"}]}, "test[0]: an object with exactly"),
     ({"queries": ["word " * 400]}, "served context is 512 tokens"),
+    ({"teacher": ["batch"]}, "teacher: an object with calibration"),
+    ({"teacher": {"calibration": "loud"}}, "teacher: calibration must be one of icl, batch"),
+    ({"teacher": {"gold_weight": 1}}, "teacher: gold_weight must be in [0, 1)"),
+    ({"teacher": {"gold_weight": 0.5, "gold_share": "all"}}, "teacher: gold_share must be in"),
+    ({"teacher": {"gold_weight": 0.5}}, "queries[0]: an object with exactly \"text\" and"),
 ])
 def test_bad_requests_are_refused_in_one_line(tokenizer, over, words):
     b = body(**over)

@@ -276,3 +276,102 @@ def test_a_prompt_over_the_context_is_refused_before_any_pass(model_dir, task_fi
                                             f"of {total - 1}") as e:
         check_context(tok, ep, True, total - 1)
     assert "\n" not in str(e.value)
+
+
+def test_evaluate_teacher_fits_the_states_methods_and_keeps_the_prompt_as_icl(
+        tmp_path, model_dir, task_file):
+    """`evaluate --teacher batch`: the ICL row is still the prompt (transformers' forward),
+    a Teacher row scores the batch-calibrated prompt (its formula), and LTV is the vector
+    `extract --teacher batch` fits on the same episode, scored against the prompt by hand."""
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.extraction.capture import label_head
+    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
+    from ltv_vllm.tasks.specs import get_task, label_token_ids
+
+    common = ["--model", str(model_dir), "--k", "6", "--n", "12", "--n-test", "8", "--seed",
+              "3", "--batch-size", "4", "--dtype", "float32", "--quiet", "--teacher", "batch"]
+    out, vec = tmp_path / "eval", tmp_path / "toy.pt"
+    r = CliRunner().invoke(main, ["evaluate", *common, "--tasks", str(task_file), "--methods",
+                                  "zero-shot,icl,ltv", "--runs", "1", "--cost-samples", "0",
+                                  "--out",
+                                  str(out)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["extract", *common, "--task", str(task_file), "-o", str(vec)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["config"]["teacher"]["calibration"] == "batch"
+    recs = {x["method"]: x for x in doc["records"]}
+    assert set(recs) == {"zero-shot", "icl", "teacher", "ltv"}
+
+    task = get_task(str(task_file))
+    lm = load_model(str(model_dir), dtype="float32")
+    ep = plan_episode(task, ExtractOptions(k=6, n=12, n_test=8, seed=3))
+    w, b = (x.double() for x in label_head(lm.model, label_token_ids(task, lm.tokenizer)))
+
+    def h(prompt: str) -> torch.Tensor:
+        enc = lm.tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            return lm.model(**enc, output_hidden_states=True).hidden_states[-1][0, -1].double()
+
+    prefix = task.demos_text(ep.demos)
+    labels = torch.tensor([e.label for e in ep.test])
+    lp_train = torch.stack([torch.log_softmax(h(prefix + task.query(e.text)) @ w.T + b, -1)
+                            for e in ep.queries])
+    lp_icl = torch.stack([torch.log_softmax(h(prefix + task.query(e.text)) @ w.T + b, -1)
+                          for e in ep.test])
+
+    def acc(z: torch.Tensor) -> float:
+        return (z.argmax(-1) == labels).double().mean().item()
+
+    assert recs["icl"]["accuracy"] == pytest.approx(acc(lp_icl))
+    lp_teacher = torch.log_softmax(lp_icl - lp_train.mean(0), -1)
+    assert recs["teacher"]["accuracy"] == pytest.approx(acc(lp_teacher))
+    kl_teacher = (lp_icl.exp() * (lp_icl - lp_teacher)).sum(-1).mean().item()
+    assert kl_teacher > 1e-3 and recs["teacher"]["d_ntp"] == pytest.approx(kl_teacher, rel=1e-3)
+    tv = load_task_vector(vec)
+    h0 = torch.stack([h(task.query(e.text)) for e in ep.test])
+    lp_tv = torch.log_softmax((h0 + h0 @ (tv.U.double() @ tv.V.double().T).T) @ w.T + b, -1)
+    kl = (lp_icl.exp() * (lp_icl - lp_tv)).sum(-1).mean().item()
+    assert recs["ltv"]["accuracy"] == pytest.approx(acc(lp_tv))
+    assert recs["ltv"]["d_ntp"] == pytest.approx(kl, rel=1e-3, abs=1e-5)
+    # the teacher needs a method fitted on states; a transfer or regression has none
+    r = CliRunner().invoke(main, ["evaluate", *common, "--tasks", str(task_file), "--methods",
+                                  "tv", "--runs", "1", "--out", str(tmp_path / "e2")])
+    assert r.exit_code != 0 and "--teacher shapes what the methods fitted on states" in r.output
+    assert not (tmp_path / "e2" / "results.json").exists()
+
+
+@pytest.mark.parametrize("flags", [["--teacher", "contextual"],
+                                   ["--teacher", "batch", "--gold-weight", "0.5"]])
+def test_bench_scaling_teacher_rows_are_evaluate_s(tmp_path, model_dir, task_file, flags):
+    """`bench scaling --teacher`: at its largest N, both fits and the teacher's own row equal
+    `evaluate --teacher` on the same episode (whose vector and teacher row are checked by
+    hand above), the ICL rows stay the prompt's; the config records the teacher."""
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli import main
+
+    common = ["--model", str(model_dir), "--k", "6", "--n-test", "8", "--batch-size", "4",
+              "--dtype", "float32", "--lam", "5", *flags]
+    out, ev = tmp_path / "scaling", tmp_path / "eval"
+    r = CliRunner().invoke(main, ["bench", "scaling", *common, "--tasks", str(task_file),
+                                  "--ns", "12,6", "--demo-sets", "2", "--runs", "1", "--out",
+                                  str(out)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["evaluate", *common, "--tasks", str(task_file), "--n", "12",
+                                  "--demo-sets", "2", "--n-val", "0", "--runs", "1",
+                                  "--cost-samples", "0", "--quiet", "--methods",
+                                  "zero-shot,icl,ltv,ltv-multi,icl-ensemble", "--out", str(ev)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["teacher"]["calibration"] == flags[1]
+    rows = {row["n"]: row["scores"] for row in doc["rows"]}
+    recs = {x["method"]: x for x in json.loads((ev / "results.json").read_text())["records"]}
+    for m in ("icl", "teacher", "ltv", "ltv-multi"):
+        assert rows[12][m]["accuracy"] == pytest.approx(recs[m]["accuracy"]), m
+        assert rows[12][m]["d_ntp"] == pytest.approx(recs[m]["d_ntp"], rel=1e-4, abs=1e-7), m
+    assert "Teacher " in (out / "results.md").read_text()

@@ -41,12 +41,15 @@ MIN_GAIN = 0.02  # accuracy points (of 1) a reference must gain over zero-shot f
 def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], demo_sets: int,
                   runs: int, k: int, lam: float | str, n_test: int, seed: int, batch_size: int,
                   dtype: str, out_dir: Path, command: str, checkpoint: Path | None = None,
-                  log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the sweep (resuming from `checkpoint`), write results.json / .md and the plot."""
+                  teacher: Any = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the sweep (resuming from `checkpoint`), write results.json / .md and the plot.
+    `teacher` (`core.teacher.TeacherOptions`, None: the prompt's states): what both fits
+    imitate at every N; its own test accuracy joins the references as `teacher`."""
     import torch
 
     from ltv_vllm.bench import report
     from ltv_vllm.bench.workload import machine
+    from ltv_vllm.core.teacher import CONTENT_FREE, TeacherOptions, fit_targets
     from ltv_vllm.evaluation.sweep import Sweep
     from ltv_vllm.extraction.capture import (
         Capturer,
@@ -69,6 +72,9 @@ def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], d
               "tasks": [t.name for t in tasks], "ns": ns, "demo_sets": demo_sets, "k": k,
               "lam": lam, "n_test": n_test, "runs": runs, "seed": seed,
               "format": tasks[0].prompt_format if tasks else "completion"}
+    teacher = teacher or TeacherOptions()
+    if not teacher.is_default:  # recorded only when set: earlier sweeps still extend
+        config["teacher"] = teacher.record()
     # an episode depends on its task, seed and run alone: a sweep grown by tasks or runs (the
     # same command otherwise) keeps the episodes a finished one in out_dir, or a checkpoint,
     # holds
@@ -108,15 +114,28 @@ def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], d
             lo = n
         h_zs_all = torch.cat(zs)
         h_sets_all = torch.cat(sets, 1)  # (M, N_max, d)
+        h_cf = None  # contextual calibration: each set's content-free states
+        if teacher.calibration == "contextual":
+            h_cf = torch.stack(icl_states_per_set(cap, ep, [task.query(t) for t in CONTENT_FREE],
+                                                  desc=f"{name} content-free")).float()
+        gold = torch.tensor([e.label for e in ep.queries])
         recs = []
         for i, n in enumerate(ns):
             zs_s = sum(s["zero_shot"] for s in seconds[:i + 1])
             set_s = [sum(s["sets"][m] for s in seconds[:i + 1]) for m in range(demo_sets)]
             logits = {"zero-shot": h_zs_test @ w_c.T + b_c, "icl": z_sets[0], **refs}
             fit_seconds, lams = {}, {}
-            for fit, target in (("ltv", h_sets_all[0, :n]), (ens.MULTI, h_sets_all[:, :n].mean(0))):
+            for fit, target, which in (("ltv", h_sets_all[0, :n], slice(0, 1)),
+                                       (ens.MULTI, h_sets_all[:, :n].mean(0), slice(None))):
                 if fit == ens.MULTI and demo_sets == 1:
                     continue
+                if not teacher.is_default:  # the teacher of that prompt (or mean of prompts)
+                    target, test_teacher = fit_targets(
+                        teacher, target, test_sets[which].float().mean(0), w_c, b_c,
+                        h_content_free=None if h_cf is None else h_cf[which].mean(0),
+                        gold=gold[:n])
+                    if fit == "ltv":
+                        logits["teacher"] = test_teacher @ w_c.T + b_c
                 ctx = Context(cap, ep, label_ids, MethodOptions(
                     lam=lam, batch_size=batch_size, progress=False), identity=lm.identity,
                     h_zs=h_zs_all[:n], h_icl=target)
@@ -279,6 +298,14 @@ def scaling_markdown(doc: dict[str, Any]) -> str:
     label = {"zero-shot": "Zero-shot", "icl": "ICL, one prompt (mean over the M)",
              ens.ENSEMBLE: f"ICL ensemble ({M} prompts)", ens.STATES: "ICL, states averaged",
              "ltv": "LTV (paper: one prompt)", ens.MULTI: f"LTV, {M} prompts"}
+    teacher = doc.get("teacher")
+    if teacher:  # both fits imitate it; its own accuracy after the prompts'
+        from ltv_vllm.core.teacher import TeacherOptions
+
+        name = TeacherOptions(**teacher).name
+        label = {**{k: v for k, v in label.items() if k not in FITS},
+                 "teacher": f"Teacher {name} (one prompt)",
+                 "ltv": f"LTV → {name} (one prompt)", ens.MULTI: f"LTV → {name}, {M} prompts"}
     lines = ["# Multi-prompt fitting and N: recovery of ICL's accuracy", "", "```",
              doc["command"], "```", "",
              (f"Model `{doc['model']}` ({doc['dtype']}, {doc['format']} format), k={doc['k']}, "

@@ -35,9 +35,7 @@ from ltv_vllm.core.teacher import (
     CALIBRATIONS,
     CONTENT_FREE,
     TeacherOptions,
-    calibration_offset,
-    label_logprobs,
-    teacher_states,
+    fit_targets,
 )
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.evaluation import ensemble as ens
@@ -120,11 +118,8 @@ def score_variants(states: dict[str, torch.Tensor], variants: Sequence[str],
     for spec in variants:
         base, opts = parse_variant(spec)
         t = teacher_base(states, base)
-        logp = label_logprobs(t["h_icl"], w_c, b_c)
-        offset = calibration_offset(opts, logp, label_logprobs(t["h_icl_cf"], w_c, b_c))
-        target = teacher_states(t["h_icl"], w_c, b_c, opts, offset, gold=states["labels"])
-        test_teacher = teacher_states(t["h_icl_test"], w_c, b_c,
-                                      TeacherOptions(calibration=opts.calibration), offset)
+        target, test_teacher = fit_targets(opts, t["h_icl"], t["h_icl_test"], w_c, b_c,
+                                           h_content_free=t["h_icl_cf"], gold=states["labels"])
         z_teacher = (test_teacher @ w_c.T + b_c).float()
         sc = score_methods(ctx_for(states["h_zs"], target.float()), ["ltv"], zs_test,
                            test_teacher.float(), labels, head=head)

@@ -443,6 +443,40 @@ _format_options = grouped(
     name="prompt_format", prefix="prompt_")
 
 
+@dataclass(frozen=True, kw_only=True)
+class TeacherFlags:
+    """--teacher, --gold-weight and --gold-share as given: what a vector imitates
+    (`core.teacher`); `options()` checks them, inside the command."""
+
+    calibration: str
+    gold_weight: float
+    gold_share: float
+
+    def options(self) -> Any:
+        from ltv_vllm.core.teacher import TeacherOptions
+
+        return TeacherOptions(self.calibration, self.gold_weight, self.gold_share)
+
+
+_teacher_options = grouped(
+    TeacherFlags,
+    click.option("--teacher", "teacher_calibration", default="icl", show_default=True,
+                 type=click.Choice(["icl", "batch", "contextual"]),
+                 help="What the vector imitates: the ICL prompt's states (icl), batch-"
+                      "calibrated (the label log-probabilities less their mean over the N "
+                      "queries) or contextually calibrated (divided by content-free inputs'); "
+                      "docs/methods.md. A many-shot teacher: more demonstrations (k up to the "
+                      "context)."),
+    click.option("--gold-weight", "teacher_gold_weight", default=0.0, show_default=True,
+                 type=float,
+                 help="Blend each labelled query's gold label into its target with this weight "
+                      "(0 ≤ w < 1; 0: no blend)."),
+    click.option("--gold-share", "teacher_gold_share", default=1.0, show_default=True,
+                 type=float,
+                 help="With --gold-weight: the share of the N queries whose labels are used."),
+    name="teacher", prefix="teacher_")
+
+
 def _csv(value: str) -> list[str]:
     return [s.strip() for s in value.split(",") if s.strip()]
 

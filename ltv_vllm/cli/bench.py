@@ -16,12 +16,14 @@ from ltv_vllm.cli.base import (
     EngineFlags,
     EpisodeFlags,
     FitFlags,
+    TeacherFlags,
     _command_line,
     _csv,
     _engine_options,
     _format_options,
     _ints,
     _task_specs,
+    _teacher_options,
     friendly,
     grouped,
     lam_option,
@@ -388,17 +390,26 @@ def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int,
 @click.option("--batch-size", default=16, show_default=True)
 @click.option("--dtype", default="float32", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @_format_options
+@_teacher_options
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("benchmarks/results/scaling"), show_default=True)
 @friendly
 def bench_scaling_cmd(model_spec: str, task_list: str, ns: str, demo_sets: int, runs: int,
                       k: int, lam: float | str, n_test: int, seed: int, batch_size: int,
-                      dtype: str, prompt_format: Any, out_dir: Path) -> None:
+                      dtype: str, prompt_format: Any, teacher: TeacherFlags, out_dir: Path
+                      ) -> None:
     """Recovery of ICL's accuracy against N, for the paper's LTV and multi-prompt LTV, with
     the ICL ensemble and the capture time (rerun the same command to resume)."""
     from ltv_vllm.bench.scaling import bench_scaling, scaling_markdown
-    from ltv_vllm.models.loading import load_tokenizer
-    from ltv_vllm.pipeline.extract import ExtractOptions, check_counts, plan_episode
+    from ltv_vllm.models.checkpoint import context_length
+    from ltv_vllm.models.loading import load_tokenizer, local_model_dir
+    from ltv_vllm.pipeline.extract import (
+        ExtractOptions,
+        check_context,
+        check_counts,
+        check_teacher,
+        plan_episode,
+    )
     from ltv_vllm.tasks.specs import get_tasks, label_token_ids
 
     sizes = _ints(ns)
@@ -411,16 +422,20 @@ def bench_scaling_cmd(model_spec: str, task_list: str, ns: str, demo_sets: int, 
     check_writable(out_dir, option="--out", directory=True)
     tok = load_tokenizer(model_spec)
     tasks = [prompt_format.render(t, tok) for t in get_tasks(task_list)]
-    for t in tasks:  # labels, k, N and the sets against each task's data, before the model
+    teacher_opts = teacher.options()
+    context = context_length(local_model_dir(model_spec))
+    for t in tasks:  # labels, k, N, the sets, the context, the teacher, before the model
         label_token_ids(t, tok)
-        plan_episode(t, ExtractOptions(k=k, n=max(sizes), n_test=n_test, seed=seed, n_val=0,
-                                       demo_sets=demo_sets))
+        ep = plan_episode(t, ExtractOptions(k=k, n=max(sizes), n_test=n_test, seed=seed,
+                                            n_val=0, demo_sets=demo_sets))
+        check_context(tok, ep, t.special_tokens, context)
+        check_teacher(teacher_opts, "ltv", t, None, ep)
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / "partial.json"  # rewritten after every episode; rerun to resume
     doc = bench_scaling(model_spec, tasks, ns=sizes, demo_sets=demo_sets, runs=runs, k=k,
                         lam=lam, n_test=n_test, seed=seed, batch_size=batch_size, dtype=dtype,
                         out_dir=out_dir, command=_command_line(), checkpoint=partial,
-                        log=lambda m: click.echo(m, err=True))
+                        teacher=teacher_opts, log=lambda m: click.echo(m, err=True))
     partial.unlink(missing_ok=True)
     click.echo(scaling_markdown(doc))
 

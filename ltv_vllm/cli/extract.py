@@ -19,6 +19,7 @@ from ltv_vllm.cli.base import (
     MethodCommand,
     ModelFlags,
     SourceFlags,
+    TeacherFlags,
     _capture_options,
     _command_line,
     _csv,
@@ -28,6 +29,7 @@ from ltv_vllm.cli.base import (
     _model_options,
     _print_metrics,
     _source_options,
+    _teacher_options,
     friendly,
     grouped,
     lam_option,
@@ -74,23 +76,14 @@ from ltv_vllm.errors import ArgumentError
               type=click.Path(exists=True, dir_okay=False),
               help="Your unlabeled queries (.jsonl/.csv, the data's format): N is their "
                    "count [default: N sampled from the task's data].")
-@click.option("--teacher", default="icl", show_default=True,
-              type=click.Choice(["icl", "batch", "contextual"]),
-              help="What the vector imitates: the ICL prompt's states (icl), batch-calibrated "
-                   "(the label log-probabilities less their mean over the N queries) or "
-                   "contextually calibrated (divided by content-free inputs'); docs/methods.md.")
-@click.option("--gold-weight", default=0.0, show_default=True, type=float,
-              help="Blend each labelled query's gold label into its target with this weight "
-                   "(0 ≤ w < 1; 0: no blend).")
-@click.option("--gold-share", default=1.0, show_default=True, type=float,
-              help="With --gold-weight: the share of the N queries whose labels are used.")
+@_teacher_options
 @_source_options
 @_capture_options
 @friendly
 def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: FormatFlags,
             output: Path | None, quiet: bool, demo_sets: int, demos_file: str | None,
-            queries_file: str | None, teacher: str, gold_weight: float, gold_share: float,
-            method: str, source: SourceFlags, capture: CaptureFlags,
+            queries_file: str | None, teacher: TeacherFlags, method: str,
+            source: SourceFlags, capture: CaptureFlags,
             **method_flags: Any) -> None:
     """Extract a task vector (or a baseline's artifact) and report zero-shot / ICL / the
     method's accuracy and d_NTP on held-out queries.
@@ -99,7 +92,6 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
     (cross-model transfer; the two must share a tokenizer).
     """
     # Everything a user can get wrong is refused here, before any model loads.
-    from ltv_vllm.core.teacher import TeacherOptions
     from ltv_vllm.methods import get_method
     from ltv_vllm.models.hardware import device_line, engine_device, resolve_device
     from ltv_vllm.models.loading import load_model, load_tokenizer
@@ -114,15 +106,15 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
 
     opts = replace(_extract_options(episode, progress=not quiet, method_flags=method_flags,
                                     methods=[method]), demo_sets=demo_sets,
-                   teacher=TeacherOptions(teacher, gold_weight, gold_share))
+                   teacher=teacher.options())
     source_opts = source.options(episode.batch_size, quiet)
     if not opts.teacher.is_default:
         from ltv_vllm.pipeline.extract import states_methods
 
         if source_opts is not None or method not in states_methods():
-            raise ArgumentError(f"--teacher {teacher} / --gold-weight shape the states a map "
-                                f"is fitted to: methods {', '.join(states_methods())}, "
-                                "without --source-model")
+            raise ArgumentError(f"--teacher {teacher.calibration} / --gold-weight shape the "
+                                "states a map is fitted to: methods "
+                                f"{', '.join(states_methods())}, without --source-model")
     m = get_method(method)
     check_engine(method, capture.engine)  # an inner-layer method on vLLM: refused here
     source_on_vllm = source_opts is not None and source_opts.engine == "vllm"
@@ -503,6 +495,7 @@ def _methods_option() -> click.Option:
               help="Demonstration sets of k per run: ICL is scored as one prompt (the mean "
                    "over the sets) and as their ensemble, and icl-ensemble, icl-states and "
                    "ltv-multi (LTV fitted to the sets' mean state) join the methods.")
+@_teacher_options
 @grouped(
     RegressionFlags,
     click.option("--max-new-tokens", default=12, show_default=True,
@@ -521,7 +514,7 @@ def _methods_option() -> click.Option:
 def evaluate(model: ModelFlags, task_list: str, methods: str | None,
              evaluation: EvaluationFlags, prompt_format: FormatFlags, out_dir: Path, quiet: bool,
              regression: RegressionFlags, extend: bool, source: SourceFlags,
-             capture: CaptureFlags, **method_flags: Any) -> None:
+             capture: CaptureFlags, teacher: TeacherFlags, **method_flags: Any) -> None:
     """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots.
 
     With --source-model LARGE it is the paper's transfer table: each method on the target
@@ -534,6 +527,7 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
     from ltv_vllm.evaluation.ensemble import METHODS as MULTI_PROMPT
     from ltv_vllm.evaluation.evaluate import (
         EvalConfig,
+        check_teachers,
         markdown_table,
         plan_episodes,
         resolve_methods,
@@ -546,7 +540,8 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
     from ltv_vllm.pipeline.extract import check_engine, open_source
     from ltv_vllm.tasks.specs import get_tasks, label_token_ids
 
-    cfg = EvalConfig(**asdict(evaluation), options=MethodOptions(**method_flags))
+    cfg = EvalConfig(**asdict(evaluation), options=MethodOptions(**method_flags),
+                     teacher=teacher.options())
     source_opts = source.options(evaluation.batch_size, quiet)
     engine = capture.capture_engine(model.dtype, source.engine)
     on_vllm = capture.engine == "vllm"
@@ -568,6 +563,8 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
         raise ArgumentError("--tasks mixes classification and regression tasks; evaluate them "
                             "separately (their metrics differ)")
     if kinds == {"regression"}:
+        if not cfg.teacher.is_default:
+            raise ArgumentError("--teacher reshapes label distributions: classification tasks")
         if extend:
             raise ArgumentError("--extend grows a classification evaluation; regression "
                                 "evaluations resume (rerun the command) but do not extend")
@@ -597,6 +594,10 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
     for t in tasks_:
         label_token_ids(t, tok)  # labels sharing a first token: refused before any pass
     episodes = plan_episodes(tasks_, cfg, transfer=source_opts is not None)  # reads the data
+    check_teachers(cfg.teacher, ms, tasks_, episodes, transfer=source_opts is not None)
+    if on_vllm and cfg.teacher.calibration == "contextual":
+        raise ArgumentError("--teacher contextual captures its content-free prompts with "
+                            "transformers (not --engine vllm)")
     large = open_source(source_opts) if source_opts else None
     every = [ep for eps in episodes.values() for ep in eps]
     if on_vllm and capture.dry_run:

@@ -14,6 +14,8 @@ import click
 from ltv_vllm.cli.base import (
     DTYPE,
     DTYPE_HELP,
+    TeacherFlags,
+    _teacher_options,
     friendly,
     grouped,
     lam_option,
@@ -312,10 +314,11 @@ def _jsonl(path: str, what: str) -> list[Any]:
 
 
 def compile_request(name: str, task: str, demos: str, queries: str, test: str | None,
-                    lam: float | str) -> dict[str, Any]:
+                    lam: float | str, teacher: Any = None) -> dict[str, Any]:
     """The JSON body of a compile from files (checked again, fully, by the server). `task`:
     a built-in task or the same spec file `extract` reads (its `data` not needed here); with
-    an `input` template, each line's text is made from its fields as the data's are."""
+    an `input` template, each line's text is made from its fields as the data's are.
+    `teacher` (`TeacherOptions`, None: the prompt): a gold blend keeps the queries' labels."""
     from ltv_vllm.serving.store.compile import compile_spec
     from ltv_vllm.tasks.data import input_text
     from ltv_vllm.tasks.specs import get_task
@@ -330,11 +333,17 @@ def compile_request(name: str, task: str, demos: str, queries: str, test: str | 
                  **({"label": r.get("label")} if labelled else {})}
                 if isinstance(r, dict) else r for i, r in enumerate(rows, 1)]
 
-    qs = [q["text"] if isinstance(q, dict) and "text" in q else q
-          for q in texts(queries, 'one {"text": ...} or "string" per line', False)]
+    gold = teacher is not None and bool(teacher.gold_weight)
+    if gold:  # the server refuses a query without its label, naming it
+        qs = texts(queries, 'one {"text": ..., "label": ...} per line (--gold-weight)', True)
+    else:
+        qs = [q["text"] if isinstance(q, dict) and "text" in q else q
+              for q in texts(queries, 'one {"text": ...} or "string" per line', False)]
     body = {"name": name, "task": compile_spec(t),
             "demos": texts(demos, 'one {"text": ..., "label": ...} per line', True),
             "queries": qs, "lam": lam}
+    if teacher is not None and not teacher.is_default:
+        body["teacher"] = teacher.record()
     if test:
         body["test"] = texts(test, 'one {"text": ..., "label": ...} per line', True)
     return body
@@ -348,23 +357,25 @@ def compile_request(name: str, task: str, demos: str, queries: str, test: str | 
 @click.option("--demos", required=True, type=click.Path(exists=True, dir_okay=False),
               help='JSONL, one {"text", "label"} demonstration per line (k of them).')
 @click.option("--queries", required=True, type=click.Path(exists=True, dir_okay=False),
-              help='JSONL, one unlabeled input per line ({"text"} or a string; N of them).')
+              help='JSONL, one unlabeled input per line ({"text"} or a string; N of them; '
+                   'with --gold-weight {"text", "label"}).')
 @click.option("--test", default=None, type=click.Path(exists=True, dir_okay=False),
               help="JSONL of labelled examples: the server reports accuracy and d_NTP on them.")
 @lam_option()
+@_teacher_options
 @click.option("--wait", is_flag=True, help="Wait until the task is served (progress shown).")
 @URL
 @API_KEY
 @friendly
 def compile_cmd(name: str, task: str, demos: str, queries: str, test: str | None, lam: float | str,
-                wait: bool, url: str, api_key: str | None) -> None:
+                teacher: TeacherFlags, wait: bool, url: str, api_key: str | None) -> None:
     """Compile demonstrations into a task on a running server (no restart)."""
 
     from tqdm.auto import tqdm
 
     from ltv_vllm.serving.client import compile_remote
 
-    body = compile_request(name, task, demos, queries, test, lam)
+    body = compile_request(name, task, demos, queries, test, lam, teacher.options())
     with tqdm(total=None, bar_format="{desc} [{elapsed}]", disable=not wait) as bar:
         def show(view: dict[str, Any]) -> None:
             bar.set_description_str(f"{name}: {view.get('status')}"

@@ -147,3 +147,19 @@ def teacher_states(h_icl: torch.Tensor, w_c: torch.Tensor, b_c: torch.Tensor | N
         return h_icl
     return shift_to(h_icl, w_c, b_c,
                     target_logprobs(label_logprobs(h_icl, w_c, b_c), offset, opts, gold))
+
+
+def fit_targets(opts: TeacherOptions, h_icl: torch.Tensor, h_icl_test: torch.Tensor,
+                w_c: torch.Tensor, b_c: torch.Tensor | None, *,
+                h_content_free: torch.Tensor | None = None,
+                gold: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher of one prompt (or one mean over prompts): (the train target a map is
+    fitted to, the test reference it is scored against), float32. The calibration's offset
+    comes from the train states (batch) or the content-free inputs' (contextual); the gold
+    blend applies to the train target alone (a test query has no label at serving time)."""
+    cf = None if h_content_free is None else label_logprobs(h_content_free, w_c, b_c)
+    offset = calibration_offset(opts, label_logprobs(h_icl, w_c, b_c), cf)
+    target = teacher_states(h_icl, w_c, b_c, opts, offset, gold)
+    test = teacher_states(h_icl_test, w_c, b_c, TeacherOptions(calibration=opts.calibration),
+                          offset)
+    return target.float(), test.float()

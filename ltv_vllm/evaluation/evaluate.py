@@ -12,14 +12,15 @@ import json
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from ltv_vllm import __version__
 from ltv_vllm.core.fileio import atomic_write, save_figure
-from ltv_vllm.core.metrics import pearson, spearman
+from ltv_vllm.core.metrics import accuracy, d_ntp, pearson, spearman
+from ltv_vllm.core.teacher import TeacherOptions
 from ltv_vllm.core.vector import VectorError, read_safetensors
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.evaluation import ensemble as ens
@@ -42,6 +43,7 @@ from ltv_vllm.pipeline.extract import (
     check_counts,
     check_format,
     check_pair,
+    check_teacher,
     concrete_batch,
     episode_labels,
     label_rows,
@@ -49,11 +51,14 @@ from ltv_vllm.pipeline.extract import (
     model_dtype,
     plan_episode,
     run_transfer_episode,
+    states_methods,
+    teach,
 )
 from ltv_vllm.tasks.specs import Task, label_token_ids
 
+TEACHER = "teacher"  # with --teacher: the teacher's own test accuracy (a reference row)
 FIXED_LABELS = {"zero-shot": "Zero-shot", "icl": "ICL", TRANSFER_METHOD: "Transferred LTV",
-                **ens.LABELS}
+                TEACHER: "Teacher", **ens.LABELS}
 SOURCE = "source-"  # prefix of the source model's own methods in a transfer evaluation
 
 
@@ -89,6 +94,8 @@ class EvalConfig:
     # M demonstration sets per episode: single-prompt ICL is the mean over their prompts, and
     # the ensemble, the mean-state ICL and multi-prompt LTV join the methods (`ensemble`)
     demo_sets: int = 1
+    # what the states methods are fitted to (`core.teacher`); the ICL rows stay the prompt's
+    teacher: TeacherOptions = field(default_factory=TeacherOptions)
 
     def __post_init__(self) -> None:
         check_counts(k=self.k, n=self.n, lam=self.lam, n_test=self.n_test,
@@ -101,7 +108,7 @@ class EvalConfig:
     def episode_options(self, seed: int) -> ExtractOptions:
         return ExtractOptions(k=self.k, n=self.n, lam=self.lam, seed=seed, n_test=self.n_test,
                               batch_size=self.batch_size, n_val=self.n_val,
-                              demo_sets=self.demo_sets)
+                              demo_sets=self.demo_sets, teacher=self.teacher)
 
     def method_options(self, seed: int, progress: bool,
                        planned: int | None = None) -> MethodOptions:
@@ -110,7 +117,9 @@ class EvalConfig:
                                     progress=progress)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "options"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("options", "teacher")}
+        if not self.teacher.is_default:  # recorded only when set: earlier results extend
+            d["teacher"] = self.teacher.record()
         return {**d, "options": {k: v for k, v in self.options.to_dict().items()
                                  if k not in ("lam", "seed", "batch_size", "progress")}}
 
@@ -144,6 +153,21 @@ def resolve_methods(methods: Sequence[str] | None, *, transfer: bool,
     if transfer and TRANSFER_METHOD not in ms:
         ms.append(TRANSFER_METHOD)
     return ms
+
+
+def check_teachers(teacher: TeacherOptions, methods: Sequence[str], tasks: Sequence[Task],
+                   plan: dict[str, list[Any]], *, transfer: bool, lm: Any = None) -> None:
+    """A teacher other than the prompt's needs a method fitted on states among `methods`, no
+    transfer, and what `check_teacher` asks of each task (the CLI calls this before the
+    model loads, `lm` None; `evaluate` again with it)."""
+    if teacher.is_default:
+        return
+    if transfer or not any(m in states_methods() or m == ens.MULTI for m in methods):
+        raise ArgumentError("--teacher shapes what the methods fitted on states ("
+                            f"{', '.join(states_methods())}) imitate: name one in --methods, "
+                            "without --source-model")
+    for t in tasks:
+        check_teacher(teacher, "ltv", t, lm, plan[t.name][0])
 
 
 def plan_episodes(
@@ -189,6 +213,10 @@ def evaluate(
     if source is not None:
         keys += [SOURCE + m for m in own] + [TRANSFER_METHOD]
     plan = episodes or plan_episodes(tasks, cfg, transfer=source is not None)
+    taught = not cfg.teacher.is_default
+    if taught:  # one line each, before any pass
+        check_teachers(cfg.teacher, own, tasks, plan, transfer=source is not None, lm=lm)
+        keys.insert(keys.index("icl") + 1 if "icl" in keys else 0, TEACHER)
 
     def k_for(task: Task) -> int:
         return cfg.episode_options(cfg.seed).k_for(task, transfer=source is not None)
@@ -256,13 +284,23 @@ def evaluate(
             opts = cfg.method_options(seed, progress, getattr(cap, "batch_size", None))
             # every method but multi-prompt LTV: the first set's prompt, as the paper's
             one = c.first_set()
-            ctx = method_context(lm, cap, episode, label_ids, opts, one)
+            fit_one, fit_all = one, c  # what the states methods are fitted to
+            if taught:  # the teacher of the first prompt, and of the sets' mean
+                rows = head if head is not None else label_head(lm.model, label_ids)
+                fit_one = teach(cap, replace(episode, extra_demos=()), one, rows, cfg.teacher)
+                fit_all = teach(cap, episode, c, rows, cfg.teacher) if every_set else fit_one
+            ctx = method_context(lm, cap, episode, label_ids, opts, fit_one)
             labels = episode_labels(episode)
             save = partial(_save_episode, checkpoint, *where, c)  # (scores): the episode so far
             sc = score_methods(ctx, [m for m in own if m not in ens.METHODS], one.h_zs_test,
                                one.h_icl_test, labels, done=scored, on_scored=save, head=head)
+            if taught:
+                w_c, b_c = rows
+                sc.logits[TEACHER] = fit_one.h_icl_test @ w_c.T + b_c
+                sc.metrics[TEACHER] = {"accuracy": accuracy(sc.logits[TEACHER], labels),
+                                       "d_ntp": d_ntp(sc.logits["icl"], sc.logits[TEACHER])}
             if every_set:
-                multi = (method_context(lm, cap, episode, label_ids, opts, c)
+                multi = (method_context(lm, cap, episode, label_ids, opts, fit_all)
                          if ens.MULTI in own else None)
                 rows = head if head is not None else label_head(ctx.model, label_ids)
                 score_sets(sc, c, multi, labels, head, rows, scored, save)
@@ -741,7 +779,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
 FIXED_COLORS = {"zero-shot": "tab:gray", "icl": "tab:green", "ltv-first": "lightsteelblue",
                 SOURCE + "zero-shot": "silver", SOURCE + "ltv": "lightskyblue",
                 SOURCE + "mean": "navajowhite", SOURCE + "icl": "yellowgreen",
-                TRANSFER_METHOD: "tab:red"}
+                TRANSFER_METHOD: "tab:red", TEACHER: "darkgreen"}
 
 
 def method_colors() -> dict[str, str]:

@@ -25,9 +25,7 @@ from ltv_vllm.core.ridge import Factors, truncate
 from ltv_vllm.core.teacher import (
     CONTENT_FREE,
     TeacherOptions,
-    calibration_offset,
-    label_logprobs,
-    teacher_states,
+    fit_targets,
 )
 from ltv_vllm.core.vector import DEFAULT_SHIFT_STEPS, ModelIdentity, Provenance, TaskVector
 from ltv_vllm.errors import ArgumentError
@@ -493,13 +491,11 @@ def teach(cap: Any, episode: Episode, c: Captures, head: tuple[torch.Tensor, tor
     task = episode.task
     cf = None
     if teacher.calibration == "contextual":
-        cf = label_logprobs(mean_over_sets(icl_states_per_set(
-            cap, episode, [task.query(t) for t in CONTENT_FREE], desc="content-free")), w_c, b_c)
-    offset = calibration_offset(teacher, label_logprobs(c.h_icl, w_c, b_c), cf)
-    gold = torch.tensor([int(e.label) for e in episode.queries])
-    h_icl = teacher_states(c.h_icl, w_c, b_c, teacher, offset, gold).float()
-    test = teacher_states(c.h_icl_test, w_c, b_c,
-                          TeacherOptions(calibration=teacher.calibration), offset).float()
+        cf = mean_over_sets(icl_states_per_set(
+            cap, episode, [task.query(t) for t in CONTENT_FREE], desc="content-free"))
+    gold = torch.tensor([int(e.label) for e in episode.queries]) if teacher.gold_weight else None
+    h_icl, test = fit_targets(teacher, c.h_icl, c.h_icl_test, w_c, b_c, h_content_free=cf,
+                              gold=gold)
     return replace(c, h_icl=h_icl, h_icl_test=test)
 
 

@@ -8,7 +8,10 @@ A compile request (the JSON body of `POST /v1/ltv/tasks`; `ltv-vllm compile` bui
      "demos": [{"text": "a gem", "label": "positive"}, ...],    k labelled demonstrations
      "queries": ["the plot drags", ...],                        N unlabeled inputs
      "test": [{"text": "...", "label": "negative"}, ...],       optional: accuracy, d_NTP
-     "lam": 5.0}                              optional (default 5, or "auto": leave-one-out)
+     "lam": 5.0,                              optional (default 5, or "auto": leave-one-out)
+     "teacher": {"calibration": "batch",      optional: what the vector imitates (`core.
+                 "gold_weight": 0.5,          teacher`; default the prompt itself); a gold
+                 "gold_share": 1.0}}          blend needs every query as {"text", "label"}
 
 `parse_request` checks everything a worker would trip on (names, label words whose first
 tokens collide, a class without a demo, sizes, prompts longer than the served context)
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ltv_vllm.core.fileio import atomic_write
+from ltv_vllm.core.teacher import TeacherOptions
 from ltv_vllm.errors import UserError
 from ltv_vllm.serving.store.taskstore import check_name
 from ltv_vllm.tasks.data import Episode, Example
@@ -42,7 +46,8 @@ MAX_QUERIES = 4096
 MAX_TEST = 2048
 MAX_TEXT = 20_000  # characters per input
 ENTRY = "entry"    # JOB_DIR/entry: the staged entry a worker leaves for the server to publish
-FIELDS = {"name", "task", "demos", "queries", "test", "lam"}
+FIELDS = {"name", "task", "demos", "queries", "test", "lam", "teacher"}
+TEACHER_FIELDS = {"calibration", "gold_weight", "gold_share"}
 TASK_FIELDS = {"in_prefix", "label_prefix", "labels"}
 TASK_OPTIONAL = {"instruction", "prompt"}  # `Task`'s: an instruction line, the query template
 
@@ -59,27 +64,40 @@ class CompileRequest:
     queries: tuple[str, ...]
     test: tuple[Example, ...]
     lam: float | str  # or "auto": by closed-form leave-one-out error
+    teacher: TeacherOptions = TeacherOptions()
+    query_labels: tuple[int, ...] = ()  # a gold blend's: one label index per query
 
     @classmethod
     def from_episode(cls, name: str, ep: Episode, *, lam: float = 5.0,
-                     test: bool = True) -> CompileRequest:
+                     test: bool = True, teacher: TeacherOptions | None = None
+                     ) -> CompileRequest:
         """A sampled episode (`data.sample_episode`) as a compile request: its demos, its
-        queries' texts, and its test examples unless `test` is False."""
+        queries' texts (and labels, for a gold blend), and its test examples unless `test`
+        is False."""
+        teacher = teacher or TeacherOptions()
+        labels = tuple(int(e.label) for e in ep.queries) if teacher.gold_weight else ()
         return cls(name, ep.task, ep.demos, tuple(e.text for e in ep.queries),
-                   ep.test if test else (), lam)
+                   ep.test if test else (), lam, teacher, labels)
 
     def episode(self) -> Episode:
-        return Episode(self.task, 0, self.demos, tuple(Example(q, -1) for q in self.queries),
+        labels = self.query_labels or (-1,) * len(self.queries)
+        return Episode(self.task, 0, self.demos,
+                       tuple(Example(q, y) for q, y in zip(self.queries, labels, strict=True)),
                        self.test)
 
     def to_dict(self) -> dict[str, Any]:
         labs = self.task.labels
+        queries: list[Any] = list(self.queries)
+        if self.query_labels:
+            queries = [{"text": q, "label": labs[y]}
+                       for q, y in zip(self.queries, self.query_labels, strict=True)]
         return {"name": self.name,
                 "task": compile_spec(self.task),
                 "demos": [{"text": e.text, "label": labs[e.label]} for e in self.demos],
-                "queries": list(self.queries),
+                "queries": queries,
                 "test": [{"text": e.text, "label": labs[e.label]} for e in self.test],
-                "lam": self.lam}
+                "lam": self.lam,
+                **({} if self.teacher.is_default else {"teacher": self.teacher.record()})}
 
 
 def compile_spec(task: Task) -> dict[str, Any]:
@@ -149,10 +167,17 @@ def parse_request(body: Any, *, tokenizer: Any, max_model_len: int) -> CompileRe
         raise CompileError("queries: a non-empty list of unlabeled inputs")
     if len(queries) > MAX_QUERIES:
         raise CompileError(f"queries: {len(queries)}, over the limit of {MAX_QUERIES}")
-    queries = tuple(_text(q, f"queries[{i}]") for i, q in enumerate(queries))
+    teacher = _teacher(body.get("teacher"))
+    query_labels: tuple[int, ...] = ()
+    if teacher.gold_weight:  # the blend's gold labels: every query labelled
+        labelled = _examples(queries, "queries", task.labels, MAX_QUERIES)
+        queries, query_labels = (tuple(e.text for e in labelled),
+                                 tuple(int(e.label) for e in labelled))
+    else:
+        queries = tuple(_text(q, f"queries[{i}]") for i, q in enumerate(queries))
     test = _examples(body.get("test", []), "test", task.labels, MAX_TEST)
     lam = _lam(body.get("lam", 5.0))
-    req = CompileRequest(name, task, demos, queries, test, lam)
+    req = CompileRequest(name, task, demos, queries, test, lam, teacher, query_labels)
     prefix = req.episode().demo_prefix()
     n_prefix = len(tokenizer(prefix)["input_ids"])
     # every input counted in tokens: the longest in characters need not be the longest in
@@ -165,6 +190,21 @@ def parse_request(body: Any, *, tokenizer: Any, max_model_len: int) -> CompileRe
                            f"served context is {max_model_len} tokens: give fewer or shorter "
                            "demos or inputs")
     return req
+
+
+def _teacher(spec: Any) -> TeacherOptions:
+    """The request's teacher (absent: the prompt itself), each field checked."""
+    if spec is None:
+        return TeacherOptions()
+    if not isinstance(spec, dict) or not set(spec) <= TEACHER_FIELDS:
+        raise CompileError("teacher: an object with calibration (icl, batch or contextual), "
+                           "gold_weight and gold_share, each optional")
+    try:
+        return TeacherOptions(**spec)
+    except (UserError, TypeError) as e:
+        raise CompileError("teacher: " + str(e).replace("--teacher", "calibration")
+                           .replace("--gold-weight", "gold_weight")
+                           .replace("--gold-share", "gold_share")) from None
 
 
 def _lam(lam: Any) -> float | str:
@@ -206,7 +246,8 @@ def compile_task(req: CompileRequest, model_dir: str | Path, store_root: str | P
     ep = req.episode()
     say("extracting", n=len(req.queries), k=len(req.demos))
     opts = ExtractOptions(k=len(req.demos), n=len(req.queries), lam=req.lam,
-                          n_test=max(1, len(req.test)), n_val=0, progress=False)
+                          n_test=max(1, len(req.test)), n_val=0, progress=False,
+                          teacher=req.teacher)
     tv = extract(lm, req.task, "ltv", opts, episode=ep).artifact
     say("writing")
     kw = {"source": "compiled", "base_model": base_model, "rank": max_rank,
