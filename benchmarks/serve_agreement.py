@@ -12,6 +12,8 @@ through it. Reports agreement, both accuracies and the largest gap in label prob
         --out benchmarks/results/serve_agreement_chat   # fitted and asked through chat
     python benchmarks/serve_agreement.py --task trec --demo-sets 4 --dtype float32 \
         --n-test 200 --out benchmarks/results/serve_agreement_multi   # multi-prompt vector
+    python benchmarks/serve_agreement.py --task sst2 --k 90 --teacher batch --gold-weight 0.5 \
+        --dtype float32 --n-test 200 --out benchmarks/results/serve_agreement_teacher
 """
 
 from __future__ import annotations
@@ -60,8 +62,18 @@ def _port() -> int:
 @click.option("--demo-sets", default=1, show_default=True,
               help="Extract a multi-prompt vector: fitted to the mean ICL state over this many "
                    "demonstration sets (`extract --demo-sets`).")
+@click.option("--k", type=int, default=None,
+              help="Demonstrations of the extracted vector's prompt [default: extract's].")
+@click.option("--teacher", default="icl", show_default=True,
+              type=click.Choice(["icl", "batch", "contextual"]),
+              help="What the extracted vector imitates (`extract --teacher`).")
+@click.option("--gold-weight", default=0.0, show_default=True,
+              help="Blend the train queries' gold labels in (`extract --gold-weight`).")
 def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtype: str,
-         out: str, prompt_format: str, demo_sets: int) -> None:
+         out: str, prompt_format: str, demo_sets: int, k: int | None, teacher: str,
+         gold_weight: float) -> None:
+    from ltv_vllm.core.teacher import TeacherOptions
+
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     plain = get_task(task_name)
@@ -69,8 +81,9 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
     task = chat_task(plain, lm.tokenizer) if prompt_format == "chat" else plain
     dtype = str(lm.model.dtype).removeprefix("torch.")  # resolved: the server gets the same
     if vector is None:
-        tv = extract(lm, task, "ltv", ExtractOptions(n_test=n_test,
-                                                     demo_sets=demo_sets)).artifact
+        opts = ExtractOptions(k=k, n_test=n_test, demo_sets=demo_sets,
+                              teacher=TeacherOptions(teacher, gold_weight))
+        tv = extract(lm, task, "ltv", opts).artifact
         vector = tv.save(out_dir / f"{task.name}.safetensors")
     tv = load_task_vector(vector)
     test = sample_test(load_dataset(task), n_test=n_test)
@@ -133,6 +146,7 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
         "accuracy_server": (srv_pred == labels).double().mean().item(),
         "vector_kind": tv.kind,
         "demo_sets": tv.meta.get("demo_sets", 1),  # a multi-prompt vector's sets
+        "k": tv.provenance.k, "teacher": tv.provenance.teacher,  # what the vector imitates
         "accuracy_recorded_at_extraction": (tv.provenance.metrics or {}).get(
             tv.provenance.method or "ltv", {}).get("accuracy"),
         "max_abs_prob_gap": (srv_probs - ref_probs).abs().max().item(),
@@ -142,10 +156,16 @@ def main(model_spec: str, task_name: str, vector: Path | None, n_test: int, dtyp
         "disagreements": disagree,
     }
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
+    rec = doc["teacher"] or {}
+    taught = TeacherOptions(rec.get("calibration", "icl"), rec.get("gold_weight", 0.0),
+                            rec.get("gold_share", 1.0))
+    fitted = ("" if taught.is_default else
+              f"a vector fitted to the {taught.name} teacher of a {doc['k']}-shot prompt, ")
     summary = (f"{task.name} on {model_spec} ({doc['dtype']}; {machine_line(doc['machine'])}), "
                f"{'through chat, ' if prompt_format == 'chat' else ''}"
                + (f"a multi-prompt vector ({doc['demo_sets']} demonstration sets), "
-                  if doc["demo_sets"] > 1 else "") +
+                  if doc["demo_sets"] > 1 else "")
+               + fitted +
                f"{len(texts)} test texts: server vs "
                f"transformers agreement {100 * agree:.1f}%, "
                f"accuracy {100 * doc['accuracy_server']:.1f}% "

@@ -375,3 +375,31 @@ def test_bench_scaling_teacher_rows_are_evaluate_s(tmp_path, model_dir, task_fil
         assert rows[12][m]["accuracy"] == pytest.approx(recs[m]["accuracy"]), m
         assert rows[12][m]["d_ntp"] == pytest.approx(recs[m]["d_ntp"], rel=1e-4, abs=1e-7), m
     assert "Teacher " in (out / "results.md").read_text()
+
+
+def test_evaluate_refuses_a_prompt_over_the_context_before_the_model_loads(
+        tmp_path, model_dir, task_file, monkeypatch):
+    """A many-shot --k in `evaluate`: every run's prompt counted against the model's
+    context, refused in one line before anything loads."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    import ltv_vllm.models.loading as loading
+    from ltv_vllm.cli import main
+
+    small = tmp_path / "small"
+    shutil.copytree(model_dir, small)
+    cfg = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 40}))
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    r = CliRunner().invoke(main, ["evaluate", "--model", str(small), "--tasks", str(task_file),
+                                  "--k", "6", "--n", "12", "--n-test", "8", "--runs", "2",
+                                  "--methods", "zero-shot,icl,ltv", "--out",
+                                  str(tmp_path / "e")])
+    assert r.exit_code != 0 and "over the model's context of 40" in r.output, r.output
+    assert "\n" not in r.output.strip() and not (tmp_path / "e" / "results.json").exists()

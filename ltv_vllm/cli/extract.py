@@ -535,9 +535,10 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
     )
     from ltv_vllm.evaluation.evaluate import evaluate as run_evaluate
     from ltv_vllm.methods import MethodOptions, check_options_apply
+    from ltv_vllm.models.checkpoint import context_length
     from ltv_vllm.models.hardware import engine_device, resolve_device
-    from ltv_vllm.models.loading import load_model, load_tokenizer
-    from ltv_vllm.pipeline.extract import check_engine, open_source
+    from ltv_vllm.models.loading import load_model, load_tokenizer, local_model_dir
+    from ltv_vllm.pipeline.extract import check_context, check_engine, open_source
     from ltv_vllm.tasks.specs import get_tasks, label_token_ids
 
     cfg = EvalConfig(**asdict(evaluation), options=MethodOptions(**method_flags),
@@ -595,6 +596,10 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
         label_token_ids(t, tok)  # labels sharing a first token: refused before any pass
     episodes = plan_episodes(tasks_, cfg, transfer=source_opts is not None)  # reads the data
     check_teachers(cfg.teacher, ms, tasks_, episodes, transfer=source_opts is not None)
+    context = context_length(local_model_dir(model.spec))
+    for t in tasks_:  # every run's prompt within the context (a many-shot --k), before a load
+        for ep in episodes[t.name]:
+            check_context(tok, ep, t.special_tokens, context)
     if on_vllm and cfg.teacher.calibration == "contextual":
         raise ArgumentError("--teacher contextual captures its content-free prompts with "
                             "transformers (not --engine vllm)")
