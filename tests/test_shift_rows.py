@@ -39,6 +39,7 @@ class Shift(LTVMixin):
         self._sizes = (D, VOCAB)
         self._vectors = vectors
         self._shift_sizes = ShiftSizes()
+        self._grouped_choice, self._slot_tables = None, {}
 
 
 VECTORS = {f"s{i}": vector(i, 4) for i in range(12)}  # many small tasks, rank 4
@@ -51,9 +52,37 @@ VECTORS |= {"r6": vector(20, 6), "r6b": vector(21, 6),  # another rank
 @pytest.mark.parametrize("batched", [False, True], ids=["per-task", "batched"])
 @pytest.mark.parametrize("seed", range(4))
 def test_every_row_gets_its_own_task_and_nothing_else(seed, batched, monkeypatch):
-    """Both ways of shifting small tasks: one product per task (the CPU's), and batched
-    (a GPU's: `batches_small_tasks`), here forced on the CPU."""
+    """Both ways of shifting small tasks on a CPU engine: one product per task (the CPU's),
+    and batched (`batches_small_tasks`, a GPU's without the grouped kernel), forced here."""
     monkeypatch.setattr(models, "batches_small_tasks", lambda _device: batched)
+    monkeypatch.setenv(models.GROUPED_ENV, "off")
+    check_rows(seed)
+
+
+def test_the_grouped_kernel_gives_every_row_its_own_task_and_nothing_else():
+    """The grouped kernel a GPU engine selects (`engine.grouped_shift`), forced on
+    (`LTV_VLLM_GROUPED_SHIFT=on`) and run through Triton's interpreter, which Triton reads
+    when it is first imported: in a process of its own, every seed of the test above."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", models.GROUPED_ENV: "on",
+           "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    code = ("import test_shift_rows as t\n"
+            "from ltv_vllm.serving.engine import models\n"
+            "assert models.uses_grouped_shift(t.torch.device('cpu'))\n"
+            "for seed in range(4):\n    t.check_rows(seed, grouped=True)\n"
+            "print('checked')")
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "checked" in r.stdout, r.stderr[-3000:]
+
+
+def check_rows(seed: int, grouped: bool = False) -> None:
+    """One step of 51 rows over every kind of task against a row-by-row float64 shift."""
     rng = random.Random(seed)
     tasks = [*VECTORS, "", ""]  # "": the bare model (no vector: FUSED in multi-task serving)
     rows = ["big"] * (SMALL + 3) + [rng.choice(tasks) for _ in range(40)]
@@ -95,6 +124,8 @@ def test_every_row_gets_its_own_task_and_nothing_else(seed, batched, monkeypatch
         for t, (total, n) in sizes.items():
             assert got[t][1] == n and got[t][0] == pytest.approx(total, rel=1e-4), t
     assert torch.equal(h, h.clone())  # vLLM's buffer itself is never written
+    # the grouped kernel ran, one slot table per rank of the linear tasks without a bias
+    assert sorted(shift._slot_tables) == ([4, 6] if grouped else [])
 
 
 def test_one_task_on_every_row_sums_its_shifted_rows_only():
@@ -109,3 +140,40 @@ def test_one_task_on_every_row_sums_its_shifted_rows_only():
                      / h[r].double().norm()) for r in range(9) if mask[r])
     [(total, n)] = shift._shift_sizes.read().values()
     assert n == int(mask.sum()) and total == pytest.approx(want, rel=1e-4)
+
+
+def test_task_slots_write_once_evict_the_least_recently_used_and_pad_ranks():
+    """`grouped_shift.TaskSlots`: a task's factors land in a slot on first use and stay
+    (growing the tables keeps them); past capacity the least recently used task not in this
+    step gives up its slot, whose stale columns a lower-rank task does not inherit; a step
+    with more tasks than slots is refused."""
+    from ltv_vllm.serving.engine.grouped_shift import TaskSlots
+
+    vs = {f"t{i}": vector(40 + i, 4 if i != 3 else 2) for i in range(5)}
+    table = TaskSlots(D, D, 4, torch.device("cpu"), capacity=3)
+
+    def put(task: str, step: set[str]) -> int:
+        return table.of(task, vs[task].U, vs[task].V, step)
+
+    def holds(task: str) -> None:
+        s, r = table.slot[task], vs[task].U.shape[1]
+        assert torch.equal(table.v[s, :, :r], vs[task].V)
+        assert torch.equal(table.u[s, :, :r], vs[task].U)
+        assert not table.v[s, :, r:].any() and not table.u[s, :, r:].any()
+
+    first = put("t0", {"t0"})
+    put("t1", {"t1"})
+    put("t2", {"t2"})
+    assert put("t0", {"t0"}) == first  # written once: the same slot, t0 now most recent
+    put("t3", {"t3"})  # evicts t1, the least recently used; rank 2 into a rank-4 slot
+    assert set(table.slot) == {"t0", "t2", "t3"}
+    for t in ("t0", "t2", "t3"):
+        holds(t)
+    put("t4", {"t4", "t2"})  # t2 is in this step: t0 goes instead
+    assert set(table.slot) == {"t2", "t3", "t4"}
+    for t in ("t2", "t3", "t4"):
+        holds(t)
+    with pytest.raises(RuntimeError, match="4 tasks in one step, over the 3 slots"):
+        put("t0", {"t0", "t2", "t3", "t4"})
+    with pytest.raises(ValueError, match="do not fit slots"):
+        table.of("wide", torch.zeros(D, 5), torch.zeros(D, 5), set())

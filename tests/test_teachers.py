@@ -393,7 +393,7 @@ def test_evaluate_refuses_a_prompt_over_the_context_before_the_model_loads(
     cfg = json.loads((small / "config.json").read_text())
     (small / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 40}))
 
-    def no_load(*a, **k):
+    def no_load(*_args, **_kwargs):
         raise AssertionError("the model loaded")
 
     monkeypatch.setattr(loading, "load_model", no_load)

@@ -56,6 +56,8 @@ class LTVMixin:
         self._casts = {}
         self._cast_keys: OrderedDict[str, None] = OrderedDict()  # store keys, oldest first
         self._store = store_root(config)  # runtime tasks (`StoreVectors`)
+        self._grouped_choice: bool | None = None  # `uses_grouped_shift`, on the first step
+        self._slot_tables: dict[int, object] = {}  # rank → `grouped_shift.TaskSlots`
         if self._store:
             STORE.root = self._store
         self._ltv_fold = bool(getattr(config, FOLD_KEY, False)) and self._ltv is not None
@@ -167,11 +169,15 @@ class LTVMixin:
         delta = torch.empty(len(order), width, device=h.device, dtype=torch.float32)
         start = 0
         few: dict[int, list[tuple[int, int, TaskVector]]] = {}  # rank → (start, end, vector)
+        grouped = kind == "hidden" and self._grouped_shift(h.device)
+        segs: dict[int, list[tuple[int, int, str, TaskVector]]] = {}  # rank → its tasks
         for task, rows in jobs:
             end = start + (h.shape[0] if rows is None else len(rows))
             cast = self._cast(task, h.device)
             if cast.map == "linear" and cast.bias is None:
-                if kind == "hidden" and end - start <= SMALL and batches_small_tasks(h.device):
+                if grouped:
+                    segs.setdefault(cast.V.shape[1], []).append((start, end, task, cast))
+                elif kind == "hidden" and end - start <= SMALL and batches_small_tasks(h.device):
                     few.setdefault(cast.V.shape[1], []).append((start, end, cast))
                 else:
                     torch.mm(hs[start:end] @ cast.V, cast.U.T, out=delta[start:end])
@@ -180,6 +186,8 @@ class LTVMixin:
             start = end
         for group in few.values():
             _batched_delta(hs, delta, group)
+        if segs:
+            self._grouped(hs, delta, segs, {task for task, _ in jobs})
         if sizes is not None:
             row_task = row_index([j for j, (_, rows) in enumerate(jobs)
                                   for _ in range(h.shape[0] if rows is None else len(rows))],
@@ -190,6 +198,33 @@ class LTVMixin:
             delta *= mask.index_select(0, idx).unsqueeze(1)
         out[:, :width].index_add_(0, idx, delta)
         return out
+
+    def _grouped_shift(self, device: torch.device) -> bool:
+        """Whether this engine shifts its linear hidden tasks through the grouped kernel
+        (`engine.grouped_shift`), decided on the first step (`uses_grouped_shift`)."""
+        if self._grouped_choice is None:
+            self._grouped_choice = uses_grouped_shift(device)
+        return self._grouped_choice
+
+    def _grouped(self, hs: torch.Tensor, delta: torch.Tensor,
+                 segs: dict[int, list[tuple[int, int, str, TaskVector]]],
+                 step: set[str]) -> None:
+        """delta[s:e] = hs[s:e] V Uᵀ for every task's rows, one grouped pass per rank over
+        the tasks' slots (each task's factors written to its slot on first use)."""
+        from ltv_vllm.serving.engine.grouped_shift import TaskSlots, grouped_delta
+
+        tables = self._slot_tables
+        for rank, tasks in segs.items():
+            table = tables.get(rank)
+            if table is None or table.device != hs.device:
+                table = tables[rank] = TaskSlots(hs.shape[1], delta.shape[1], rank, hs.device,
+                                                 capacity=STORE.keep + len(self._vectors))
+            rows, starts, slots = [], [0], []
+            for s, e, task, cast in tasks:
+                slots.append(table.of(task, cast.U, cast.V, step))
+                rows.extend(range(s, e))
+                starts.append(len(rows))
+            grouped_delta(hs, rows, starts, slots, table.v, table.u, delta)
 
     @classmethod
     def get_model_state_cls(cls) -> type:
@@ -255,6 +290,27 @@ class LTVMixin:
 
 
 SMALL = 8  # a task with at most this many rows in a step is shifted in a batch of such tasks
+GROUPED_ENV = "LTV_VLLM_GROUPED_SHIFT"  # auto (default) | on | off
+
+
+def uses_grouped_shift(device: torch.device) -> bool:
+    """Whether an engine on `device` shifts its tasks through the grouped kernel: on a GPU
+    with Triton (`auto`), where each task's factors read once per step is the cost; not on
+    a CPU, where a step is long and one product per task is cheaper than Triton's
+    interpreter. `LTV_VLLM_GROUPED_SHIFT=on|off` forces the choice (`on` on a CPU needs
+    TRITON_INTERPRET=1: the test suite's way to run the kernel here)."""
+    mode = os.environ.get(GROUPED_ENV, "auto").strip().lower()
+    if mode not in ("auto", "on", "off"):
+        raise VectorError(f"{GROUPED_ENV} must be auto, on or off, got {mode!r}")
+    if mode != "auto":
+        return mode == "on"
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def batches_small_tasks(device: torch.device) -> bool:
