@@ -145,6 +145,28 @@ def test_speculative_decoding_on_the_v2_runner(mix, v2_plain, tokenizer, method)
     assert_rows_are_their_plans(out, model, tokenizer, tvs)
 
 
+GROUPED = {"LTV_VLLM_GROUPED_SHIFT": "on", "TRITON_INTERPRET": "1"}  # a GPU engine's choice
+
+
+@pytest.mark.parametrize("runner", ["0", "1"], ids=["v1", "v2"])
+def test_per_request_tasks_through_the_grouped_kernel(mix, v2_plain, tokenizer, runner):
+    """The grouped shift kernel (`engine.grouped_shift`, what a GPU engine selects), forced
+    on in the engine and run through Triton's interpreter: on both runners every row is its
+    own plan's greedy loop, the same tokens as the per-task path, and on V2 with n-gram
+    drafts too (draft rows shifted at their own steps)."""
+    tmp, d, model, tvs, paths = mix
+    out = run(runner, d, paths, tmp / f"grouped{runner}.json", env=GROUPED)
+    for i in range(len(TASKS)):
+        assert out["rows"][i][0] == v2_plain["rows"][i][0], (i, "the grouped kernel differs")
+    assert_rows_are_their_plans(out, model, tokenizer, tvs)
+    if runner == "1":
+        out = run("1", d, paths, tmp / "grouped-ngram.json", NGRAM, env=GROUPED)
+        assert out["drafts"][0] > 0 and out["drafts"][1] > 0, out["drafts"]
+        for i in range(len(TASKS)):
+            assert out["rows"][i][0] == v2_plain["rows"][i][0], (i, "drafts, grouped")
+        assert_rows_are_their_plans(out, model, tokenizer, tvs)
+
+
 # -- speculative decoding across a count policy's last shifted token ---------------------------
 # A model that copies: its attention output is zeroed, so a position's next token depends on
 # that token alone, and its LM head is pushed so that each token of these prompts is followed
