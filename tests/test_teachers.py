@@ -28,6 +28,14 @@ from ltv_vllm.core.teacher import (
 from ltv_vllm.errors import ArgumentError
 
 
+def final_state(lm, prompt: str) -> torch.Tensor:
+    """The final hidden state of the prompt's last token: transformers' own forward on the
+    whole prompt (no shared cache, no batching)."""
+    enc = lm.tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        return lm.model(**enc, output_hidden_states=True).hidden_states[-1][0, -1]
+
+
 def _head(K: int = 4, d: int = 12, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(K, d, generator=g), torch.randn(K, generator=g),
@@ -123,10 +131,8 @@ def test_bench_teachers_states_rescore_and_the_default_is_extracts(tmp_path, mod
     many = many_shot_demos(load_dataset(task), ep, 12)
     assert len(many) == 12 and not set(many) & set(ep.queries)
 
-    def h(prompt: str) -> torch.Tensor:  # transformers' own forward on the whole prompt
-        enc = lm.tokenizer(prompt, return_tensors="pt")
-        with torch.no_grad():
-            return lm.model(**enc, output_hidden_states=True).hidden_states[-1][0, -1]
+    def h(prompt: str) -> torch.Tensor:
+        return final_state(lm, prompt)
 
     for i in (0, 5):  # the many-shot teacher's train and test states
         torch.testing.assert_close(st["h_icl"][-1][i],
@@ -197,9 +203,7 @@ def test_extract_teacher_vector_is_the_ridge_on_the_hand_made_target(tmp_path, m
     w, b = (x.double() for x in label_head(lm.model, label_token_ids(task, lm.tokenizer)))
 
     def h(prompt: str) -> torch.Tensor:
-        enc = lm.tokenizer(prompt, return_tensors="pt")
-        with torch.no_grad():
-            return lm.model(**enc, output_hidden_states=True).hidden_states[-1][0, -1].double()
+        return final_state(lm, prompt).double()
 
     prefix = task.demos_text(ep.demos)
     H = torch.stack([h(task.query(e.text)) for e in ep.queries])  # (N, d)
@@ -313,9 +317,7 @@ def test_evaluate_teacher_fits_the_states_methods_and_keeps_the_prompt_as_icl(
     w, b = (x.double() for x in label_head(lm.model, label_token_ids(task, lm.tokenizer)))
 
     def h(prompt: str) -> torch.Tensor:
-        enc = lm.tokenizer(prompt, return_tensors="pt")
-        with torch.no_grad():
-            return lm.model(**enc, output_hidden_states=True).hidden_states[-1][0, -1].double()
+        return final_state(lm, prompt).double()
 
     prefix = task.demos_text(ep.demos)
     labels = torch.tensor([e.label for e in ep.test])
