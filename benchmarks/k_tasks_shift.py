@@ -1,15 +1,40 @@
 """Where the cost of K distinct tasks in one step sits: the wrapper's shift alone, timed.
 
 `benchmarks/k_tasks.py` times whole engines; this times one decode step's shift — the
-wrapper's own `_shifted` (`vllm_ext.models.LTVMixin`), the code the engine runs — for R rows
-split over K tasks, beside the LM head's product for the same rows (what every step pays
-anyway), at a model's real shapes with random weights built on the device. It needs torch
-only: on a machine without vLLM (the lent GPU machine) the vLLM classes the wrapper module
-subclasses are stand-ins (`_stand_in_vllm`), never called here.
+wrapper's own `_shifted` (`engine.models.LTVMixin`), the code the engine runs — for R rows
+split over K tasks (row i names task i mod K), beside the LM head's product for the same
+rows (what every step pays anyway), at a model's real shapes with random weights built on
+the device. It needs torch only (and Triton for the grouped kernel): on a machine without
+vLLM (the GPU machine) the vLLM classes the wrapper module subclasses are stand-ins
+(`_stand_in_vllm`), never called here.
 
-    python benchmarks/k_tasks_shift.py --hidden 576 --vocab 49152 --rank 256 --rows 256
+Per rank and K it times each of `--paths`, host work included (the index lists the engine
+builds every step), the fastest of `--repeats`:
+
+  served    what an engine on this device selects (`uses_grouped_shift`)
+  grouped   the grouped kernel (`engine.grouped_shift`), forced
+  batched   without it: small tasks in two batched products on a GPU, one product per task
+            on a CPU (`batches_small_tasks`)
+  loop      a gather, a product and a scatter per task (the code before either)
+
+and beside them the floor, reading each distinct task's U and V once: K · 2 · d · r
+elements, in bf16 (2 bytes) and in the slots' float32, at the bandwidth of a device copy
+timed in the same run. `--variants SLOTS:PRECISION,...` times the grouped kernels alone
+(`grouped_shift.launch`) for other slot dtypes and Triton dot precisions, captured in a CUDA
+graph and replayed (device time, no host work; on a CPU: eager, Triton's interpreter), each
+with its largest error against a float64 shift.
+
+`--decode SHAPE[:L1,L2]` times one decode step of that shape (tests/fixtures/configs; random
+bf16 weights built on the device) at `--decode-batch` rows after a prefill of
+`--decode-ctx` tokens each, through transformers (eager, no CUDA graphs: above what vLLM
+takes), and its roofline (weights and KV cache read once at the copy bandwidth). With two
+layer counts the step is measured at both and extrapolated linearly to the shape's depth
+(a 70B model's weights do not fit one GPU beside its cache).
+
+    python benchmarks/k_tasks_shift.py --hidden 576 --vocab 49152 --ranks 256 --rows 256
     python benchmarks/k_tasks_shift.py --device cuda --hidden 4096 --vocab 128256 \\
-        --rank 256 --rows 256 --dtype bfloat16        # Llama-3.1-8B's head
+        --ranks 16,64,256 --rows 256 --dtype bfloat16 \\
+        --variants float32:ieee,float32:tf32x3,bfloat16:ieee --decode llama-3.1-8b
 """
 
 from __future__ import annotations
@@ -19,10 +44,11 @@ import json
 import sys
 import time
 import types
+from collections import OrderedDict
 
 
 def _stand_in_vllm() -> None:
-    """Empty modules for the vLLM names `vllm_ext.models` and `engine.steps` import, where
+    """Empty modules for the vLLM names `engine.models` and `engine.steps` import, where
     vLLM is not installed: their classes are only subclassed, never run, by this script."""
     import importlib.abc
     import importlib.machinery
@@ -53,20 +79,35 @@ def _stand_in_vllm() -> None:
     sys.meta_path.insert(0, Finder())
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--vocab", type=int, default=49152)
-    ap.add_argument("--rank", type=int, default=256)
+    ap.add_argument("--ranks", "--rank", default="256", help="comma-separated ranks")
     ap.add_argument("--rows", type=int, default=256)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", help="the hidden states' dtype")
     ap.add_argument("--ks", default="1,8,64,256")
+    ap.add_argument("--paths", default=None,
+                    help="served,grouped,batched,loop (default: all a device runs well: "
+                         "grouped only on CUDA)")
+    ap.add_argument("--variants", default="",
+                    help="slot dtype:Triton dot precision pairs, e.g. float32:ieee,"
+                         "bfloat16:tf32 (the grouped kernels alone)")
+    ap.add_argument("--decode", action="append", default=[],
+                    help="SHAPE or SHAPE:L1,L2 (repeatable): a decode step of that shape")
+    ap.add_argument("--decode-batch", type=int, default=256)
+    ap.add_argument("--decode-ctx", default="512,128",
+                    help="context lengths timed, longest first (one prefill, then cropped)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out")
     ap.add_argument("--stand-in", action="store_true",
                     help="use the vLLM stand-ins even where vLLM is installed (to test them)")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
     if a.stand_in:
         _stand_in_vllm()
     else:
@@ -77,47 +118,57 @@ def main() -> None:
     import torch
 
     from ltv_vllm.core.vector import ModelIdentity, TaskVector
+    from ltv_vllm.models.hardware import hardware
+    from ltv_vllm.serving.engine import grouped_shift, models
     from ltv_vllm.serving.engine.models import LTVMixin
 
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
     ks = [int(k) for k in a.ks.split(",")]
-
+    ranks = [int(r) for r in a.ranks.split(",")]
+    cuda = dev.type == "cuda"
+    paths = (a.paths.split(",") if a.paths else
+             ["served", "grouped", "batched", "loop"] if cuda else ["served", "loop"])
     ident = ModelIdentity("random", a.hidden, a.vocab, "none")
+
+    def vectors(k: int, rank: int) -> dict[str, TaskVector]:
+        out = {}
+        for t in range(k):  # drawn on the device (the engine's casts are then no-ops)
+            g = torch.Generator(device=dev).manual_seed(t)
+            out[f"t{t}"] = TaskVector(
+                "hidden", 0.02 * torch.randn(a.hidden, rank, generator=g, device=dev),
+                torch.randn(a.hidden, rank, generator=g, device=dev) / a.hidden ** 0.5, None,
+                ident, (0,), {"task": {"name": f"t{t}"}})
+        return out
 
     class Shift(LTVMixin):
         """The wrapper's shift with K named tasks, nothing else of a model."""
 
-        def __init__(self, k: int) -> None:
-            from collections import OrderedDict
-
+        def __init__(self, vecs: dict[str, TaskVector], grouped: bool | None) -> None:
             self._ltv, self._store, self._casts = None, None, {}
             self._cast_keys = OrderedDict()
             self._sizes = (a.hidden, a.vocab)
-            self._vectors = {}
-            for t in range(k):
-                g = torch.Generator().manual_seed(t)
-                self._vectors[f"t{t}"] = TaskVector(
-                    "hidden", 0.02 * torch.randn(a.hidden, a.rank, generator=g),
-                    torch.randn(a.hidden, a.rank, generator=g) / a.hidden ** 0.5, None,
-                    ident, (0,), {"task": {"name": f"t{t}"}})
+            self._shift_sizes = None
+            self._vectors = vecs
+            self._grouped_choice, self._slot_tables = grouped, {}
 
     def per_task_loop(shift, h, plan):
-        """The shift as it was before `_shifted` gathered the tasks' rows once: a gather,
-        a rank-r product and a scatter per task (the baseline the K cost was measured on)."""
+        """The shift before `_shifted` gathered the tasks' rows once: a gather, a rank-r
+        product and a scatter per task."""
         out = h.float()
         for task, rows in plan.items():
             idx = torch.tensor(rows if rows is not None else range(h.shape[0]),
                                dtype=torch.long)
-            idx = idx if dev.type == "cpu" else idx.pin_memory().to(dev, non_blocking=True)
+            idx = idx if not cuda else idx.pin_memory().to(dev, non_blocking=True)
             delta = shift._ltv_delta(h.index_select(0, idx), task=task)
             out[idx, : delta.shape[-1]] += delta
         return out
 
     def sync() -> None:
-        if dev.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
 
     def timed(fn) -> float:
+        """The fastest of `repeats` calls after one warm-up, seconds, host work included."""
         fn()
         sync()
         best = float("inf")
@@ -128,34 +179,226 @@ def main() -> None:
             best = min(best, time.perf_counter() - t)
         return best
 
+    def copy_bandwidth() -> float:
+        """Bytes through memory per second (read + written) by a device copy of 1 GiB
+        (64 MiB on a CPU), the best of a few: reading B bytes once takes at least B / this."""
+        n = (1 << 28) if cuda else (1 << 24)
+        x = torch.empty(n, device=dev, dtype=torch.float32)
+        y = torch.empty_like(x)
+        return 2 * 4 * n / timed(lambda: y.copy_(x))
+
+    bw = copy_bandwidth()
+    print(f"device copy: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+
     h = torch.randn(a.rows, a.hidden, device=dev, dtype=dtype)
     head = torch.randn(a.vocab, a.hidden, device=dev, dtype=dtype) / a.hidden ** 0.5
     lm_head = timed(lambda: h @ head.T)
-    rows = []
-    for k in ks:
-        shift = Shift(k)
-        plan = ({"t0": None} if k == 1 else
-                {f"t{t}": [r for r in range(a.rows) if r % k == t] for t in range(k)})
-        plan = {t: r for t, r in plan.items() if r != []}
-        s = timed(lambda plan=plan, shift=shift: shift._shifted(h, plan, "hidden", h))
-        loop = timed(lambda plan=plan, shift=shift: per_task_loop(shift, h, plan))
-        rows.append({"K": k, "distinct_tasks": len(plan), "shift_ms": round(s * 1e3, 3),
-                     "per_task_loop_ms": round(loop * 1e3, 3),
-                     "lm_head_ms": round(lm_head * 1e3, 3),
-                     "shift_over_lm_head": round(s / lm_head, 3)})
-        print(f"K={k:4d} ({len(plan):3d} distinct) shift {s * 1e3:8.3f} ms (a gather and a "
-              f"scatter per task: {loop * 1e3:8.3f} ms)   LM head {lm_head * 1e3:8.3f} ms   "
-              f"ratio {s / lm_head:.3f}", flush=True)
-        del shift
-    from ltv_vllm.models.hardware import hardware
+    choices = {"served": None, "grouped": True, "batched": False}
+    rows, kernel_rows = [], []
+    for rank in ranks:
+        for k in ks:
+            vecs = vectors(k, rank)
+            plan = ({"t0": None} if k == 1 else
+                    {f"t{t}": [r for r in range(a.rows) if r % k == t] for t in range(k)})
+            plan = {t: r for t, r in plan.items() if r != []}
+            n_tasks = len(plan)
+            floor = {f"floor_ms_{name}": round(1e3 * n_tasks * 2 * a.hidden * rank * b / bw,
+                                               4) for name, b in (("bf16", 2), ("float32", 4))}
+            row = {"K": k, "rank": rank, "distinct_tasks": n_tasks, **floor,
+                   "lm_head_ms": round(lm_head * 1e3, 4)}
+            for path in paths:
+                shift = Shift(vecs, choices.get(path))
+                if path == "loop":
+                    fn = lambda shift=shift, plan=plan: per_task_loop(shift, h, plan)  # noqa: E731
+                else:
+                    fn = lambda shift=shift, plan=plan: shift._shifted(  # noqa: E731
+                        h, plan, "hidden", h)
+                row[f"{path}_ms"] = round(timed(fn) * 1e3, 4)
+                if path == "served":
+                    row["served_is_grouped"] = bool(shift._grouped_shift(dev))
+                del shift
+            rows.append(row)
+            print(f"r={rank:3d} K={k:4d} ({n_tasks:3d} tasks) "
+                  + "  ".join(f"{p} {row[p + '_ms']:8.3f}" for p in paths)
+                  + f"  | floor bf16 {row['floor_ms_bf16']:.3f} f32 {row['floor_ms_float32']:.3f}"
+                  f"  LM head {row['lm_head_ms']:.3f} ms", flush=True)
+            if a.variants:
+                kernel_rows += kernel_variants(a, torch, grouped_shift, vecs, plan, h, rank,
+                                               dev, bw)
+            del vecs
+    decode = [decode_step(a, torch, spec, dev, bw) for spec in a.decode]
+    import importlib.util
 
-    res = {"command": " ".join(["python", "benchmarks/k_tasks_shift.py", *sys.argv[1:]]),
+    triton = (importlib.import_module("triton").__version__
+              if importlib.util.find_spec("triton") else None)
+    res = {"command": " ".join(["python", "benchmarks/k_tasks_shift.py",
+                                *(argv if argv is not None else sys.argv[1:])]),
            "machine": {**hardware(), "device": torch.cuda.get_device_name()
-                       if dev.type == "cuda" else "cpu", "torch": torch.__version__},
-           "args": vars(a), "rows": rows}
+                       if cuda else "cpu", "torch": torch.__version__, "triton": triton},
+           "args": vars(a), "copy_bandwidth_bytes_per_s": bw, "rows": rows,
+           "kernels": kernel_rows, "decode": decode,
+           "grouped_default_env": models.GROUPED_ENV}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
+    return res
+
+
+def kernel_variants(a, torch, grouped_shift, vecs, plan, h, rank, dev, bw) -> list[dict]:
+    """The grouped kernels alone per slot dtype and dot precision: device time of a CUDA
+    graph's replay (eager on a CPU) and the largest error against a float64 shift."""
+    cuda = dev.type == "cuda"
+    tasks = list(plan)
+    rows = [r for t in tasks for r in (range(h.shape[0]) if plan[t] is None else plan[t])]
+    starts = [0]
+    for t in tasks:
+        starts.append(starts[-1] + (h.shape[0] if plan[t] is None else len(plan[t])))
+    most = max(e - s for s, e in zip(starts, starts[1:], strict=False))
+    # the reference: every row's own task in float64
+    h64 = h.double()
+    ref = torch.zeros(h.shape[0], a.hidden, dtype=torch.float64, device=dev)
+    for t in tasks:
+        idx = list(range(h.shape[0])) if plan[t] is None else plan[t]
+        tv = vecs[t]
+        ref[idx] = (h64[idx] @ tv.V.double()) @ tv.U.double().T
+    scale = float(ref.abs().max())
+    out_rows = []
+    for spec in a.variants.split(","):
+        slot_dtype, precision = spec.split(":")
+        table = grouped_shift.TaskSlots(a.hidden, a.hidden, rank, dev,
+                                        dtype=getattr(torch, slot_dtype), capacity=len(tasks))
+        slots = [table.of(t, vecs[t].U, vecs[t].V, set(tasks)) for t in tasks]
+        idx = torch.tensor([*rows, *starts, *slots], dtype=torch.int32, device=dev)
+        rows_t, start_t, slot_t = idx.split([len(rows), len(starts), len(slots)])
+        out = torch.zeros(h.shape[0], a.hidden, device=dev, dtype=torch.float32)
+
+        def run(table=table, out=out, rows_t=rows_t, start_t=start_t, slot_t=slot_t,
+                precision=precision):
+            grouped_shift.launch(h, rows_t, start_t, slot_t, most, table.v, table.u, out,
+                                 precision=precision)
+
+        run()  # compiles
+        err = float((out.double() - ref).abs().max()) / scale
+        if cuda:
+            torch.cuda.synchronize()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                run()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            n = max(a.repeats, 50)
+            graph.replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(n):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end) / n
+            captured = True
+        else:
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t)
+            ms, captured = 1e3 * min(times), False
+        factor_bytes = len(tasks) * 2 * a.hidden * rank * table.v.element_size()
+        row = {"K": len(plan), "rank": rank, "slots": slot_dtype, "precision": precision,
+               "kernel_ms": round(ms, 4), "graph_captured": captured,
+               "max_rel_error": err,
+               "factor_GBps": round(factor_bytes / (ms / 1e3) / 1e9, 1),
+               "of_copy_bandwidth": round(factor_bytes / (ms / 1e3) / bw, 3)}
+        print(f"    kernels {slot_dtype}:{precision:7s} {ms:8.3f} ms  factors at "
+              f"{row['factor_GBps']:7.1f} GB/s ({row['of_copy_bandwidth']:.2f} of a copy's "
+              f"rate)  max rel error {err:.1e}", flush=True)
+        out_rows.append(row)
+        del table, out
+    return out_rows
+
+
+def decode_step(a, torch, spec: str, dev, bw) -> dict:
+    """One decode step of a shape at `decode_batch` rows, per context length: the fastest of
+    a few (the cache cropped back after each), and its roofline."""
+    from ltv_vllm.bench.device_extraction import build_on_device, shape_config
+
+    shape, _, layer_spec = spec.partition(":")
+    cfg = shape_config(shape)
+    depth, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    layer_counts = [int(x) for x in layer_spec.split(",")] if layer_spec else [depth]
+    ctxs = [int(c) for c in a.decode_ctx.split(",")]
+    cuda = dev.type == "cuda"
+    wdtype = torch.bfloat16 if cuda else torch.float32
+    b = a.decode_batch
+    measured: dict[int, dict[int, float]] = {}
+    weight_bytes: dict[int, int] = {}
+    kv_per_token_layer = 2 * int(cfg["num_key_value_heads"]) * int(
+        cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) * 2
+    for layers in layer_counts:
+        model = build_on_device(shape, vocab, str(dev), wdtype, layers)
+        # what a step reads: every weight but the input embedding (one row per sequence)
+        weight_bytes[layers] = sum(p.numel() * p.element_size()
+                                   for name, p in model.named_parameters()
+                                   if "embed_tokens" not in name)
+        g = torch.Generator(device=dev).manual_seed(0)
+        ids = torch.randint(0, vocab, (b, ctxs[0]), device=dev, generator=g)
+        nxt = torch.randint(0, vocab, (b, 1), device=dev, generator=g)
+        measured[layers] = {}
+        with torch.no_grad():
+            cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
+
+            def crop(ctx: int, cache=cache) -> None:  # a negative crop drops that many
+                if (extra := cache.get_seq_length() - ctx) > 0:
+                    cache.crop(-extra)
+
+            for ctx in ctxs:
+                crop(ctx)
+                times = []
+                for _ in range(6):
+                    if cuda:
+                        torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    model(nxt, past_key_values=cache, use_cache=True)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t)
+                    crop(ctx)
+                measured[layers][ctx] = min(times[1:])
+        del model, cache, ids
+        if cuda:
+            torch.cuda.empty_cache()
+        print(f"  decode {shape} at {layers} layers, batch {b}: "
+              + ", ".join(f"ctx {c}: {1e3 * t:.2f} ms" for c, t in measured[layers].items()),
+              flush=True)
+    rows = []
+    for ctx in ctxs:
+        if len(layer_counts) == 1:
+            step = measured[layer_counts[0]][ctx]
+            wbytes = weight_bytes[layer_counts[0]]
+        else:
+            (l1, l2) = layer_counts[:2]
+            per_layer = (measured[l2][ctx] - measured[l1][ctx]) / (l2 - l1)
+            step = measured[l2][ctx] + (depth - l2) * per_layer
+            per_layer_bytes = (weight_bytes[l2] - weight_bytes[l1]) / (l2 - l1)
+            wbytes = int(weight_bytes[l2] + (depth - l2) * per_layer_bytes)
+        kv = depth * b * ctx * kv_per_token_layer
+        rows.append({"shape": shape, "layers": depth, "measured_layers": layer_counts,
+                     "batch": b, "ctx": ctx, "step_ms": round(1e3 * step, 3),
+                     "weights_GB": round(wbytes / 1e9, 2), "kv_GB": round(kv / 1e9, 2),
+                     "roofline_ms": round(1e3 * (wbytes + kv) / bw, 3),
+                     "extrapolated": len(layer_counts) > 1,
+                     "per_ctx_measured_ms": {str(lc): round(1e3 * m[ctx], 3)
+                                             for lc, m in measured.items()}})
+        how = ", extrapolated" if len(layer_counts) > 1 else ""
+        print(f"  decode {shape} ({depth} layers{how})"
+              f" batch {b} ctx {ctx}: {rows[-1]['step_ms']:.2f} ms, roofline "
+              f"{rows[-1]['roofline_ms']:.2f} ms (weights {rows[-1]['weights_GB']} GB, KV "
+              f"{rows[-1]['kv_GB']} GB)", flush=True)
+    return {"shape": shape, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -20,10 +20,14 @@
 #  (4) `bench extraction --shape qwen2.5-32b`;
 #  (5) a profile of one `extract()` at the 8B shape at the default batch: device-busy time
 #      against wall time, the top kernels and host ops.
+#  (6) `benchmarks/k_tasks_shift.py` at Llama-3.1-8B's and 70B's widths: one step's shift of
+#      K = 1, 8, 64, 256 tasks at ranks 16, 64, 256 by every path, the grouped kernels alone
+#      (slot dtypes and precisions, CUDA-graph replay) against the floor, and a decode step at
+#      batch 256 of each shape (70B: measured at 10 and 20 layers, extrapolated).
 #  (0, first when asked for) benchmarks/capture_overheads.py: each capture variant in a cold
 #      process at the 8B shape, and the code in device-carry/old/ (an older checkout's
 #      ltv_vllm, if there).
-# STEPS=overheads,8b,matrix,agree,32b,profile picks steps (default: all but overheads).
+# STEPS=overheads,8b,matrix,agree,32b,profile,kshift picks steps (default: all but overheads).
 # --quick: a smaller grid (a dry run of the script, also on a CPU with DEVICE=cpu).
 # The GPU machine's $OUT returns at most 8 files, hence one archive.
 set -uo pipefail
@@ -46,7 +50,9 @@ OUT=${OUT:-$(mktemp -d)}
 RES=$(mktemp -d)
 SITE=$(mktemp -d)
 WORK=$(mktemp -d)
-$PY -m pip install -q --no-index --no-deps --target "$SITE" "$CARRY"/wheels/*.whl || exit 1
+if [ -d "$CARRY/wheels" ]; then  # the steps but kshift read the packaged data
+  $PY -m pip install -q --no-index --no-deps --target "$SITE" "$CARRY"/wheels/*.whl || exit 1
+fi
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 export PYTHONUNBUFFERED=1
 export LTV_VLLM_CACHE=${LTV_VLLM_CACHE:-$WORK/cache}
@@ -56,7 +62,7 @@ left() { local n=$((DEADLINE - SECONDS)); echo $((n > 1 ? n : 1)); }
 py() { timeout "$(left)" $PY "$@"; }  # every process of a step ends by the step's deadline
 ltv() { py -m ltv_vllm.cli "$@"; }
 pack() { tar -C "$RES" -czf "$OUT/device_results.tgz" . ; }
-STEPS=${STEPS:-8b,matrix,agree,32b,profile}
+STEPS=${STEPS:-8b,matrix,agree,32b,profile,kshift}
 wants() { case ",$STEPS," in *",$1,"*) return 0 ;; esac; return 1; }
 step() {  # step KEY SECONDS NAME FUNCTION...: one step, timed, its failure logged, not fatal
   local key=$1 limit=$2 name=$3; shift 3
@@ -235,4 +241,21 @@ print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_
 EOF
 }
 step profile 150 "profile at llama-3.1-8b" profile
+# (6) one step's shift of K distinct tasks (every path, the grouped kernels alone, captured
+#     in a CUDA graph) against the floor, and a decode step at batch 256, at 8B and 70B widths
+kshift() {
+  local v=float32:ieee,float32:tf32x3,bfloat16:ieee,bfloat16:tf32 q=()
+  local d8=(--decode llama-3.1-8b) d70=(--decode llama-3.1-70b:10,20)
+  local w8=(--hidden 4096) w70=(--hidden 8192)
+  if [ "$QUICK" = --quick ]; then
+    q=(--ks 1,8 --rows 16 --repeats 3 --vocab 1000 --decode-batch 2 --decode-ctx 16,8)
+    d8=(--decode llama-3.1-8b:1,2) d70=(--decode llama-3.1-70b:1,2)
+    w8=(--hidden 64) w70=(--hidden 128)
+  fi
+  py benchmarks/k_tasks_shift.py --device "$DEVICE" "${w8[@]}" --vocab 128256 --ranks 16,64,256 \
+      --dtype bfloat16 --variants "$v" "${d8[@]}" "${q[@]}" --out "$RES/k_tasks_shift_8b.json" &&
+  py benchmarks/k_tasks_shift.py --device "$DEVICE" "${w70[@]}" --vocab 128256 --ranks 16,64,256 \
+      --dtype bfloat16 --variants "$v" "${d70[@]}" "${q[@]}" --out "$RES/k_tasks_shift_70b.json"
+}
+step kshift 420 "K-task shift and decode step" kshift
 echo "=== done; results in $OUT/device_results.tgz"

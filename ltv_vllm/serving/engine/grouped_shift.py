@@ -120,26 +120,38 @@ def grouped_delta(h: torch.Tensor, rows: list[int], starts: list[int], slots: li
     starts[t+1]) of `rows`; `slots` (T,): its slot in the tables; `v_table` (S, d, r),
     `u_table` (S, d_out, r): every slot's V and U (a task of lower rank zero-padded);
     `out` (n, ≥ d_out) float32, its other rows untouched."""
-    shrink, expand = _kernels()
-    m, d = len(rows), h.shape[1]
-    r, d_out = v_table.shape[2], u_table.shape[1]
+    m = len(rows)
     if m == 0 or not slots:
         return
-    dev = h.device
-    assert out.dtype == torch.float32 and out.stride(1) == 1 and h.stride(1) == 1
-    # one host→device copy of the step's small index tensors
-    idx = torch.tensor([*rows, *starts, *slots], dtype=torch.int32).to(dev, non_blocking=True)
+    # one host→device copy of the step's small index tensors, from pinned memory so the
+    # host does not wait for it (as `steps.row_index`)
+    idx = torch.tensor([*rows, *starts, *slots], dtype=torch.int32)
+    if h.device.type != "cpu":
+        idx = idx.pin_memory().to(h.device, non_blocking=True)
     rows_t, start_t, slot_t = idx.split([m, len(starts), len(slots)])
     most = max(e - s for s, e in zip(starts, starts[1:], strict=False))
-    z = torch.empty(m, r, device=dev, dtype=torch.float32)  # in `rows`' order
+    launch(h, rows_t, start_t, slot_t, most, v_table, u_table, out, precision=precision)
+
+
+def launch(h: torch.Tensor, rows_t: torch.Tensor, start_t: torch.Tensor, slot_t: torch.Tensor,
+           most: int, v_table: torch.Tensor, u_table: torch.Tensor, out: torch.Tensor, *,
+           precision: str = "ieee") -> None:
+    """The two kernels of `grouped_delta` on index tensors already on the device (int32:
+    `rows_t` (m,), `start_t` (T + 1,), `slot_t` (T,)); `most`: the most rows of one task.
+    No host→device copy, so a CUDA graph can capture it (`benchmarks/k_tasks_shift.py`)."""
+    shrink, expand = _kernels()
+    m, d = rows_t.shape[0], h.shape[1]
+    r, d_out, n_tasks = v_table.shape[2], u_table.shape[1], slot_t.shape[0]
+    assert out.dtype == torch.float32 and out.stride(1) == 1 and h.stride(1) == 1
+    z = torch.empty(m, r, device=h.device, dtype=torch.float32)  # in `rows`' order
     block_r = _block(r, 64)
     grid_m = -(-most // BLOCK_M)
-    shrink[(len(slots), grid_m, -(-r // block_r))](
+    shrink[(n_tasks, grid_m, -(-r // block_r))](
         h, v_table, z, rows_t, start_t, slot_t, d, r, h.stride(0), v_table.stride(0),
         v_table.stride(1), z.stride(0), PRECISION=precision, BLOCK_M=BLOCK_M,
         BLOCK_R=block_r, BLOCK_K=_block(d, 64))
     block_n = _block(d_out, 128)
-    expand[(len(slots), grid_m, -(-d_out // block_n))](
+    expand[(n_tasks, grid_m, -(-d_out // block_n))](
         z, u_table, out, rows_t, start_t, slot_t, d_out, r, z.stride(0), u_table.stride(0),
         u_table.stride(1), out.stride(0), PRECISION=precision, BLOCK_M=BLOCK_M,
         BLOCK_N=block_n, BLOCK_R=_block(r, 32))
