@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import types
@@ -231,15 +232,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     triton = (importlib.import_module("triton").__version__
               if importlib.util.find_spec("triton") else None)
-    res = {"command": " ".join(["python", "benchmarks/k_tasks_shift.py",
-                                *(argv if argv is not None else sys.argv[1:])]),
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if a.out:  # results record the file's name, not where the run kept it
+        argv = [os.path.basename(x) if x == a.out else x for x in argv]
+        a.out, out = os.path.basename(a.out), a.out
+    res = {"command": " ".join(["python", "benchmarks/k_tasks_shift.py", *argv]),
            "machine": {**hardware(), "device": torch.cuda.get_device_name()
                        if cuda else "cpu", "torch": torch.__version__, "triton": triton},
            "args": vars(a), "copy_bandwidth_bytes_per_s": bw, "rows": rows,
            "kernels": kernel_rows, "decode": decode,
            "grouped_default_env": models.GROUPED_ENV}
     if a.out:
-        with open(a.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(res, f, indent=1)
     return res
 

@@ -13,9 +13,14 @@ live in one slot of a device table (`TaskSlots`: written once, on the task's fir
     that task's U once.
 
 So a step reads every distinct task's U and V once: K · (d + d_out) · r elements, the floor
-of a grouped matmul. Both products accumulate in float32; by default they also multiply in
-float32 (`input_precision="ieee"`: the fidelity rule of `LTVMixin._ltv_delta`, the kernel
-map's tolerance test is its guard), the factors being stored in `TaskSlots.dtype`.
+of a grouped matmul. The factors are stored in float32 (`TaskSlots.dtype`) and both
+products keep float32's precision (the fidelity rule of `LTVMixin._ltv_delta`):
+`PRECISION = "tf32x3"` splits each float32 operand into two TF32 parts and sums three
+tensor-core products, accumulating in float32. On an NVIDIA H200 (docs/benchmarks.md, "Many
+distinct tasks in one batch") that read the factors at 0.95–0.99 of a device copy's rate at
+K = 256, rank 256, with a largest error of 3.8e-7 against a float64 shift, where Triton's
+"ieee" products (FMA, no tensor cores) ran 2.8× slower at 1.2e-6; bfloat16 slots would halve
+the bytes but err by 2.3e-3, six thousand times more.
 
 Why our own kernels and not vLLM's `lora_shrink` / `lora_expand` (which do the same
 grouping): those take only fp16/bf16 inputs and weights (they assert it), so the float32
@@ -29,6 +34,7 @@ from typing import Any
 
 import torch
 
+PRECISION = "tf32x3"  # Triton dot precision: float32 precision on tensor cores (above)
 BLOCK_M = 16  # rows of one task per program (the usual task has one or two rows a step)
 
 
@@ -112,7 +118,7 @@ def _block(n: int, most: int) -> int:
 
 def grouped_delta(h: torch.Tensor, rows: list[int], starts: list[int], slots: list[int],
                   v_table: torch.Tensor, u_table: torch.Tensor, out: torch.Tensor, *,
-                  precision: str = "ieee") -> None:
+                  precision: str = PRECISION) -> None:
     """out[rows[i]] = U_s (V_sᵀ h[rows[i]]) for the slot s of the task owning position i.
 
     `h` (n, d): the step's states (any float dtype); `rows`: the rows of h (and of `out`)
@@ -135,7 +141,7 @@ def grouped_delta(h: torch.Tensor, rows: list[int], starts: list[int], slots: li
 
 def launch(h: torch.Tensor, rows_t: torch.Tensor, start_t: torch.Tensor, slot_t: torch.Tensor,
            most: int, v_table: torch.Tensor, u_table: torch.Tensor, out: torch.Tensor, *,
-           precision: str = "ieee") -> None:
+           precision: str = PRECISION) -> None:
     """The two kernels of `grouped_delta` on index tensors already on the device (int32:
     `rows_t` (m,), `start_t` (T + 1,), `slot_t` (T,)); `most`: the most rows of one task.
     No host→device copy, so a CUDA graph can capture it (`benchmarks/k_tasks_shift.py`)."""
