@@ -35,6 +35,7 @@ layer counts the step is measured at both and extrapolated linearly to the shape
     python benchmarks/k_tasks_shift.py --device cuda --hidden 4096 --vocab 128256 \\
         --ranks 16,64,256 --rows 256 --dtype bfloat16 \\
         --variants float32:ieee,float32:tf32x3,bfloat16:ieee --decode llama-3.1-8b
+    python benchmarks/k_tasks_shift.py --report RESULT.json... > results.md
 """
 
 from __future__ import annotations
@@ -405,5 +406,68 @@ def decode_step(a, torch, spec: str, dev, bw) -> dict:
     return {"shape": shape, "rows": rows}
 
 
+def report(paths: list[str]) -> str:
+    """results.md from result files of this script (one per model width): the shift per
+    path, rank and K against the floor, and what it costs a decode step at K = 256."""
+    docs = [json.loads(open(p).read()) for p in paths]
+    m = docs[0]["machine"]
+    bws = [d["copy_bandwidth_bytes_per_s"] for d in docs]
+    out = ["# One step's shift of K distinct tasks, against the floor and a decode step", "",
+           "```", *(d["command"] for d in docs), "```", "",
+           f"{m.get('device')} (torch {m.get('torch')}, Triton {m.get('triton')}); random "
+           f"weights built on the device; {docs[0]['args']['rows']} rows, bf16 hidden states, "
+           "row i naming task i mod K. Times in ms: host work included for the paths (the "
+           "fastest of 20), device time alone for the kernels (a CUDA graph's replay). The "
+           "floor reads each distinct task's U and V once at a device copy's rate "
+           f"({', '.join(f'{bw / 1e12:.2f}' for bw in bws)} TB/s, read + written).", ""]
+    for d in docs:
+        a = d["args"]
+        kern = {(r["rank"], r["K"], r["slots"], r["precision"]): r for r in d["kernels"]}
+        out += [f"## Width {a['hidden']}, vocabulary {a['vocab']}", "",
+                "| rank | K | served | grouped | batched | loop | kernels alone | of a copy's "
+                "rate | floor float32 | floor bf16 | bf16 slots, kernels | LM head |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in d["rows"]:
+            k32 = kern.get((r["rank"], r["distinct_tasks"], "float32", "tf32x3"), {})
+            k16 = kern.get((r["rank"], r["distinct_tasks"], "bfloat16", "tf32"), {})
+            out.append(f"| {r['rank']} | {r['K']} | {r.get('served_ms', '–')} | "
+                       f"{r.get('grouped_ms', '–')} | {r.get('batched_ms', '–')} | "
+                       f"{r.get('loop_ms', '–')} | {k32.get('kernel_ms', '–')} | "
+                       f"{k32.get('of_copy_bandwidth', '–')} | {r['floor_ms_float32']} | "
+                       f"{r['floor_ms_bf16']} | {k16.get('kernel_ms', '–')} | "
+                       f"{r['lm_head_ms']} |")
+        errs = {}
+        for r in d["kernels"]:
+            errs.setdefault(f"{r['slots']}:{r['precision']}", []).append(r["max_rel_error"])
+        out += ["", "Largest error against a float64 shift, over every rank and K: "
+                + ", ".join(f"{v} {max(e):.1e}" for v, e in errs.items()) + ".", ""]
+        for dec in d["decode"]:
+            out += [f"Decode step of {dec['shape']} at batch {dec['rows'][0]['batch']} "
+                    "(transformers, eager"
+                    + (", measured at " + " and ".join(map(str, dec["rows"][0]
+                                                          ["measured_layers"]))
+                       + " layers and extrapolated" if dec["rows"][0]["extrapolated"] else "")
+                    + "), and the step-time ratio step / (step + shift) at K = 256:", "",
+                    "| ctx | step | roofline | rank | served vs step | kernels vs roofline "
+                    "| bf16 floor vs roofline |", "|---|---|---|---|---|---|---|"]
+            for row in dec["rows"]:
+                for r in d["rows"]:
+                    if r["K"] != 256:
+                        continue
+                    k32 = kern.get((r["rank"], r["distinct_tasks"], "float32", "tf32x3"))
+                    shift = r.get("served_ms")
+                    ratio = (lambda step, sh: f"{step / (step + sh):.3f}"  # noqa: E731
+                             if sh is not None else "–")
+                    out.append(f"| {row['ctx']} | {row['step_ms']} | {row['roofline_ms']} | "
+                               f"{r['rank']} | {ratio(row['step_ms'], shift)} | "
+                               f"{ratio(row['roofline_ms'], k32 and k32['kernel_ms'])} | "
+                               f"{ratio(row['roofline_ms'], r['floor_ms_bf16'])} |")
+            out.append("")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--report"]:
+        print(report(sys.argv[2:]))
+    else:
+        main()
