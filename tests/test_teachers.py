@@ -11,6 +11,7 @@ pipeline's `extract` on the same episode."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -165,6 +166,23 @@ def test_bench_teachers_states_rescore_and_the_default_is_extracts(tmp_path, mod
     assert "many/icl" in again and "| many/icl |" in (out / "results.md").read_text()
     r = CliRunner().invoke(main, [*args[:-2], "--rescore", "--seed", "1", "--out", str(out)])
     assert r.exit_code != 0 and "no stored states" in r.output
+    # --merge: a run of seed 1 joins seed 0's episodes; each task's figure is their mean
+    out1 = tmp_path / "seed1"
+    r = CliRunner().invoke(main, [*args[:-2], "--seed", "1", "--merge", str(out),
+                                  "--out", str(out1)])
+    assert r.exit_code == 0, r.output
+    both = json.loads((out1 / "results.json").read_text())
+    assert [x["seed"] for x in both["rows"]] == [0, 1] and both["runs"] == 2
+    assert both["rows"][0]["scores"]["one/icl"] == pytest.approx(again["one/icl"])
+    want = statistics.fmean(x["scores"]["many/batch"]["accuracy"] for x in both["rows"])
+    assert both["summary"]["per_task"][task.name]["many/batch"]["accuracy"] == \
+        pytest.approx(want)
+    assert "merged with the episodes of" in (out1 / "results.md").read_text()
+    # refused before any model loads: the same seed twice, another configuration
+    for extra, why in ((["--seed", "1", "--merge", str(out1)], "is in this run or another"),
+                       (["--merge", str(out1), "--n-test", "9"], "another configuration")):
+        r = CliRunner().invoke(main, [*args[:-2], *extra, "--out", str(tmp_path / "x")])
+        assert r.exit_code != 0 and why in r.output, r.output
 
 
 @pytest.mark.parametrize("teacher", ["batch", "contextual", "gold"])

@@ -135,8 +135,10 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
                    demo_sets: int, n: int, runs: int, lam: float | str, n_test: int,
                    seed: int, batch_size: int, dtype: str, variants: Sequence[str],
                    out_dir: Path, command: str, rescore: bool = False,
+                   merged: Sequence[dict[str, Any]] = (),
                    log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Capture what is missing under out_dir/states, score every variant, write results."""
+    """Capture what is missing under out_dir/states, score every variant, write results.
+    `merged`: earlier results of this bench (`merge_docs`) whose episodes join the tables."""
     from safetensors.torch import load_file, save_file
 
     from ltv_vllm.bench import report
@@ -206,14 +208,61 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
             f"ICL {100 * scores['icl']['accuracy']:.1f}% LTV one/icl "
             f"{100 * scores['one/icl']['accuracy']:.1f}% best {best} "
             f"{100 * scores[best]['accuracy']:.1f}%" if "one/icl" in scores else task.name)
-    doc = {"command": command, **config, "lam": lam, "runs": runs,
-           "tasks": [t.name for t in tasks], "variants": list(variants), "machine": hw,
+    names = [t.name for t in tasks]
+    rows += [r for other in merged for r in other["rows"]]  # `merge_docs` checked them
+    rows.sort(key=lambda r: (names.index(r["task"]), r["seed"]))
+    doc = {"command": command, **config, "lam": lam,
+           "runs": max(sum(r["task"] == t for r in rows) for t in names),
+           "merged": [other["command"] for other in merged],
+           "tasks": names, "variants": list(variants), "machine": hw,
            "threads": torch.get_num_threads(), "wall_seconds": time.perf_counter() - t_start,
            "rows": rows}
     doc["summary"] = summarise(doc)
     report.write(doc, out_dir, teachers_markdown(doc))
     doc["plots"] = [str(teachers_plot(doc, out_dir))]
     return doc
+
+
+# what every episode's scores hold beside the variants
+BASE_ROWS = ("zero-shot", "icl", ens.ENSEMBLE)
+# what must agree for two runs of this bench to share tables (their seeds differ)
+MERGE_KEYS = ("model", "dtype", "k", "many_k", "demo_sets", "n", "n_test", "lam")
+
+
+def merge_docs(paths: Sequence[Path], config: dict[str, Any], tasks: Sequence[str],
+               variants: Sequence[str], seeds: Sequence[int]) -> list[dict[str, Any]]:
+    """Earlier results.json files of this bench to merge (`--merge`), checked before any
+    model loads: the same configuration but the seed, every variant scored, and no episode
+    (task, seed) twice, nor one of this run's `seeds`. Returns them with only `tasks`' rows."""
+    docs = []
+    seen = {(t, s) for t in tasks for s in seeds}
+    for path in paths:
+        path = Path(path)
+        try:
+            doc = json.loads((path / "results.json" if path.is_dir() else path).read_text())
+        except (OSError, ValueError) as e:
+            raise ArgumentError(f"--merge {path}: not a readable results.json ({e})") from None
+        if not isinstance(doc, dict) or "rows" not in doc or "many_k" not in doc:
+            raise ArgumentError(f"--merge {path}: not the results of `ltv-vllm bench teachers`")
+        differ = [f"{key} {doc.get(key)!r} here {config[key]!r}" for key in MERGE_KEYS
+                  if doc.get(key) != config[key]]
+        if differ:
+            raise ArgumentError(f"--merge {path}: another configuration: {'; '.join(differ)}")
+        rows = [r for r in doc["rows"] if r["task"] in tasks]
+        missing = sorted({v for r in rows for v in (*BASE_ROWS, *variants)
+                          if v not in r["scores"]})
+        if missing:
+            raise ArgumentError(f"--merge {path}: its episodes lack {', '.join(missing)} "
+                                "(rescore them with these --variants first)")
+        if not rows:
+            raise ArgumentError(f"--merge {path}: no episode of {', '.join(tasks)}")
+        for r in rows:
+            if (r["task"], r["seed"]) in seen:
+                raise ArgumentError(f"--merge {path}: {r['task']} seed {r['seed']} is in this "
+                                    "run or another merged one")
+            seen.add((r["task"], r["seed"]))
+        docs.append({**doc, "rows": rows})
+    return docs
 
 
 def summarise(doc: dict[str, Any]) -> dict[str, Any]:
@@ -223,9 +272,11 @@ def summarise(doc: dict[str, Any]) -> dict[str, Any]:
     per: dict[str, dict[str, dict[str, float]]] = {}
     for t in tasks:
         rs = [r for r in rows if r["task"] == t]
+        # the methods every episode scored (merged runs may have scored more)
+        methods = [m for m in rs[0]["scores"] if all(m in r["scores"] for r in rs)]
         per[t] = {m: {key: statistics.fmean(r["scores"][m][key] for r in rs)
                       for key in rs[0]["scores"][m] if key != "set_accuracy"}
-                  for m in rs[0]["scores"]}
+                  for m in methods}
     overall = {}
     for v in doc["variants"]:
         gaps = [per[t][v]["accuracy"] - per[t]["icl"]["accuracy"] for t in tasks]
@@ -245,7 +296,8 @@ def teachers_markdown(doc: dict[str, Any]) -> str:
     per, overall = s["per_task"], s["overall"]
     costs = [r["cost"] for r in doc["rows"]]
     machines = sorted({r["machine"] for r in doc["rows"]})
-    lines = ["# Teachers: what a vector is fitted to imitate", "", "```", doc["command"], "```",
+    lines = ["# Teachers: what a vector is fitted to imitate", "", "```", doc["command"],
+             *(f"# merged with the episodes of: {c}" for c in doc.get("merged", [])), "```",
              "", f"Model `{doc['model']}` ({doc['dtype']}), k={doc['k']} (M={doc['demo_sets']} "
              f"sets), many-shot k={doc['many_k']}, N={doc['n']}, λ={doc['lam']}, "
              f"{doc['n_test']} test queries, {doc['runs']} run(s) per task (means over runs); "

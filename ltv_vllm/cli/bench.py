@@ -465,19 +465,29 @@ def bench_scaling_cmd(model_spec: str, task_list: str, ns: str, demo_sets: int, 
 @click.option("--rescore", is_flag=True,
               help="Score the variants from the states stored under --out alone (refused "
                    "where an episode's are missing); loads no model.")
+@click.option("--merge", "merge", multiple=True,
+              type=click.Path(exists=True, path_type=Path),
+              help="An earlier results.json of this bench (or its folder) with the same "
+                   "configuration and other seeds: its episodes join the tables (repeatable), "
+                   "so runs can be added without recapturing the earlier ones.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("benchmarks/results/teachers"), show_default=True)
 @friendly
 def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, demo_sets: int,
                        n: int, runs: int, lam: float | str, n_test: int, seed: int,
                        batch_size: int, dtype: str, variants: str | None, rescore: bool,
-                       out_dir: Path) -> None:
+                       merge: tuple[Path, ...], out_dir: Path) -> None:
     """Fit vectors to better teachers than one k-shot prompt (many-shot, calibrated, gold
     blends) and score them against it; every episode's states are kept under --out/states,
     so rerunning with other --variants or --lam rescores without a recapture."""
     from dataclasses import replace
 
-    from ltv_vllm.bench.teachers import DEFAULT_VARIANTS, bench_teachers, parse_variant
+    from ltv_vllm.bench.teachers import (
+        DEFAULT_VARIANTS,
+        bench_teachers,
+        merge_docs,
+        parse_variant,
+    )
     from ltv_vllm.models.checkpoint import context_length
     from ltv_vllm.models.loading import load_tokenizer, local_model_dir
     from ltv_vllm.pipeline.extract import (
@@ -503,6 +513,9 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
     tok = load_tokenizer(model_spec)
     context = context_length(local_model_dir(model_spec))
     tasks = get_tasks(task_list)
+    merged = merge_docs(merge, {"model": model_spec, "dtype": dtype, "k": k, "many_k": many_k,
+                                "demo_sets": demo_sets, "n": n, "n_test": n_test, "lam": lam},
+                        [t.name for t in tasks], chosen, range(seed, seed + runs))
     for t in tasks:  # labels, k, N, the sets and the many-shot set before the model loads
         label_token_ids(t, tok)
         ep = plan_episode(t, ExtractOptions(k=k, n=n, n_test=n_test, seed=seed, n_val=0,
@@ -513,5 +526,6 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
     doc = bench_teachers(model_spec, tasks, k=k, many_k=many_k, demo_sets=demo_sets, n=n,
                          runs=runs, lam=lam, n_test=n_test, seed=seed, batch_size=batch_size,
                          dtype=dtype, variants=chosen, out_dir=out_dir, rescore=rescore,
-                         command=_command_line(), log=lambda m: click.echo(m, err=True))
+                         merged=merged, command=_command_line(),
+                         log=lambda m: click.echo(m, err=True))
     click.echo(f"results in {out_dir}: {len(doc['rows'])} episodes")
