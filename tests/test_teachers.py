@@ -11,6 +11,7 @@ pipeline's `extract` on the same episode."""
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 
 import pytest
@@ -126,7 +127,7 @@ def test_bench_teachers_states_rescore_and_the_default_is_extracts(tmp_path, mod
     assert r.exit_code == 0, r.output
     doc = json.loads((out / "results.json").read_text())
     task = get_task(str(task_file))
-    st = load_file(str(out / "states" / f"{task.name}_run0.safetensors"))
+    st = load_file(str(out / "states" / f"{task.name}_seed0.safetensors"))
     lm = load_model(str(model_dir), dtype="float32")
     ep = plan_episode(task, ExtractOptions(k=6, n=12, n_test=8, seed=0, n_val=0, demo_sets=2))
     many = many_shot_demos(load_dataset(task), ep, 12)
@@ -178,6 +179,16 @@ def test_bench_teachers_states_rescore_and_the_default_is_extracts(tmp_path, mod
     assert both["summary"]["per_task"][task.name]["many/batch"]["accuracy"] == \
         pytest.approx(want)
     assert "merged with the episodes of" in (out1 / "results.md").read_text()
+    # the states are stored per seed: seed 1's beside seed 0's, `--runs 2` rescores both
+    # without a capture, to the merged figures
+    for f in (out1 / "states").iterdir():
+        shutil.copy(f, out / "states" / f.name)
+    runs2 = [a if args[i - 1] != "--runs" else "2" for i, a in enumerate(args)]
+    r = CliRunner().invoke(main, [*runs2[:-2], "--rescore", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    grown = json.loads((out / "results.json").read_text())
+    for m, scores in both["summary"]["per_task"][task.name].items():
+        assert grown["summary"]["per_task"][task.name][m] == pytest.approx(scores), m
     # refused before any model loads: the same seed twice, another configuration
     for extra, why in ((["--seed", "1", "--merge", str(out1)], "is in this run or another"),
                        (["--merge", str(out1), "--n-test", "9"], "another configuration")):

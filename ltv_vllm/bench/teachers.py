@@ -7,9 +7,10 @@ Per task and run, one episode (k demonstrations, N train queries, the test subse
     same queries, its own demonstrations): h_icl on the train queries, the test subset and
     the content-free inputs (`core.teacher.CONTENT_FREE`), each set's seconds and its prompt's
     token count.
-Those tensors are written to `states/<task>_run<r>.safetensors` beside the results, so every
-fit variant (teacher, calibration, gold blend, λ) is rescored from them without a recapture
-(`--rescore`), and a sweep grown by tasks, runs or variants captures only what is new.
+Those tensors are written to `states/<task>_seed<s>.safetensors` beside the results (s: the
+episode's seed), so every fit variant (teacher, calibration, gold blend, λ) is rescored from
+them without a recapture (`--rescore`), and a sweep grown by tasks, runs or variants captures
+only what is new (`--runs 3` after `--runs 1 --seed 2` captures seeds 0 and 1 alone).
 
 A variant is base/calibration[/gold weight]: base `one` (the first k-shot prompt: the paper's
 target), `sets` (the M prompts' mean state: multi-prompt LTV), `many` (the many-shot prompt).
@@ -157,8 +158,9 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
     hw = machine()
     states_dir = out_dir / "states"
     states_dir.mkdir(parents=True, exist_ok=True)
+    # what an episode's stored states depend on besides its seed
     config = {"model": model_spec, "dtype": dtype, "k": k, "many_k": many_k,
-              "demo_sets": demo_sets, "n": n, "n_test": n_test, "seed": seed}
+              "demo_sets": demo_sets, "n": n, "n_test": n_test}
     lm = None
     tok = load_tokenizer(model_spec)
     identity = identity_from_dir(local_model_dir(model_spec))
@@ -168,10 +170,10 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
         ep = plan_episode(task, ExtractOptions(k=k, n=n, lam=5.0, seed=seed + run,
                                                n_test=n_test, n_val=0, demo_sets=demo_sets))
         label_ids = label_token_ids(task, tok)
-        path = states_dir / f"{task.name}_run{run}.safetensors"
+        path = states_dir / f"{task.name}_seed{seed + run}.safetensors"
         meta_path = path.with_suffix(".json")
         have = path.is_file() and meta_path.is_file() and json.loads(
-            meta_path.read_text()).get("config") == config
+            meta_path.read_text()).get("config") == {**config, "seed": seed + run}
         if not have:
             if rescore:
                 raise ArgumentError(f"{path}: no stored states of this configuration "
@@ -189,8 +191,9 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
             w_c, b_c = label_head(lm.model, label_ids)
             st["w_c"], st["b_c"] = w_c, b_c
             save_file({k_: v.contiguous() for k_, v in st.items()}, str(path))
-            atomic_write(meta_path, lambda p, c=cost: Path(p).write_text(json.dumps(
-                {"config": config, "cost": c, "machine": machine_line(hw)}, indent=1)))
+            meta = {"config": {**config, "seed": seed + run}, "cost": cost,
+                    "machine": machine_line(hw)}
+            atomic_write(meta_path, lambda p, m=meta: Path(p).write_text(json.dumps(m, indent=1)))
         st = load_file(str(path))
         meta = json.loads(meta_path.read_text())
         head = (st["w_c"], st["b_c"])
@@ -211,7 +214,7 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
     names = [t.name for t in tasks]
     rows += [r for other in merged for r in other["rows"]]  # `merge_docs` checked them
     rows.sort(key=lambda r: (names.index(r["task"]), r["seed"]))
-    doc = {"command": command, **config, "lam": lam,
+    doc = {"command": command, **config, "seed": seed, "lam": lam,
            "runs": max(sum(r["task"] == t for r in rows) for t in names),
            "merged": [other["command"] for other in merged],
            "tasks": names, "variants": list(variants), "machine": hw,
