@@ -17,10 +17,10 @@ of a grouped matmul. The factors are stored in float32 (`TaskSlots.dtype`) and b
 products keep float32's precision (the fidelity rule of `LTVMixin._ltv_delta`):
 `PRECISION = "tf32x3"` splits each float32 operand into two TF32 parts and sums three
 tensor-core products, accumulating in float32. On an NVIDIA H200 (docs/benchmarks.md, "Many
-distinct tasks in one batch") that read the factors at 0.95–0.99 of a device copy's rate at
-K = 256, rank 256, with a largest error of 3.8e-7 against a float64 shift, where Triton's
-"ieee" products (FMA, no tensor cores) ran 2.8× slower at 1.2e-6; bfloat16 slots would halve
-the bytes but err by 2.3e-3, six thousand times more.
+distinct tasks in one batch") that read the factors at 0.99–1.00 of a device copy's rate at
+K = 256, rank 256, with a largest error of 4.7e-7 against a float64 shift over every rank
+and K, where Triton's "ieee" products (FMA, no tensor cores) ran 2.8× slower at 2.6e-6;
+bfloat16 slots would halve the bytes but err by 3e-3, six thousand times more.
 
 Why our own kernels and not vLLM's `lora_shrink` / `lora_expand` (which do the same
 grouping): those take only fp16/bf16 inputs and weights (they assert it), so the float32
