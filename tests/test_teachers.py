@@ -161,7 +161,8 @@ def test_bench_teachers_states_rescore_and_the_default_is_extracts(tmp_path, mod
                                   "one/icl,many/batch,sets/contextual/0.5,many/icl",
                                   "--rescore", "--out", str(out)])
     assert r.exit_code == 0, r.output
-    again = json.loads((out / "results.json").read_text())["rows"][0]["scores"]
+    again_doc = json.loads((out / "results.json").read_text())
+    again = again_doc["rows"][0]["scores"]
     for v in ("one/icl", "many/batch", "sets/contextual/0.5"):
         assert again[v] == pytest.approx(row[v])
     assert "many/icl" in again and "| many/icl |" in (out / "results.md").read_text()
@@ -179,6 +180,8 @@ def test_bench_teachers_states_rescore_and_the_default_is_extracts(tmp_path, mod
     assert both["summary"]["per_task"][task.name]["many/batch"]["accuracy"] == \
         pytest.approx(want)
     assert "merged with the episodes of" in (out1 / "results.md").read_text()
+    # the recorded command is one a shell runs again: `--merge PATH`, and none without
+    assert f"--merge {out}" in both["command"] and "--merge" not in again_doc["command"]
     # the states are stored per seed: seed 1's beside seed 0's, `--runs 2` rescores both
     # without a capture, to the merged figures
     for f in (out1 / "states").iterdir():

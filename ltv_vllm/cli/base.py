@@ -74,6 +74,9 @@ def _command_line() -> str:
         flag = max(p.opts, key=len)
         if p.is_flag:
             parts += [flag] if value else []
+        elif p.multiple:  # a repeatable option: the flag once per value, none when empty
+            for v in value:
+                parts += [flag, shlex.quote(str(v))]
         else:
             parts += [flag, shlex.quote(str(value))]
     return " ".join(parts)
