@@ -401,7 +401,8 @@ def scaling_plot(doc: dict[str, Any], out_dir: Path) -> Path:
         ax.set_ylabel("recovery (% of the gain over zero-shot)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6, ncols=2)
+    if axes[0].get_legend_handles_labels()[0]:  # no task had a gain to recover: no lines
+        axes[0].legend(fontsize=6, ncols=2)
     ax = axes[2]
     for fit, style in zip(fits, ("o-", "s--"), strict=False):
         for key, alpha, ref in (("d_ntp", 1.0, "one prompt"),
