@@ -170,10 +170,11 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
         ep = plan_episode(task, ExtractOptions(k=k, n=n, lam=5.0, seed=seed + run,
                                                n_test=n_test, n_val=0, demo_sets=demo_sets))
         label_ids = label_token_ids(task, tok)
+        ep_config = {**config, "seed": seed + run}
         path = states_dir / f"{task.name}_seed{seed + run}.safetensors"
         meta_path = path.with_suffix(".json")
         have = path.is_file() and meta_path.is_file() and json.loads(
-            meta_path.read_text()).get("config") == {**config, "seed": seed + run}
+            meta_path.read_text()).get("config") == ep_config
         if not have:
             if rescore:
                 raise ArgumentError(f"{path}: no stored states of this configuration "
@@ -191,8 +192,7 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
             w_c, b_c = label_head(lm.model, label_ids)
             st["w_c"], st["b_c"] = w_c, b_c
             save_file({k_: v.contiguous() for k_, v in st.items()}, str(path))
-            meta = {"config": {**config, "seed": seed + run}, "cost": cost,
-                    "machine": machine_line(hw)}
+            meta = {"config": ep_config, "cost": cost, "machine": machine_line(hw)}
             atomic_write(meta_path, lambda p, m=meta: Path(p).write_text(json.dumps(m, indent=1)))
         st = load_file(str(path))
         meta = json.loads(meta_path.read_text())
