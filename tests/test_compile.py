@@ -229,5 +229,17 @@ def test_data_episode_files_are_the_episode_extract_fits_on(tmp_path, tokenizer)
     assert req.demos == ep.demos and req.test == ep.test
     assert req.queries == tuple(e.text for e in ep.queries)
     assert req.episode().demo_prefix() == ep.demo_prefix()
+    assert req.teacher.is_default  # a teacher only where it is asked for or defaulted
+    # `compile` without --gold-weight: the files' labels blended in, as `extract` does
+    auto = compile_request("s", "sst2", files["demos"], files["queries"], None, 5.0,
+                           auto_gold=True)
+    assert auto["teacher"] == {"calibration": "icl", "gold_weight": 0.8, "gold_share": 1.0}
+    req = parse_request(auto, tokenizer=tokenizer, max_model_len=100_000)
+    assert req.query_labels == tuple(e.label for e in ep.queries)
+    # queries without labels: the prompt itself
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(json.dumps({"text": e.text}) + "\n" for e in ep.queries))
+    assert "teacher" not in compile_request("s", "sst2", files["demos"], str(bare), None, 5.0,
+                                            auto_gold=True)
     r = CliRunner().invoke(main, ["data", "episode", "sst2", "-o", str(tmp_path / "none")])
     assert r.exit_code == 0 and not (tmp_path / "none" / "test.jsonl").exists()

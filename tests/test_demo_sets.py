@@ -14,6 +14,7 @@ import torch
 from test_extract import WORDS, model_dir  # noqa: F401 - the tiny model fixture
 
 from conftest import write_toy_task
+from ltv_vllm.core.teacher import TeacherOptions
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.loading import load_model
 from ltv_vllm.pipeline.extract import ExtractOptions, extract, plan_episode
@@ -99,7 +100,8 @@ def test_demo_sets_refused_where_no_sets_can_be_drawn(task):
 
 
 def test_cli_extract_demo_sets(tmp_path, model_dir, task_file, task):
-    """`extract --demo-sets 2`: the vector records its sets, and is the library's."""
+    """`extract --demo-sets 2`: the vector records its sets, and is the library's (the
+    labelled queries' gold blended into the sets' mean target by default)."""
     from click.testing import CliRunner
 
     from ltv_vllm.cli import main
@@ -115,7 +117,9 @@ def test_cli_extract_demo_sets(tmp_path, model_dir, task_file, task):
     assert tv.meta["demo_sets"] == 2
     lm = load_model(str(model_dir), dtype="float32")
     lib = extract(lm, task, "ltv", ExtractOptions(k=6, n=12, n_test=8, seed=3, batch_size=4,
-                                                  progress=False, demo_sets=2)).artifact
+                                                  progress=False, demo_sets=2,
+                                                  teacher=TeacherOptions(gold_weight=0.8))
+                  ).artifact
     torch.testing.assert_close(tv.U @ tv.V.T, lib.U @ lib.V.T, atol=1e-5, rtol=1e-4)
 
 

@@ -199,14 +199,15 @@ def test_bench_teachers_states_rescore_and_the_default_is_extracts(tmp_path, mod
         assert r.exit_code != 0 and why in r.output, r.output
 
 
-@pytest.mark.parametrize("teacher", ["batch", "contextual", "gold"])
+@pytest.mark.parametrize("teacher", ["batch", "contextual", "gold", "default"])
 def test_extract_teacher_vector_is_the_ridge_on_the_hand_made_target(tmp_path, model_dir,
                                                                      task_file, teacher):
     """`extract --teacher batch|contextual` and `--gold-weight`: the file's map is the ridge
     solve on targets made by hand: transformers' whole-prompt forwards, the calibrated (or
     blended) distribution from its formula, and the least state change found by a scalar
     search over the free constant (a ternary search: the norm is convex in it), not by the
-    closed form the code uses."""
+    closed form the code uses. `default` (no teacher flag, the task's labelled queries): the
+    prompt blended with every query's gold label at 0.8."""
     from click.testing import CliRunner
 
     from ltv_vllm.cli import main
@@ -218,8 +219,9 @@ def test_extract_teacher_vector_is_the_ridge_on_the_hand_made_target(tmp_path, m
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     out = tmp_path / "toy.pt"
-    flags = {"batch": ["--teacher", "batch"], "contextual": ["--teacher", "contextual"],
-             "gold": ["--gold-weight", "0.4", "--gold-share", "0.5"]}[teacher]
+    flags = {"batch": ["--teacher", "batch", "--gold-weight", "0"],
+             "contextual": ["--teacher", "contextual", "--gold-weight", "0"],
+             "gold": ["--gold-weight", "0.4", "--gold-share", "0.5"], "default": []}[teacher]
     r = CliRunner().invoke(main, ["extract", "--model", str(model_dir), "--task",
                                   str(task_file), "--k", "6", "--n", "12", "--n-test", "8",
                                   "--seed", "3", "--batch-size", "4", "--dtype", "float32",
@@ -227,8 +229,10 @@ def test_extract_teacher_vector_is_the_ridge_on_the_hand_made_target(tmp_path, m
     assert r.exit_code == 0, r.output
     tv = load_task_vector(out)
     rec = tv.meta["teacher"]
-    assert rec["calibration"] == ("icl" if teacher == "gold" else teacher)
-    assert rec["gold_weight"] == (0.4 if teacher == "gold" else 0.0)
+    assert rec["calibration"] == (teacher if teacher in ("batch", "contextual") else "icl")
+    assert rec["gold_weight"] == {"gold": 0.4, "default": 0.8}.get(teacher, 0.0)
+    assert rec["gold_share"] == (0.5 if teacher == "gold" else 1.0)
+    assert ("teacher icl+gold(w=0.8, share=1)" in r.output) == (teacher == "default")
     task = get_task(str(task_file))
     lm = load_model(str(model_dir), dtype="float32")
     ep = plan_episode(task, ExtractOptions(k=6, n=12, n_test=8, seed=3))
@@ -251,7 +255,8 @@ def test_extract_teacher_vector_is_the_ridge_on_the_hand_made_target(tmp_path, m
         q = p.clone()
         gold = torch.nn.functional.one_hot(torch.tensor([e.label for e in ep.queries]),
                                            task.num_classes).double()
-        q[:6] = 0.6 * p[:6] + 0.4 * gold[:6]
+        w_gold, rows = (0.4, 6) if teacher == "gold" else (0.8, len(ep.queries))
+        q[:rows] = (1 - w_gold) * p[:rows] + w_gold * gold[:rows]
     q = q / q.sum(1, keepdim=True)
     delta = torch.log(q) - torch.log(p)
     pinv = torch.linalg.pinv(w)
@@ -329,7 +334,8 @@ def test_evaluate_teacher_fits_the_states_methods_and_keeps_the_prompt_as_icl(
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     common = ["--model", str(model_dir), "--k", "6", "--n", "12", "--n-test", "8", "--seed",
-              "3", "--batch-size", "4", "--dtype", "float32", "--quiet", "--teacher", "batch"]
+              "3", "--batch-size", "4", "--dtype", "float32", "--quiet", "--teacher", "batch",
+              "--gold-weight", "0"]
     out, vec = tmp_path / "eval", tmp_path / "toy.pt"
     r = CliRunner().invoke(main, ["evaluate", *common, "--tasks", str(task_file), "--methods",
                                   "zero-shot,icl,ltv", "--runs", "1", "--cost-samples", "0",

@@ -202,6 +202,16 @@ def test_extract_with_chosen_demos_and_queries(tmp_path, tokenizer):
     W = Y @ H.T @ torch.linalg.inv(H @ H.T + 5 * torch.eye(H.shape[0], dtype=H.dtype))
     got = (tv.U.double() @ tv.V.double().T)
     torch.testing.assert_close(got, W, atol=2e-4, rtol=2e-3)
+    assert tv.meta["teacher"]["gold_weight"] == 0.0  # unlabeled queries: the prompt itself
+    # the same queries with their labels: blended in by default, and away from the plain fit
+    (tmp_path / "ql.jsonl").write_text("".join(json.dumps({**r, "label": LABELS[i % 2]}) + "\n"
+                                               for i, r in enumerate(queries)))
+    r = CliRunner().invoke(main, [*args[:-1], str(tmp_path / "ql.jsonl"), "--task", str(spec),
+                                  "--n-test", "8", "-o", str(tmp_path / "g.pt")])
+    assert r.exit_code == 0, r.output
+    gold = load_task_vector(tmp_path / "g.pt")
+    assert gold.meta["teacher"]["gold_weight"] == 0.8
+    assert (gold.U.double() @ gold.V.double().T - W).abs().max() > 1e-3
     # a spec without data: the vector from the files alone, nothing scored
     (tmp_path / "bare.yaml").write_text(
         "".join(f"{k}: {json.dumps(v)}\n" for k, v in {

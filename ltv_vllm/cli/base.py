@@ -449,35 +449,55 @@ _format_options = grouped(
 @dataclass(frozen=True, kw_only=True)
 class TeacherFlags:
     """--teacher, --gold-weight and --gold-share as given: what a vector imitates
-    (`core.teacher`); `options()` checks them, inside the command."""
+    (`core.teacher`); `options()` checks them, inside the command. `gold_weight` None: not
+    given, where the command's default depends on the queries (`auto_gold`)."""
 
     calibration: str
-    gold_weight: float
+    gold_weight: float | None
     gold_share: float
 
+    @property
+    def auto_gold(self) -> bool:
+        """No --gold-weight given to a command whose default blends labelled queries' labels
+        in (extract, compile): the caller applies `DEFAULT_GOLD_WEIGHT` where they have them."""
+        return self.gold_weight is None
+
     def options(self) -> Any:
+        """The teacher as given (an unset gold weight: no blend; see `auto_gold`)."""
         from ltv_vllm.core.teacher import TeacherOptions
 
-        return TeacherOptions(self.calibration, self.gold_weight, self.gold_share)
+        return TeacherOptions(self.calibration, self.gold_weight or 0.0, self.gold_share)
 
 
-_teacher_options = grouped(
-    TeacherFlags,
-    click.option("--teacher", "teacher_calibration", default="icl", show_default=True,
-                 type=click.Choice(["icl", "batch", "contextual"]),
-                 help="What the vector imitates: the ICL prompt's states (icl), batch-"
-                      "calibrated (the label log-probabilities less their mean over the N "
-                      "queries) or contextually calibrated (divided by content-free inputs'); "
-                      "docs/methods.md. A many-shot teacher: more demonstrations (k up to the "
-                      "context)."),
-    click.option("--gold-weight", "teacher_gold_weight", default=0.0, show_default=True,
-                 type=float,
-                 help="Blend each labelled query's gold label into its target with this weight "
-                      "(0 ≤ w < 1; 0: no blend)."),
-    click.option("--gold-share", "teacher_gold_share", default=1.0, show_default=True,
-                 type=float,
-                 help="With --gold-weight: the share of the N queries whose labels are used."),
-    name="teacher", prefix="teacher_")
+def teacher_options(*, gold_by_labels: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--teacher, --gold-weight, --gold-share as one `teacher: TeacherFlags`. `gold_by_labels`
+    (extract, compile): --gold-weight defaults to `DEFAULT_GOLD_WEIGHT` where every query has
+    a label, else 0; otherwise (evaluate, bench: the paper's comparison) to 0."""
+    # 0.8 is core.teacher.DEFAULT_GOLD_WEIGHT, written out: --help imports no torch
+    gold_default = ("0.8 where every query has a label of the task and "
+                    "the method is fitted on states, else 0" if gold_by_labels else "0.0")
+    return grouped(
+        TeacherFlags,
+        click.option("--teacher", "teacher_calibration", default="icl", show_default=True,
+                     type=click.Choice(["icl", "batch", "contextual"]),
+                     help="What the vector imitates: the ICL prompt's states (icl), batch-"
+                          "calibrated (the label log-probabilities less their mean over the N "
+                          "queries) or contextually calibrated (divided by content-free "
+                          "inputs'); docs/methods.md. A many-shot teacher: more "
+                          "demonstrations (k up to the context)."),
+        click.option("--gold-weight", "teacher_gold_weight", type=float,
+                     default=None if gold_by_labels else 0.0,
+                     help="Blend each labelled query's gold label into its target with this "
+                          "weight (0 ≤ w < 1; 0: the teacher alone, the paper's fit) "
+                          f"[default: {gold_default}]."),
+        click.option("--gold-share", "teacher_gold_share", default=1.0, show_default=True,
+                     type=float,
+                     help="With --gold-weight: the share of the N queries whose labels are "
+                          "used."),
+        name="teacher", prefix="teacher_")
+
+
+_teacher_options = teacher_options(gold_by_labels=False)
 
 
 def _csv(value: str) -> list[str]:

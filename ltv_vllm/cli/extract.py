@@ -30,6 +30,7 @@ from ltv_vllm.cli.base import (
     _print_metrics,
     _source_options,
     _teacher_options,
+    teacher_options,
     friendly,
     grouped,
     lam_option,
@@ -76,7 +77,7 @@ from ltv_vllm.errors import ArgumentError
               type=click.Path(exists=True, dir_okay=False),
               help="Your unlabeled queries (.jsonl/.csv, the data's format): N is their "
                    "count [default: N sampled from the task's data].")
-@_teacher_options
+@teacher_options(gold_by_labels=True)
 @_source_options
 @_capture_options
 @friendly
@@ -97,6 +98,7 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
     from ltv_vllm.models.loading import load_model, load_tokenizer
     from ltv_vllm.pipeline.extract import (
         check_engine,
+        default_teacher,
         extract_transfer,
         open_source,
         plan_episode,
@@ -163,6 +165,9 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
     label_token_ids(t, tok)  # labels sharing a first token: refused
     planned = plan_episode(t, opts, transfer=source_opts is not None,
                            **given.kw)  # reads the data
+    if teacher.auto_gold:  # labelled queries: their gold labels blended in (core.teacher)
+        opts = replace(opts, teacher=default_teacher(opts.teacher, method, t, planned,
+                                                     transfer=source_opts is not None))
     large = open_source(source_opts) if source_opts else None  # tokenizer and identity only
     if source_on_vllm:
         _source_on_vllm(large, [planned], engine, capture, quiet)
@@ -186,7 +191,8 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
     what = f"N={pv.n}, λ={lam}" if m.uses_states else method
     through = (f", through the chat template (demos as {prompt_format.demos})"
                if t.prompt_format == "chat" else "")
-    click.echo(f"\n{t.name} on {lm.spec}{src}{through}: k={pv.k_used} demos, {what}, "
+    fitted = "" if opts.teacher.is_default else f", teacher {opts.teacher.name}"
+    click.echo(f"\n{t.name} on {lm.spec}{src}{through}: k={pv.k_used} demos, {what}{fitted}, "
                f"{pv.n_test} test queries")
     _print_metrics(metrics)
     from ltv_vllm.core.metrics import shortfall

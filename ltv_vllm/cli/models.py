@@ -135,7 +135,9 @@ def data_show(task: str, n_show: int, k: int, seed: int) -> None:
 @data.command("episode")
 @click.argument("task")
 @click.option("--k", default=30, show_default=True, help="Demonstrations (k//K per class).")
-@click.option("--n", default=256, show_default=True, help="Unlabeled queries N.")
+@click.option("--n", default=256, show_default=True,
+              help="Train queries N, with their labels (`compile` blends them in by default, "
+                   "as `extract` does).")
 @click.option("--n-test", default=0, show_default=True,
               help="Labelled test examples (test.jsonl; 0: none).")
 @click.option("--seed", default=0, show_default=True)
@@ -158,7 +160,8 @@ def data_episode(task: str, k: int, n: int, n_test: int, seed: int, out: Path) -
     ep = sample_episode(load_dataset(get_task(task)), k=k, n=n, n_test=max(1, n_test),
                         seed=seed)
     body = CompileRequest.from_episode(ep.task.name, ep, test=n_test > 0).to_dict()
-    rows = {"demos": body["demos"], "queries": [{"text": q} for q in body["queries"]]}
+    rows = {"demos": body["demos"],
+            "queries": [{"text": e.text, "label": ep.task.labels[e.label]} for e in ep.queries]}
     if n_test:
         rows["test"] = body["test"]
     for part, xs in rows.items():

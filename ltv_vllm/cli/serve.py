@@ -15,7 +15,7 @@ from ltv_vllm.cli.base import (
     DTYPE,
     DTYPE_HELP,
     TeacherFlags,
-    _teacher_options,
+    teacher_options,
     friendly,
     grouped,
     lam_option,
@@ -314,11 +314,15 @@ def _jsonl(path: str, what: str) -> list[Any]:
 
 
 def compile_request(name: str, task: str, demos: str, queries: str, test: str | None,
-                    lam: float | str, teacher: Any = None) -> dict[str, Any]:
+                    lam: float | str, teacher: Any = None, *,
+                    auto_gold: bool = False) -> dict[str, Any]:
     """The JSON body of a compile from files (checked again, fully, by the server). `task`:
     a built-in task or the same spec file `extract` reads (its `data` not needed here); with
     an `input` template, each line's text is made from its fields as the data's are.
-    `teacher` (`TeacherOptions`, None: the prompt): a gold blend keeps the queries' labels."""
+    `teacher` (`TeacherOptions`, None: the prompt): a gold blend keeps the queries' labels.
+    `auto_gold` (no --gold-weight given): a queries file whose every line has a label blends
+    them in at DEFAULT_GOLD_WEIGHT, as `extract` does with labelled queries."""
+    from ltv_vllm.core.teacher import DEFAULT_GOLD_WEIGHT, TeacherOptions
     from ltv_vllm.serving.store.compile import compile_spec
     from ltv_vllm.tasks.data import input_text
     from ltv_vllm.tasks.specs import get_task
@@ -333,6 +337,9 @@ def compile_request(name: str, task: str, demos: str, queries: str, test: str | 
                  **({"label": r.get("label")} if labelled else {})}
                 if isinstance(r, dict) else r for i, r in enumerate(rows, 1)]
 
+    if auto_gold and all(isinstance(r, dict) and r.get("label") is not None
+                         for r in _jsonl(queries, 'one {"text": ...} or "string" per line')):
+        teacher = replace(teacher or TeacherOptions(), gold_weight=DEFAULT_GOLD_WEIGHT)
     gold = teacher is not None and bool(teacher.gold_weight)
     if gold:  # the server refuses a query without its label, naming it
         qs = texts(queries, 'one {"text": ..., "label": ...} per line (--gold-weight)', True)
@@ -362,7 +369,7 @@ def compile_request(name: str, task: str, demos: str, queries: str, test: str | 
 @click.option("--test", default=None, type=click.Path(exists=True, dir_okay=False),
               help="JSONL of labelled examples: the server reports accuracy and d_NTP on them.")
 @lam_option()
-@_teacher_options
+@teacher_options(gold_by_labels=True)
 @click.option("--wait", is_flag=True, help="Wait until the task is served (progress shown).")
 @URL
 @API_KEY
@@ -375,7 +382,8 @@ def compile_cmd(name: str, task: str, demos: str, queries: str, test: str | None
 
     from ltv_vllm.serving.client import compile_remote
 
-    body = compile_request(name, task, demos, queries, test, lam, teacher.options())
+    body = compile_request(name, task, demos, queries, test, lam, teacher.options(),
+                           auto_gold=teacher.auto_gold)
     with tqdm(total=None, bar_format="{desc} [{elapsed}]", disable=not wait) as bar:
         def show(view: dict[str, Any]) -> None:
             bar.set_description_str(f"{name}: {view.get('status')}"

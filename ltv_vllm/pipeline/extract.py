@@ -24,6 +24,7 @@ from ltv_vllm.core.metrics import accuracy, d_ntp
 from ltv_vllm.core.ridge import Factors, truncate
 from ltv_vllm.core.teacher import (
     CONTENT_FREE,
+    DEFAULT_GOLD_WEIGHT,
     TeacherOptions,
     fit_targets,
 )
@@ -476,10 +477,28 @@ def check_teacher(teacher: TeacherOptions, method: str, task: Task, lm: Any,
     if teacher.calibration == "contextual" and isinstance(lm, CapturedModel):
         raise ArgumentError("--teacher contextual captures its content-free prompts with "
                             "transformers (--engine transformers)")
-    if teacher.gold_weight and any(not isinstance(e.label, int) or not
-                                   0 <= e.label < task.num_classes for e in episode.queries):
+    if teacher.gold_weight and not labelled(task, episode):
         raise ArgumentError("--gold-weight blends the queries' gold labels: every query needs "
                             "a label of the task")
+
+
+def labelled(task: Task, episode: Episode) -> bool:
+    """Every train query carries a label of the (classification) task."""
+    return bool(episode.queries) and all(
+        isinstance(e.label, int) and not isinstance(e.label, bool)
+        and 0 <= e.label < task.num_classes for e in episode.queries)
+
+
+def default_teacher(teacher: TeacherOptions, method: str, task: Task, episode: Episode, *,
+                    transfer: bool = False) -> TeacherOptions:
+    """The teacher `extract` fits when no --gold-weight is given: `teacher` blended with the
+    queries' gold labels at DEFAULT_GOLD_WEIGHT where that applies (a method fitted on the
+    states, a classification task, every query labelled, no transfer), else `teacher` as is
+    (the paper's fit: unlabeled queries, your own `--queries` without labels)."""
+    if (transfer or method not in states_methods() or is_regression(task)
+            or not labelled(task, episode)):
+        return teacher
+    return replace(teacher, gold_weight=DEFAULT_GOLD_WEIGHT)
 
 
 def teach(cap: Any, episode: Episode, c: Captures, head: tuple[torch.Tensor, torch.Tensor],

@@ -704,8 +704,9 @@ def _sample_val(dataset: Dataset, used: set[int], n_val: int, seed: int) -> tupl
 
 def read_examples(path: str | Path, task: Task, *, labelled: bool) -> tuple[Example, ...]:
     """Examples a user chose, from a .jsonl or .csv file in the data's own format (`text`,
-    or the columns the task's `input` names; `label` for demonstrations, any label of a
-    query ignored), in the file's order; a bad row is one DataError line."""
+    or the columns the task's `input` names; `label` required for demonstrations, optional
+    for queries: a query's label, where given, is kept for a gold blend and checked as the
+    data's are; -1 where absent), in the file's order; a bad row is one DataError line."""
     path = Path(path)
     out = []
     for where, rec in _read_local_rows(path, text=not task.input, label=labelled):
@@ -714,8 +715,9 @@ def read_examples(path: str | Path, task: Task, *, labelled: bool) -> tuple[Exam
             raise DataError(f"{where}: no text (a non-empty `text` field)")
         if labelled and "label" not in rec:
             raise DataError(f"{where}: missing field 'label'")
+        given = rec.get("label") not in (None, "")
         out.append(Example(text, _label_index(rec["label"], task.labels, where)
-                           if labelled else -1))
+                           if labelled or given else -1))
     if not out:
         raise DataError(f"{path} has no rows")
     return tuple(out)
