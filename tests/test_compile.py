@@ -92,9 +92,12 @@ def test_compile_with_a_teacher_fits_its_target(model_dir, tokenizer, tmp_path):
                         tokenizer=tokenizer, max_model_len=512)
     assert req.to_dict()["queries"] == qs and req.to_dict()["teacher"]["gold_weight"] == 0.5
     compile_task(req, model_dir, tmp_path / "store", base_model=str(model_dir))
-    tv = TaskStore(tmp_path / "store").get("senti").vector()
+    entry = TaskStore(tmp_path / "store").get("senti")
+    tv = entry.vector()
     assert tv.provenance.teacher["calibration"] == "batch"
     assert tv.provenance.teacher["gold_weight"] == 0.5
+    # the entry (what a task's GET and `compile --wait` show) says what the vector imitates
+    assert entry.record["teacher"] == tv.provenance.teacher
     model = AutoModelForCausalLM.from_pretrained(model_dir).float().eval()
     prefix = "".join(f"Review: {d['text']}\nSentiment: {d['label']}\n" for d in body()["demos"])
 

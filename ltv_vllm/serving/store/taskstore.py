@@ -148,7 +148,9 @@ def record_of(name: str, tv: TaskVector, *, source: str, lora_rank: int,
         "task": p.task, "kind": tv.kind, "rank": tv.rank, "full_rank": full_rank or tv.rank,
         "lora_rank": lora_rank, "k": p.k_used, "n": p.n, "lam": p.lam, "episode": p.episode,
         "metrics": p.metrics, "model": tv.model.to_dict(),
-        **({"prompt_format": p.prompt_format} if p.prompt_format else {}), **(extra or {})})
+        **({"prompt_format": p.prompt_format} if p.prompt_format else {}),
+        # what the vector was fitted to (`core.teacher`): a gold blend is no imitation
+        **({"teacher": dict(p.teacher)} if p.teacher else {}), **(extra or {})})
 
 
 class TaskStore:
