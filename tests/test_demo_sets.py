@@ -121,6 +121,18 @@ def test_cli_extract_demo_sets(tmp_path, model_dir, task_file, task):
                                                   teacher=TeacherOptions(gold_weight=0.8))
                   ).artifact
     torch.testing.assert_close(tv.U @ tv.V.T, lib.U @ lib.V.T, atol=1e-5, rtol=1e-4)
+    # --gold-weight 0: the paper's fit, the library's default teacher, bit for bit
+    r = CliRunner().invoke(main, ["extract", "--model", str(model_dir), "--task",
+                                  str(task_file), "--k", "6", "--n", "12", "--n-test",
+                                  "8", "--seed", "3", "--demo-sets", "2", "--batch-size", "4",
+                                  "--quiet", "--gold-weight", "0", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    paper = load_task_vector(out)
+    lib = extract(lm, task, "ltv", ExtractOptions(k=6, n=12, n_test=8, seed=3, batch_size=4,
+                                                  progress=False, demo_sets=2)).artifact
+    assert paper.meta["teacher"]["gold_weight"] == 0.0
+    assert torch.equal(paper.U, lib.U) and torch.equal(paper.V, lib.V)
+    assert not torch.allclose(paper.U @ paper.V.T, tv.U @ tv.V.T, atol=1e-3)
 
 
 @pytest.fixture(scope="module")

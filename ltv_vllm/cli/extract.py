@@ -30,11 +30,11 @@ from ltv_vllm.cli.base import (
     _print_metrics,
     _source_options,
     _teacher_options,
-    teacher_options,
     friendly,
     grouped,
     lam_option,
     main,
+    teacher_options,
 )
 from ltv_vllm.core.fileio import check_writable
 from ltv_vllm.errors import ArgumentError

@@ -15,11 +15,11 @@ from ltv_vllm.cli.base import (
     DTYPE,
     DTYPE_HELP,
     TeacherFlags,
-    teacher_options,
     friendly,
     grouped,
     lam_option,
     main,
+    teacher_options,
 )
 from ltv_vllm.cli.models import tasks
 from ltv_vllm.serving.contract.settings import ServerSettings
