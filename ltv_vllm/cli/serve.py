@@ -329,30 +329,32 @@ def compile_request(name: str, task: str, demos: str, queries: str, test: str | 
 
     t = get_task(task)
 
-    def texts(path: str, what: str, labelled: bool) -> list[Any]:
-        rows = _jsonl(path, what)
+    def texts(path: str, rows: list[Any], labelled: bool) -> list[Any]:
         if not t.input:
             return rows
         return [{"text": input_text(t.input, r, f"{path}:{i}"),
                  **({"label": r.get("label")} if labelled else {})}
                 if isinstance(r, dict) else r for i, r in enumerate(rows, 1)]
 
+    def labelled_rows(path: str) -> list[Any]:
+        return texts(path, _jsonl(path, 'one {"text": ..., "label": ...} per line'), True)
+
+    query_rows = _jsonl(queries, 'one {"text": ...} or "string" per line ({"text", "label"} '
+                                 'for a gold blend)')
     if auto_gold and all(isinstance(r, dict) and r.get("label") is not None
-                         for r in _jsonl(queries, 'one {"text": ...} or "string" per line')):
+                         for r in query_rows):
         teacher = replace(teacher or TeacherOptions(), gold_weight=DEFAULT_GOLD_WEIGHT)
-    gold = teacher is not None and bool(teacher.gold_weight)
-    if gold:  # the server refuses a query without its label, naming it
-        qs = texts(queries, 'one {"text": ..., "label": ...} per line (--gold-weight)', True)
+    if teacher is not None and teacher.gold_weight:
+        qs = texts(queries, query_rows, True)  # the server refuses one without its label
     else:
         qs = [q["text"] if isinstance(q, dict) and "text" in q else q
-              for q in texts(queries, 'one {"text": ...} or "string" per line', False)]
-    body = {"name": name, "task": compile_spec(t),
-            "demos": texts(demos, 'one {"text": ..., "label": ...} per line', True),
+              for q in texts(queries, query_rows, False)]
+    body = {"name": name, "task": compile_spec(t), "demos": labelled_rows(demos),
             "queries": qs, "lam": lam}
     if teacher is not None and not teacher.is_default:
         body["teacher"] = teacher.record()
     if test:
-        body["test"] = texts(test, 'one {"text": ..., "label": ...} per line', True)
+        body["test"] = labelled_rows(test)
     return body
 
 
