@@ -106,7 +106,7 @@ def episode(st: dict[str, torch.Tensor], variants: list[str]) -> dict[str, float
                                 h_content_free=t["h_icl_cf"], gold=st["labels"])
         y = target - st["h_zs"]
 
-        def ltv_acc(lam: float | str) -> float:
+        def ltv_acc(lam: float | str, y: torch.Tensor = y) -> float:
             f = ridge_fit(st["h_zs"], y, lam)
             return accuracy(label_logits(ht + f.apply(ht), st), labels)
 
