@@ -11,6 +11,9 @@ over the stored seeds:
     names them) at λ = 5, at λ by leave-one-out, and at the best λ of a grid chosen on the
     test queries themselves (an upper bound no honest fit reaches: it sees the answers);
   * kernel LTV (RBF, γ and λ by leave-one-out) fitted to the same targets: a nonlinear map;
+  * LTV with its gold weight w and λ chosen per episode on the train queries alone: the
+    pair of a grid whose closed-form leave-one-out label accuracy against the N gold labels
+    is highest (`--select`, base/calibration pairs): model selection a user could run;
   * a multinomial logistic probe on standardized h_zs trained on the N gold labels alone,
     its L2 weight chosen by 4-fold cross-validation on the train queries (and the test-chosen
     best beside it): the best a linear read-out of h_zs does with those labels.
@@ -37,11 +40,13 @@ from ltv_vllm.bench.workload import machine
 from ltv_vllm.core.kernel import kernel_fit, rbf_delta
 from ltv_vllm.core.metrics import accuracy
 from ltv_vllm.core.ridge import ridge_fit
-from ltv_vllm.core.teacher import fit_targets
+from ltv_vllm.core.teacher import TeacherOptions, fit_targets
 from ltv_vllm.models.hardware import machine_line
 
 LAM_GRID = (0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0)
 PROBE_L2 = (1e-4, 1e-3, 1e-2, 1e-1)  # mean-loss L2 weights on standardized features
+SELECT_W = (0.0, 0.5, 0.8, 0.9, 0.95)
+SELECT_LAM = (5.0, 30.0, 100.0, 300.0, 1000.0)
 
 
 def label_logits(h: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -91,7 +96,35 @@ def probe_scores(st: dict[str, torch.Tensor], k: int) -> dict[str, float]:
             "probe_best_on_test": max(test.values())}
 
 
-def episode(st: dict[str, torch.Tensor], variants: list[str]) -> dict[str, float]:
+def selected(st: dict[str, torch.Tensor], base: str, calibration: str) -> tuple[float, float]:
+    """(w, λ) of SELECT_W × SELECT_LAM with the best leave-one-out accuracy against the train
+    queries' gold labels (ties: the lower LOO cross-entropy). Ridge's LOO prediction is closed
+    form, (ŷ_i − S_ii y_i) / (1 − S_ii) with the hat matrix S = K (K + λI)⁻¹, K = H Hᵀ; only the
+    label logits of the shift matter to accuracy, so only those are predicted."""
+    t = teacher_base(st, base)
+    h = st["h_zs"].double()
+    w_c, b_c, gold = st["w_c"].double(), st["b_c"].double(), st["labels"].long()
+    ev, q = torch.linalg.eigh(h @ h.T)
+    best: tuple[tuple[float, float], float, float] | None = None
+    for w in SELECT_W:
+        target, _ = fit_targets(TeacherOptions(calibration=calibration, gold_weight=w),
+                                t["h_icl"], t["h_icl_test"], st["w_c"], st["b_c"],
+                                h_content_free=t["h_icl_cf"], gold=st["labels"])
+        y = (target.double() - h) @ w_c.T  # the shift's label logits (N, K)
+        for lam in SELECT_LAM:
+            s = (q * (ev / (ev + lam))) @ q.T
+            s_ii = s.diagonal().unsqueeze(1)
+            z = h @ w_c.T + b_c + (s @ y - s_ii * y) / (1 - s_ii)
+            key = ((z.argmax(-1) == gold).double().mean().item(),
+                   -torch.nn.functional.cross_entropy(z, gold).item())
+            if best is None or key > best[0]:
+                best = (key, w, lam)
+    assert best is not None
+    return best[1], best[2]
+
+
+def episode(st: dict[str, torch.Tensor], variants: list[str],
+            select: list[str]) -> dict[str, float]:
     labels = st["labels_test"]
     sets = st["h_icl_test"]
     out = {"zero-shot": accuracy(label_logits(st["h_zs_test"], st), labels),
@@ -116,6 +149,17 @@ def episode(st: dict[str, torch.Tensor], variants: list[str]) -> dict[str, float
                 f"{spec} best λ on test": max(grid),
                 f"{spec} kernel": accuracy(label_logits(
                     ht + rbf_delta(ht, kf.U, kf.V, kf.gamma), st), labels)}
+    for spec in select:
+        base, calibration = spec.split("/")
+        w, lam = selected(st, base, calibration)
+        t = teacher_base(st, base)
+        target, _ = fit_targets(TeacherOptions(calibration=calibration, gold_weight=w),
+                                t["h_icl"], t["h_icl_test"], st["w_c"], st["b_c"],
+                                h_content_free=t["h_icl_cf"], gold=st["labels"])
+        f = ridge_fit(st["h_zs"], target - st["h_zs"], lam)
+        out[f"{spec}, w and λ by train LOO"] = accuracy(label_logits(ht + f.apply(ht), st),
+                                                          labels)
+        out[f"{spec}: chosen w"] = w  # per episode; its mean over seeds in the table
     k = st["w_c"].shape[0]
     return out | probe_scores(st, k)
 
@@ -129,13 +173,16 @@ def markdown(doc: dict) -> str:
              "Accuracy (%) on each episode's test queries, mean over seeds. *best λ on test* "
              "and *probe, best on test* choose on the test queries (upper bounds); *probe* is "
              "a logistic regression on h_zs trained on the N gold labels alone, its L2 weight "
-             "by 4-fold cross-validation on them.", "",
+             "by 4-fold cross-validation on them; *w and λ by train LOO* picks both per episode by "
+             "leave-one-out accuracy on the train queries' gold labels (*chosen w*: their mean "
+             "over seeds, not a percentage).", "",
              "| | " + " | ".join(tasks) + " | Avg. |", "|---|" + "---|" * (len(tasks) + 1)]
     names = {"probe_cv": "probe (gold labels, CV)", "probe_best_on_test": "probe, best on test"}
     for r in rows:
-        vals = [100 * per[t][r] for t in tasks]
-        lines.append(f"| {names.get(r, r)} | " + " | ".join(f"{v:.1f}" for v in vals)
-                     + f" | {statistics.fmean(vals):.1f} |")
+        scale, fmt = (1, "{:.2f}") if r.endswith("chosen w") else (100, "{:.1f}")
+        vals = [scale * per[t][r] for t in tasks]
+        lines.append(f"| {names.get(r, r)} | " + " | ".join(fmt.format(v) for v in vals)
+                     + f" | {fmt.format(statistics.fmean(vals))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -146,12 +193,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--states", type=Path, required=True, help="a `bench teachers` OUT/states")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--variants", default="one/icl/0.8,many/batch/0.8")
+    ap.add_argument("--select", default="one/icl,many/batch",
+                    help="base/calibration pairs whose w and λ are chosen by train LOO")
     args = ap.parse_args(argv)
     files = sorted(args.states.glob("*_seed*.safetensors"))
     if not files:
         ap.error(f"{args.states}: no <task>_seed<s>.safetensors (run `bench teachers` first)")
     variants = args.variants.split(",")
-    for v in variants:
+    select = [x for x in args.select.split(",") if x]
+    for v in [*variants, *(f"{x}/0" for x in select)]:
         parse_variant(v)
     t0 = time.perf_counter()
     tasks: list[str] = []
@@ -162,12 +212,12 @@ def main(argv: list[str]) -> int:
         if task not in tasks:
             tasks.append(task)
         seeds.add(int(seed))
-        rows.setdefault(task, []).append(episode(load_file(str(path)), variants))
+        rows.setdefault(task, []).append(episode(load_file(str(path)), variants, select))
         print(f"{path.name}: done", file=sys.stderr, flush=True)
     per = {t: {key: statistics.fmean(r[key] for r in rs) for key in rs[0]}
            for t, rs in rows.items()}
     doc = {"command": "python benchmarks/readout_ceiling.py " + shlex.join(argv),
-           "states": str(args.states), "variants": variants, "tasks": tasks,
+           "states": str(args.states), "variants": variants, "select": select, "tasks": tasks,
            "seeds": sorted(seeds), "episodes": len(files), "machine": machine_line(machine()),
            "wall_seconds": time.perf_counter() - t0, "rows": rows, "per_task": per}
     args.out.mkdir(parents=True, exist_ok=True)
