@@ -41,6 +41,7 @@ from ltv_vllm.core.kernel import kernel_fit, rbf_delta
 from ltv_vllm.core.metrics import accuracy
 from ltv_vllm.core.ridge import ridge_fit
 from ltv_vllm.core.teacher import TeacherOptions, fit_targets
+from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.hardware import machine_line
 
 LAM_GRID = (0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0)
@@ -96,16 +97,18 @@ def probe_scores(st: dict[str, torch.Tensor], k: int) -> dict[str, float]:
             "probe_best_on_test": max(test.values())}
 
 
-def selected(st: dict[str, torch.Tensor], base: str, calibration: str) -> tuple[float, float]:
-    """(w, λ) of SELECT_W × SELECT_LAM with the best leave-one-out accuracy against the train
-    queries' gold labels (ties: the lower LOO cross-entropy). Ridge's LOO prediction is closed
-    form, (ŷ_i − S_ii y_i) / (1 − S_ii) with the hat matrix S = K (K + λI)⁻¹, K = H Hᵀ; only the
-    label logits of the shift matter to accuracy, so only those are predicted."""
+def selected(st: dict[str, torch.Tensor], base: str,
+             calibration: str) -> tuple[float, float, torch.Tensor]:
+    """(w, λ, the train target at that w) of SELECT_W × SELECT_LAM with the best leave-one-out
+    accuracy against the train queries' gold labels (ties: the lower LOO cross-entropy).
+    Ridge's LOO prediction is closed form, (ŷ_i − S_ii y_i) / (1 − S_ii) with the hat matrix
+    S = K (K + λI)⁻¹, K = H Hᵀ; only the label logits of the shift matter to accuracy, so only
+    those are predicted."""
     t = teacher_base(st, base)
     h = st["h_zs"].double()
     w_c, b_c, gold = st["w_c"].double(), st["b_c"].double(), st["labels"].long()
     ev, q = torch.linalg.eigh(h @ h.T)
-    best: tuple[tuple[float, float], float, float] | None = None
+    best: tuple[tuple[float, float], float, float, torch.Tensor] | None = None
     for w in SELECT_W:
         target, _ = fit_targets(TeacherOptions(calibration=calibration, gold_weight=w),
                                 t["h_icl"], t["h_icl_test"], st["w_c"], st["b_c"],
@@ -118,9 +121,9 @@ def selected(st: dict[str, torch.Tensor], base: str, calibration: str) -> tuple[
             key = ((z.argmax(-1) == gold).double().mean().item(),
                    -torch.nn.functional.cross_entropy(z, gold).item())
             if best is None or key > best[0]:
-                best = (key, w, lam)
+                best = (key, w, lam, target)
     assert best is not None
-    return best[1], best[2]
+    return best[1], best[2], best[3]
 
 
 def episode(st: dict[str, torch.Tensor], variants: list[str],
@@ -151,11 +154,7 @@ def episode(st: dict[str, torch.Tensor], variants: list[str],
                     ht + rbf_delta(ht, kf.U, kf.V, kf.gamma), st), labels)}
     for spec in select:
         base, calibration = spec.split("/")
-        w, lam = selected(st, base, calibration)
-        t = teacher_base(st, base)
-        target, _ = fit_targets(TeacherOptions(calibration=calibration, gold_weight=w),
-                                t["h_icl"], t["h_icl_test"], st["w_c"], st["b_c"],
-                                h_content_free=t["h_icl_cf"], gold=st["labels"])
+        w, lam, target = selected(st, base, calibration)
         f = ridge_fit(st["h_zs"], target - st["h_zs"], lam)
         out[f"{spec}, w and λ by train LOO"] = accuracy(label_logits(ht + f.apply(ht), st),
                                                           labels)
@@ -201,8 +200,14 @@ def main(argv: list[str]) -> int:
         ap.error(f"{args.states}: no <task>_seed<s>.safetensors (run `bench teachers` first)")
     variants = args.variants.split(",")
     select = [x for x in args.select.split(",") if x]
-    for v in [*variants, *(f"{x}/0" for x in select)]:
-        parse_variant(v)
+    try:  # refused in one line before any state is read
+        for x in select:
+            if x.count("/") != 1:
+                raise ValueError(f"--select {x!r}: base/calibration, no gold weight")
+        for v in [*variants, *(f"{x}/0" for x in select)]:
+            parse_variant(v)
+    except (ValueError, ArgumentError) as e:
+        ap.error(str(e))
     t0 = time.perf_counter()
     tasks: list[str] = []
     rows: dict[str, list[dict[str, float]]] = {}
