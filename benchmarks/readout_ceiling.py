@@ -39,13 +39,13 @@ from ltv_vllm.bench.teachers import parse_variant, teacher_base
 from ltv_vllm.bench.workload import machine
 from ltv_vllm.core.kernel import kernel_fit, rbf_delta
 from ltv_vllm.core.metrics import accuracy
+from ltv_vllm.core.probe import PROBE_L2, fit_probe
 from ltv_vllm.core.ridge import ridge_fit
 from ltv_vllm.core.teacher import TeacherOptions, fit_targets
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.hardware import machine_line
 
 LAM_GRID = (0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0)
-PROBE_L2 = (1e-4, 1e-3, 1e-2, 1e-1)  # mean-loss L2 weights on standardized features
 SELECT_W = (0.0, 0.5, 0.8, 0.9, 0.95)
 SELECT_LAM = (5.0, 30.0, 100.0, 300.0, 1000.0)
 
@@ -54,44 +54,21 @@ def label_logits(h: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
     return h @ st["w_c"].T + st["b_c"]
 
 
-def probe_fit(x: torch.Tensor, y: torch.Tensor, k: int, l2: float) -> torch.Tensor:
-    """Multinomial logistic regression (weights and bias) by L-BFGS, float64; returns the
-    stacked (d + 1, k) parameters. Written here because scikit-learn is not a dependency
-    and the problem is convex: L-BFGS to its tolerance is the optimum."""
-    xb = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1)
-    w = torch.zeros(xb.shape[1], k, dtype=x.dtype, requires_grad=True)
-    opt = torch.optim.LBFGS([w], max_iter=500, tolerance_grad=1e-9, line_search_fn="strong_wolfe")
-
-    def loss() -> torch.Tensor:
-        opt.zero_grad()
-        out = torch.nn.functional.cross_entropy(xb @ w, y) + l2 * (w[:-1] ** 2).sum()
-        out.backward()
-        return out
-
-    opt.step(loss)
-    return w.detach()
-
-
-def probe_predict(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1) @ w
-
-
 def probe_scores(st: dict[str, torch.Tensor], k: int) -> dict[str, float]:
     """The probe's test accuracy at the L2 weight 4-fold CV on the train queries picks, and
     the best over the grid on the test queries (an upper bound)."""
     x, y = st["h_zs"].double(), st["labels"].long()
-    mu, sd = x.mean(0), x.std(0) + 1e-6
-    xn, xt = (x - mu) / sd, (st["h_zs_test"].double() - mu) / sd
+    xt = st["h_zs_test"].double()
     folds = torch.arange(x.shape[0]) % 4
     cv = {}
     for l2 in PROBE_L2:
         right = 0
         for f in range(4):
             tr, va = folds != f, folds == f
-            right += int((probe_predict(probe_fit(xn[tr], y[tr], k, l2), xn[va]).argmax(-1)
+            right += int((fit_probe(x[tr], y[tr], k, l2).logits(x[va]).argmax(-1)
                           == y[va]).sum())
         cv[l2] = right
-    test = {l2: accuracy(probe_predict(probe_fit(xn, y, k, l2), xt), st["labels_test"])
+    test = {l2: accuracy(fit_probe(x, y, k, l2).logits(xt), st["labels_test"])
             for l2 in PROBE_L2}
     return {"probe_cv": test[max(PROBE_L2, key=lambda l2: cv[l2])],
             "probe_best_on_test": max(test.values())}

@@ -529,3 +529,76 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
                          merged=merged, command=_command_line(),
                          log=lambda m: click.echo(m, err=True))
     click.echo(f"results in {out_dir}: {len(doc['rows'])} episodes")
+
+
+@bench.command("value")
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True)
+@click.option("--tasks", "task_list", default="packaged", show_default=True,
+              help="Comma-separated task names/spec files, or 'packaged' for all seven.")
+@click.option("--k", default=30, show_default=True,
+              help="Demonstrations of each k-shot prompt (the prompt a vector replaces).")
+@click.option("--demo-sets", default=3, show_default=True,
+              help="k-shot demonstration sets M; the dev split chooses among them.")
+@click.option("--many-k", default="max", show_default=True,
+              help="Demonstrations of the many-shot prompt (k//K per class), or 'max': as "
+                   "many as fit the model's context after the longest query.")
+@click.option("--n", default=256, show_default=True,
+              help="Train queries N: what a fit sees (their labels where a row uses labels).")
+@click.option("--n-dev", default=200, show_default=True,
+              help="Labelled dev queries, disjoint from everything else: every choice.")
+@click.option("--n-test", default=500, show_default=True,
+              help="Test queries (the whole test split where it has fewer), the same for "
+                   "every seed and row.")
+@click.option("--seeds", default="0,1,2", show_default=True,
+              help="Comma-separated episode seeds (demonstrations, train and dev queries).")
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--dtype", default="bfloat16", show_default=True, type=DTYPE, help=DTYPE_HELP)
+@click.option("--lora/--no-lora", default=True, show_default=True,
+              help="Train the PEFT LoRA rival (r 8; lr and epochs chosen on dev).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("benchmarks/results/value"), show_default=True)
+@friendly
+def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, many_k: str,
+                    n: int, n_dev: int, n_test: int, seeds: str, batch_size: int, dtype: str,
+                    lora: bool, out_dir: Path) -> None:
+    """The vector's value under a held-out protocol: train / dev / test splits, every
+    choice on dev, the test read once per row, per-query records and paired bootstrap
+    intervals; two tables (no labels; with the N queries' labels, against a probe, a LoRA
+    fine-tune and the prompts). States are kept under --out/states: a rerun reuses them."""
+    from dataclasses import replace
+
+    from ltv_vllm.bench.value import ValueOptions, bench_value, check_disjoint, plan
+    from ltv_vllm.models.checkpoint import context_length
+    from ltv_vllm.models.loading import load_tokenizer, local_model_dir
+    from ltv_vllm.pipeline.extract import check_context
+    from ltv_vllm.tasks.specs import get_tasks, label_token_ids
+
+    seed_list = tuple(_ints(seeds))
+    if many_k != "max":
+        try:
+            many_k = int(many_k)  # type: ignore[assignment]
+        except ValueError:
+            raise ArgumentError(f"--many-k must be a number or 'max', got {many_k!r}") from None
+    opts = ValueOptions(model=model_spec, k=k, many_k=many_k, demo_sets=demo_sets, n=n,
+                        n_dev=n_dev, n_test=n_test, seeds=seed_list, dtype=dtype,
+                        batch_size=batch_size, lora=lora)
+    check_writable(out_dir, option="--out", directory=True)
+    if lora:
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            raise ArgumentError("--lora needs PEFT (pip install peft), or pass --no-lora"
+                                ) from None
+    tok = load_tokenizer(model_spec)
+    context = context_length(local_model_dir(model_spec))
+    tasks = get_tasks(task_list)
+    for t in tasks:  # labels, splits and every prompt's length before the model loads
+        label_token_ids(t, tok)
+        for s in seed_list:
+            ep, many = plan(t, opts, s, tok, context)
+            check_disjoint(ep, many)
+            for e in (ep, replace(ep, demos=many, extra_demos=())):
+                check_context(tok, e, t.special_tokens, context)
+    doc = bench_value(tasks, opts, out_dir, _command_line(),
+                      log=lambda m: click.echo(m, err=True))
+    click.echo(f"results in {out_dir}: {len(doc['episodes'])} episodes")
