@@ -691,3 +691,29 @@ def test_every_serving_module_names_its_process_and_stays_small():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 size = node.end_lineno - node.lineno + 1
                 assert size <= MAX_FUNCTION, f"{name}: {node.name} has {size} lines"
+
+
+def _margin(c: dict) -> str:
+    """A comparison as the docs write it: `+1.2 points (95 % interval −0.8 to +3.1)`."""
+    def pts(x: float) -> str:
+        return f"{100 * x:+.1f}".replace("-", "−")
+
+    a = c["average"]
+    return f"{pts(a['diff'])} points (95 % interval {pts(a['lo'])} to {pts(a['hi'])})"
+
+
+def test_the_value_headlines_are_the_held_out_results():
+    """README, docs/index.md and docs/benchmarks.md state the default's margin over the prompt
+    it replaces, the probe and the LoRA adapter as `bench value` measured them (results.json
+    of value_smollm2-135m): every figure, with its interval."""
+    root = PKG.parent
+    doc = json.loads((root / "benchmarks" / "results" / "value_smollm2-135m" / "results.json")
+                     .read_text())
+    comps = {(c["row"], c["reference"]): c for c in doc["summary"]["labels"]["comparisons"]}
+    default = "default (one k-shot, gold 0.8, λ=5)"
+    want = [_margin(comps[(default, ref)]) for ref in
+            ("prompt, one k-shot", "probe (L2 on dev)", "LoRA r8 (lr, epochs on dev)")]
+    for page in ("README.md", "docs/index.md", "docs/benchmarks.md"):
+        text = " ".join((root / page).read_text().split())
+        for w in want:
+            assert w in text, f"{page} does not state {w}"

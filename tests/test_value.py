@@ -159,6 +159,7 @@ def test_value_summary_is_the_records_and_the_default_is_extracts(value_run, mod
     res = extract(lm, task, "ltv", ExtractOptions(k=4, n=24, n_test=20, seed=0, n_val=16,
                                                   batch_size=8, progress=False, teacher=teacher),
                   episode=replace(ep, extra_demos=()))
+    assert res.artifact.provenance.teacher["gold_weight"] == DEFAULT_GOLD_WEIGHT
     assert res.label_logits["ltv"].argmax(-1).tolist() == \
         records["episodes"][0]["test_predictions"][DEFAULT]
     assert res.label_logits["icl"].argmax(-1).tolist() == \

@@ -328,6 +328,7 @@ class ValueOptions:
     batch_size: int = 16
     lora: bool = True
     lora_options: Any = None  # extraction.finetune.LoraOptions (default when None)
+    serving: Any = None  # bench.value_serving.ServingOptions: measure serving costs
 
     def __post_init__(self) -> None:
         if self.many_k != "max" and (isinstance(self.many_k, bool | str)
@@ -358,9 +359,11 @@ def plan(task: Any, opts: ValueOptions, seed: int, tokenizer: Any = None,
     data = load_dataset(task)
     ep = sample_episode(data, k=opts.k, n=opts.n, n_test=opts.n_test, seed=seed,
                         test_seed=opts.test_seed, n_val=opts.n_dev, demo_sets=opts.demo_sets)
-    if len(ep.val) < opts.n_dev:
+    K = task.num_classes
+    if len(ep.val) < K * (opts.n_dev // K) or not ep.val:  # balanced: n_dev // K per class
         raise ArgumentError(f"{task.name}: --n-dev {opts.n_dev}: only {len(ep.val)} train "
-                            "examples are left for a dev split besides the demos and queries")
+                            "examples are left for a balanced dev split besides the demos and "
+                            "queries")
     if opts.many_k != "max":
         return ep, many_shot_demos(data, ep, int(opts.many_k))
     if tokenizer is None or context is None:
@@ -387,7 +390,7 @@ def most_demos(data: Any, ep: Any, tokenizer: Any, context: int) -> tuple[Any, .
         n = len(tokenizer(text, add_special_tokens=task.special_tokens)["input_ids"])
         return many if n <= context else None
 
-    lo, hi = 0, len(data.train) // K + 1
+    lo, hi = 0, min(data.class_counts("train")) + 1
     while hi - lo > 1:  # fits(lo) holds (or lo = 0), fits(hi) does not
         mid = (lo + hi) // 2
         if fits(mid) is not None:
@@ -501,14 +504,17 @@ class _Model:
 
 
 def lora_record(model: _Model, task: Any, ep: Any, label_ids: Sequence[int],
-                path: Path) -> dict[str, Any]:
+                path: Path, *, adapter_needed: bool = False) -> dict[str, Any]:
     """The LoRA rival of one episode: trained with lr and epochs chosen on dev, its dev and
-    test label logits stored at `path` (so a rerun over stored states reuses them)."""
+    test label logits stored at `path` and its adapter beside it (`adapter_dir`), so a rerun
+    over stored states reuses them (and trains again only where the adapter is needed, for
+    serving, and missing)."""
     from ltv_vllm.extraction.finetune import LoraOptions, LoraTuner
 
     lo = model.opts.lora_options or LoraOptions(seed=ep.seed)
     key = {**model.opts.state_key(), "seed": ep.seed, "lora": lo.record()}
-    if path.is_file():
+    adapter = adapter_dir(path)
+    if path.is_file() and (not adapter_needed or (adapter / "adapter_config.json").is_file()):
         rec = json.loads(path.read_text())
         if rec.get("key") == key:
             return rec
@@ -522,6 +528,7 @@ def lora_record(model: _Model, task: Any, ep: Any, label_ids: Sequence[int],
         # the kept adapter's test logits: computed once, read only by `score_test`
         z_test = tuner.label_logits([task.zero_shot(e.text) for e in ep.test], desc="lora test")
         z_dev = tuner.label_logits([task.zero_shot(e.text) for e in ep.val], desc="lora dev")
+        tuner.save(adapter)  # what vLLM's LoRA serves (`bench value --serving`)
     rec = {"key": key, "lr": choice.lr, "epoch": choice.epoch,
            "dev_accuracy": choice.dev_accuracy, "curve": choice.curve,
            "train_seconds": choice.train_seconds, "dev_logits": z_dev.tolist(),
@@ -530,6 +537,31 @@ def lora_record(model: _Model, task: Any, ep: Any, label_ids: Sequence[int],
 
     atomic_write(path, lambda p: Path(p).write_text(json.dumps(rec)))
     return rec
+
+
+def adapter_dir(lora_json: Path) -> Path:
+    """The PEFT adapter directory kept beside an episode's LoRA record."""
+    return lora_json.with_name(lora_json.name.replace(".lora.json", ".adapter"))
+
+
+def default_vector(model: _Model, task: Any, ep: Any, path: Path) -> Path:
+    """The vector `extract` ships for this episode (its first demonstration set, the gold
+    blend at DEFAULT_GOLD_WEIGHT, λ = 5), written to `path` (kept when already there)."""
+    from dataclasses import replace
+
+    from ltv_vllm.pipeline.extract import ExtractOptions, extract
+
+    if path.is_file():
+        return path
+    model.capturer(task)  # loads the model
+    o = model.opts
+    res = extract(model.lm, task, "ltv", ExtractOptions(
+        k=o.k, n=o.n, lam=DEFAULT_LAM, seed=ep.seed, n_test=o.n_test, n_val=o.n_dev,
+        batch_size=o.batch_size, progress=False,
+        teacher=TeacherOptions(gold_weight=DEFAULT_GOLD_WEIGHT)),
+        episode=replace(ep, extra_demos=()))
+    res.artifact.save(path)
+    return path
 
 
 def lora_fit(rec: dict[str, Any], train_n: int) -> Fit:
@@ -599,7 +631,9 @@ def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command
             lora = None
             if opts.lora:
                 rec = lora_record(model, task, ep, label_ids,
-                                  states_dir / f"{task.name}_seed{seed}.lora.json")
+                                  states_dir / f"{task.name}_seed{seed}.lora.json",
+                                  adapter_needed=opts.serving is not None
+                                  and seed == opts.seeds[0])
                 lora = lora_fit(rec, len(ep.queries))
             out = run_episode(st, opts.demo_sets, lora)
             episodes.append({"task": task.name, "seed": seed, **out, "cost": meta["cost"],
@@ -615,6 +649,9 @@ def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command
                    / len(ep.test) for r in (PROMPT_K, DEFAULT, PROBE, FREE_BEST)}
             log(f"{task.name} seed {seed}: " + ", ".join(f"{r} {100 * a:.1f}%"
                                                           for r, a in acc.items()))
+    serving = []
+    for task in tasks if opts.serving is not None else ():
+        serving.append(_serve_task(model, task, opts, states_dir, tok, context, episodes, log))
     records = {"tasks": per_task, "episodes": [
         {k: e[k] for k in ("task", "seed", "test_predictions")} for e in episodes]}
     names = [t.name for t in tasks]
@@ -627,11 +664,52 @@ def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command
            "episodes": [{k: e[k] for k in ("task", "seed", "choices", "cost", "machine")}
                         for e in episodes],
            "records": "records.json",
-           "summary": summarise(records, names, opts.lora)}
+           "summary": summarise(records, names, opts.lora),
+           "serving": serving}
     atomic_write(out_dir / "records.json",
                  lambda p: Path(p).write_text(json.dumps(records, separators=(",", ":"))))
     report.write(doc, out_dir, value_markdown(doc))
     return doc
+
+
+# the transformers row each served way answers as
+SERVED_AS = {"zero-shot": ZERO_SHOT, "prompt, one k-shot (prefix cache)": PROMPT_K,
+             "prompt, many-shot (prefix cache)": PROMPT_MANY,
+             "default vector (fused, first token)": DEFAULT, "LoRA adapter (vLLM LoRA)": LORA}
+
+
+def _serve_task(model: _Model, task: Any, opts: ValueOptions, states_dir: Path, tok: Any,
+                context: int, episodes: list[dict[str, Any]],
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """The serving costs of the first seed's episode of `task`, and how often each engine's
+    label agrees with the transformers row it serves on the same queries."""
+    from ltv_vllm.bench.value_serving import serving_costs
+    from ltv_vllm.models.hardware import resolve_for_model
+    from ltv_vllm.models.loading import local_model_dir
+
+    seed = opts.seeds[0]
+    ep, many = plan(task, opts, seed, tok, context)
+    stem = states_dir / f"{task.name}_seed{seed}"
+    vector = default_vector(model, task, ep, stem.with_name(stem.name + ".default.pt"))
+    adapter = adapter_dir(stem.with_name(stem.name + ".lora.json")) if opts.lora else None
+    model_dir = local_model_dir(opts.model)
+    res = serving_costs(model_dir, task, ep, many, _label_ids(task, tok), vector, adapter,
+                        resolve_for_model(opts.dtype, model_dir), opts.serving,
+                        states_dir.parent / "work", log=log)
+    ours = next(e for e in episodes if e["task"] == task.name and e["seed"] == seed)
+    for way, r in res["ways"].items():
+        row = SERVED_AS.get(way.replace(" (again)", ""))
+        mine = ours["test_predictions"][row][: len(r["predictions"])]
+        r["agreement"] = sum(a == b for a, b in zip(mine, r["predictions"], strict=True)
+                             ) / len(mine)
+        r["served_as"] = row
+    return res
+
+
+def _label_ids(task: Any, tok: Any) -> list[int]:
+    from ltv_vllm.tasks.specs import label_token_ids
+
+    return list(label_token_ids(task, tok))
 
 
 def _lora_record(opts: ValueOptions) -> dict[str, Any] | None:
@@ -684,6 +762,22 @@ def value_markdown(doc: dict[str, Any]) -> str:
             lines.append(f"| {c['row']} − {c['reference']} | {_interval(c['average'])} | "
                          f"{c['above']} / {c['tie']} / {c['below']} | "
                          + " | ".join(_interval(c["per_task"][t]) for t in tasks) + " |")
+    for sv in doc.get("serving", []):
+        lines += ["", f"## Serving cost: {sv['task']}, seed {sv['seed']}", "",
+                  f"vLLM {doc['machine'].get('vllm')}, one engine per way in a fresh process, "
+                  f"{sv['queries']} test queries, {sv['dtype']}, max_model_len "
+                  f"{sv['max_model_len']}; classify = one label-restricted token per query, "
+                  f"generate = {sv['gen_tokens']} free tokens per query; the fastest of "
+                  f"{sv['repeats']} passes; ratios to the faster zero-shot run. *agrees*: the "
+                  "engine's label equals the transformers row it serves, on the same queries.",
+                  "", "| Way | serves the row | prompt tokens | classify req/s | × zero-shot "
+                  "| generate tok/s | × zero-shot | served accuracy | agrees |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for way, r in sv["ways"].items():
+            lines.append(f"| {way} | {r['served_as']} | {r['prompt_tokens_mean']:.0f} | "
+                         f"{r['requests_per_s']:.1f} | {r['classify_ratio']:.2f} | "
+                         f"{r['output_tokens_per_s']:.1f} | {r['generate_ratio']:.2f} | "
+                         f"{_pct(r['accuracy'])} | {_pct(r['agreement'])} % |")
     lines += ["", "## Costs and choices", "",
               "| Row | train labels | dev labels | fit or training seconds (mean per episode) |",
               "|---|---|---|---|"]

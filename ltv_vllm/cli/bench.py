@@ -545,7 +545,8 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
 @click.option("--n", default=256, show_default=True,
               help="Train queries N: what a fit sees (their labels where a row uses labels).")
 @click.option("--n-dev", default=200, show_default=True,
-              help="Labelled dev queries, disjoint from everything else: every choice.")
+              help="Labelled dev queries (n_dev//K per class), disjoint from everything "
+                   "else: every choice is made on them.")
 @click.option("--n-test", default=500, show_default=True,
               help="Test queries (the whole test split where it has fewer), the same for "
                    "every seed and row.")
@@ -555,12 +556,23 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
 @click.option("--dtype", default="bfloat16", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--lora/--no-lora", default=True, show_default=True,
               help="Train the PEFT LoRA rival (r 8; lr and epochs chosen on dev).")
+@click.option("--serving/--no-serving", default=False, show_default=True,
+              help="Also measure each way's serving throughput in vLLM (zero-shot, the k-shot "
+                   "and many-shot prompts with the prefix cache, the default vector, the LoRA "
+                   "adapter), one engine each, on the first seed's episode of every task.")
+@click.option("--serving-queries", default=200, show_default=True,
+              help="Test queries each serving engine answers.")
+@click.option("--gen-tokens", default=16, show_default=True,
+              help="Free tokens generated per query in the serving passes.")
+@click.option("--repeats", default=3, show_default=True,
+              help="Timed serving passes per engine (the fastest counts).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("benchmarks/results/value"), show_default=True)
 @friendly
 def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, many_k: str,
                     n: int, n_dev: int, n_test: int, seeds: str, batch_size: int, dtype: str,
-                    lora: bool, out_dir: Path) -> None:
+                    lora: bool, serving: bool, serving_queries: int, gen_tokens: int,
+                    repeats: int, out_dir: Path) -> None:
     """The vector's value under a held-out protocol: train / dev / test splits, every
     choice on dev, the test read once per row, per-query records and paired bootstrap
     intervals; two tables (no labels; with the N queries' labels, against a probe, a LoRA
@@ -568,6 +580,7 @@ def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, man
     from dataclasses import replace
 
     from ltv_vllm.bench.value import ValueOptions, bench_value, check_disjoint, plan
+    from ltv_vllm.bench.value_serving import ServingOptions
     from ltv_vllm.models.checkpoint import context_length
     from ltv_vllm.models.loading import load_tokenizer, local_model_dir
     from ltv_vllm.pipeline.extract import check_context
@@ -579,9 +592,15 @@ def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, man
             many_k = int(many_k)  # type: ignore[assignment]
         except ValueError:
             raise ArgumentError(f"--many-k must be a number or 'max', got {many_k!r}") from None
+    for name, v in (("--serving-queries", serving_queries), ("--gen-tokens", gen_tokens),
+                    ("--repeats", repeats)):
+        if v < 1:
+            raise ArgumentError(f"{name} must be at least 1, got {v}")
     opts = ValueOptions(model=model_spec, k=k, many_k=many_k, demo_sets=demo_sets, n=n,
                         n_dev=n_dev, n_test=n_test, seeds=seed_list, dtype=dtype,
-                        batch_size=batch_size, lora=lora)
+                        batch_size=batch_size, lora=lora,
+                        serving=ServingOptions(queries=serving_queries, gen_tokens=gen_tokens,
+                                               repeats=repeats) if serving else None)
     check_writable(out_dir, option="--out", directory=True)
     if lora:
         try:

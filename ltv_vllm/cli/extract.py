@@ -50,7 +50,9 @@ from ltv_vllm.errors import ArgumentError
     click.option("--k", type=int, default=None,
                  help="Demonstrations (k//K per class) [default: 30; 10 (at least K) with "
                       "--source-model, the paper's transfer setting]."),
-    click.option("--n", default=256, show_default=True, help="Unlabeled train queries N."),
+    click.option("--n", default=256, show_default=True,
+                 help="Train queries N (sampled ones carry labels, blended in by default: "
+                      "see --gold-weight)."),
     lam_option(),
     click.option("--seed", default=0, show_default=True, help="Demo/query sampling seed."),
     click.option("--n-test", default=500, show_default=True, help="Held-out queries scored."),
@@ -75,8 +77,9 @@ from ltv_vllm.errors import ArgumentError
                    "k is their count [default: k sampled from the task's data].")
 @click.option("--queries", "queries_file", default=None,
               type=click.Path(exists=True, dir_okay=False),
-              help="Your unlabeled queries (.jsonl/.csv, the data's format): N is their "
-                   "count [default: N sampled from the task's data].")
+              help="Your train queries (.jsonl/.csv, the data's format; with a label on every "
+                   "row they are blended in by default, without labels the fit is the paper's "
+                   "label-free one): N is their count [default: N sampled from the task's data].")
 @teacher_options(gold_by_labels=True)
 @_source_options
 @_capture_options

@@ -366,8 +366,9 @@ def compile_request(name: str, task: str, demos: str, queries: str, test: str | 
 @click.option("--demos", required=True, type=click.Path(exists=True, dir_okay=False),
               help='JSONL, one {"text", "label"} demonstration per line (k of them).')
 @click.option("--queries", required=True, type=click.Path(exists=True, dir_okay=False),
-              help='JSONL, one unlabeled input per line ({"text"} or a string; N of them; '
-                   'with --gold-weight {"text", "label"}).')
+              help='JSONL, one input per line: {"text"} or a string (no labels: the paper\'s '
+                   'label-free fit), or {"text", "label"} on every line (labels blended in '
+                   'by default); N of them.')
 @click.option("--test", default=None, type=click.Path(exists=True, dir_okay=False),
               help="JSONL of labelled examples: the server reports accuracy and d_NTP on them.")
 @lam_option()
