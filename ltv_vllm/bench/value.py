@@ -387,7 +387,8 @@ def most_demos(data: Any, ep: Any, tokenizer: Any, context: int) -> tuple[Any, .
         except DataError:
             return None
         text = task.demos_text(many) + task.query(longest)
-        n = len(tokenizer(text, add_special_tokens=task.special_tokens)["input_ids"])
+        n = len(tokenizer(text, add_special_tokens=task.special_tokens,
+                          verbose=False)["input_ids"])  # probes go past the context
         return many if n <= context else None
 
     lo, hi = 0, min(data.class_counts("train")) + 1
