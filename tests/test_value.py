@@ -229,3 +229,23 @@ def test_bench_value_refusals_before_any_model(tmp_path, model_dir):
         r = CliRunner().invoke(main, [*base, *extra])
         assert r.exit_code != 0 and why in r.output, (extra, r.output)
         assert not (tmp_path / "o" / "states").exists()
+
+
+def test_the_recorded_command_keeps_an_off_switch():
+    """`--no-lora` (a switch whose default is on) is spelled out in the recorded command, so
+    running it again does what the first run did."""
+    import click
+    from click.testing import CliRunner
+
+    from ltv_vllm.cli.base import _command_line
+
+    @click.command()
+    @click.option("--lora/--no-lora", default=True)
+    @click.option("--serving/--no-serving", default=False)
+    @click.option("--quiet", is_flag=True)
+    def cmd(lora: bool, serving: bool, quiet: bool) -> None:  # noqa: ARG001 - recorded only
+        click.echo(_command_line())
+
+    out = CliRunner().invoke(cmd, ["--no-lora"]).output
+    assert "--no-lora" in out and "--no-serving" in out and "--quiet" not in out
+    assert "--lora --serving" in CliRunner().invoke(cmd, ["--serving"]).output

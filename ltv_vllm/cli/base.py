@@ -72,7 +72,9 @@ def _command_line() -> str:
         if not isinstance(p, click.Option) or value is None:
             continue
         flag = max(p.opts, key=len)
-        if p.is_flag:
+        if p.is_flag and p.secondary_opts:  # an on/off switch: whichever side was chosen
+            parts += [flag if value else max(p.secondary_opts, key=len)]
+        elif p.is_flag:
             parts += [flag] if value else []
         elif p.multiple:  # a repeatable option: the flag once per value, none when empty
             for v in value:
