@@ -36,7 +36,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -512,7 +512,7 @@ def lora_record(model: _Model, task: Any, ep: Any, label_ids: Sequence[int],
     serving, and missing)."""
     from ltv_vllm.extraction.finetune import LoraOptions, LoraTuner
 
-    lo = model.opts.lora_options or LoraOptions(seed=ep.seed)
+    lo = replace(model.opts.lora_options or LoraOptions(), seed=ep.seed)
     key = {**model.opts.state_key(), "seed": ep.seed, "lora": lo.record()}
     adapter = adapter_dir(path)
     if path.is_file() and (not adapter_needed or (adapter / "adapter_config.json").is_file()):
@@ -548,8 +548,6 @@ def adapter_dir(lora_json: Path) -> Path:
 def default_vector(model: _Model, task: Any, ep: Any, path: Path) -> Path:
     """The vector `extract` ships for this episode (its first demonstration set, the gold
     blend at DEFAULT_GOLD_WEIGHT, λ = 5), written to `path` (kept when already there)."""
-    from dataclasses import replace
-
     from ltv_vllm.pipeline.extract import ExtractOptions, extract
 
     if path.is_file():

@@ -556,6 +556,10 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
 @click.option("--dtype", default="bfloat16", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--lora/--no-lora", default=True, show_default=True,
               help="Train the PEFT LoRA rival (r 8; lr and epochs chosen on dev).")
+@click.option("--lora-lrs", default="1e-4,3e-4,1e-3", show_default=True,
+              help="Comma-separated learning rates of the LoRA grid (the dev split chooses).")
+@click.option("--lora-epochs", default=4, show_default=True,
+              help="Epochs per learning rate; the dev split chooses the epoch too.")
 @click.option("--serving/--no-serving", default=False, show_default=True,
               help="Also measure each way's serving throughput in vLLM (zero-shot, the k-shot "
                    "and many-shot prompts with the prefix cache, the default vector, the LoRA "
@@ -571,8 +575,9 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
 @friendly
 def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, many_k: str,
                     n: int, n_dev: int, n_test: int, seeds: str, batch_size: int, dtype: str,
-                    lora: bool, serving: bool, serving_queries: int, gen_tokens: int,
-                    repeats: int, out_dir: Path) -> None:
+                    lora: bool, lora_lrs: str, lora_epochs: int, serving: bool,
+                    serving_queries: int, gen_tokens: int, repeats: int,
+                    out_dir: Path) -> None:
     """The vector's value under a held-out protocol: train / dev / test splits, every
     choice on dev, the test read once per row, per-query records and paired bootstrap
     intervals; two tables (no labels; with the N queries' labels, against a probe, a LoRA
@@ -581,6 +586,7 @@ def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, man
 
     from ltv_vllm.bench.value import ValueOptions, bench_value, check_disjoint, plan
     from ltv_vllm.bench.value_serving import ServingOptions
+    from ltv_vllm.extraction.finetune import LoraOptions
     from ltv_vllm.models.checkpoint import context_length
     from ltv_vllm.models.loading import load_tokenizer, local_model_dir
     from ltv_vllm.pipeline.extract import check_context
@@ -593,12 +599,19 @@ def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, man
         except ValueError:
             raise ArgumentError(f"--many-k must be a number or 'max', got {many_k!r}") from None
     for name, v in (("--serving-queries", serving_queries), ("--gen-tokens", gen_tokens),
-                    ("--repeats", repeats)):
+                    ("--repeats", repeats), ("--lora-epochs", lora_epochs)):
         if v < 1:
             raise ArgumentError(f"{name} must be at least 1, got {v}")
+    try:
+        lrs = tuple(float(x) for x in _csv(lora_lrs))
+    except ValueError:
+        lrs = ()
+    if not lrs or not all(0 < x < 1 for x in lrs):
+        raise ArgumentError(f"--lora-lrs must be learning rates in (0, 1), got {lora_lrs!r}")
     opts = ValueOptions(model=model_spec, k=k, many_k=many_k, demo_sets=demo_sets, n=n,
                         n_dev=n_dev, n_test=n_test, seeds=seed_list, dtype=dtype,
                         batch_size=batch_size, lora=lora,
+                        lora_options=LoraOptions(lrs=lrs, epochs=lora_epochs),
                         serving=ServingOptions(queries=serving_queries, gen_tokens=gen_tokens,
                                                repeats=repeats) if serving else None)
     check_writable(out_dir, option="--out", directory=True)
