@@ -251,3 +251,31 @@ def test_the_recorded_command_keeps_an_off_switch():
     out = CliRunner().invoke(cmd, ["--no-lora"]).output
     assert "--no-lora" in out and "--no-serving" in out and "--quiet" not in out
     assert "--lora --serving" in CliRunner().invoke(cmd, ["--serving"]).output
+
+
+def test_merge_joins_another_run_s_tasks_and_refuses_a_mismatch(value_run, tmp_path):
+    from dataclasses import replace as dc_replace
+
+    from ltv_vllm.bench.value import DEFAULT, bench_value, merge_docs
+    from ltv_vllm.errors import ArgumentError
+    from ltv_vllm.tasks.specs import get_task
+
+    task, opts, out, doc = value_run
+    src = out.parent / "toy.json"
+    spec = json.loads(src.read_text())
+    spec["name"] = "toy2"
+    (out.parent / "toy2.json").write_text(json.dumps(spec))
+    task2 = get_task(str(out.parent / "toy2.json"))
+    merged = merge_docs([out], opts, ["toy2"])
+    both = bench_value([task2], opts, tmp_path / "both", "test", log=print, merged=merged)
+    assert both["tasks"] == ["toy2", "toy"] and len(both["episodes"]) == 4
+    acc = both["summary"]["labels"]["accuracy"]
+    assert acc["toy"] == doc["summary"]["labels"]["accuracy"]["toy"]
+    avg = both["summary"]["labels"]["average"][DEFAULT]
+    assert avg == pytest.approx((acc["toy"][DEFAULT] + acc["toy2"][DEFAULT]) / 2)
+    records = json.loads((tmp_path / "both" / "records.json").read_text())
+    assert set(records["tasks"]) == {"toy", "toy2"}
+    with pytest.raises(ArgumentError, match="is in this run"):
+        merge_docs([out], opts, ["toy"])
+    with pytest.raises(ArgumentError, match="another configuration"):
+        merge_docs([out], dc_replace(opts, n_test=19), ["toy2"])

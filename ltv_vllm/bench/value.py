@@ -576,10 +576,52 @@ def lora_fit(rec: dict[str, Any], train_n: int) -> Fit:
                seconds=rec["train_seconds"])
 
 
+def options_record(opts: ValueOptions) -> dict[str, Any]:
+    """What results.json records of the options (and what merged runs must share)."""
+    return {**opts.state_key(), "seeds": list(opts.seeds), "batch_size": opts.batch_size,
+            "lora": opts.lora, "lora_options": _lora_record(opts)}
+
+
+def merge_docs(paths: Sequence[Path], opts: ValueOptions,
+               tasks: Sequence[str]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Earlier runs of `bench value` to merge (`--merge`): (results.json, records.json) of
+    each, checked before any model loads — the same options (tasks aside), and no task that
+    this run or another merged one has."""
+    want = {k: v for k, v in options_record(opts).items() if k != "batch_size"}
+    seen = set(tasks)
+    out = []
+    for path in paths:
+        path = Path(path)
+        folder = path if path.is_dir() else path.parent
+        try:
+            doc = json.loads((folder / "results.json").read_text())
+            records = json.loads((folder / "records.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ArgumentError(f"--merge {path}: not a readable `bench value` result ({e})"
+                                ) from None
+        if not isinstance(doc, dict) or "options" not in doc or "episodes" not in doc:
+            raise ArgumentError(f"--merge {path}: not the results of `ltv-vllm bench value`")
+        theirs = {k: v for k, v in doc["options"].items() if k != "batch_size"}
+        differ = [f"{k} {theirs.get(k)!r} here {v!r}" for k, v in want.items()
+                  if theirs.get(k) != v]
+        if differ:
+            raise ArgumentError(f"--merge {path}: another configuration: {'; '.join(differ)}")
+        twice = sorted(seen & set(doc["tasks"]))
+        if twice:
+            raise ArgumentError(f"--merge {path}: {', '.join(twice)} is in this run or another "
+                                "merged one")
+        seen |= set(doc["tasks"])
+        out.append((doc, records))
+    return out
+
+
 def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command: str,
-                log: Callable[[str], None] = print) -> dict[str, Any]:
+                log: Callable[[str], None] = print,
+                merged: Sequence[tuple[dict[str, Any], dict[str, Any]]] = ()
+                ) -> dict[str, Any]:
     """Capture what is missing under out_dir/states, run every episode, write results.json,
-    records.json (per-query predictions) and results.md."""
+    records.json (per-query predictions) and results.md. `merged`: earlier runs of other
+    tasks (`merge_docs`) whose episodes join the tables."""
     from safetensors.torch import load_file, save_file
 
     from ltv_vllm.bench import report
@@ -651,12 +693,19 @@ def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command
     serving = []
     for task in tasks if opts.serving is not None else ():
         serving.append(_serve_task(model, task, opts, states_dir, tok, context, episodes, log))
+    names = [t.name for t in tasks]
+    for other, other_records in merged:  # checked by `merge_docs`
+        preds = {(e["task"], e["seed"]): e["test_predictions"]
+                 for e in other_records["episodes"]}
+        episodes += [{**e, "test_predictions": preds[(e["task"], e["seed"])]}
+                     for e in other["episodes"]]
+        per_task |= other_records["tasks"]
+        names += other["tasks"]
+        serving += other.get("serving", [])
     records = {"tasks": per_task, "episodes": [
         {k: e[k] for k in ("task", "seed", "test_predictions")} for e in episodes]}
-    names = [t.name for t in tasks]
-    doc = {"command": command, "options": {**opts.state_key(), "seeds": list(opts.seeds),
-                                           "batch_size": opts.batch_size, "lora": opts.lora,
-                                           "lora_options": _lora_record(opts)},
+    doc = {"command": command, "options": options_record(opts),
+           "merged": [other["command"] for other, _ in merged],
            "tasks": names, "splits": {t: per_task[t]["splits"] for t in names},
            "machine": hw, "threads": torch.get_num_threads(),
            "wall_seconds": time.perf_counter() - t_start,
@@ -732,7 +781,8 @@ def value_markdown(doc: dict[str, Any]) -> str:
     tasks, s, o = doc["tasks"], doc["summary"], doc["options"]
     machines = sorted({e["machine"] for e in doc["episodes"]})
     sizes = doc["splits"]
-    lines = ["# The vector's value under a held-out protocol", "", "```", doc["command"], "```",
+    lines = ["# The vector's value under a held-out protocol", "", "```", doc["command"],
+             *(f"# merged with the tasks of: {c}" for c in doc.get("merged", [])), "```",
              "", f"Model `{o['model']}` ({o['dtype']}); seeds {o['seeds']} (demonstrations, "
              f"train and dev queries), test seed {o['test_seed']} (the same test queries for "
              f"every seed and row); captured on {'; '.join(machines)}, {doc['threads']} threads; "

@@ -570,6 +570,11 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
               help="Free tokens generated per query in the serving passes.")
 @click.option("--repeats", default=3, show_default=True,
               help="Timed serving passes per engine (the fastest counts).")
+@click.option("--merge", "merge", multiple=True,
+              type=click.Path(exists=True, path_type=Path),
+              help="An earlier result of this bench (its folder) with the same options and "
+                   "other tasks: its episodes join the tables (repeatable), so a sweep too "
+                   "long for one machine runs task by task.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("benchmarks/results/value"), show_default=True)
 @friendly
@@ -577,14 +582,20 @@ def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, man
                     n: int, n_dev: int, n_test: int, seeds: str, batch_size: int, dtype: str,
                     lora: bool, lora_lrs: str, lora_epochs: int, serving: bool,
                     serving_queries: int, gen_tokens: int, repeats: int,
-                    out_dir: Path) -> None:
+                    merge: tuple[Path, ...], out_dir: Path) -> None:
     """The vector's value under a held-out protocol: train / dev / test splits, every
     choice on dev, the test read once per row, per-query records and paired bootstrap
     intervals; two tables (no labels; with the N queries' labels, against a probe, a LoRA
     fine-tune and the prompts). States are kept under --out/states: a rerun reuses them."""
     from dataclasses import replace
 
-    from ltv_vllm.bench.value import ValueOptions, bench_value, check_disjoint, plan
+    from ltv_vllm.bench.value import (
+        ValueOptions,
+        bench_value,
+        check_disjoint,
+        merge_docs,
+        plan,
+    )
     from ltv_vllm.bench.value_serving import ServingOptions
     from ltv_vllm.extraction.finetune import LoraOptions
     from ltv_vllm.models.checkpoint import context_length
@@ -631,6 +642,7 @@ def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, man
             check_disjoint(ep, many)
             for e in (ep, replace(ep, demos=many, extra_demos=())):
                 check_context(tok, e, t.special_tokens, context)
+    merged = merge_docs(merge, opts, [t.name for t in tasks])
     doc = bench_value(tasks, opts, out_dir, _command_line(),
-                      log=lambda m: click.echo(m, err=True))
+                      log=lambda m: click.echo(m, err=True), merged=merged)
     click.echo(f"results in {out_dir}: {len(doc['episodes'])} episodes")
