@@ -510,6 +510,7 @@ def lora_record(model: _Model, task: Any, ep: Any, label_ids: Sequence[int],
     test label logits stored at `path` and its adapter beside it (`adapter_dir`), so a rerun
     over stored states reuses them (and trains again only where the adapter is needed, for
     serving, and missing)."""
+    from ltv_vllm.core.fileio import atomic_write
     from ltv_vllm.extraction.finetune import LoraOptions, LoraTuner
 
     lo = replace(model.opts.lora_options or LoraOptions(), seed=ep.seed)
@@ -534,8 +535,6 @@ def lora_record(model: _Model, task: Any, ep: Any, label_ids: Sequence[int],
            "dev_accuracy": choice.dev_accuracy, "curve": choice.curve,
            "train_seconds": choice.train_seconds, "dev_logits": z_dev.tolist(),
            "test_logits": z_test.tolist()}
-    from ltv_vllm.core.fileio import atomic_write
-
     atomic_write(path, lambda p: Path(p).write_text(json.dumps(rec)))
     return rec
 

@@ -65,6 +65,7 @@ def serving_costs(model_dir: Path, task: Any, ep: Any, many: Sequence[Any],
     from ltv_vllm.bench.report import derive_rates
     from ltv_vllm.bench.serving import run_engine_job
     from ltv_vllm.bench.workload import EngineSettings
+    from ltv_vllm.models.loading import load_tokenizer
     from ltv_vllm.serving.launcher.recipe import engine_kwargs
 
     test = ep.test[: opts.queries]
@@ -72,8 +73,6 @@ def serving_costs(model_dir: Path, task: Any, ep: Any, many: Sequence[Any],
     prompts = {ZERO_SHOT: [task.zero_shot(e.text) for e in test],
                PROMPT_K: [k_prefix + task.query(e.text) for e in test],
                PROMPT_MANY: [many_prefix + task.query(e.text) for e in test]}
-    from ltv_vllm.models.loading import load_tokenizer
-
     tok = load_tokenizer(str(model_dir))
     longest = max(len(tok(p, add_special_tokens=task.special_tokens)["input_ids"])
                   for p in prompts[PROMPT_MANY])
