@@ -358,6 +358,11 @@ def test_bench_scaling_rows_are_evaluate_s(tmp_path, soft_model_dir, task_file, 
                                                       abs=1e-9), m
     small = _evaluate_records(lm, task, 6, 1, 0.05)
     assert rows[6]["scores"]["ltv"]["accuracy"] == small["ltv"]["accuracy"]
+    # both record their splits: the same test subset, no dev split (no choice is made)
+    assert (full["ltv"]["n_train"], full["ltv"]["n_dev"], full["ltv"]["test_seed"]) == (12, 0, 0)
+    for n, row in rows.items():
+        assert row["splits"] == {"train": n, "dev": 0, "test": full["ltv"]["n_test"],
+                                 "test_seed": 0}
     assert rows[6]["capture_seconds"]["ltv"] < rows[12]["capture_seconds"]["ltv"]
     assert rows[12]["capture_seconds"]["ltv-multi"] > rows[12]["capture_seconds"]["ltv"]
     md = (out / "results.md").read_text()

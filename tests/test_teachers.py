@@ -199,6 +199,81 @@ def test_bench_teachers_states_rescore_and_the_default_is_extracts(tmp_path, mod
         assert r.exit_code != 0 and why in r.output, r.output
 
 
+def test_bench_teachers_n_dev_scores_dev_and_chooses_on_it_alone(tmp_path, model_dir,
+                                                                  task_file):
+    """`--n-dev`: a dev split disjoint from everything else, every variant's dev accuracy
+    the fit applied to transformers' own dev states, and a chosen-on-dev row that no test
+    label moves (a planted leak, choosing by the test rows, would move it)."""
+    from click.testing import CliRunner
+    from safetensors.torch import load_file, save_file
+
+    from ltv_vllm.cli import main
+    from ltv_vllm.core.metrics import accuracy
+    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.pipeline.extract import ExtractOptions, extract, plan_episode
+    from ltv_vllm.tasks.data import load_dataset, many_shot_demos
+    from ltv_vllm.tasks.specs import get_task
+
+    out = tmp_path / "teachers"
+    variants = "one/icl,many/batch,sets/contextual/0.5,many/icl"
+    args = ["bench", "teachers", "--model", str(model_dir), "--tasks", str(task_file), "--k",
+            "6", "--many-k", "12", "--n", "12", "--n-test", "8", "--n-dev", "10", "--runs",
+            "1", "--batch-size", "4", "--dtype", "float32", "--variants", variants,
+            "--out", str(out)]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "results.json").read_text())
+    task = get_task(str(task_file))
+    ep = plan_episode(task, ExtractOptions(k=6, n=12, n_test=8, seed=0, n_val=10, demo_sets=2))
+    many = many_shot_demos(load_dataset(task), ep, 12)
+    dev_texts = {e.text for e in ep.val}
+    assert len(ep.val) == 10 and not dev_texts & {e.text for e in (*ep.queries, *ep.test,
+                                                                  *many, *ep.demos,
+                                                                  *ep.extra_demos[0])}
+    assert doc["n_dev"] == 10 and "--n-dev 10" in doc["command"]
+    assert doc["rows"][0]["splits"] == {"train": 12, "dev": 10, "test": 8, "test_seed": 0}
+    st = load_file(str(out / "states" / f"{task.name}_seed0.safetensors"))
+    lm = load_model(str(model_dir), dtype="float32")
+    torch.testing.assert_close(st["h_icl_dev"][0][3], final_state(
+        lm, ep.demo_prefixes()[0] + task.query(ep.val[3].text)), atol=1e-4, rtol=1e-4)
+    h_zs_dev = torch.stack([final_state(lm, task.zero_shot(e.text)) for e in ep.val])
+    torch.testing.assert_close(st["h_zs_dev"], h_zs_dev, atol=1e-4, rtol=1e-4)
+    # one/icl's dev accuracy: the pipeline's own vector applied to those dev states
+    res = extract(lm, task, "ltv", ExtractOptions(k=6, n=12, n_test=8, seed=0, n_val=0,
+                                                  batch_size=4, progress=False),
+                  episode=plan_episode(task, ExtractOptions(k=6, n=12, n_test=8, seed=0,
+                                                            n_val=10, demo_sets=1)))
+    w_c, b_c = st["w_c"], st["b_c"]
+    shifted = res.artifact.shift_hidden(h_zs_dev)
+    scores = doc["rows"][0]["scores"]
+    assert scores["one/icl"]["dev_accuracy"] == pytest.approx(
+        accuracy(shifted @ w_c.T + b_c, torch.tensor([e.label for e in ep.val])))
+    # the chosen row: per episode the best dev accuracy (ties: the first listed), its test
+    want = max(variants.split(","), key=lambda v: scores[v]["dev_accuracy"])
+    dev = doc["summary"]["chosen_on_dev"]
+    assert dev["per_task"][task.name]["picks"] == [want]
+    assert dev["per_task"][task.name]["accuracy"] == pytest.approx(scores[want]["accuracy"])
+    assert "variant chosen on dev" in (out / "results.md").read_text()
+    # test labels scrambled in the stored states: every test score moves, the pick does not
+    flipped = dict(st)
+    flipped["labels_test"] = 1 - st["labels_test"]
+    save_file(flipped, str(out / "states" / f"{task.name}_seed0.safetensors"))
+    r = CliRunner().invoke(main, [*args[:-2], "--rescore", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    again = json.loads((out / "results.json").read_text())
+    assert again["summary"]["chosen_on_dev"]["per_task"][task.name]["picks"] == [want]
+    for v in variants.split(","):
+        assert again["rows"][0]["scores"][v]["dev_accuracy"] == scores[v]["dev_accuracy"]
+        assert again["rows"][0]["scores"][v]["accuracy"] == pytest.approx(
+            1 - scores[v]["accuracy"])
+    # another dev size is another configuration: refused before any model loads
+    r = CliRunner().invoke(main, [*args[:-2], "--seed", "1", "--n-dev", "12", "--merge",
+                                  str(out), "--out", str(tmp_path / "x")])
+    assert r.exit_code != 0 and "another configuration" in r.output and "n_dev" in r.output
+    r = CliRunner().invoke(main, [*args[:-2], "--n-dev", "-1", "--out", str(tmp_path / "y")])
+    assert r.exit_code != 0 and "--n-dev" in r.output
+
+
 @pytest.mark.parametrize("teacher", ["batch", "contextual", "gold", "default"])
 def test_extract_teacher_vector_is_the_ridge_on_the_hand_made_target(tmp_path, model_dir,
                                                                      task_file, teacher):

@@ -147,6 +147,10 @@ def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], d
                 lams[fit] = sc.params["ltv"]["lam"]  # --lam auto: the one leave-one-out chose
             scores = ens.set_scores(logits, z_sets, labels)
             recs.append({"task": name, "run": run, "seed": seed + run, "n": n,
+                         # no choice is made here (λ fixed or by leave-one-out on train),
+                         # so there is no dev split
+                         "splits": {"train": n, "dev": 0, "test": len(ep.test),
+                                    "test_seed": ep.test_seed},
                          "scores": scores,
                          "capture_seconds": {"ltv": zs_s + set_s[0],
                                              ens.MULTI: zs_s + sum(set_s)},

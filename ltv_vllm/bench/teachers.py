@@ -64,12 +64,13 @@ def capture(cap: Any, task: Any, ep: Any, many: Sequence[Any], h_zs_test: torch.
     """Every state an episode's variants need, float32, and what capturing them cost."""
     queries = [task.query(e.text) for e in ep.queries]
     tests = [task.query(e.text) for e in ep.test]
+    devs = [task.query(e.text) for e in ep.val]  # empty without --n-dev
     cf = [task.query(t) for t in CONTENT_FREE]
     t0 = time.perf_counter()
     h_zs = zero_shot_states(cap, task, [e.text for e in ep.queries],
                             desc=f"{task.name} zero-shot train")
     cost: dict[str, Any] = {"zero_shot_seconds": time.perf_counter() - t0, "sets": []}
-    out: dict[str, list[torch.Tensor]] = {"train": [], "test": [], "cf": []}
+    out: dict[str, list[torch.Tensor]] = {"train": [], "test": [], "cf": [], "dev": []}
     prefixes = [*ep.demo_prefixes(), task.demos_text(many)]
     for m, prefix in enumerate(prefixes):
         name = "many" if m == len(prefixes) - 1 else f"set {m + 1}"
@@ -78,12 +79,19 @@ def capture(cap: Any, task: Any, ep: Any, many: Sequence[Any], h_zs_test: torch.
         seconds = time.perf_counter() - t0
         out["test"].append(cap.icl(prefix, tests, desc=f"{task.name} {name} test").float())
         out["cf"].append(cap.icl(prefix, cf, desc=f"{task.name} {name} content-free").float())
+        if devs:
+            out["dev"].append(cap.icl(prefix, devs, desc=f"{task.name} {name} dev").float())
         cost["sets"].append({"seconds": seconds, "prompt_tokens": len(cap.encode(prefix)),
                              "k": len(many) if name == "many" else len(ep.demos)})
     states = {"h_zs": h_zs.float(), "h_zs_test": h_zs_test.float(),
               "h_icl": torch.stack(out["train"]), "h_icl_test": torch.stack(out["test"]),
               "h_icl_cf": torch.stack(out["cf"]), "labels": labels_train,
               "labels_test": labels_test}
+    if devs:  # the dev split: every choice this bench reports as "chosen on dev"
+        states["h_zs_dev"] = zero_shot_states(cap, task, [e.text for e in ep.val],
+                                              desc=f"{task.name} zero-shot dev").float()
+        states["h_icl_dev"] = torch.stack(out["dev"])
+        states["labels_dev"] = torch.tensor([e.label for e in ep.val])
     return states, cost
 
 
@@ -104,9 +112,11 @@ def score_variants(states: dict[str, torch.Tensor], variants: Sequence[str],
                    head: tuple[torch.Tensor, torch.Tensor]) -> dict[str, dict[str, float]]:
     """Each variant's teacher accuracy, LTV accuracy and its d_NTP against one k-shot prompt,
     the ensemble and its own teacher, from one episode's stored states. `ctx_for(h_zs,
-    h_icl)`: the registry's Context for a fit to that target."""
+    h_icl)`: the registry's Context for a fit to that target. With dev states (`--n-dev`)
+    every row also holds its `dev_accuracy`: the same fit applied to the dev queries, what
+    `summarise` chooses by (the test rows are never read for a choice)."""
     from ltv_vllm.core.metrics import accuracy, d_ntp
-    from ltv_vllm.methods import score_methods
+    from ltv_vllm.methods import get_method, score_methods
 
     w_c, b_c = head
     labels = states["labels_test"].long()
@@ -116,6 +126,12 @@ def score_variants(states: dict[str, torch.Tensor], variants: Sequence[str],
     base_scores = ens.set_scores({"zero-shot": zs_test @ w_c.T + b_c, "icl": z_sets[0],
                                   **refs}, z_sets, labels)
     out: dict[str, dict[str, float]] = dict(base_scores)
+    dev = "h_zs_dev" in states
+    if dev:
+        labels_dev = states["labels_dev"].long()
+        out["zero-shot"]["dev_accuracy"] = accuracy(states["h_zs_dev"] @ w_c.T + b_c,
+                                                    labels_dev)
+        out["icl"]["dev_accuracy"] = accuracy(states["h_icl_dev"][0] @ w_c.T + b_c, labels_dev)
     for spec in variants:
         base, opts = parse_variant(spec)
         t = teacher_base(states, base)
@@ -128,6 +144,9 @@ def score_variants(states: dict[str, torch.Tensor], variants: Sequence[str],
         row = ens.set_scores({"v": z}, z_sets, labels)["v"]
         row.update({"teacher_accuracy": accuracy(z_teacher, labels),
                     "d_ntp_teacher": d_ntp(z_teacher, z), "lam": sc.params["ltv"]["lam"]})
+        if dev:
+            h_dev = get_method("ltv").shift(sc.artifacts["ltv"], states["h_zs_dev"])
+            row["dev_accuracy"] = accuracy(h_dev @ w_c.T + b_c, labels_dev)
         out[spec] = row
     return out
 
@@ -136,10 +155,12 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
                    demo_sets: int, n: int, runs: int, lam: float | str, n_test: int,
                    seed: int, batch_size: int, dtype: str, variants: Sequence[str],
                    out_dir: Path, command: str, rescore: bool = False,
-                   merged: Sequence[dict[str, Any]] = (),
+                   merged: Sequence[dict[str, Any]] = (), n_dev: int = 0,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """Capture what is missing under out_dir/states, score every variant, write results.
-    `merged`: earlier results of this bench (`merge_docs`) whose episodes join the tables."""
+    `merged`: earlier results of this bench (`merge_docs`) whose episodes join the tables.
+    `n_dev` > 0: a labelled dev split per episode (disjoint from the queries, demonstrations
+    and test), every variant scored on it, and a "chosen on dev" row per task."""
     from safetensors.torch import load_file, save_file
 
     from ltv_vllm.bench import report
@@ -150,7 +171,7 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
     from ltv_vllm.models.checkpoint import identity_from_dir
     from ltv_vllm.models.loading import load_model, load_tokenizer, local_model_dir
     from ltv_vllm.pipeline.extract import ExtractOptions, capture_test_zero_shot, plan_episode
-    from ltv_vllm.tasks.data import load_dataset, many_shot_demos
+    from ltv_vllm.tasks.data import check_disjoint, load_dataset, many_shot_demos
     from ltv_vllm.tasks.specs import label_token_ids
 
     for v in variants:
@@ -160,7 +181,10 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
     states_dir.mkdir(parents=True, exist_ok=True)
     # what an episode's stored states depend on besides its seed
     config = {"model": model_spec, "dtype": dtype, "k": k, "many_k": many_k,
-              "demo_sets": demo_sets, "n": n, "n_test": n_test}
+              "demo_sets": demo_sets, "n": n, "n_test": n_test,
+              # a dev split moves the further sets' demonstrations (drawn outside it); the
+              # key is absent without one, so states stored before --n-dev stay valid
+              **({"n_dev": n_dev} if n_dev else {})}
     lm = None
     tok = load_tokenizer(model_spec)
     identity = identity_from_dir(local_model_dir(model_spec))
@@ -168,7 +192,8 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
     zs_test: dict[str, torch.Tensor] = {}
     for task, run in itertools.product(tasks, range(runs)):
         ep = plan_episode(task, ExtractOptions(k=k, n=n, lam=5.0, seed=seed + run,
-                                               n_test=n_test, n_val=0, demo_sets=demo_sets))
+                                               n_test=n_test, n_val=n_dev,
+                                               demo_sets=demo_sets))
         label_ids = label_token_ids(task, tok)
         ep_config = {**config, "seed": seed + run}
         path = states_dir / f"{task.name}_seed{seed + run}.safetensors"
@@ -184,6 +209,7 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
                 cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=True,
                                special_tokens=task.special_tokens)
             many = many_shot_demos(load_dataset(task), ep, many_k)
+            check_disjoint(ep, many)
             if task.name not in zs_test:  # the test subset is the same for every run
                 zs_test[task.name] = capture_test_zero_shot(cap, task, ep)
             st, cost = capture(cap, task, ep, many, zs_test[task.name],
@@ -205,16 +231,20 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
 
         scores = score_variants(st, variants, ctx_for, head)
         rows.append({"task": task.name, "run": run, "seed": seed + run, "scores": scores,
-                     "cost": meta["cost"], "machine": meta["machine"]})
-        best = max(variants, key=lambda v: scores[v]["accuracy"])
+                     "cost": meta["cost"], "machine": meta["machine"],
+                     "splits": {"train": len(ep.queries), "dev": len(ep.val),
+                                "test": len(ep.test), "test_seed": ep.test_seed}})
+        pick = chosen_on_dev(scores, variants) if n_dev else None
         log(f"{task.name} run {run}: zero-shot {100 * scores['zero-shot']['accuracy']:.1f}% "
             f"ICL {100 * scores['icl']['accuracy']:.1f}% LTV one/icl "
-            f"{100 * scores['one/icl']['accuracy']:.1f}% best {best} "
-            f"{100 * scores[best]['accuracy']:.1f}%" if "one/icl" in scores else task.name)
+            f"{100 * scores['one/icl']['accuracy']:.1f}%" if "one/icl" in scores else task.name)
+        if pick is not None:
+            log(f"  chosen on dev: {pick} (dev {100 * scores[pick]['dev_accuracy']:.1f}%), "
+                f"test {100 * scores[pick]['accuracy']:.1f}%")
     names = [t.name for t in tasks]
     rows += [r for other in merged for r in other["rows"]]  # `merge_docs` checked them
     rows.sort(key=lambda r: (names.index(r["task"]), r["seed"]))
-    doc = {"command": command, **config, "seed": seed, "lam": lam,
+    doc = {"command": command, **config, "n_dev": n_dev, "seed": seed, "lam": lam,
            "runs": max(sum(r["task"] == t for r in rows) for t in names),
            "merged": [other["command"] for other in merged],
            "tasks": names, "variants": list(variants), "machine": hw,
@@ -229,7 +259,8 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
 # what every episode's scores hold beside the variants
 BASE_ROWS = ("zero-shot", "icl", ens.ENSEMBLE)
 # what must agree for two runs of this bench to share tables (their seeds differ)
-MERGE_KEYS = ("model", "dtype", "k", "many_k", "demo_sets", "n", "n_test", "lam")
+MERGE_KEYS = ("model", "dtype", "k", "many_k", "demo_sets", "n", "n_test", "lam", "n_dev")
+MERGE_DEFAULTS = {"n_dev": 0}  # results written before the key existed
 
 
 def merge_docs(paths: Sequence[Path], config: dict[str, Any], tasks: Sequence[str],
@@ -247,8 +278,10 @@ def merge_docs(paths: Sequence[Path], config: dict[str, Any], tasks: Sequence[st
             raise ArgumentError(f"--merge {path}: not a readable results.json ({e})") from None
         if not isinstance(doc, dict) or "rows" not in doc or "many_k" not in doc:
             raise ArgumentError(f"--merge {path}: not the results of `ltv-vllm bench teachers`")
-        differ = [f"{key} {doc.get(key)!r} here {config[key]!r}" for key in MERGE_KEYS
-                  if doc.get(key) != config[key]]
+        differ = [f"{key} {doc.get(key, MERGE_DEFAULTS.get(key))!r} here "
+                  f"{config.get(key, MERGE_DEFAULTS.get(key))!r}" for key in MERGE_KEYS
+                  if doc.get(key, MERGE_DEFAULTS.get(key))
+                  != config.get(key, MERGE_DEFAULTS.get(key))]
         if differ:
             raise ArgumentError(f"--merge {path}: another configuration: {'; '.join(differ)}")
         rows = [r for r in doc["rows"] if r["task"] in tasks]
@@ -266,6 +299,12 @@ def merge_docs(paths: Sequence[Path], config: dict[str, Any], tasks: Sequence[st
             seen.add((r["task"], r["seed"]))
         docs.append({**doc, "rows": rows})
     return docs
+
+
+def chosen_on_dev(scores: dict[str, dict[str, float]], variants: Sequence[str]) -> str:
+    """The variant with the best dev accuracy (ties: the first in `variants`); the test
+    accuracies are not read."""
+    return max(variants, key=lambda v: scores[v]["dev_accuracy"])
 
 
 def summarise(doc: dict[str, Any]) -> dict[str, Any]:
@@ -291,7 +330,21 @@ def summarise(doc: dict[str, Any]) -> dict[str, Any]:
                       "teacher_accuracy": statistics.fmean(per[t][v]["teacher_accuracy"]
                                                            for t in tasks),
                       "recovery": sum(got) / sum(gain) if sum(gain) > 0 else None}
-    return {"per_task": per, "overall": overall}
+    out: dict[str, Any] = {"per_task": per, "overall": overall}
+    if doc.get("n_dev"):
+        dev: dict[str, Any] = {}
+        for t in tasks:
+            rs = [r for r in rows if r["task"] == t]
+            picks = [chosen_on_dev(r["scores"], doc["variants"]) for r in rs]
+            dev[t] = {"picks": picks,
+                      "accuracy": statistics.fmean(r["scores"][v]["accuracy"]
+                                                   for r, v in zip(rs, picks, strict=True))}
+        gaps = [dev[t]["accuracy"] - per[t]["icl"]["accuracy"] for t in tasks]
+        out["chosen_on_dev"] = {"per_task": dev, "at_or_above": sum(g >= 0 for g in gaps),
+                                "mean_gap": statistics.fmean(gaps),
+                                "accuracy": statistics.fmean(dev[t]["accuracy"]
+                                                             for t in tasks)}
+    return out
 
 
 def teachers_markdown(doc: dict[str, Any]) -> str:
@@ -303,7 +356,8 @@ def teachers_markdown(doc: dict[str, Any]) -> str:
              *(f"# merged with the episodes of: {c}" for c in doc.get("merged", [])), "```",
              "", f"Model `{doc['model']}` ({doc['dtype']}), k={doc['k']} (M={doc['demo_sets']} "
              f"sets), many-shot k={doc['many_k']}, N={doc['n']}, λ={doc['lam']}, "
-             f"{doc['n_test']} test queries, {doc['runs']} run(s) per task (means over runs); "
+             f"{doc['n_test']} test queries, {doc.get('n_dev', 0)} dev queries, "
+             f"{doc['runs']} run(s) per task (means over runs); "
              f"captured on {'; '.join(machines)}, {doc['threads']} threads; this command's "
              f"wall time {doc['wall_seconds'] / 60:.1f} min.", "",
              "A variant is base/calibration[/gold weight]: base `one` = the first k-shot "
@@ -327,6 +381,17 @@ def teachers_markdown(doc: dict[str, Any]) -> str:
     for v in doc["variants"]:
         lines.append(row(f"teacher {v}", [per[t][v]["teacher_accuracy"] for t in tasks]))
         lines.append(row(f"**LTV {v}**", [per[t][v]["accuracy"] for t in tasks]))
+    dev = s.get("chosen_on_dev")
+    if dev:
+        lines.append(row(f"**LTV, variant chosen on dev** ({doc['n_dev']} dev queries per "
+                         "episode)", [dev["per_task"][t]["accuracy"] for t in tasks]))
+    lines += ["", "Every row is scored on the test queries; the best row of this table is "
+              "therefore a choice made on test and reads high. "
+              + ("The chosen-on-dev row is the held-out choice (per episode, the variant "
+                 "with the best dev accuracy); its picks: " + "; ".join(
+                     f"{t} {', '.join(dev['per_task'][t]['picks'])}" for t in tasks) + "."
+                 if dev else "Rerun with `--n-dev 200` for a row chosen on held-out dev "
+                 "queries; `ltv-vllm bench value` is the full held-out protocol.")]
     for key, title in (("d_ntp", f"d_NTP against one {doc['k']}-shot prompt"),
                        ("d_ntp_ensemble", f"d_NTP against the {doc['demo_sets']}-prompt "
                                           "ensemble"),
@@ -343,6 +408,9 @@ def teachers_markdown(doc: dict[str, Any]) -> str:
         rec = "–" if o["recovery"] is None else f"{100 * o['recovery']:.0f} %"
         lines.append(f"| {v} | {o['at_or_above']} of {len(tasks)} | "
                      f"{100 * o['mean_gap']:+.1f} | {rec} |")
+    if dev:
+        lines.append(f"| chosen on dev | {dev['at_or_above']} of {len(tasks)} | "
+                     f"{100 * dev['mean_gap']:+.1f} | – |")
     lines += ["", "**Extraction cost per run** (mean over episodes; train-query passes only, "
               "the test's are not a cost of extraction)", "",
               "| Teacher | prompt tokens | capture seconds (zero-shot + its sets) |",

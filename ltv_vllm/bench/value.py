@@ -406,20 +406,6 @@ def most_demos(data: Any, ep: Any, tokenizer: Any, context: int) -> tuple[Any, .
     return many
 
 
-def check_disjoint(ep: Any, many: Sequence[Any]) -> None:
-    """Train, dev and test share no text; no demonstration is a dev or test query."""
-    train = {e.text for e in ep.queries}
-    dev = {e.text for e in ep.val}
-    test = {e.text for e in ep.test}
-    demos = {e.text for d in ep.demo_sets for e in d} | {e.text for e in many}
-    for a, b, what in ((train, dev, "train and dev"), (train, test, "train and test"),
-                       (dev, test, "dev and test"), (demos, dev, "demonstrations and dev"),
-                       (demos, test, "demonstrations and test")):
-        if a & b:
-            raise AssertionError(f"{ep.task.name} seed {ep.seed}: {what} share "
-                                 f"{len(a & b)} texts")
-
-
 def capture_states(cap: Any, task: Any, ep: Any, many: Sequence[Any],
                    h_zs_test: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every state an episode's rows need (float32) and what capturing them cost."""
@@ -630,6 +616,7 @@ def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command
     from ltv_vllm.models.checkpoint import context_length
     from ltv_vllm.models.hardware import machine_line
     from ltv_vllm.models.loading import load_tokenizer, local_model_dir
+    from ltv_vllm.tasks.data import check_disjoint
     from ltv_vllm.tasks.specs import label_token_ids
 
     hw = machine()

@@ -455,6 +455,10 @@ def bench_scaling_cmd(model_spec: str, task_list: str, ns: str, demo_sets: int, 
               help="Episodes per task (seeds seed, seed+1, ...).")
 @lam_option("Every fit, each episode its own λ.")
 @click.option("--n-test", default=100, show_default=True)
+@click.option("--n-dev", default=0, show_default=True,
+              help="Labelled dev queries per episode (n_dev//K per class, disjoint from the "
+                   "queries, demonstrations and test): every variant is scored on them and "
+                   "a row chosen on dev is added (0: none; every row is then a test score).")
 @_SEED
 @click.option("--batch-size", default=16, show_default=True)
 @click.option("--dtype", default="bfloat16", show_default=True, type=DTYPE, help=DTYPE_HELP)
@@ -474,7 +478,7 @@ def bench_scaling_cmd(model_spec: str, task_list: str, ns: str, demo_sets: int, 
               default=Path("benchmarks/results/teachers"), show_default=True)
 @friendly
 def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, demo_sets: int,
-                       n: int, runs: int, lam: float | str, n_test: int, seed: int,
+                       n: int, runs: int, lam: float | str, n_test: int, n_dev: int, seed: int,
                        batch_size: int, dtype: str, variants: str | None, rescore: bool,
                        merge: tuple[Path, ...], out_dir: Path) -> None:
     """Fit vectors to better teachers than one k-shot prompt (many-shot, calibrated, gold
@@ -496,11 +500,13 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
         check_counts,
         plan_episode,
     )
-    from ltv_vllm.tasks.data import load_dataset, many_shot_demos
+    from ltv_vllm.tasks.data import check_disjoint, load_dataset, many_shot_demos
     from ltv_vllm.tasks.specs import get_tasks, label_token_ids
 
     check_counts(runs=runs, k=k, n=n, lam=lam, n_test=n_test, batch_size=batch_size)
     check_counts(k=many_k)
+    if n_dev < 0:
+        raise ArgumentError(f"--n-dev must be ≥ 0, got {n_dev}")
     if demo_sets < 1:
         raise ArgumentError(f"--demo-sets must be at least 1, got {demo_sets}")
     chosen = _csv(variants) if variants else list(DEFAULT_VARIANTS)
@@ -514,19 +520,21 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
     context = context_length(local_model_dir(model_spec))
     tasks = get_tasks(task_list)
     merged = merge_docs(merge, {"model": model_spec, "dtype": dtype, "k": k, "many_k": many_k,
-                                "demo_sets": demo_sets, "n": n, "n_test": n_test, "lam": lam},
+                                "demo_sets": demo_sets, "n": n, "n_test": n_test, "lam": lam,
+                                "n_dev": n_dev},
                         [t.name for t in tasks], chosen, range(seed, seed + runs))
     for t in tasks:  # labels, k, N, the sets and the many-shot set before the model loads
         label_token_ids(t, tok)
-        ep = plan_episode(t, ExtractOptions(k=k, n=n, n_test=n_test, seed=seed, n_val=0,
+        ep = plan_episode(t, ExtractOptions(k=k, n=n, n_test=n_test, seed=seed, n_val=n_dev,
                                             demo_sets=demo_sets))
         many = many_shot_demos(load_dataset(t), ep, many_k)
+        check_disjoint(ep, many)
         for e in (ep, replace(ep, demos=many, extra_demos=())):  # each prompt fits the context
             check_context(tok, e, t.special_tokens, context)
     doc = bench_teachers(model_spec, tasks, k=k, many_k=many_k, demo_sets=demo_sets, n=n,
                          runs=runs, lam=lam, n_test=n_test, seed=seed, batch_size=batch_size,
                          dtype=dtype, variants=chosen, out_dir=out_dir, rescore=rescore,
-                         merged=merged, command=_command_line(),
+                         merged=merged, n_dev=n_dev, command=_command_line(),
                          log=lambda m: click.echo(m, err=True))
     click.echo(f"results in {out_dir}: {len(doc['rows'])} episodes")
 
@@ -592,7 +600,6 @@ def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, man
     from ltv_vllm.bench.value import (
         ValueOptions,
         bench_value,
-        check_disjoint,
         merge_docs,
         plan,
     )
@@ -601,6 +608,7 @@ def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, man
     from ltv_vllm.models.checkpoint import context_length
     from ltv_vllm.models.loading import load_tokenizer, local_model_dir
     from ltv_vllm.pipeline.extract import check_context
+    from ltv_vllm.tasks.data import check_disjoint
     from ltv_vllm.tasks.specs import get_tasks, label_token_ids
 
     seed_list = tuple(_ints(seeds))

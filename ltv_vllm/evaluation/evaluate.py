@@ -335,6 +335,10 @@ def evaluate(
             "extraction_seconds": ext.get(m),
             "k_used": len(episode.demos),
             "n_test": len(episode.test),
+            # the split sizes and the test's seed (the validation examples, --n-val, are the
+            # dev split: the baselines' layer choice reads them, never the test)
+            "n_train": len(episode.queries), "n_dev": len(episode.val),
+            "test_seed": episode.test_seed,
             **({"params": params[m]} if m in params else {}),
         } for m in keys]
         sweep.finish(name, run, recs, f"{name}: " + " ".join(

@@ -841,6 +841,21 @@ __all__ = [
 ]
 
 
+def check_disjoint(ep: Episode, many: Sequence[Example] = ()) -> None:
+    """Train, dev and test share no text; no demonstration (of the episode's sets or of
+    `many`) is a dev or test query. DataError naming the two splits otherwise."""
+    train = {e.text for e in ep.queries}
+    dev = {e.text for e in ep.val}
+    test = {e.text for e in ep.test}
+    demos = {e.text for d in ep.demo_sets for e in d} | {e.text for e in many}
+    for a, b, what in ((train, dev, "train and dev"), (train, test, "train and test"),
+                       (dev, test, "dev and test"), (demos, dev, "demonstrations and dev"),
+                       (demos, test, "demonstrations and test")):
+        if a & b:
+            raise DataError(f"{ep.task.name} seed {ep.seed}: {what} share {len(a & b)} "
+                            "texts (duplicates in the data?); no choice could stay held out")
+
+
 def many_shot_demos(dataset: Dataset, episode: Episode, k: int) -> tuple[Example, ...]:
     """A many-shot teacher's demonstrations for `episode`: k//K per class (shuffled) from the
     train examples that are neither its queries nor its validation examples, from a stream of
