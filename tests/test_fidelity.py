@@ -108,10 +108,12 @@ def ask_each(url: str, model: str, prompts: list[str]) -> None:
             time.sleep(0.05)
 
 
-@pytest.mark.parametrize("served", ["store", "named", "fused"])
+@pytest.mark.parametrize("served", ["store", "named", "fused", "fused-v2"])
 def test_live_fidelity_through_a_server(served, assets, tokenizer, tmp_path):
     """A task-store task (in vLLM's default process layout), a command-line task by name, and
-    one fused vector."""
+    one fused vector (on vLLM's V1 runner, and on V2), each with vLLM's default
+    --max-logprobs: the label tokens are read through the engine's readout, whatever rank
+    they have in the full vocabulary."""
     d, model, _ = assets
     root = tmp_path / "store"
     tv = compiled(d, tokenizer, root)
@@ -120,13 +122,14 @@ def test_live_fidelity_through_a_server(served, assets, tokenizer, tmp_path):
     lead = TASK["instruction"] + "\n"
     matched = [f"{lead}Review: {e['text']}\nSentiment:" for e in TEST]
     want = by_hand(model.float().eval(), tokenizer, tv, matched + OTHER)
-    flags = ("--fidelity-sample", "1", "--max-logprobs", "400")
+    flags = ("--fidelity-sample", "1")  # vLLM's default --max-logprobs (20)
+    served, _, v2 = served.partition("-")
     if served == "store":
         proc, url, log = start_server(d, [], tmp_path, (
             "--task-store", str(root), "--allow-unauthenticated", *flags), layout="default")
     else:
         proc, url, log = start_server(d, [f"senti={path}" if served == "named" else str(path)],
-                                      tmp_path, flags)
+                                      tmp_path, flags, runner="1" if v2 else None)
     name = "senti"  # a fused vector's server is named after its task too
     kl_sum = f'ltv_vllm:task_fidelity_kl_sum{{task="{name}"}}'
     kl_count = f'ltv_vllm:task_fidelity_kl_count{{task="{name}"}}'
@@ -162,6 +165,42 @@ def test_live_fidelity_through_a_server(served, assets, tokenizer, tmp_path):
         assert FIDELITY_NAMES <= dashboard_names()
     finally:
         stop(proc, log)
+
+
+def test_a_server_that_cannot_read_the_labels_says_why(assets, tokenizer, tmp_path):
+    """`--max-logprobs 1` and a two-label task: no readout can return an anchor and another
+    label, so every re-ask is `incomplete` (never a guessed value), the log says why once,
+    and the task's `/v1/models` card carries the reason."""
+    d, _, _ = assets
+    tv = compiled(d, tokenizer, tmp_path / "store")
+    path = tv.save(tmp_path / "senti.pt")
+    # (the start-up self-check reads two log-probabilities per step: skipped at N = 1)
+    proc, url, log = start_server(d, [str(path)], tmp_path,
+                                  ("--fidelity-sample", "1", "--max-logprobs", "1",
+                                   "--skip-selfcheck"))
+    key = 'ltv_vllm:task_fidelity_samples_total{outcome="incomplete",task="senti"}'
+    try:
+        lead = TASK["instruction"] + "\n"
+        for e in TEST[:3]:
+            before = series(url).get(key, 0.0)
+            r = HTTP.post(f"{url}/v1/completions", timeout=120, json={
+                "model": "senti", "prompt": f"{lead}Review: {e['text']}\nSentiment:",
+                "max_tokens": 2, "temperature": 0.0})
+            assert r.status_code == 200, r.text
+            deadline = time.time() + 60
+            while series(url).get(key, 0.0) == before:
+                assert time.time() < deadline, series(url)
+                time.sleep(0.05)
+        got = series(url)
+        assert got[key] == 3 and not any("measured" in k for k in got if "samples" in k)
+        cards = {c["id"]: c for c in HTTP.get(f"{url}/v1/models").json()["data"]}
+        why = cards["senti"]["ltv"]["fidelity"]["incomplete"]
+        assert "2 labels" in why and "--max-logprobs" in why, why
+    finally:
+        stop(proc, log)
+    lines = [ln for ln in open(log.name).read().splitlines()
+             if "cannot measure task 'senti'" in ln]
+    assert len(lines) == 1 and why in lines[0], lines
 
 
 def test_the_teacher_a_vector_records(assets, tokenizer, tmp_path):
@@ -261,3 +300,102 @@ def test_fidelity_sample_refused_where_it_cannot_work(flags, words, tmp_path):
     r = CliRunner().invoke(main, ["serve", "--task-vector", str(tmp_path / "v.pt"), *flags,
                                   "--dry-run"])
     assert r.exit_code != 0 and words in r.output, r.output
+
+
+def test_the_engine_readout_is_the_restricted_distribution():
+    """`restrict` (the engine's readout, after the shift): every token but the kept ones at
+    −inf, so the row's log-softmax is the softmax over the kept tokens alone, as d_NTP reads
+    it; other rows untouched; ids outside the vocabulary dropped."""
+    from ltv_vllm.core.metrics import restricted_log_probs
+    from ltv_vllm.serving.engine.steps import restrict
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g) * 4
+    before = logits.clone()
+    labels = (7, 31, 2)
+    out = restrict(logits, {1: labels, 2: (9, 10_000)})
+    lp = torch.log_softmax(out[1].double(), -1)
+    torch.testing.assert_close(lp[list(labels)],
+                               restricted_log_probs(before[1, list(labels)].double()))
+    assert torch.isinf(lp).sum() == 50 - len(labels)
+    torch.testing.assert_close(out[0], before[0])
+    assert out[2, 9] == before[2, 9] and torch.isinf(out[2]).sum() == 49
+
+
+@pytest.mark.parametrize("top,asks", [(20, 1), (4, 3), (2, 9), (9, 2), (1, 0), (0, 0)])
+def test_more_labels_than_max_logprobs_are_read_in_chunks(top, asks, monkeypatch, caplog):
+    """Ten labels on a server returning `top` log-probabilities per token: read in chunks
+    sharing one anchor label, each side's label distribution is the exact restricted one
+    (against a direct log-softmax); below 2 nothing can be read: every re-ask is
+    `incomplete`, said once in the log and kept with its reason."""
+    import asyncio
+    import random
+    from types import SimpleNamespace
+
+    from ltv_vllm.core.metrics import kl_per_query
+    from ltv_vllm.serving.api_server import fidelity as fid
+    from ltv_vllm.serving.api_server.registry import TaskRegistry
+    from ltv_vllm.serving.contract.wire import READOUT_KEY
+
+    counted: list = []
+    monkeypatch.setattr(fid.metrics, "fidelity",
+                        lambda _name, outcome, kl=None, agree=None: counted.append(
+                            (outcome, kl, agree)))
+    monkeypatch.setattr(fid.metrics, "fidelity_baseline", lambda *_: None)
+    cfg = SimpleNamespace(max_logprobs=top, hf_config=SimpleNamespace(),
+                          get_vocab_size=lambda: 64)
+    engine = SimpleNamespace(model_config=cfg, vllm_config=SimpleNamespace())
+    labels = (40, 3, 17, 8, 61, 22, 5, 33, 12, 50)
+    g = torch.Generator().manual_seed(1)
+    z = {"tv": torch.randn(64, generator=g) * 3, "icl": torch.randn(64, generator=g) * 3}
+    asked: list = []
+
+    async def ask(prompt, xargs, top=None):
+        # the engine: logits of that side, restricted to the readout, top-`top` returned
+        ids = xargs[READOUT_KEY]
+        asked.append((prompt, tuple(ids), top))
+        assert top is not None and len(ids) <= top <= cfg.max_logprobs
+        lp = torch.log_softmax(fid_restrict(z[prompt], ids), -1)
+        best = torch.topk(lp, top).indices.tolist()
+        return {t: float(lp[t]) for t in best}
+
+    def fid_restrict(row, ids):
+        out = torch.full_like(row, float("-inf"))
+        out[list(ids)] = row[list(ids)]
+        return out
+
+    teacher = fid.Teacher(lead="", prefix="", labels=labels, d_ntp=None)
+
+    async def run():
+        sampler = fid.LiveFidelity(engine, TaskRegistry(), 1.0, random.Random(0))
+        sampler._ask = ask
+
+        async def teach(_key):
+            return teacher
+
+        sampler._teacher = teach
+        # the ICL side's prompt is the prefix + the query: "" + "icl" here
+        for _ in range(2):
+            sampler.offer(fid.Probe("", "t", "tv", {}))
+            await sampler.busy
+        teacher_prompt = teacher.prompt
+        assert teacher_prompt("icl") == "icl"
+        return sampler
+
+    monkeypatch.setattr(fid.Teacher, "prompt", lambda self, q: "icl")
+    sampler = asyncio.run(run())
+    if asks == 0:
+        assert [c[0] for c in counted] == ["incomplete", "incomplete"] and not asked
+        assert "max-logprobs" in sampler.incomplete["t"]
+        assert sum("cannot measure task 't'" in r.message for r in caplog.records) == 1
+        return
+    # per side and re-ask, `asks` chunks, each label read, the anchor in every chunk
+    per = [a for a in asked if a[0] == "tv"][:asks]
+    assert len(asked) == 4 * asks
+    assert {t for _, c, _ in per for t in c} == set(labels)
+    assert all(c[0] == labels[0] for _, c, _ in per)
+    want = float(kl_per_query(z["icl"][list(labels)][None].double(),
+                              z["tv"][list(labels)][None].double())[0])
+    agree = int(z["icl"][list(labels)].argmax()) == int(z["tv"][list(labels)].argmax())
+    assert [c[0] for c in counted] == ["measured", "measured"]
+    assert counted[0][1] == pytest.approx(want, rel=1e-5) and counted[0][2] == agree

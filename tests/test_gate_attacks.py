@@ -766,6 +766,11 @@ def test_routes_the_gate_does_not_serve_tasks_on_cannot_shift(server):
 
     refused = [("/v1/completions", completion(srv.base, vllm_xargs={"ltv_admit": "0" * 32})),
                ("/v1/completions", completion("beta", vllm_xargs={"ltv_admit": "0" * 32})),
+               # live fidelity's readout: the server's own on the gate's routes, and checked
+               # where vLLM admits a request of any route
+               ("/v1/completions", completion("beta", vllm_xargs={"ltv_readout": [5, 6]})),
+               ("/inference/v1/generate", generate(srv.base, {"ltv_readout": [5, 5]})),
+               ("/inference/v1/generate", generate(srv.base, {"ltv_readout": "5"})),
                ("/v1/responses", {"model": "beta", "input": PROMPTS[0], "background": True,
                                   "max_output_tokens": 3}),
                ("/v1/responses", {"model": "alpha", "input": PROMPTS[0], "background": True,

@@ -91,10 +91,12 @@ MODELS_PATH = "/v1/models"
 TASKS_PATH = "/v1/ltv/tasks"
 
 
-def listed(body: bytes, cards: list[dict[str, Any]], keep: Any = None) -> bytes:
+def listed(body: bytes, cards: list[dict[str, Any]], keep: Any = None,
+           notes: dict[str, dict[str, Any]] | None = None) -> bytes:
     """vLLM's `/v1/models` answer with the store's task cards: added, or (a LoRA adapter
     vLLM lists itself) merged into its card; `keep(card)`: the cards a caller sees (None:
-    all)."""
+    all); `notes`: fields merged into the `ltv` part of the card with that id, where there
+    is one (no card is made for a note)."""
     doc = json.loads(body)
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list):
@@ -107,12 +109,17 @@ def listed(body: bytes, cards: list[dict[str, Any]], keep: Any = None) -> bytes:
             have[card["id"]]["ltv"] = card["ltv"]
         else:
             data.append({**card, "root": root, "parent": root})
+    for c in data:
+        if isinstance(c, dict) and c.get("id") in (notes or {}):
+            c["ltv"] = {**(c.get("ltv") if isinstance(c.get("ltv"), dict) else {}),
+                        **(notes or {})[c["id"]]}
     if keep is not None:
         doc["data"] = [c for c in data if isinstance(c, dict) and keep(c)]
     return json.dumps(doc).encode()
 
 
-def with_listing(send: Any, cards: list[dict[str, Any]], keep: Any = None) -> Any:
+def with_listing(send: Any, cards: list[dict[str, Any]], keep: Any = None,
+                 notes: dict[str, dict[str, Any]] | None = None) -> Any:
     """`send` for `/v1/models`: the answer's body held, the store's cards added and those
     the caller may not see taken out (`listed`), and its length set again."""
     held: list[dict[str, Any]] = []
@@ -130,7 +137,7 @@ def with_listing(send: Any, cards: list[dict[str, Any]], keep: Any = None) -> An
             start = held[0]
             if start["status"] == 200:
                 try:
-                    body = listed(body, cards, keep)
+                    body = listed(body, cards, keep, notes)
                 except ValueError:
                     pass
             headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]

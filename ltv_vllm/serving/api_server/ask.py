@@ -16,6 +16,7 @@ from ltv_vllm.serving.contract.wire import (
     CHAT_KEY,
     CHAT_PATH,
     CHAT_PATHS,
+    READOUT_KEY,
     STEPS_KEY,
     TASK_KEY,
     chat_fitted,
@@ -224,9 +225,10 @@ class Ask:
             # server's own, never a client's
             return (f"vllm_xargs.{TASK_KEY} names a task by its name (a name with '@' is "
                     "the server's own)", "BadRequestError", f"vllm_xargs.{TASK_KEY}")
-        if ADMIT_KEY in xargs:
-            return (f"vllm_xargs.{ADMIT_KEY} is the server's own", "BadRequestError",
-                    f"vllm_xargs.{ADMIT_KEY}")
+        for own in (ADMIT_KEY, READOUT_KEY):  # the gate's stamp, live fidelity's readout
+            if own in xargs:
+                return (f"vllm_xargs.{own} is the server's own", "BadRequestError",
+                        f"vllm_xargs.{own}")
         if CHAT_KEY in xargs and xargs[CHAT_KEY] != "allow":
             return (f'vllm_xargs.{CHAT_KEY} takes one value, "allow"', "BadRequestError",
                     f"vllm_xargs.{CHAT_KEY}")

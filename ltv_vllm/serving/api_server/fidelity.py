@@ -8,10 +8,17 @@ like the ones it was fitted on). Live traffic can drift away from those queries.
 (`Gate.probe`); a RATE share of them is re-asked here, after the client's answer is sent,
 twice, one token each: the vector on the client's prompt, and the bare model on the ICL
 prompt the vector replaces — the task's first demonstration set (`meta.demonstrations`)
-before the client's query, as extraction builds it (`Task.demos_text`). The two top-N
-log-probability maps (N: vLLM's `--max-logprobs`) give KL(P_icl ‖ P_tv) and whether their
-argmax agree (`core.metrics.live_sample`: over the task's label tokens, else over the top
-tokens), exported per task (`metrics.fidelity`) beside the extraction's d_NTP.
+before the client's query, as extraction builds it (`Task.demos_text`). Both re-asks carry
+a readout of the task's label tokens (`READOUT_KEY`): the engine's wrapper sets every other
+token's logit to −inf after the shift (`engine.steps.restrict`), so the log-probabilities
+vLLM returns are the label-restricted distribution d_NTP is defined on, exactly, whatever
+vLLM's `--max-logprobs` N is; with more labels than N, each side is read in chunks of N
+sharing one anchor label (more re-asks, the prompt's KV shared through the prefix cache).
+They give KL(P_icl ‖ P_tv) and whether their argmax agree (`core.metrics.live_sample`),
+exported per task (`metrics.fidelity`) beside the extraction's d_NTP. `incomplete` is what
+cannot be read by construction: a server whose N is below 2 for a task with more labels,
+a vector without label tokens whose top-N lists share fewer than two tokens; the first per
+task is logged with its reason and kept in `LiveFidelity.incomplete`.
 
 Never in the client's way: a re-ask starts once the client's response is complete, at most
 one is in flight (an offer meanwhile is dropped and counted), and under vLLM's
@@ -38,6 +45,7 @@ from ltv_vllm.serving.api_server import metrics
 from ltv_vllm.serving.contract.names import CONFIG_KEY
 from ltv_vllm.serving.contract.wire import (
     ADMIT_KEY,
+    READOUT_KEY,
     STEPS_KEY,
     TASK_KEY,
     TASKS_CONFIG_KEY,
@@ -98,6 +106,19 @@ def teacher_of(tv: Any) -> Teacher | None:
     return Teacher(task.zero_shot_prefix, task.demos_text(demos), tuple(tv.label_token_ids), d)
 
 
+def readout_chunks(labels: tuple[int, ...], top: int) -> list[tuple[int, ...]] | None:
+    """The readouts that return every label's log-probability when a request returns at
+    most `top` of them: one of all labels; more, each of at most `top` with the first label
+    in every one (their anchor); None where no chunk can hold the anchor and another label
+    (`top` < 2: that server cannot be read)."""
+    if len(labels) <= top:
+        return [labels]
+    if top < 2:
+        return None
+    anchor, rest = labels[0], labels[1:]
+    return [(anchor, *rest[i:i + top - 1]) for i in range(0, len(rest), top - 1)]
+
+
 def bare_xargs() -> dict[str, Any]:
     """The `vllm_xargs` of a bare-model request: none, or on a server whose every request
     needs the gate's stamp (a fused vector), no step shifted, stamped."""
@@ -118,10 +139,11 @@ class LiveFidelity:
         self.busy: asyncio.Task | None = None
         self.teachers: OrderedDict[str, Teacher | None] = OrderedDict()
         self.warned: set[str] = set()  # tasks whose failed re-ask was logged
+        self.incomplete: dict[str, str] = {}  # task → why its re-asks cannot be measured
         self.ids = itertools.count()
         cfg = engine.model_config
         n = int(cfg.max_logprobs)
-        self.top = n if n > 0 else int(cfg.get_vocab_size())
+        self.top = n if n >= 0 else int(cfg.get_vocab_size())  # vLLM's -1: no cap
         sched = getattr(engine.vllm_config, "scheduler_config", None)
         self.priority = LOW_PRIORITY if getattr(sched, "policy", "fcfs") == "priority" else 0
         self.store = StoreVectors(store_root(cfg.hf_config))
@@ -157,11 +179,26 @@ class LiveFidelity:
                 metrics.fidelity(probe.name, "unsupported")
                 return
             metrics.fidelity_baseline(probe.name, teacher.d_ntp)
-            tv, icl = await asyncio.gather(self._ask(probe.prompt, probe.xargs),
-                                           self._ask(teacher.prompt(probe.prompt), bare_xargs()))
+            if teacher.labels:
+                chunks = readout_chunks(teacher.labels, self.top)
+                if chunks is None:
+                    self._incomplete(probe.name, f"the task has {len(teacher.labels)} labels "
+                                     f"and the server returns {self.top} log-probabilities "
+                                     "per token (--max-logprobs below 2)")
+                    return
+                tv, icl = await asyncio.gather(
+                    self._read(probe.prompt, probe.xargs, chunks),
+                    self._read(teacher.prompt(probe.prompt), bare_xargs(), chunks))
+            else:  # a vector without label tokens: the top-N maps (`live_sample`)
+                tv, icl = await asyncio.gather(
+                    self._ask(probe.prompt, probe.xargs),
+                    self._ask(teacher.prompt(probe.prompt), bare_xargs()))
             s = live_sample(icl, tv, teacher.labels)
-            metrics.fidelity(probe.name, "measured" if s.kl is not None else "incomplete",
-                             s.kl, s.agree)
+            if s.kl is None:
+                self._incomplete(probe.name, "fewer than two tokens are in both top-"
+                                 f"{self.top} lists (a vector without label tokens)")
+                return
+            metrics.fidelity(probe.name, "measured", s.kl, s.agree)
         except Exception as e:  # noqa: BLE001 - a re-ask never answers a client: counted
             metrics.fidelity(probe.name, "failed")
             if probe.name not in self.warned:  # once per task: a rate must not flood the log
@@ -173,6 +210,31 @@ class LiveFidelity:
         finally:
             if "@" in probe.key:
                 self.registry.leave(probe.key)
+
+    def _incomplete(self, name: str, why: str) -> None:
+        """Count a re-ask that cannot be measured by construction; the first per task says
+        why in the log and on `incomplete[name]` (what the task's listing shows)."""
+        metrics.fidelity(name, "incomplete")
+        if name not in self.incomplete:
+            self.incomplete[name] = why
+            logger.warning("ltv-vllm: live fidelity cannot measure task %r: %s (counted as "
+                           "incomplete in ltv_vllm:task_fidelity_samples_total)", name, why)
+
+    async def _read(self, prompt: str, xargs: dict[str, Any],
+                    chunks: list[tuple[int, ...]]) -> dict[int, float]:
+        """The label tokens' logits (up to one constant) of `prompt`'s first next token,
+        read through the engine's readout (`READOUT_KEY`: every other token's logit −inf,
+        so the log-probabilities it returns are the restricted distribution itself, exact
+        whatever N is). Several chunks (more labels than N): each holds the first label
+        (the anchor), and each label's logit is taken relative to the anchor's."""
+        outs = await asyncio.gather(*(
+            self._ask(prompt, {**xargs, READOUT_KEY: list(c)}, top=len(c)) for c in chunks))
+        z: dict[int, float] = {}
+        for c, lp in zip(chunks, outs, strict=True):
+            if any(t not in lp for t in c):
+                raise RuntimeError("the engine's readout returned other tokens than asked")
+            z.update((t, lp[t] - lp[c[0]]) for t in c)
+        return z
 
     async def _teacher(self, key: str) -> Teacher | None:
         if key in self.teachers:
@@ -196,16 +258,18 @@ class LiveFidelity:
             return load_task_vector(getattr(hf, CONFIG_KEY))
         return load_task_vector(json.loads(getattr(hf, TASKS_CONFIG_KEY))[key]["path"])
 
-    async def _ask(self, prompt: str, xargs: dict[str, Any]) -> dict[int, float]:
-        """The first next-token distribution of `prompt` (top N: token → log-probability),
-        tokenized as vLLM's completion route tokenizes a prompt."""
+    async def _ask(self, prompt: str, xargs: dict[str, Any],
+                   top: int | None = None) -> dict[int, float]:
+        """The first next-token distribution of `prompt` (top N, or `top`: token →
+        log-probability), tokenized as vLLM's completion route tokenizes a prompt."""
         from vllm.renderers.inputs.preprocess import parse_model_prompt
         from vllm.sampling_params import SamplingParams
 
         engine = self.engine
         (engine_input,) = await engine.renderer.render_cmpl_async(
             [parse_model_prompt(engine.model_config, prompt)])
-        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.top,
+        params = SamplingParams(max_tokens=1, temperature=0.0,
+                                logprobs=self.top if top is None else top,
                                 extra_args=dict(xargs) or None)
         last = None
         async for out in engine.generate(engine_input, params, f"{PROBE_ID}{next(self.ids)}",

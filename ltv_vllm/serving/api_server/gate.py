@@ -436,9 +436,13 @@ class Gate:
             send = renamed(send, base_name(scope), shown)
         if scope.get("method") == "GET" and self.path(scope).rstrip("/") == MODELS_PATH:
             keep = listing_filter((scope.get("state") or {}).get(SCOPE_STATE), scope)
-            if registry.store is not None or keep is not None:
+            fid = fidelity_of(scope)
+            # a task live fidelity cannot measure, and why, on its card
+            notes = {name: {"fidelity": {"incomplete": why}}
+                     for name, why in (fid.incomplete if fid is not None else {}).items()}
+            if registry.store is not None or keep is not None or notes:
                 cards = registry.store.listing() if registry.store is not None else []
-                send = with_listing(send, cards, keep)
+                send = with_listing(send, cards, keep, notes)
         if counted is None:
             await self.app(scope, replayed, send)
             return

@@ -77,8 +77,9 @@ class TaskMetrics:
                             "over the key's limit (429)", ["key", "outcome"])
         self.fidelity = Counter("ltv_vllm:task_fidelity_samples", "A task's requests "
                                 "offered for a live fidelity re-ask (`serve --fidelity-sample`)"
-                                ", by outcome: measured, incomplete (a label outside both "
-                                "top-N), dropped (one in flight), unsupported, failed",
+                                ", by outcome: measured, incomplete (cannot be read by "
+                                "construction: see the log), dropped (one in flight), "
+                                "unsupported, failed",
                                 ["task", "outcome"])
         self.live_kl = Summary("ltv_vllm:task_fidelity_kl", "KL(P_icl || P_tv) of the next "
                                "token, in nats, over the re-asked requests of a task (over "

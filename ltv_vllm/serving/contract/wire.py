@@ -33,6 +33,8 @@ CHAT_PATH = "/v1/chat/completions"
 CHAT_TASKS_ENV = "LTV_VLLM_CHAT_TASKS"  # JSON {task: template sha256} of chat-fitted vectors
 # ("" for a fused server's one vector)
 TEMPLATE_ENV = "LTV_VLLM_CHAT_TEMPLATE"  # sha256 of the template the server renders chat with
+READOUT_KEY = "ltv_readout"        # a request's `vllm_xargs` key: token ids its logits keep
+MAX_READOUT = 1024                 # the most tokens a readout keeps (a task's labels)
 ADMIT_KEY = "ltv_admit"            # a request's `vllm_xargs` key: the gate's stamp (`stamp`)
 ADMIT_ENV = "LTV_VLLM_ADMIT"       # JSON {"key": hex, "every": bool}: a served engine's stamp key
 # routes that render a chat template around the request's text (each vLLM's own)
@@ -77,11 +79,26 @@ def _names(raw: str) -> frozenset[str]:
     return frozenset(json.loads(raw))
 
 
+def parse_readout(value: Any) -> tuple[int, ...]:
+    """A readout (`READOUT_KEY`): 1..MAX_READOUT distinct non-negative token ids, as a tuple;
+    ValueError naming the key otherwise. (The engine keeps only ids inside its vocabulary;
+    the server's sampler sends a vector's label tokens, checked against the model.)"""
+    if (not isinstance(value, (list, tuple)) or not 0 < len(value) <= MAX_READOUT
+            or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 1 << 31
+                   for t in value) or len(set(value)) != len(value)):
+        raise ValueError(f"{READOUT_KEY} must be a list of 1 to {MAX_READOUT} distinct token ids")
+    return tuple(value)
+
+
 def check_request(args: Mapping[str, Any], *, prompt_logprobs: bool,
                   tasks: frozenset[str]) -> None:
     """A request's `vllm_xargs` as the engine admits them (ValueError: an HTTP 400)."""
     if STEPS_KEY in args:
         parse_steps(args[STEPS_KEY])
+    if READOUT_KEY in args:
+        parse_readout(args[READOUT_KEY])
+        if prompt_logprobs:  # they are computed outside the step's plan: not restricted
+            raise ValueError(f"{READOUT_KEY} cannot be combined with prompt_logprobs")
     if TASK_KEY not in args:
         return
     task = args[TASK_KEY]

@@ -37,7 +37,15 @@ from vllm.model_executor.models.utils import PPMissingLayer
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
 from ltv_vllm.serving.contract.names import CONFIG_KEY, FOLD_KEY
 from ltv_vllm.serving.contract.wire import TASKS_CONFIG_KEY
-from ltv_vllm.serving.engine.steps import FUSED, PLAN, STORE, row_index, store_root, take_plan
+from ltv_vllm.serving.engine.steps import (
+    FUSED,
+    PLAN,
+    STORE,
+    restrict,
+    row_index,
+    store_root,
+    take_plan,
+)
 
 
 class LTVMixin:
@@ -279,6 +287,8 @@ class LTVMixin:
             shifted = self._shifted(hidden_states, plan, "logit", logits, mask)
             if shifted is not logits:
                 logits = shifted.to(logits.dtype)
+            if PLAN.readout:  # after every shift: the restricted distribution of the shifted
+                logits = restrict(logits, PLAN.readout)
         return logits
 
     def _single_task(self, what: str) -> None:

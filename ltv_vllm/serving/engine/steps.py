@@ -48,6 +48,7 @@ from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2Logi
 from ltv_vllm.serving.contract.wire import (
     ALL,
     LORA_PROMPT_LOGPROBS,
+    READOUT_KEY,
     STEPS_KEY,
     TASK_KEY,
     admission,
@@ -55,6 +56,7 @@ from ltv_vllm.serving.contract.wire import (
     check_request,
     engine_tasks,
     not_admitted,
+    parse_readout,
 )
 
 # re-exported: the engine's reading of a request (one for the engine and the API server)
@@ -80,6 +82,10 @@ class _Plan:
         # V2 under speculative decoding: which rows are at a shifted step, on the device
         self.ready_mask: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None  # the taken plan's (None: every planned row)
+        # rows whose logits keep only some tokens (`READOUT_KEY`): row → token ids; the V2
+        # state's for the next take (`ready_readout`), the taken plan's (`readout`)
+        self.ready_readout: dict[int, tuple[int, ...]] = {}
+        self.readout: dict[int, tuple[int, ...]] = {}
 
 
 PLAN = _Plan()
@@ -99,8 +105,10 @@ def take_plan(rows: int) -> dict[str, list[int] | None] | None:
     `RowPlanError`: a runner whose rows are not the batch's slots in order (another vLLM,
     another runner) must fail loudly, never shift the wrong rows."""
     PLAN.mask = None
+    PLAN.readout = {}
     if PLAN.ready is not None:  # V2: built from the step's own row layout (`engine.v2`)
         plan, PLAN.ready = PLAN.ready, None
+        PLAN.readout, PLAN.ready_readout = PLAN.ready_readout, {}
         PLAN.mask, PLAN.ready_mask = PLAN.ready_mask, None
         if rows != PLAN.rows:
             raise RowPlanError(f"ltv-vllm: compute_logits got {rows} rows for a step of "
@@ -120,9 +128,11 @@ def take_plan(rows: int) -> dict[str, list[int] | None] | None:
             "(VLLM_USE_V2_MODEL_RUNNER=0) on a supported vLLM")
     groups: dict[str, list[int]] = {}
     for i in range(rows):
-        task, n, out = src.rows.get(i, (FUSED, src.defaults.get(FUSED), ()))
+        task, n, out, readout = src.rows.get(i, (FUSED, src.defaults.get(FUSED), (), None))
         if n is ALL or len(out) < n:
             groups.setdefault(task, []).append(i)
+        if readout:
+            PLAN.readout[i] = readout
     if len(groups) == 1:
         (task, members), = groups.items()
         if len(members) == rows:
@@ -156,7 +166,8 @@ class LTVStepPolicy(LogitsProcessor, V2LogitsProcessor):
 
     def __init__(self, vllm_config: Any, *runner_args: Any) -> None:
         # V1: (vllm_config, device, is_pin_memory); V2: (vllm_config, req_states)
-        self.rows: dict[int, tuple[str, int | None, Any]] = {}  # slot → (task, n, output ids)
+        # slot → (task, n, output ids, readout or None)
+        self.rows: dict[int, tuple[str, int | None, Any, tuple[int, ...] | None]] = {}
         self.batch_size = 0
         if len(runner_args) != 2:  # V2: the model state plans the rows
             return
@@ -175,7 +186,7 @@ class LTVStepPolicy(LogitsProcessor, V2LogitsProcessor):
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         def entry(params: SamplingParams, _prompt: Any, out: list[int]) -> Any:
-            return (*self.shift.of(params), out)
+            return (*self.shift.of(params), out, readout_of(params))
 
         process_dict_updates(self.rows, batch_update, entry)
         if batch_update is not None:
@@ -191,7 +202,7 @@ class LTVStepsRefused(LTVStepPolicy):
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         args = sampling_params.extra_args or {}
-        for key in (STEPS_KEY, TASK_KEY):
+        for key in (STEPS_KEY, TASK_KEY, READOUT_KEY):
             if key in args:
                 raise ValueError(f"{key} needs the per-request shift (a fused vector without "
                                  "--fold, or multi-task serving without --multi-task lora); "
@@ -218,6 +229,36 @@ class LTVLoraRefused(LTVStepsRefused):
         super().validate_params(sampling_params)
         if sampling_params.prompt_logprobs is not None:
             raise ValueError(LORA_PROMPT_LOGPROBS)
+
+
+def readout_of(params: Any) -> tuple[int, ...] | None:
+    """A request's readout (`READOUT_KEY`: the token ids its logits keep at every sampled
+    step), or None. Checked at admission (`check_request`); one that reached the engine
+    another way and does not parse is ignored rather than fail the step of every request."""
+    value = (getattr(params, "extra_args", None) or {}).get(READOUT_KEY)
+    if value is None:
+        return None
+    try:
+        return parse_readout(value)
+    except ValueError:
+        return None
+
+
+def restrict(logits: torch.Tensor, readout: dict[int, tuple[int, ...]]) -> torch.Tensor:
+    """Each readout row's logits with every token but its own set to −inf (in place): its
+    raw log-probabilities are then the distribution restricted to those tokens, exactly,
+    whatever the number of log-probabilities a server returns. Ids outside the logits'
+    vocabulary are dropped (the admission check knows no vocabulary size). Pure tensor maths."""
+    vocab = logits.shape[-1]
+    for row, ids in readout.items():
+        keep = [t for t in ids if t < vocab]
+        if not keep:  # nothing left to keep: the row as it was, not a row of −inf
+            continue
+        idx = row_index(keep, logits.device)
+        kept = logits[row].index_select(0, idx)
+        logits[row].fill_(float("-inf"))
+        logits[row].index_copy_(0, idx, kept)
+    return logits
 
 
 def row_index(rows: list[int], device: torch.device) -> torch.Tensor:

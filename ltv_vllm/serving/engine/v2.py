@@ -32,7 +32,15 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-from ltv_vllm.serving.engine.steps import ALL, PLAN, STORE, RequestShift, RowPlanError, row_index
+from ltv_vllm.serving.engine.steps import (
+    ALL,
+    PLAN,
+    STORE,
+    RequestShift,
+    RowPlanError,
+    readout_of,
+    row_index,
+)
 
 # Test-only switch: "1" skips the CPU's check of the device's step mask against the host's
 # plan, so a CPU test runs the speculative path as a GPU runs it (where the check cannot
@@ -49,6 +57,7 @@ class LTVModelState(DefaultModelState):
         self.shift = RequestShift(vllm_config, STORE)
         # slot → (task key, shifted tokens n or None for all, prompt length)
         self.slots: dict[int, tuple[str, int | None, int]] = {}
+        self.readouts: dict[int, tuple[int, ...]] = {}  # slot → its readout (`READOUT_KEY`)
         # drafts make the host's counts an upper bound: decide the steps on the device
         self.on_device = getattr(vllm_config, "speculative_config", None) is not None
         self.mask_check = os.environ.get(NO_MASK_CHECK_ENV) != "1"
@@ -56,9 +65,13 @@ class LTVModelState(DefaultModelState):
     def add_request(self, req_index: int, new_req_data: Any) -> None:
         super().add_request(req_index, new_req_data)
         params = new_req_data.sampling_params
+        self.readouts.pop(req_index, None)
         if params is None:  # pooling: nothing is sampled
             self.slots.pop(req_index, None)
             return
+        readout = readout_of(params)
+        if readout:
+            self.readouts[req_index] = readout
         task, n = self.shift.of(params)
         # the prompt's own length (token ids or embeddings), as V2's request states take it:
         # a request resumed after preemption is prefilled with its outputs too
@@ -66,6 +79,7 @@ class LTVModelState(DefaultModelState):
 
     def preprocess_state(self, input_batch: Any, *args: Any, **kwargs: Any) -> None:
         super().preprocess_state(input_batch, *args, **kwargs)
+        PLAN.ready_readout = readout_rows(input_batch, self.readouts) if self.readouts else {}
         if not self.on_device:
             PLAN.ready, PLAN.rows = row_plan(input_batch, self.slots)
             PLAN.ready_mask = None
@@ -126,6 +140,18 @@ def row_plan(batch: Any, slots: dict[int, tuple[str, int | None, int]], *,
     if every_step:
         return plan, rows, row_prompt, row_n
     return plan, rows
+
+
+def readout_rows(batch: Any, readouts: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+    """Every logits row of a request with a readout (all its sampled steps keep only those
+    tokens; drafts' rows included), from the step's layout on the host."""
+    cu = batch.cu_num_logits_np
+    out: dict[int, tuple[int, ...]] = {}
+    for i in range(batch.num_reqs):
+        ids = readouts.get(int(batch.idx_mapping_np[i]))
+        if ids:
+            out.update((r, ids) for r in range(int(cu[i]), int(cu[i + 1])))
+    return out
 
 
 def step_mask(positions: torch.Tensor, logits_indices: torch.Tensor,
