@@ -300,6 +300,12 @@ def test_roles_and_the_audit_log_through_the_server(assets, tmp_path):
             ("compile", 202, "ops", "comp")]
         upload_line = got[2]
         assert len(upload_line["digest"]) == 16 and upload_line["bytes"] > 1000
+        # every line has the same fields; a DELETE names the vector it deleted, whether it
+        # was refused (by the gate, before the handler) or done
+        assert len({tuple(sorted(set(x) - {"error"})) for x in got
+                    if x["op"] != "compiled"}) == 1, got  # (a compile's end: its own)
+        deletes = [x for x in got if x["op"] == "delete" and x["name"] == "alpha"]
+        assert [x["digest"] for x in deletes] == [upload_line["digest"]] * 2, deletes
         assert upload_line["client"] == "127.0.0.1"
         text = audit.read_text()
         assert admin not in text and user not in text  # no secret in it

@@ -19,10 +19,12 @@ logger = logging.getLogger("ltv_vllm.serving.api_server.endpoints")
 class AuditLog:
     """The audit log's part of the task endpoints."""
 
-    async def _audit(self, request: Any, op: str, name: str | None, answer: Any) -> Any:
+    async def _audit(self, request: Any, op: str, name: str | None, answer: Any,
+                     digest: str | None = None) -> Any:
         """One JSON line for a store operation (`--audit-log`): when, what, which task and
         vector, who (the key's id, never the key) from where, and how it ended; `answer`
-        handed back as it is."""
+        handed back as it is. `digest`: the vector's, read before the operation (a DELETE:
+        once it is done the name holds none)."""
         if not self.audit:
             return answer
         status = getattr(answer, "status_code", 200)
@@ -35,7 +37,7 @@ class AuditLog:
         name = name or body.get("name")
         await self._log(op, name, getattr(request.state, KEY_STATE, None),
                         request.client.host if request.client else None, status=status,
-                        digest=self._held(name) if isinstance(name, str) else None,
+                        digest=digest or (self._held(name) if isinstance(name, str) else None),
                         bytes=int(request.headers.get("content-length") or 0) or None,
                         **({"error": (body.get("error") or {}).get("message")}
                            if status >= 400 else {}))
@@ -58,7 +60,11 @@ class AuditLog:
         if op is None:
             op = {"DELETE": "delete"}.get(str(scope.get("method")), "add")
             name = path.rstrip("/").removeprefix(TASKS_PATH).strip("/") or None
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        # the fields of every other line (`_audit`): one schema for a log reader
         await self._log(op, name, key, client[0] if client else None, status=status,
+                        digest=self._held(name) if isinstance(name, str) else None,
+                        bytes=int(length) if length.isdigit() and int(length) else None,
                         error=error)
 
     def _write_audit(self, text: str) -> None:

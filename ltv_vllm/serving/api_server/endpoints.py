@@ -282,10 +282,11 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
             if (hidden := self._hidden(request, name)) is not None:
                 return await self._audit(request, "delete", name, hidden)
             t0 = time.perf_counter()
+            held = self._held(name)  # the vector deleted: gone from the name once done
             answer = await self._delete(name)
             await self._siblings_follow()
             store_operation("delete", _result(answer), time.perf_counter() - t0)
-            return await self._audit(request, "delete", name, answer)
+            return await self._audit(request, "delete", name, answer, digest=held)
 
         @router.post("/v1/ltv/tasks")
         async def add_task(request: Request) -> Any:
