@@ -227,7 +227,9 @@ def test_bench_value_refusals_before_any_model(tmp_path, model_dir):
     for extra, why in ((["--n-dev", "5000"], "only"), (["--many-k", "lots"], "--many-k"),
                        (["--seeds", "1,1"], "distinct"), (["--seeds", "x"], "integers"),
                        (["--lora-lrs", "0.1,x"], "--lora-lrs"),
-                       (["--lora-epochs", "0"], "at least")):
+                       (["--lora-epochs", "0"], "at least"),
+                       (["--serving", "--serving-tasks", "sst2"], "not among --tasks"),
+                       (["--serving-tasks", "toy"], "needs --serving")):
         r = CliRunner().invoke(main, [*base, *extra])
         assert r.exit_code != 0 and why in r.output, (extra, r.output)
         assert not (tmp_path / "o" / "states").exists()

@@ -329,6 +329,7 @@ class ValueOptions:
     lora: bool = True
     lora_options: Any = None  # extraction.finetune.LoraOptions (default when None)
     serving: Any = None  # bench.value_serving.ServingOptions: measure serving costs
+    serving_tasks: tuple[str, ...] | None = None  # of those tasks alone (None: every task)
 
     def __post_init__(self) -> None:
         if self.many_k != "max" and (isinstance(self.many_k, bool | str)
@@ -678,6 +679,8 @@ def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command
                                                           for r, a in acc.items()))
     serving = []
     for task in tasks if opts.serving is not None else ():
+        if opts.serving_tasks is not None and task.name not in opts.serving_tasks:
+            continue
         serving.append(_serve_task(model, task, opts, states_dir, tok, context, episodes, log))
     names = [t.name for t in tasks]
     for other, other_records in merged:  # checked by `merge_docs`

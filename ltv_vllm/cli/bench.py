@@ -572,6 +572,9 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
               help="Also measure each way's serving throughput in vLLM (zero-shot, the k-shot "
                    "and many-shot prompts with the prefix cache, the default vector, the LoRA "
                    "adapter), one engine each, on the first seed's episode of every task.")
+@click.option("--serving-tasks", default=None,
+              help="Comma-separated tasks whose serving costs are measured (a subset of "
+                   "--tasks) [default: every task].")
 @click.option("--serving-queries", default=200, show_default=True,
               help="Test queries each serving engine answers.")
 @click.option("--gen-tokens", default=16, show_default=True,
@@ -589,7 +592,8 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
 def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, many_k: str,
                     n: int, n_dev: int, n_test: int, seeds: str, batch_size: int, dtype: str,
                     lora: bool, lora_lrs: str, lora_epochs: int, serving: bool,
-                    serving_queries: int, gen_tokens: int, repeats: int,
+                    serving_tasks: str | None, serving_queries: int, gen_tokens: int,
+                    repeats: int,
                     merge: tuple[Path, ...], out_dir: Path) -> None:
     """The vector's value under a held-out protocol: train / dev / test splits, every
     choice on dev, the test read once per row, per-query records and paired bootstrap
@@ -632,7 +636,8 @@ def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, man
                         batch_size=batch_size, lora=lora,
                         lora_options=LoraOptions(lrs=lrs, epochs=lora_epochs),
                         serving=ServingOptions(queries=serving_queries, gen_tokens=gen_tokens,
-                                               repeats=repeats) if serving else None)
+                                               repeats=repeats) if serving else None,
+                        serving_tasks=tuple(_csv(serving_tasks)) if serving_tasks else None)
     check_writable(out_dir, option="--out", directory=True)
     if lora:
         try:
@@ -643,6 +648,11 @@ def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, man
     tok = load_tokenizer(model_spec)
     context = context_length(local_model_dir(model_spec))
     tasks = get_tasks(task_list)
+    unknown = sorted(set(opts.serving_tasks or ()) - {t.name for t in tasks})
+    if unknown:
+        raise ArgumentError(f"--serving-tasks {', '.join(unknown)}: not among --tasks")
+    if opts.serving_tasks and not serving:
+        raise ArgumentError("--serving-tasks needs --serving")
     for t in tasks:  # labels, splits and every prompt's length before the model loads
         label_token_ids(t, tok)
         for s in seed_list:
