@@ -719,6 +719,12 @@ def test_the_value_headlines_are_the_held_out_results():
     default = "default (one k-shot, gold 0.8, λ=5)"
     want = [_margin(comps[(default, ref)]) for ref in
             ("prompt, one k-shot", "probe (L2 on dev)", "LoRA r8 (lr, epochs on dev)")]
+    # and on Qwen2.5-Coder-1.5B (no LoRA rival there): the prompt it replaces and the probe
+    doc = json.loads((root / "benchmarks" / "results" / "value_qwen2.5-coder-1.5b" /
+                      "results.json").read_text())
+    comps = {(c["row"], c["reference"]): c for c in doc["summary"]["labels"]["comparisons"]}
+    want += [_margin(comps[(default, ref)]) for ref in ("prompt, one k-shot",
+                                                        "probe (L2 on dev)")]
     for page in ("README.md", "docs/index.md", "docs/benchmarks.md"):
         text = " ".join((root / page).read_text().split())
         for w in want:
