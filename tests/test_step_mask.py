@@ -133,6 +133,7 @@ class State(v2.LTVModelState):
 
     def __init__(self, slots, check: bool) -> None:  # no vLLM state here
         self.slots, self.on_device, self.mask_check = dict(slots), True, check
+        self.readouts = {}  # no request here asks for a label readout
 
 
 @pytest.fixture
