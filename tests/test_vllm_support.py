@@ -102,7 +102,7 @@ def test_a_row_plan_that_does_not_match_the_rows_raises():
 
     class Source:
         batch_size = 3
-        rows = {0: ("a", 1, [5]), 1: ("", None, []), 2: ("b", 2, [])}
+        rows = {0: ("a", 1, [5], None), 1: ("", None, [], None), 2: ("b", 2, [], None)}
         defaults = {"": None}
 
     old = (steps.PLAN.source, steps.PLAN.armed)
