@@ -291,6 +291,9 @@ def test_the_sampler_keeps_one_re_ask_in_flight(monkeypatch):
     (("--fidelity-sample", "1.5"), "0..1"),
     (("--fidelity-sample", "0.1", "--no-task-metrics"), "without --no-task-metrics"),
     (("--fidelity-sample", "0.1", "--fold"), "not with --fold"),
+    # not fidelity's: the start-up self-check reads two log-probabilities a step
+    (("--max-logprobs", "1"), "--max-logprobs 1: the start-up self-check"),
+    (("--max-logprobs=0", "--fidelity-sample", "1"), "or --skip-selfcheck"),
 ])
 def test_fidelity_sample_refused_where_it_cannot_work(flags, words, tmp_path):
     from click.testing import CliRunner

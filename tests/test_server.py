@@ -10,6 +10,7 @@ OpenAI-style errors and the server stays up.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -731,3 +732,58 @@ def preemptions(url: str) -> float:
     text = HTTP.get(f"{url}/metrics", headers={"Authorization": "Bearer x"}).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:num_preemptions_total"))
+
+
+@pytest.mark.parametrize("target", ["group", "main"])
+def test_sigterm_shuts_the_server_down_cleanly(assets, tmp_path, target):
+    """SIGTERM to the server's process group (systemd's default) or to its main process
+    alone, in vLLM's default process layout, with a request answered before: every process
+    ends, the exit status is 0, the log holds no traceback and no EngineDeadError, and a
+    stream open when the signal came ends as vLLM ends an aborted request (its last chunk's
+    finish reason "abort", then [DONE]) instead of holding the server up
+    (`api_server.shutdown`)."""
+    d, _, vecs = assets
+    proc, url, log = start_server(d, [], tmp_path, (
+        "--task-store", str(tmp_path / "store"), "--allow-unauthenticated",
+        "--fidelity-sample", "1"), layout="default")
+    try:
+        with open(vecs["alpha"][1], "rb") as f:
+            r = HTTP.post(f"{url}/v1/ltv/tasks", files={"vector": ("alpha.pt", f)},
+                          data={"name": "alpha"}, timeout=120)
+        assert r.status_code in (200, 201), r.text
+        r = HTTP.post(f"{url}/v1/completions", json={"model": "alpha", "prompt": "a b c",
+                                                     "max_tokens": 2, "temperature": 0.0})
+        assert r.status_code == 200, r.text
+        # a stream open (its first chunk read) when the signal comes
+        stream = HTTP.stream("POST", f"{url}/v1/completions", json={
+            "model": "alpha", "prompt": "a b c", "max_tokens": 200, "ignore_eos": True,
+            "stream": True, "temperature": 0.0})
+        lines = stream.__enter__().iter_lines()
+        assert next(lines).startswith("data: ")
+        if target == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        rc = proc.wait(60)
+        deadline = time.time() + 30
+        while _group_alive(proc.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not _group_alive(proc.pid), "a server process outlived SIGTERM"
+        rest = list(_drain(lines))
+    finally:
+        stop(proc, log)
+    text = open(log.name).read()
+    assert "Traceback" not in text and "EngineDeadError" not in text, text[-3000:]
+    assert rc == 0, (rc, text[-2000:])
+    data = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
+    assert data and data[-1]["choices"][0]["finish_reason"] == "abort", rest
+    assert [x for x in rest if x][-1] == "data: [DONE]", rest
+
+
+def _drain(lines):
+    """What is left of a stream: its lines until it ends, or nothing where the connection
+    was cut."""
+    try:
+        yield from lines
+    except httpx.HTTPError:
+        return

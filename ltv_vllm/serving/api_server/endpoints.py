@@ -137,6 +137,10 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
             # a launcher's flag replaced one of ltv-vllm's: tasks would be served unshifted
             logger.error("ltv-vllm: %s", problem)
             raise RuntimeError(f"ltv-vllm: {problem}")
+        if engine_client is not None:  # SIGTERM with a stream open: it ends, the server exits
+            from ltv_vllm.serving.api_server.shutdown import end_open_requests_on_shutdown
+
+            end_open_requests_on_shutdown(engine_client, asyncio.get_running_loop())
         if engine_client is not None and (settings.selfcheck or settings.selfcheck_lora):
             await self._selfcheck(engine_client, args, settings.selfcheck_lora)
         if engine_client is not None and settings.task_metrics:

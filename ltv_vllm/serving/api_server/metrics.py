@@ -283,17 +283,22 @@ class ShiftSizeCollector:
         import logging
         import os
 
+        from ltv_vllm.serving.api_server.shutdown import stopping
         from ltv_vllm.serving.contract.names import SHIFT_SIZES_RPC as READ
 
         every = float(os.environ.get(SHIFT_READ_ENV) or SHIFT_READ_SECONDS)
         failed = False
         while True:
             await asyncio.sleep(every)
+            if stopping(engine):  # the server is going down: nothing to read, nothing wrong
+                return
             try:
                 # by the worker's method name: what both of vLLM's executors accept from
                 # here (`shift_sizes.serve_reads`)
                 results = await engine.collective_rpc(READ, timeout=30)
             except Exception as e:  # noqa: BLE001 - a dead engine answers nothing else either
+                if stopping(engine):
+                    return
                 if not failed:
                     logging.getLogger(__name__).warning(
                         "ltv-vllm: the engine's shift sizes could not be read: %s", e)

@@ -148,6 +148,11 @@ class ServeOptions:
                     "rate", "--key-rate").replace("burst", "--key-burst")) from None
         if self.fidelity_sample:
             self._check_fidelity()
+        top = self.vllm.integer("--max-logprobs", default=20)
+        if self.selfcheck and 0 <= top < 2:  # -1: the whole vocabulary
+            raise ArgumentError(f"--max-logprobs {top}: the start-up self-check reads each "
+                                "step's two best log-probabilities; give --max-logprobs 2 or "
+                                "more, or --skip-selfcheck")
         if self.audit_log is not None and self.task_store is None:
             raise ArgumentError("--audit-log records the task store's operations: give it "
                                 "with --task-store")
