@@ -109,7 +109,13 @@ def main() -> None:
     ap.add_argument("--fits", default="default,paper")
     ap.add_argument("--n", type=int, default=200, help="re-asks per traffic kind")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--references", action="store_true",
+                    help="only record each vector's extraction-time off-span share (what a "
+                    "server exports as ltv_vllm:task_extraction_off_span) into an earlier "
+                    "run's results.json, and the alert replay")
     args = ap.parse_args()
+    if args.references:
+        return references(args)
     from ltv_vllm.bench.workload import machine
     from ltv_vllm.core.vector import load_task_vector
     from ltv_vllm.extraction.capture import Capturer
@@ -151,6 +157,46 @@ def main() -> None:
     print(markdown(doc))
 
 
+WINDOW = 20  # re-asks per alert window: the rule's minimum count (docs/operating.md)
+RATIO = 1.3  # the rule's threshold: live mean off-span share over the extraction's
+
+
+def references(args: argparse.Namespace) -> None:
+    """Each (task, fit)'s extraction-time off-span share from its vector file (extracted
+    again where missing: the same command, the same seeds), then the alert replayed on the
+    recorded re-asks: consecutive windows of WINDOW, each window's mean over the reference."""
+    from ltv_vllm.core.vector import load_task_vector
+
+    doc = json.loads((args.out / "results.json").read_text())
+    records = json.loads((args.out / "records.json").read_text())
+    for row in doc["rows"]:
+        tv = load_task_vector(extract(row["task"], row["fit"], args.out, doc["model"]))
+        row["extraction_off_span"] = tv.provenance.metrics["ltv"]["off_span"]
+    doc["references_command"] = "python benchmarks/fidelity_signal.py " + " ".join(sys.argv[1:])
+    doc["replay"] = replay(doc, records)
+    (args.out / "results.json").write_text(json.dumps(doc, indent=1))
+    (args.out / "README.md").write_text(markdown(doc))
+    print(markdown(doc))
+
+
+def replay(doc: dict, records: list[dict]) -> list[dict]:
+    """Per (task, fit, traffic): the windows' mean off-span share over the extraction's,
+    smallest and largest, and how many windows the rule (> RATIO) fires on."""
+    refs = {(r["task"], r["fit"]): r["extraction_off_span"] for r in doc["rows"]}
+    out = []
+    for rec in records:
+        ref = refs[(rec["task"], rec["fit"])]
+        for src, per in rec["per_request"].items():
+            xs = per["off_span"]
+            ratios = [sum(xs[i:i + WINDOW]) / WINDOW / ref
+                      for i in range(0, len(xs) - WINDOW + 1, WINDOW)]
+            out.append({"task": rec["task"], "fit": rec["fit"], "traffic": src,
+                        "matched": src == rec["task"], "windows": len(ratios),
+                        "min": min(ratios), "max": max(ratios),
+                        "fired": sum(r > RATIO for r in ratios)})
+    return out
+
+
 def markdown(doc: dict) -> str:
     from ltv_vllm.models.hardware import machine_line
 
@@ -177,6 +223,22 @@ def markdown(doc: dict) -> str:
     for r in doc["rows"]:
         lines.append(f"| {r['task']} | {r['fit']} | "
                      + " | ".join(f"{r['auc'][s]:.3f}" for s in STATS) + " |")
+    if doc.get("replay"):
+        lines += ["", "## The drift alert, replayed", "", "```", doc["references_command"],
+                  "```", "",
+                  f"docs/operating.md's rule: the mean off-span share of a task's last "
+                  f"{WINDOW}+ re-asks above {RATIO} × the extraction's (the vector file's "
+                  "`off_span`, on its own held-out queries; test seed 0, while the re-asks "
+                  f"above are test seed 1). The recorded re-asks in consecutive windows of "
+                  f"{WINDOW}:", "",
+                  "| task | fit | reference (file) | traffic | windows | mean / reference, "
+                  "min – max | fired |", "|---|---|---|---|---|---|---|"]
+        refs = {(r["task"], r["fit"]): r["extraction_off_span"] for r in doc["rows"]}
+        for x in doc["replay"]:
+            lines.append(f"| {x['task']} | {x['fit']} | {refs[(x['task'], x['fit'])]:.4f} | "
+                         f"{x['traffic']}{' (matched)' if x['matched'] else ''} | "
+                         f"{x['windows']} | {x['min']:.2f} – {x['max']:.2f} | "
+                         f"{x['fired']} of {x['windows']} |")
     return "\n".join(lines) + "\n"
 
 

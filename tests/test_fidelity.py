@@ -83,6 +83,22 @@ def by_hand(model, tokenizer, tv, prompts: list[str]) -> list[tuple[float, bool]
     return out
 
 
+def off_span_by_hand(model, tokenizer, tv, prompts: list[str]) -> list[float]:
+    """Each zero-shot prompt's ‖h − Q Qᵀ h‖ / ‖h‖ with transformers' final state h, Q an
+    orthonormal basis of V's columns from numpy's SVD (not the engine's QR)."""
+    import numpy as np
+
+    u, sv, _ = np.linalg.svd(tv.V.double().numpy(), full_matrices=False)
+    q = torch.from_numpy(u[:, sv > sv.max() * 1e-10])
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = torch.tensor([tokenizer(p)["input_ids"]])
+            h = model.model(input_ids=ids).last_hidden_state[0, -1].double()
+        out.append(float(torch.linalg.vector_norm(h - q @ (q.T @ h)) / torch.linalg.vector_norm(h)))
+    return out
+
+
 def series(url: str) -> dict[str, float]:
     text = HTTP.get(f"{url}/metrics").text
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -122,14 +138,22 @@ def test_live_fidelity_through_a_server(served, assets, tokenizer, tmp_path):
     lead = TASK["instruction"] + "\n"
     matched = [f"{lead}Review: {e['text']}\nSentiment:" for e in TEST]
     want = by_hand(model.float().eval(), tokenizer, tv, matched + OTHER)
+    spans = off_span_by_hand(model.float().eval(), tokenizer, tv, matched)
+    # the reference the file records: the same share over the held-out queries it was
+    # scored on (these very prompts)
+    assert tv.provenance.metrics["ltv"]["off_span"] == pytest.approx(sum(spans) / len(spans),
+                                                                      rel=1e-4)
     flags = ("--fidelity-sample", "1")  # vLLM's default --max-logprobs (20)
+    fast = {"LTV_VLLM_SHIFT_READ": "0.2"}  # the engine's sums read every 0.2 s
     served, _, v2 = served.partition("-")
     if served == "store":
         proc, url, log = start_server(d, [], tmp_path, (
-            "--task-store", str(root), "--allow-unauthenticated", *flags), layout="default")
+            "--task-store", str(root), "--allow-unauthenticated", *flags), layout="default",
+            env_extra=fast)
     else:
         proc, url, log = start_server(d, [f"senti={path}" if served == "named" else str(path)],
-                                      tmp_path, flags, runner="1" if v2 else None)
+                                      tmp_path, flags, runner="1" if v2 else None,
+                                      env_extra=fast)
     name = "senti"  # a fused vector's server is named after its task too
     kl_sum = f'ltv_vllm:task_fidelity_kl_sum{{task="{name}"}}'
     kl_count = f'ltv_vllm:task_fidelity_kl_count{{task="{name}"}}'
@@ -146,6 +170,19 @@ def test_live_fidelity_through_a_server(served, assets, tokenizer, tmp_path):
         assert got[kl_sum] == pytest.approx(sum(k for k, _ in hand), rel=1e-3, abs=1e-6)
         assert got[agree] == sum(a for _, a in hand)
         assert got[f'ltv_vllm:task_extraction_d_ntp{{task="{name}"}}'] == pytest.approx(d_ntp)
+        # the drift statistic: each re-ask's off-span share, summed in the engine, equal to
+        # the hand computation's; the file's reference beside it
+        span_sum = f'ltv_vllm:task_off_span_sum{{task="{name}"}}'
+        span_count = f'ltv_vllm:task_off_span_count{{task="{name}"}}'
+        deadline = time.time() + 30
+        while series(url).get(span_count, 0) < len(matched):
+            assert time.time() < deadline, series(url)
+            time.sleep(0.1)
+        got = series(url)
+        assert got[span_count] == len(matched)
+        assert got[span_sum] == pytest.approx(sum(spans), rel=1e-4), (got[span_sum], spans)
+        assert got[f'ltv_vllm:task_extraction_off_span{{task="{name}"}}'] == pytest.approx(
+            tv.provenance.metrics["ltv"]["off_span"])
         # another task's prompts: far from it
         ask_each(url, name, OTHER)
         after = series(url)
@@ -399,3 +436,37 @@ def test_more_labels_than_max_logprobs_are_read_in_chunks(top, asks, monkeypatch
     agree = int(z["icltv"][list(labels)].argmax()) == int(z["tv"][list(labels)].argmax())
     assert [c[0] for c in counted] == ["measured", "measured"]
     assert counted[0][1] == pytest.approx(want, rel=1e-5) and counted[0][2] == agree
+
+
+def test_the_drift_alert_replayed_on_recorded_re_asks():
+    """docs/operating.md's drift rule (its threshold and minimum count read from the page)
+    replayed on the committed re-asks of benchmarks/fidelity_signal.py (SmolLM2-135M; trec,
+    sst2, agnews; two fits): in consecutive windows of the minimum count, each window's mean
+    off-span share over the vector file's own reference. Quiet on every window of a task's
+    own queries, firing on every window of another task's texts. A threshold of 1.2 or 1.45
+    in the page fails it."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    page = (root / "docs" / "operating.md").read_text()
+    rule = re.search(r"increase\(ltv_vllm:task_off_span_sum\[30m\]\)\)[\s\S]*?> ([0-9.]+) \* "
+                     r"max by \(task\) \(ltv_vllm:task_extraction_off_span\)[\s\S]*?"
+                     r"task_off_span_count\[30m\]\)\) >= (\d+)", page)
+    assert rule, "the drift rule is not in docs/operating.md"
+    ratio, window = float(rule.group(1)), int(rule.group(2))
+    folder = root / "benchmarks" / "results" / "fidelity_signal_smollm2-135m"
+    doc = json.loads((folder / "results.json").read_text())
+    refs = {(r["task"], r["fit"]): r["extraction_off_span"] for r in doc["rows"]}
+    seen = {True: 0, False: 0}
+    for rec in json.loads((folder / "records.json").read_text()):
+        ref = refs[(rec["task"], rec["fit"])]
+        for src, per in rec["per_request"].items():
+            xs = per["off_span"]
+            for i in range(0, len(xs) - window + 1, window):
+                fires = sum(xs[i:i + window]) / window > ratio * ref
+                matched = src == rec["task"]
+                assert fires != matched, (rec["task"], rec["fit"], src, i)
+                seen[matched] += 1
+    assert seen[True] >= 60 and seen[False] >= 120, seen

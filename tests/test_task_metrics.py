@@ -31,7 +31,9 @@ DASHBOARD = Path(__file__).parent.parent / "docs" / "grafana" / "ltv-vllm-dashbo
 FIDELITY_NAMES = frozenset({"ltv_vllm:task_fidelity_kl_sum", "ltv_vllm:task_fidelity_kl_count",
                             "ltv_vllm:task_fidelity_agreements_total",
                             "ltv_vllm:task_fidelity_samples_total",
-                            "ltv_vllm:task_extraction_d_ntp"})
+                            "ltv_vllm:task_extraction_d_ntp",
+                            "ltv_vllm:task_off_span_sum", "ltv_vllm:task_off_span_count",
+                            "ltv_vllm:task_extraction_off_span"})
 
 
 def dashboard_exprs() -> list[str]:

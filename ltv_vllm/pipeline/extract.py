@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ltv_vllm import __version__
-from ltv_vllm.core.metrics import accuracy, d_ntp
+from ltv_vllm.core.metrics import accuracy, d_ntp, off_span_share, span_basis
 from ltv_vllm.core.ridge import Factors, truncate
 from ltv_vllm.core.teacher import (
     CONTENT_FREE,
@@ -423,6 +423,12 @@ def extract(
         timings["batch_size"] = cap.batch_size
     art = sc.artifacts[method]
     vector = isinstance(art, TaskVector)
+    if vector and art.map == "linear" and method in sc.metrics and len(c.h_zs_test):
+        # the live drift signal's reference (`serve --fidelity-sample`): on the held-out
+        # queries, the share of h the map cannot see
+        share = off_span_share(c.h_zs_test.double(), span_basis(art.V.double()))
+        sc.metrics[method] = {**sc.metrics[method], "off_span": float(share.mean()),
+                              "off_span_sd": float(share.std()) if len(share) > 1 else 0.0}
     prov = replace(art.provenance, k=opts.k_for(task), n=opts.n, metrics=sc.metrics,
                    timings=timings, metrics_rank=art.rank if vector else None,
                    shift_steps=DEFAULT_SHIFT_STEPS if vector else None,

@@ -81,6 +81,7 @@ class Teacher:
     prefix: str               # what its ICL prompt has before the query (lead + demos)
     labels: tuple[int, ...]   # the label tokens (empty: a task without them)
     d_ntp: float | None       # the extraction's d_NTP on held-out queries
+    off_span: float | None = None  # ...and its mean off-span share there (`core.metrics`)
 
     def prompt(self, zero_shot: str) -> str:
         """The ICL prompt of a request's prompt: its query after the demonstrations."""
@@ -103,7 +104,9 @@ def teacher_of(tv: Any) -> Teacher | None:
     demos = [Example(e["text"], e["label"]) for e in prov.demonstrations[0]]
     scores = (prov.metrics or {}).get(prov.method or "ltv")
     d = untrusted_number(scores.get("d_ntp")) if isinstance(scores, dict) else None
-    return Teacher(task.zero_shot_prefix, task.demos_text(demos), tuple(tv.label_token_ids), d)
+    off = untrusted_number(scores.get("off_span")) if isinstance(scores, dict) else None
+    return Teacher(task.zero_shot_prefix, task.demos_text(demos), tuple(tv.label_token_ids), d,
+                   off)
 
 
 def readout_chunks(labels: tuple[int, ...], top: int) -> list[tuple[int, ...]] | None:
@@ -178,7 +181,7 @@ class LiveFidelity:
             if teacher is None:
                 metrics.fidelity(probe.name, "unsupported")
                 return
-            metrics.fidelity_baseline(probe.name, teacher.d_ntp)
+            metrics.fidelity_baseline(probe.name, teacher.d_ntp, teacher.off_span)
             if teacher.labels:
                 chunks = readout_chunks(teacher.labels, self.top)
                 if chunks is None:

@@ -89,6 +89,9 @@ class TaskMetrics:
         self.baseline = Gauge("ltv_vllm:task_extraction_d_ntp", "A task's d_NTP at "
                               "extraction, on its held-out queries (the vector file's)",
                               ["task"], multiprocess_mode="max")
+        self.span_baseline = Gauge("ltv_vllm:task_extraction_off_span", "A task's mean "
+                                   "off-span share at extraction, on its held-out queries "
+                                   "(the vector file's)", ["task"], multiprocess_mode="max")
         self.names: set[str] = set()
         self.key_ids: set[str] = set()
 
@@ -151,11 +154,15 @@ def fidelity(task: str, outcome: str, kl: float | None = None,
             m.agree.labels(name).inc(1 if agree else 0)
 
 
-def fidelity_baseline(task: str, d: float | None) -> None:
-    """A task's extraction-time d_NTP beside its live KL (nothing when the file has none)."""
-    if enabled() and d is not None:
+def fidelity_baseline(task: str, d: float | None, off_span: float | None = None) -> None:
+    """A task's extraction-time d_NTP and off-span share beside their live figures (each
+    only where the file has it)."""
+    if enabled():
         m = get()
-        m.baseline.labels(m.task(task)).set(d)
+        if d is not None:
+            m.baseline.labels(m.task(task)).set(d)
+        if off_span is not None:
+            m.span_baseline.labels(m.task(task)).set(off_span)
 
 
 def refusal_reason(refusal: tuple[Any, ...]) -> str:
@@ -309,10 +316,10 @@ class ShiftSizeCollector:
             for r in _flat(results):
                 if r.get("tp_rank", 0) != 0:
                     continue  # every tensor-parallel rank shifts the same rows
-                for key, (total, rows) in r.get("sizes", {}).items():
-                    m = merged.setdefault(key, [0.0, 0.0])
-                    m[0] += total
-                    m[1] += rows
+                for key, sums in r.get("sizes", {}).items():
+                    m = merged.setdefault(key, [0.0] * 4)
+                    for i, v in enumerate(sums[:4]):
+                        m[i] += v
             self.latest = merged
 
     def collect(self) -> Any:
@@ -327,16 +334,25 @@ class ShiftSizeCollector:
                                   "relative to the hidden state, ||W h|| / ||h||, over the "
                                   "rows a task shifted (read from the engine every few "
                                   "seconds)", labels=["task"])
+        span = SummaryMetricFamily("ltv_vllm:task_off_span", "The share of the zero-shot "
+                                   "state outside the span the task's map reads, "
+                                   "||h - Q Q^T h|| / ||h||, over its live fidelity re-asks "
+                                   "(against ltv_vllm:task_extraction_off_span: traffic unlike "
+                                   "the fitted queries sits further out)", labels=["task"])
         by_name: dict[str, list[float]] = {}
-        for key, (total, rows) in self.latest.items():
-            if key in served and rows:
+        for key, sums in self.latest.items():
+            if key in served:
                 m = by_name.setdefault(self.base if key == FUSED else key.partition("@")[0],
-                                       [0.0, 0.0])
-                m[0] += total
-                m[1] += rows
-        for name, (total, rows) in sorted(by_name.items()):
-            fam.add_metric([name], count_value=rows, sum_value=total)
+                                       [0.0] * 4)
+                for i, v in enumerate(sums):
+                    m[i] += v
+        for name, (total, rows, span_total, span_rows) in sorted(by_name.items()):
+            if rows:
+                fam.add_metric([name], count_value=rows, sum_value=total)
+            if span_rows:
+                span.add_metric([name], count_value=span_rows, sum_value=span_total)
         yield fam
+        yield span
 
 
 def _flat(results: Any) -> list[dict[str, Any]]:

@@ -282,6 +282,8 @@ class LTVMixin:
         if plan is None:
             plan = {FUSED: None}
         h = self._shifted(hidden_states, plan, "hidden", hidden_states, mask)
+        if PLAN.readout and self._shift_sizes is not None:
+            self._record_span(hidden_states, plan)
         logits = super().compute_logits(h.to(hidden_states.dtype))  # type: ignore[misc]
         if logits is not None:
             shifted = self._shifted(hidden_states, plan, "logit", logits, mask)
@@ -290,6 +292,21 @@ class LTVMixin:
             if PLAN.readout:  # after every shift: the restricted distribution of the shifted
                 logits = restrict(logits, PLAN.readout)
         return logits
+
+    def _record_span(self, h: torch.Tensor, plan: dict[str, list[int] | None]) -> None:
+        """Live fidelity's re-asked rows on a task's side (a label readout, shifted by a
+        linear map): each one's share of h outside the span the map reads, summed per task
+        (`shift_sizes`). Client rows carry no readout: they cost nothing here."""
+        assert self._shift_sizes is not None
+        for task, rows in plan.items():
+            tv = self._vector(task)
+            if tv is None or tv.map != "linear":
+                continue  # the bare model's side (FUSED in multi-task serving), or a kernel
+            mine = [r for r in PLAN.readout if rows is None or r in rows]
+            if mine:
+                self._shift_sizes.record_span(
+                    task, h.index_select(0, row_index(sorted(mine), h.device)),
+                    self._cast(task, h.device).V)
 
     def _single_task(self, what: str) -> None:
         if set(self._vectors) - {FUSED} or self._store:

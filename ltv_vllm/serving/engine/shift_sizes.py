@@ -1,7 +1,11 @@
-"""How large a task's shift is on live traffic (runs in vLLM's engine worker processes):
-‖W h‖ / ‖h‖ per shifted row, summed per task key in the engine (`ShiftSizes`, fed by the
-model wrapper's `_shifted`), read by the API server now and then (`read_shift_sizes`,
-through vLLM's `collective_rpc`, by the worker method name READ) for its `/metrics`
+"""How large a task's shift is on live traffic, and how far that traffic sits from the
+queries its vector was fitted on (runs in vLLM's engine worker processes): ‖W h‖ / ‖h‖ per
+shifted row, summed per task key in the engine (`ShiftSizes`, fed by the model wrapper's
+`_shifted`); and for the rows of live fidelity's re-asks (those with a label readout, the
+vector's side) the share of h outside the span the map reads (`core.metrics.off_span_share`,
+fed by the wrapper's `_record_span`: one rank-r product per re-ask, none per client request).
+Both are read by the API server now and then (`read_shift_sizes`, through vLLM's
+`collective_rpc`, by the worker method name READ) for its `/metrics`
 (`api_server.metrics.ShiftSizeCollector`).
 
 The sums stay on the engine's device, added to once per step in one product whatever the
@@ -16,18 +20,24 @@ from typing import Any
 import torch
 
 # READ: the worker method the API server's `collective_rpc` names (`serve_reads`)
+from ltv_vllm.core.metrics import off_span_share, span_basis
 from ltv_vllm.serving.contract.names import SHIFT_SIZES_RPC as READ
 from ltv_vllm.serving.engine.steps import row_index
 
 CAP = 4096  # task keys summed at once; past it the sums start again (a counter reset)
 
 
+COLUMNS = 4  # sum of ‖W h‖ / ‖h‖, rows shifted; sum of off-span shares, rows re-asked
+
+
 class ShiftSizes:
-    """Per task key: the sum of ‖W h‖ / ‖h‖ over the rows it shifted, and their count."""
+    """Per task key: the sum of ‖W h‖ / ‖h‖ over the rows it shifted, and their count; the
+    sum of the off-span share over its re-asked rows, and their count."""
 
     def __init__(self) -> None:
         self.slots: dict[str, int] = {}
-        self.acc: torch.Tensor | None = None  # (slots, 2): sum of ratios, rows
+        self.acc: torch.Tensor | None = None  # (slots, COLUMNS)
+        self.bases: dict[str, torch.Tensor] = {}  # task key → Q of its V (`span_basis`)
         serve_reads()  # made in the worker's process, as its model is built
 
     def record(self, tasks: list[str], h: torch.Tensor, delta: torch.Tensor,
@@ -45,21 +55,38 @@ class ShiftSizes:
                torch.zeros(len(tasks), 2, device=h.device).index_add_(0, row_task, vals))
         slots = [self._slot(t, h.device) for t in tasks]
         assert self.acc is not None
-        self.acc.index_add_(0, row_index(slots, h.device), per)
+        self.acc[:, :2].index_add_(0, row_index(slots, h.device), per)
+
+    def record_span(self, task: str, h: torch.Tensor, V: torch.Tensor) -> None:
+        """Re-asked rows `h` (rows, d) of `task`, whose linear map reads the span of `V`
+        (d, r): their off-span shares added to the task's sum (Q made once per key)."""
+        if h.shape[0] == 0:
+            return
+        q = self.bases.get(task)
+        if q is None or q.device != h.device:
+            if len(self.bases) >= CAP:
+                self.bases = {}
+            q = self.bases[task] = span_basis(V.float())
+        share = off_span_share(h.float(), q)
+        slot = self._slot(task, h.device)
+        assert self.acc is not None
+        self.acc[slot, 2] += share.sum()
+        self.acc[slot, 3] += share.shape[0]
 
     def _slot(self, task: str, device: torch.device) -> int:
         if task not in self.slots and len(self.slots) >= CAP:
             self.slots, self.acc = {}, None  # keys come and go: start again
         slot = self.slots.setdefault(task, len(self.slots))
         if self.acc is None or self.acc.shape[0] <= slot:
-            grown = torch.zeros(max(16, 2 * (slot + 1)), 2, device=device)
+            grown = torch.zeros(max(16, 2 * (slot + 1)), COLUMNS, device=device)
             if self.acc is not None:
                 grown[: self.acc.shape[0]] = self.acc
             self.acc = grown
         return slot
 
     def read(self) -> dict[str, list[float]]:
-        """{task key: [sum of ratios, rows]} (one device-to-host copy)."""
+        """{task key: [sum of ratios, rows, sum of off-span shares, rows re-asked]} (one
+        device-to-host copy)."""
         if self.acc is None:
             return {}
         acc = self.acc.tolist()
