@@ -37,6 +37,59 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# a folder where every process of the run appends the vLLM servers and engine jobs it
+# started (JSON lines): the summary at the end of each run counts them (`record_start`)
+STARTS_ENV = "LTV_VLLM_TEST_STARTS"
+
+
+def pytest_configure(config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller (xdist's workers inherit it)
+        import tempfile
+
+        config.ltv_starts = tempfile.mkdtemp(prefix="ltv-vllm-starts-")
+        os.environ[STARTS_ENV] = config.ltv_starts
+
+
+def record_start(kind: str, seconds: float) -> None:
+    """One start-up of `kind` ("server": `ltv-vllm serve` until /health answers; "engine
+    job": a `vllm_workers` job, its engine's start and its body) by the running test."""
+    import json
+
+    folder = os.environ.get(STARTS_ENV)
+    if not folder or not os.path.isdir(folder):
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    with open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps({"kind": kind, "seconds": round(seconds, 2), "test": test}) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """How many servers and engine jobs the run started, and the time they took, in all and
+    by file (the cost the suite's shared fixtures exist to cut)."""
+    import json
+    import shutil
+    from collections import defaultdict
+
+    folder = getattr(config, "ltv_starts", None)
+    if not folder:
+        return
+    starts = []
+    for p in Path(folder).glob("*.jsonl"):
+        starts += [json.loads(line) for line in p.read_text().splitlines() if line]
+    shutil.rmtree(folder, ignore_errors=True)
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    by_file: dict[str, list[float]] = defaultdict(list)
+    for s in starts:
+        by_kind[s["kind"]].append(s["seconds"])
+        by_file[s["test"].split("::")[0]].append(s["seconds"])
+    tr = terminalreporter
+    tr.write_sep("=", "vLLM start-ups")
+    for kind, xs in sorted(by_kind.items()):
+        tr.write_line(f"{kind}: {len(xs)} started, {sum(xs):.0f} s in all")
+    for name, xs in sorted(by_file.items(), key=lambda kv: -sum(kv[1]))[:15]:
+        tr.write_line(f"  {name}: {len(xs)}, {sum(xs):.0f} s")
+
+
 def pytest_collection_modifyitems(items) -> None:
     """Longest files first. xdist (`--dist loadfile`) hands whole files to its workers in
     collection order, so a long file collected last runs alone at the end while the other
@@ -283,7 +336,13 @@ def run_worker(name: str, job, work: Path, env: dict[str, str] | None = None) ->
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            **(env or {})}
-    return run_job(f"vllm_workers.{name}", job, work, name, env=env, what=f"worker {name}")
+    import time
+
+    t0 = time.monotonic()
+    try:
+        return run_job(f"vllm_workers.{name}", job, work, name, env=env, what=f"worker {name}")
+    finally:
+        record_start("engine job", time.monotonic() - t0)
 
 
 def run_cli(*args: str, cwd: Path):

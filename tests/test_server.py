@@ -30,7 +30,14 @@ import openai
 import pytest
 import torch
 
-from conftest import MARGIN, assert_told_apart, make_vllm_llama, plan, reference_logprobs
+from conftest import (
+    MARGIN,
+    assert_told_apart,
+    make_vllm_llama,
+    plan,
+    record_start,
+    reference_logprobs,
+)
 from ltv_vllm.core.vector import TaskVector, model_identity
 from ltv_vllm.serving.client import classify
 from ltv_vllm.tasks.specs import BUILTIN_TASKS, label_token_ids
@@ -147,6 +154,7 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
         log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         # the log is copied through a pipe, so the server never writes a file of its own
         # (file_size_limit below limits only the task store's writes)
+        started = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                 cwd=cwd, start_new_session=True)
         proc.copier = threading.Thread(target=_copy, args=(proc.stdout, log), daemon=True)
@@ -162,11 +170,14 @@ def start_server(model_dir: Path | str, vector_args: list[str], tmp: Path,
                 raise RuntimeError(text[-3000:])
             try:
                 if HTTP.get(f"{url}/health", timeout=2).status_code == 200:
+                    record_start("server", time.monotonic() - started)
                     assert_runner(log, runner)
                     return proc, url, log
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            # a poll, not a wait for something: /health is the only sign of readiness a
+            # server gives, and its start-up takes tens of seconds
+            time.sleep(0.2)
         else:
             stop(proc, log)
             raise RuntimeError("server did not start: " + log_path.read_text()[-3000:])
