@@ -77,6 +77,8 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     for p in Path(folder).glob("*.jsonl"):
         starts += [json.loads(line) for line in p.read_text().splitlines() if line]
     shutil.rmtree(folder, ignore_errors=True)
+    if not starts:
+        return
     by_kind: dict[str, list[float]] = defaultdict(list)
     by_file: dict[str, list[float]] = defaultdict(list)
     for s in starts:
@@ -90,12 +92,51 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
         tr.write_line(f"  {name}: {len(xs)}, {sum(xs):.0f} s")
 
 
+# every test file's areas (its `pytest -m AREA` markers; docs/development.md lists them with
+# their times): a file missing here fails the collection, so a new file is placed on purpose
+AREAS: dict[str, tuple[str, ...]] = {
+    "serving": (
+        "test_server", "test_gate_attacks", "test_chat_server", "test_serve_cli",
+        "test_task_metrics", "test_fidelity", "test_fidelity_packaged", "test_tenancy",
+        "test_keys", "test_user_deployment", "test_vllm_fused", "test_vllm_support",
+        "test_selfcheck", "test_stamp", "test_step_mask", "test_shift_rows", "test_client",
+        "test_vllm_lora_fix", "test_lora", "test_export_compat", "test_v2_runner",
+        "test_replicas", "test_store_server", "test_store_churn", "test_store_compile"),
+    "store": (
+        "test_taskstore", "test_store_records", "test_store_server", "test_store_churn",
+        "test_store_compile", "test_shared_store", "test_replicas", "test_keys",
+        "test_tenancy", "test_compile"),
+    "v2": ("test_v2_runner", "test_step_mask"),  # and every test whose id names v2
+    "extraction": (
+        "test_extract", "test_capture", "test_pipeline", "test_methods", "test_ridge",
+        "test_vector", "test_kernel", "test_transfer", "test_regression", "test_teachers",
+        "test_value", "test_demo_sets", "test_vllm_extract", "test_vllm_capture",
+        "test_batching", "test_sweep", "test_data", "test_templates", "test_chat",
+        "test_models", "test_plan", "test_apply", "test_metrics", "test_hardware",
+        "test_placement", "test_compile", "test_lora"),
+    "bench": ("test_bench", "test_bench_costs", "test_bench_rounds", "test_jobs",
+              "test_value", "test_teachers", "test_demo_sets"),
+    "docs": ("test_docs", "test_layout", "test_your_task_doc", "test_cli_args"),
+}
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """Longest files first. xdist (`--dist loadfile`) hands whole files to its workers in
-    collection order, so a long file collected last runs alone at the end while the other
+    """Each test marked with its file's areas (AREAS; `v2` also where its id names vLLM's
+    V2 runner), then longest files first. xdist (`--dist loadfile`) hands whole files to its
+    workers in collection order, so a long file collected last runs alone at the end while the other
     worker idles; ordering by each file's `slow(seconds=...)` mark (a measured figure, only
     used here) gives the longest-first schedule. The sort is stable: the files' own order,
     and each file's tests, stay as they were."""
+    placed = {name for names in AREAS.values() for name in names}
+    missing = sorted({Path(str(item.fspath)).stem for item in items} - placed)
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py AREAS places no area for {missing}")
+    for item in items:
+        stem = Path(str(item.fspath)).stem
+        for area, names in AREAS.items():
+            if stem in names or (area == "v2" and "v2" in item.name.lower()):
+                item.add_marker(area)
+
     def cost(item) -> float:
         mark = item.get_closest_marker("slow")
         return -float(mark.kwargs.get("seconds", 0)) if mark else 0.0

@@ -138,8 +138,43 @@ def test_one_task_on_every_row_sums_its_shifted_rows_only():
     tv = VECTORS["s0"]
     want = sum(float((tv.U.double() @ (tv.V.double().T @ h[r].double())).norm()
                      / h[r].double().norm()) for r in range(9) if mask[r])
-    [(total, n)] = shift._shift_sizes.read().values()
+    [(total, n, span, span_n)] = shift._shift_sizes.read().values()
     assert n == int(mask.sum()) and total == pytest.approx(want, rel=1e-4)
+    assert span == span_n == 0  # no row carried a readout: no re-ask to measure
+
+
+def test_re_asked_rows_sum_their_off_span_share_per_task():
+    """The rows with a label readout (live fidelity's re-asks) on a linear task's side add
+    ‖h − Q Qᵀ h‖ / ‖h‖ to their task's sum — Q from numpy's SVD of V here, not the engine's
+    QR — and no other row does: not a row without a readout, not the bare model's (a task
+    without a vector), not a kernel map's."""
+    import numpy as np
+
+    from ltv_vllm.serving.engine import steps
+
+    h = torch.randn(8, D, generator=torch.Generator().manual_seed(9))
+    shift = Shift({k: VECTORS[k] for k in ("s0", "s1", "rbf")})
+    plan = {"s0": [0, 1, 2], "s1": [3, 4], "rbf": [5], "": [6, 7]}
+    old = steps.PLAN.readout
+    try:
+        steps.PLAN.readout = {1: (0,), 2: (0,), 4: (0,), 5: (0,), 6: (0,)}
+        shift._record_span(h, plan)
+        shift._record_span(h, plan)  # a second step: the sums add up
+    finally:
+        steps.PLAN.readout = old
+
+    def by_hand(task: str, rows: list[int]) -> float:
+        u, sv, _ = np.linalg.svd(VECTORS[task].V.double().numpy(), full_matrices=False)
+        q = torch.from_numpy(u[:, sv > sv.max() * 1e-10])
+        return sum(float((h[r].double() - q @ (q.T @ h[r].double())).norm()
+                         / h[r].double().norm()) for r in rows)
+
+    got = {t: v[2:] for t, v in shift._shift_sizes.read().items() if v[3]}
+    assert got.keys() == {"s0", "s1"}
+    assert got["s0"][1] == 4 and got["s0"][0] == pytest.approx(2 * by_hand("s0", [1, 2]),
+                                                                rel=1e-5)
+    assert got["s1"][1] == 2 and got["s1"][0] == pytest.approx(2 * by_hand("s1", [4]),
+                                                                rel=1e-5)
 
 
 def test_task_slots_write_once_evict_the_least_recently_used_and_pad_ranks():
