@@ -265,6 +265,7 @@ def test_chat_and_completion_tasks_in_one_batch(chat_server, tokenizer):
 
     def call(i_job):
         i, (name, route, text, n) = i_job
+        # arrivals spread on purpose: requests joining a batch mid-decode is the case tested
         time.sleep(0.4 * i / len(jobs))
         if route == "chat":
             r = client.chat.completions.create(

@@ -732,6 +732,8 @@ def test_a_plan_reads_each_vector_file_once(setup, monkeypatch, specs, tmp_path)
     import os
     import time
 
+    # a file's mtime is what says it was replaced: a later one, whatever the filesystem's
+    # timestamp resolution (nothing to wait on but the clock)
     time.sleep(0.01)
     os.utime(good)  # replaced: read again
     reads.clear()

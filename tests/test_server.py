@@ -683,6 +683,7 @@ def test_scheduler_paths(assets, tokenizer, multi_task_server):
 
     def call(i_job):
         i, job = i_job
+        # arrivals spread on purpose: the light requests join while the heavy ones prefill
         time.sleep(0.03 * max(0, i - HEAVY + 1))
         kw = {k: v for k, v in job.items() if not k.startswith("_")}
         kw["extra_body"] = {**kw["extra_body"], "return_tokens_as_token_ids": True,
@@ -771,10 +772,18 @@ def test_sigterm_shuts_the_server_down_cleanly(assets, tmp_path, target):
             "stream": True, "temperature": 0.0})
         lines = stream.__enter__().iter_lines()
         assert next(lines).startswith("data: ")
-        if target == "group":
-            os.killpg(proc.pid, signal.SIGTERM)
-        else:
-            os.kill(proc.pid, signal.SIGTERM)
+        # held open by construction: the engine core stopped (SIGSTOP) cannot finish it
+        # before the signal lands; it resumes right after, so with the group's signal it
+        # races the API server's shutdown as it would under systemd
+        core = engine_core_of(proc.pid)
+        os.kill(core, signal.SIGSTOP)
+        try:
+            if target == "group":
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                os.kill(proc.pid, signal.SIGTERM)
+        finally:
+            os.kill(core, signal.SIGCONT)
         rc = proc.wait(60)
         deadline = time.time() + 30
         while _group_alive(proc.pid) and time.time() < deadline:
@@ -789,6 +798,16 @@ def test_sigterm_shuts_the_server_down_cleanly(assets, tmp_path, target):
     data = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
     assert data and data[-1]["choices"][0]["finish_reason"] == "abort", rest
     assert [x for x in rest if x][-1] == "data: [DONE]", rest
+
+
+def engine_core_of(pid: int) -> int:
+    """The pid of the engine-core process under server `pid` (vLLM names it EngineCore)."""
+    import psutil
+
+    cores = [c.pid for c in psutil.Process(pid).children(recursive=True)
+             if "EngineCore" in " ".join([c.name(), *c.cmdline()])]
+    assert len(cores) == 1, [(c.pid, c.name()) for c in psutil.Process(pid).children(True)]
+    return cores[0]
 
 
 def _drain(lines):

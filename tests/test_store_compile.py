@@ -121,7 +121,7 @@ def test_compile_over_http_while_serving(assets, tokenizer, tmp_path):
             if states == {"c1": "ready", "c2": "ready"}:
                 break
             assert "failed" not in states.values(), HTTP.get(tasks).json()
-            time.sleep(1)
+            time.sleep(0.2)
         assert store.names() == ["c1", "c2"]
         held = {n: store.get(n).vector() for n in ("c1", "c2")}
         assert store.get("c1").record["source"] == "compiled"
