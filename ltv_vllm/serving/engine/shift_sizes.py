@@ -19,14 +19,13 @@ from typing import Any
 
 import torch
 
-# READ: the worker method the API server's `collective_rpc` names (`serve_reads`)
 from ltv_vllm.core.metrics import off_span_share, span_basis
+
+# READ: the worker method the API server's `collective_rpc` names (`serve_reads`)
 from ltv_vllm.serving.contract.names import SHIFT_SIZES_RPC as READ
 from ltv_vllm.serving.engine.steps import row_index
 
 CAP = 4096  # task keys summed at once; past it the sums start again (a counter reset)
-
-
 COLUMNS = 4  # sum of ‖W h‖ / ‖h‖, rows shifted; sum of off-span shares, rows re-asked
 
 
