@@ -7,14 +7,19 @@ refused in one line."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import openai
 import pytest
 import torch
-from test_server import PROMPTS, RUNNERS, check_answer, start_server, stop
+from test_server import PROMPTS, RUNNERS, Shared, check_answer, start_server, stop
 
 from conftest import make_vllm_llama, plan
 from ltv_vllm.core.vector import TaskVector, model_identity
@@ -33,12 +38,12 @@ SST2 = BUILTIN_TASKS["sst2"]
 
 
 @pytest.fixture(scope="module", params=RUNNERS, ids=["v1", "v2"])
-def chat_server(tmp_path_factory, tokenizer, request):
+def shared_chat_server(tmp_path_factory, tokenizer, request):
     """A per-request multi-task server rendering chat with CHATML and keeping a task store:
     `alpha` fitted on the completion prompt, `delta` through CHATML (policy: the first
-    token), `epsilon` through another template; (url, model, vectors, the directory of the
-    vector files, `zeta.pt` and `eta.pt` among them for uploads). On vLLM's V1 and V2
-    runners."""
+    token), `epsilon` through another template; (its `Shared`, model, vectors, the
+    directory of the vector files, `zeta.pt` and `eta.pt` among them for uploads). On
+    vLLM's V1 and V2 runners."""
     d = tmp_path_factory.mktemp("chat-model")
     model = make_vllm_llama(tokenizer, seed=37, tie=False)
     model.save_pretrained(d)
@@ -73,9 +78,20 @@ def chat_server(tmp_path_factory, tokenizer, request):
                                                   "--task-store", str(tmp / "store")),
                                   runner=request.param)
     try:
-        yield url, model, vecs, tmp
+        shared = Shared(url)
+        yield shared, model, vecs, tmp
+        shared.close()
     finally:
         stop(proc, log)
+
+
+@pytest.fixture
+def chat_server(shared_chat_server, request):
+    """`shared_chat_server` for one test (`Shared.use`): (url, model, vectors, directory).
+    A test that uploads to its store deletes what it uploaded before it ends."""
+    shared, *rest = shared_chat_server
+    shared.use(request)
+    return (shared.url, *rest)
 
 
 def rendered(tokenizer, text: str) -> str:
@@ -339,7 +355,7 @@ def test_a_chat_fitted_store_entry_is_served_after_a_restart(chat_server, tokeni
     store.add("zeta", vecs["zeta"], Path(base))
     proc, url2, log = start_server(base, [], tmp_path, ("--chat-template", CHATML,
                                                         "--task-store", str(store.root)),
-                                   runner=request.node.callspec.params["chat_server"])
+                                   runner=request.node.callspec.params["shared_chat_server"])
     try:
         client = openai.OpenAI(base_url=f"{url2}/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(
@@ -352,3 +368,65 @@ def test_a_chat_fitted_store_entry_is_served_after_a_restart(chat_server, tokeni
             client.completions.create(model="zeta", prompt=PROMPTS[0], max_tokens=2)
     finally:
         stop(proc, log)
+
+
+# a test file run by `test_a_test_that_leaves_a_task_fails_the_next_one`: this file's own
+# wiring of a shared server (a module fixture holding `Shared`, a test fixture calling `use`)
+LEAKY_TESTS = '''
+import os
+
+import pytest
+from test_server import HTTP, Shared
+
+
+@pytest.fixture(scope="module")
+def shared_server():
+    shared = Shared(os.environ["LTV_TEST_URL"])
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def server(shared_server, request):
+    shared_server.use(request)
+    return shared_server.url
+
+
+def test_leaves_a_task(server):
+    with open(os.environ["LTV_TEST_VECTOR"], "rb") as f:
+        r = HTTP.post(f"{server}/v1/ltv/tasks", data={"name": "leaked"},
+                      files={"vector": ("leaked.pt", f)})
+    assert r.status_code == 201, r.text
+
+
+def test_next(server):
+    pass
+'''
+
+
+def test_a_test_that_leaves_a_task_fails_the_next_one(chat_server, tmp_path):
+    """The shared servers' guard (`test_server.Shared`), on this live server: in a run of
+    two tests, the first uploads a task and leaves it; the second, which only uses the
+    server, fails before it starts, naming the first; the end of the run fails too. Then the
+    task is deleted here, so the next test of this file finds the server as it started
+    (were it not, that test would fail the same way)."""
+    from test_server import HTTP
+
+    url, _model, _vecs, tmp = chat_server
+    (tmp_path / "test_leaky.py").write_text(LEAKY_TESTS)
+    env = {**os.environ, "LTV_TEST_URL": url, "LTV_TEST_VECTOR": str(tmp / "alpha.pt"),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p",
+                            "no:cacheprovider", "test_leaky.py"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        assert HTTP.delete(f"{url}/v1/ltv/tasks/leaked").status_code == 200
+    out = r.stdout
+    assert r.returncode == 1, out
+    assert "PASSED test_leaky.py::test_leaves_a_task" in out, out
+    assert "ERROR test_leaky.py::test_next" in out, out
+    assert re.search(r"left changed by test_leaky.py::test_leaves_a_task: \{'models'", out), out
+    # test_next's set-up, and the run's end
+    assert re.search(r"1 passed, (\d+ warnings?, )?2 errors", out), out

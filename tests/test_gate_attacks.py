@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from test_server import HTTP, start_server, stop
+from test_server import HTTP, Shared, start_server, stop
 
 from conftest import make_tokenizer, make_vllm_llama
 from ltv_vllm.core.vector import TaskVector, model_identity, read_safetensors
@@ -206,6 +206,7 @@ class Server:
                      "--multi-task", mode, "--max-num-seqs", "2", "--enable-scale-out",
                      "--max-logprobs", str(HELD_LOGPROBS))
         self.beta, self.tmp, self.nonce = beta, tmp, 0
+        self.shared: Shared | None = None
         self.start()
 
     def start(self) -> None:
@@ -217,6 +218,16 @@ class Server:
                        "VLLM_SERVER_DEV_MODE": "1"},
             # V1 in vLLM's default layout (what users run); V2, through the shim, in-process
             runner=self.runner, layout="default" if self.runner is None else "inproc")
+        self.watch()
+
+    def watch(self) -> None:
+        """The guard of this shared server (`test_server.Shared`): made at its first start;
+        after a restart (an engine death the fuzzer reports) it follows the new address and
+        still compares with what the first start served."""
+        if self.shared is None:
+            self.shared = Shared(self.url)
+        else:
+            self.shared.url = self.url
 
     def restart(self) -> None:
         """After an engine death (what the fuzzer reports): the store's tasks as served."""
@@ -288,7 +299,7 @@ class Server:
 
 
 @pytest.fixture(scope="module", params=["shift", "lora", "shift-v2", "lora-v2"])
-def server(request, probe, tmp_path_factory):
+def shared_server(request, probe, tmp_path_factory):
     """A store server with per-request tasks ("shift") or LoRA adapters, on vLLM's V1
     runner; "-v2": the same on the V2 runner (`test_server.runner_test_env`)."""
     d, model, _ = probe
@@ -297,8 +308,17 @@ def server(request, probe, tmp_path_factory):
                  runner="1" if v2 else None)
     try:
         yield srv
+        srv.shared.close()
     finally:
         stop(srv.proc, srv.log)
+
+
+@pytest.fixture
+def server(shared_server, request):
+    """`shared_server` for one test (`Shared.use`): a test's own task names go through
+    `own_tasks`, which deletes whatever it leaves of them."""
+    shared_server.shared.use(request)
+    return shared_server
 
 
 class FusedServer(Server):
@@ -318,6 +338,7 @@ class FusedServer(Server):
         else:
             self.d, tv = d, probe_vector(model, d, "alpha", "all")
         self.vector = tv.save(tmp / "alpha.pt")
+        self.shared = None
         self.start()
 
     def start(self) -> None:
@@ -326,6 +347,7 @@ class FusedServer(Server):
             self.d, [str(self.vector)], self.tmp,
             ("--max-num-seqs", "2", "--enable-scale-out", *fold),
             env_extra={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}, runner=self.runner)
+        self.watch()
 
     def steps(self, task: str | None, xargs: dict) -> int | None:
         if self.mode == "folded":  # the head itself is shifted: ltv_steps is refused
@@ -375,15 +397,22 @@ def folded_probe(model, directory: Path) -> tuple[Path, TaskVector]:
 
 
 @pytest.fixture(scope="module", params=["fused", "folded", "fused-v2", "folded-v2"])
-def fused_server(request, probe, tmp_path_factory):
+def shared_fused_server(request, probe, tmp_path_factory):
     d, model, _ = probe
     mode, _, v2 = request.param.partition("-")
     srv = FusedServer(d, tmp_path_factory.mktemp(f"gate-{request.param}"), model,
                       fold=mode == "folded", runner="1" if v2 else None)
     try:
         yield srv
+        srv.shared.close()
     finally:
         stop(srv.proc, srv.log)
+
+
+@pytest.fixture
+def fused_server(shared_fused_server, request):
+    shared_fused_server.shared.use(request)
+    return shared_fused_server
 
 
 def post(srv: Server, path: str, body, headers: dict | None = None,
@@ -1125,7 +1154,8 @@ def test_request_fuzzer(server):
     path, a traceback or an engine key. Every violation is collected (a dead engine is
     reported with the requests it died under, and the server restarted), then all are
     reported together."""
-    run_fuzzer(server, random.Random(37 if server.mode == "shift" else 38))
+    with own_tasks(server, "gamma", "delta"):  # what its store changes leave
+        run_fuzzer(server, random.Random(37 if server.mode == "shift" else 38))
 
 
 def test_request_fuzzer_on_a_fused_server(fused_server):

@@ -245,6 +245,53 @@ def file_size_limit(pid: int, nbytes: int):
 # calls did
 HTTP = httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0))
 
+
+class Shared:
+    """A server that the tests of one configuration share (a module-scoped fixture starts it
+    once and hands it to each test through `use`). What a test may change on it and must
+    leave as it found it is read once, when it has started: the names it serves, with each
+    store task's digest (`/v1/models`), the task store's listing where it has one, and the
+    contents of `files` (a keys file). Each test that uses it reads that again first: if it
+    differs, that test fails, naming the test that used the server before it. `close` reads
+    it once more after the last test. Counters are not compared: they advance with every
+    request, so a test on a shared server reads their change, never their value."""
+
+    def __init__(self, url: str, headers: dict | None = None, files: tuple[Path, ...] = ()):
+        self.url, self.headers, self.files = url, headers or {}, files
+        self.start = self.state()
+        self.last = "its start"
+
+    def state(self) -> dict:
+        import hashlib
+
+        r = HTTP.get(f"{self.url}/v1/models", headers=self.headers)
+        assert r.status_code == 200, r.text
+        models = {c["id"]: (c.get("ltv") or {}).get("digest") for c in r.json()["data"]}
+        r = HTTP.get(f"{self.url}/v1/ltv/tasks", headers=self.headers)
+        tasks = (sorted((t["name"], t.get("status")) for t in r.json()["data"])
+                 if r.status_code == 200 else None)
+        files = {str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.exists() else None
+                 for p in self.files}
+        return {"models": models, "tasks": tasks, "files": files}
+
+    def check(self, test: str) -> None:
+        now = self.state()
+        if now != self.start:
+            changed = {k: {"at start": self.start[k], "now": now[k]}
+                       for k in now if now[k] != self.start[k]}
+            pytest.fail(f"the shared server {self.url} was left changed by {self.last}: "
+                        f"{changed}", pytrace=False)
+        self.last = test
+
+    def use(self, request) -> None:
+        """Before a test (`request`: its fixture request) uses the server."""
+        self.check(request.node.nodeid)
+
+    def close(self) -> None:
+        """After the last test that used it."""
+        self.check("the end")
+
+
 _ORACLE: dict = {}
 
 
@@ -373,10 +420,11 @@ KV_BYTES = 256 << 10  # 512 tokens of this model (vLLM's start-up log: 2,048 per
 
 
 @pytest.fixture(scope="module", params=RUNNERS, ids=["v1", "v2"])
-def multi_task_server(assets, tmp_path_factory, request):
+def shared_multi_task_server(assets, tmp_path_factory, request):
     """One server for the tests of its configuration (a start is two fresh interpreters
     importing vLLM): named vectors, per-request tasks (the default), the three vectors of
-    `assets` and a regression vector `relu` extracted on the same model; (url, relu path).
+    `assets` and a regression vector `relu` extracted on the same model; (its `Shared`,
+    relu path).
     On vLLM's V1 and V2 runners (V2 through `tests/v2shim`)."""
     from click.testing import CliRunner
 
@@ -395,9 +443,20 @@ def multi_task_server(assets, tmp_path_factory, request):
                                   kv_bytes=KV_BYTES, runner=request.param,
                                   layout="default" if request.param is None else "inproc")
     try:
-        yield url, relu
+        shared = Shared(url)
+        yield shared, relu
+        shared.close()
     finally:
         stop(proc, log)
+
+
+@pytest.fixture
+def multi_task_server(shared_multi_task_server, request):
+    """`shared_multi_task_server` for one test (`Shared.use`): (url, relu path). Its tests
+    only send requests: none may leave a name served or gone."""
+    shared, relu = shared_multi_task_server
+    shared.use(request)
+    return shared.url, relu
 
 
 def test_multi_task_server(assets, tokenizer, multi_task_server):
