@@ -7,6 +7,7 @@ weights are seeded random numbers, so every test runs offline in seconds.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -63,13 +64,38 @@ def record_start(kind: str, seconds: float) -> None:
         f.write(json.dumps({"kind": kind, "seconds": round(seconds, 2), "test": test}) + "\n")
 
 
+def pytest_runtest_logreport(report) -> None:
+    """On xdist's controller: when each worker last finished a test (`worker_tail`)."""
+    node = getattr(report, "node", None)
+    if node is not None and report.when == "teardown":
+        _FINISHED[node.gateway.id] = time.monotonic()
+
+
+_FINISHED: dict[str, float] = {}  # xdist worker → when its last test ended (the controller's)
+
+
+def worker_tail(terminalreporter) -> None:
+    """When each xdist worker's last test ended, counted back from the last one's end: the
+    idle tail is how long the first worker to run out of files waited for the other (what
+    the files' order, `pytest_collection_modifyitems`, exists to keep short)."""
+    if len(_FINISHED) < 2:
+        return
+    last = max(_FINISHED.values())
+    terminalreporter.write_sep("=", "workers")
+    terminalreporter.write_line(
+        "last test ended: " + ", ".join(f"{w} {last - t:.0f} s before the end"
+                                        for w, t in sorted(_FINISHED.items()))
+        + f"; idle tail {last - min(_FINISHED.values()):.0f} s")
+
+
 def pytest_terminal_summary(terminalreporter, config) -> None:
     """How many servers and engine jobs the run started, and the time they took, in all and
-    by file (the cost the suite's shared fixtures exist to cut)."""
+    by file (the cost the suite's shared fixtures exist to cut); the workers' idle tail."""
     import json
     import shutil
     from collections import defaultdict
 
+    worker_tail(terminalreporter)
     folder = getattr(config, "ltv_starts", None)
     if not folder:
         return
@@ -377,7 +403,6 @@ def run_worker(name: str, job, work: Path, env: dict[str, str] | None = None) ->
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            **(env or {})}
-    import time
 
     t0 = time.monotonic()
     try:

@@ -295,8 +295,11 @@ def test_a_held_store_is_refused_in_its_one_line(setup, monkeypatch, tokenizer):
     """`serve --task-store DIR` while another server holds DIR once printed vLLM's whole
     command line (the store's path in it) and the store's warnings before its refusal: now
     the refusal is the only line, and nothing is started or moved (an entry it would
-    quarantine stays)."""
+    quarantine stays). It comes before the server is planned: before vLLM is imported (its
+    parser reads the user's flags there) or the model and vectors are read."""
     import os
+
+    import ltv_vllm.serving.launcher.serve as launcher
 
     from conftest import make_llama
     from ltv_vllm.core.vector import load_task_vector
@@ -311,7 +314,11 @@ def test_a_held_store_is_refused_in_its_one_line(setup, monkeypatch, tokenizer):
     def no_exec(*_a):
         raise AssertionError("the server was started on a held store")
 
+    def no_plan(*_a):
+        raise AssertionError("the server was planned on a held store")
+
     monkeypatch.setattr(os, "execve", no_exec)
+    monkeypatch.setattr(launcher, "plan_server", no_plan)
     fd = store.hold()  # the other server (this process: a second lock on it is refused)
     try:
         r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--task-store",

@@ -216,10 +216,12 @@ def serve(model_spec: str | None, vectors: tuple[str, ...], store: StoreFlags, h
     flag of vLLM's own (--no-enforce-eager, -O, --compilation-config).
     """
     from ltv_vllm.serving.launcher.serve import ServeOptions, plan_server
-    from ltv_vllm.serving.launcher.store_setup import default_store
+    from ltv_vllm.serving.launcher.store_setup import check_store_free, default_store
 
     if store.task_store == "":
         store = replace(store, task_store=str(default_store(model_spec)))
+    if not dry_run and export_dir is None:  # (a dry run says it in a warning)
+        check_store_free(store.task_store)
     plan = plan_server(ServeOptions(model_spec, vectors, dtype=dtype, max_model_len=max_model_len,
                                     vllm_args=vllm_args, selfcheck=not skip_selfcheck,
                                     **asdict(store), **asdict(http), **asdict(shift)))

@@ -34,6 +34,17 @@ def shared_store(spec: str | None) -> tuple[str | None, int]:
     return url, SharedStore(url, create=False).size()  # a new one is made by `prepare`
 
 
+def check_store_free(spec: str | None) -> None:
+    """`--task-store DIR` that another running server holds: refused in one line before
+    anything heavy (vLLM's import, the model); a shared store, or one not made yet, is
+    not held by anyone."""
+    from ltv_vllm.serving.store.taskstore import TaskStore
+
+    if spec is None or shared_url(spec) is not None or not Path(spec).is_dir():
+        return
+    TaskStore(spec, create=False).check_free()
+
+
 def shared_url(spec: str | None) -> str | None:
     """`--task-store` as a shared store's URL or absolute directory (None: not one)."""
     from ltv_vllm.serving.store.shared_store import is_shared

@@ -186,18 +186,30 @@ class TaskStore:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            try:
-                who = os.read(fd, 64).decode("ascii", "replace").strip()
-            except OSError:
-                who = ""
             os.close(fd)
-            raise StoreHeld(f"task store {self.root} is served by another running server"
-                            f"{f' (pid {who})' if who.isdigit() else ''}; stop it, or give "
-                            "this server another --task-store") from None
+            raise self._held() from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         os.set_inheritable(fd, True)
         return fd
+
+    def _held(self) -> StoreHeld:
+        """The one line that refuses a second server on this store (the holder's pid, which
+        it wrote into the lock file, where it can be read)."""
+        try:
+            who = (self.root / LOCK).read_bytes()[:64].decode("ascii", "replace").strip()
+        except OSError:
+            who = ""
+        return StoreHeld(f"task store {self.root} is served by another running server"
+                         f"{f' (pid {who})' if who.isdigit() else ''}; stop it, or give "
+                         "this server another --task-store")
+
+    def check_free(self) -> None:
+        """StoreHeld (`hold`'s line) if a running server holds the store: `serve` asks
+        before it imports vLLM or reads the model, so the refusal comes at once; `hold` asks
+        again, race-free, when the server starts."""
+        if self.held():
+            raise self._held()
 
     def held(self) -> bool:
         """Whether a running server holds the store (what `serve --dry-run` reports)."""
