@@ -300,7 +300,6 @@ def test_a_held_store_is_refused_in_its_one_line(setup, monkeypatch, tokenizer):
     import os
 
     import ltv_vllm.serving.launcher.serve as launcher
-
     from conftest import make_llama
     from ltv_vllm.core.vector import load_task_vector
     from ltv_vllm.serving.store.taskstore import TaskStore
