@@ -30,7 +30,8 @@ import torch
 from test_server import HTTP, Shared, start_server, stop
 
 from conftest import make_tokenizer, make_vllm_llama
-from ltv_vllm.core.vector import TaskVector, model_identity, read_safetensors
+from ltv_vllm.core.vector import TaskVector, model_identity
+from ltv_vllm.core.vector_files import read_safetensors
 from ltv_vllm.serving.contract.keys import OPERATOR_ROUTES
 from ltv_vllm.serving.store.taskstore import TaskStore, vector_digest
 

@@ -477,7 +477,8 @@ def test_untrusted_metrics_in_a_vector_file_never_crash_the_cli(setup, monkeypat
     the below-zero-shot warning only where the figures are numbers."""
     from safetensors.torch import save_file
 
-    from ltv_vllm.core.vector import load_task_vector, read_safetensors
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.core.vector_files import read_safetensors
 
     tmp, good, _ = setup
     monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))

@@ -39,7 +39,8 @@ from test_server import (
 
 from conftest import reference_logprobs, write_model_and_vectors
 from ltv_vllm.cli import main
-from ltv_vllm.core.vector import TaskVector, read_safetensors
+from ltv_vllm.core.vector import TaskVector
+from ltv_vllm.core.vector_files import read_safetensors
 from ltv_vllm.serving.store.taskstore import TaskStore
 
 pytestmark = pytest.mark.slow(seconds=54)  # see conftest's ordering

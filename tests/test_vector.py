@@ -17,8 +17,8 @@ from ltv_vllm.core.vector import (
     fingerprint_lm_head,
     load_task_vector,
     model_identity,
-    read_safetensors,
 )
+from ltv_vllm.core.vector_files import read_safetensors
 from ltv_vllm.tasks.specs import BUILTIN_TASKS, label_token_ids
 
 TASK = BUILTIN_TASKS["sst2"]
@@ -393,7 +393,7 @@ CORRUPT_MSG = "not a task-vector file: truncated or corrupt"
 
 
 def test_sniff_suffix(tmp_path, tiny_model, tokenizer):
-    from ltv_vllm.core.vector import sniff_suffix
+    from ltv_vllm.core.vector_files import sniff_suffix
 
     tv = make_vector(tiny_model, tokenizer)
     for suffix in (".pt", ".safetensors"):
@@ -408,7 +408,7 @@ def test_sniff_suffix_reads_a_safetensors_header_first(tmp_path, tiny_model, tok
     pickle and refused as corrupt; it is a safetensors file."""
     from safetensors.torch import save_file
 
-    from ltv_vllm.core.vector import sniff_suffix
+    from ltv_vllm.core.vector_files import sniff_suffix
 
     tv = make_vector(tiny_model, tokenizer)
     path = tv.save(tmp_path / "v.safetensors")

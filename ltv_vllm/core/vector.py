@@ -9,19 +9,16 @@ baseline; LTV itself has none.
 Files describe themselves and are checked on load:
   *.safetensors  tensors U, V[, bias] + a JSON header under the metadata key "ltv_vllm";
   *.pt           a dict of tensors and one JSON string, read with torch.load(weights_only=True).
-Neither format can run code when loaded. Writes go to a temp file that is renamed into place.
+Neither format can run code when loaded (`core.vector_files` reads them). Writes go to a temp
+file that is renamed into place.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import numbers
-import pickle
-import pickletools
-import warnings
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -31,16 +28,12 @@ import torch
 from ltv_vllm.core.fileio import atomic_write
 from ltv_vllm.core.kernel import rbf_delta
 from ltv_vllm.core.ridge import Factors, head_gram, low_rank_delta, truncate
-from ltv_vllm.errors import UserError
+from ltv_vllm.core.vector_files import VectorError, read_safetensors, torch_load
 from ltv_vllm.tasks.specs import is_regression, label_token_ids, task_from_dict
 
 FORMAT = "ltv-vllm-task-vector"
 FORMAT_VERSION = 2  # 2: the optional nonlinear `map` (files without one are written as 1)
 Kind = Literal["hidden", "logit"]
-
-
-class VectorError(UserError):
-    """A task-vector file that is malformed or does not fit the model it is applied to."""
 
 
 @dataclass(frozen=True)
@@ -508,20 +501,6 @@ def check_identity(mine: ModelIdentity, ident: ModelIdentity, what: str) -> None
         )
 
 
-def read_safetensors(path: Path, key: str = "ltv_vllm") -> tuple[Any, dict[str, torch.Tensor]]:
-    """The JSON header stored under metadata `key` (or None) and the tensors of a
-    .safetensors file; any damage is one VectorError line."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header_json = (f.metadata() or {}).get(key)
-        return header_json, load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError):
-        raise VectorError(f"{path}: {CORRUPT}") from None
-
-
 def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:
     if header_json is None:
         raise VectorError(f"{path}: not an ltv-vllm task-vector file (no ltv_vllm header)")
@@ -570,81 +549,8 @@ def load_task_vector(path: str | Path) -> TaskVector:
     if path.suffix == ".safetensors":
         return _parse(*read_safetensors(path), path)
     if path.suffix == ".pt":
-        obj = _torch_load(path)
+        obj = torch_load(path)
         if not isinstance(obj, dict) or not isinstance(obj.get("tensors"), dict):
             raise VectorError(f"{path}: not an ltv-vllm task-vector file")
         return _parse(obj.get("ltv_vllm"), obj["tensors"], path)
     raise VectorError(f"task-vector files end in .pt or .safetensors, got {path.name!r}")
-
-
-CORRUPT = "not a task-vector file: truncated or corrupt"
-ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
-PICKLE_PROTO = b"\x80"  # a plain pickle (protocol 2+) starts with the PROTO opcode
-PICKLE_SCAN_BYTES = 64 << 20  # our files are zips: a plain pickle is read no further than this
-# the opcodes that import or call something: what makes unpickling run code
-_CODE_OPS = frozenset({"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "REDUCE"})
-FORMATS = "task-vector files are safetensors or torch.save zip files"
-
-
-def sniff_suffix(data: bytes) -> str:
-    """The suffix a task-vector file's first bytes call for: ".safetensors" when they are a
-    safetensors header (8 bytes of little-endian header length, then the JSON header's `{`),
-    ".pt" for a zip (torch.save) or a plain pickle (refused on load, with its reason), else
-    ".safetensors" (whose reader refuses it as corrupt). The header test comes first: a
-    header of length 128 mod 256 starts with 0x80, a pickle's first byte."""
-    if len(data) >= 9 and data[8:9] == b"{" and \
-            int.from_bytes(data[:8], "little") <= len(data) - 8:
-        return ".safetensors"
-    return ".pt" if data.startswith(ZIP_MAGIC) or data.startswith(PICKLE_PROTO) else ".safetensors"
-
-
-def _refuse_plain_pickle(path: Path) -> None:
-    """A .pt that is a plain pickle, not torch.save's zip: never ours. Say whether it would
-    run code, from its opcodes alone (pickletools reads, never executes); not unpickled."""
-
-    try:
-        with open(path, "rb") as f:
-            data = f.read(PICKLE_SCAN_BYTES)
-    except OSError:
-        raise VectorError(f"{path}: {CORRUPT}") from None
-    if data.startswith(ZIP_MAGIC) or not data.startswith(PICKLE_PROTO):
-        return  # torch.load's own checks (and its weights-only unpickler) take it from here
-    try:
-        for op, _arg, _pos in pickletools.genops(io.BytesIO(data)):
-            if op.name in _CODE_OPS:
-                raise VectorError(f"{path}: refused: a plain pickle that names Python objects "
-                                  f"(code that would run on load); {FORMATS}")
-    except VectorError:
-        raise
-    except Exception:  # noqa: BLE001 - any damage genops trips on (bad opcode, EOF)
-        if len(data) < PICKLE_SCAN_BYTES:
-            raise VectorError(f"{path}: {CORRUPT}") from None
-        # cut off by our bound, not damaged: still a pickle with no code in what was read
-    raise VectorError(f"{path}: a plain pickle, not a task-vector file ({FORMATS})")
-
-
-def _torch_load(path: Path) -> Any:
-    """torch.load(weights_only=True), its failures in one line of ours.
-
-    A pickle that names anything but tensors and plain containers (a class, a function:
-    code that would run on load) is refused by torch's weights-only unpickler; say that,
-    rather than torch's paragraph on how to load it anyway. A plain (non-zip) pickle is
-    refused before torch sees it (`_refuse_plain_pickle`).
-    """
-
-    _refuse_plain_pickle(path)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        # "Unsupported global": the pickle names a callable (code); anything else the
-        # weights-only unpickler trips on ("Unsupported operand", EOF) is damage
-        if "unsupported global" in str(e).lower():
-            raise VectorError(
-                f"{path}: refused: the file contains code (pickled objects other than tensors), "
-                "which a task-vector file never holds; it was not loaded"
-            ) from None
-        raise VectorError(f"{path}: {CORRUPT}") from None
-    except Exception:  # noqa: BLE001 - bad zip, truncated data, wrong magic number, EOF
-        raise VectorError(f"{path}: {CORRUPT}") from None

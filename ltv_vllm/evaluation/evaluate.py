@@ -21,7 +21,7 @@ from ltv_vllm import __version__
 from ltv_vllm.core.fileio import atomic_write, save_figure
 from ltv_vllm.core.metrics import accuracy, d_ntp, pearson, spearman
 from ltv_vllm.core.teacher import TeacherOptions
-from ltv_vllm.core.vector import VectorError, read_safetensors
+from ltv_vllm.core.vector_files import VectorError, read_safetensors
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.evaluation import ensemble as ens
 from ltv_vllm.evaluation.sweep import Sweep, config_key, read_checkpoint

@@ -24,8 +24,8 @@ from ltv_vllm.core.vector import (
     VectorError,
     check_identity,
     load_task_vector,
-    read_safetensors,
 )
+from ltv_vllm.core.vector_files import read_safetensors
 
 FORMAT = "ltv-vllm-method-artifact"
 FORMAT_VERSION = 1

@@ -69,7 +69,8 @@ class Uploads:
     def _stage_upload(self, name: str, data: bytes) -> Path:
         """The uploaded bytes as a staged entry (never unpickled: safetensors, or torch.load
         with weights_only); `stage` checks it against the served model."""
-        from ltv_vllm.core.vector import VectorError, load_task_vector, sniff_suffix
+        from ltv_vllm.core.vector import VectorError, load_task_vector
+        from ltv_vllm.core.vector_files import sniff_suffix
         from ltv_vllm.serving.store.lora import VLLM_LORA_RANKS
         from ltv_vllm.serving.store.taskstore import chat_template_of, full_disk
 
