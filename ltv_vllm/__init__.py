@@ -27,7 +27,7 @@ __version__ = "0.2.0"
 # name → module that defines it
 _API = {
     "extract": "ltv_vllm.pipeline.extract",
-    "extract_transfer": "ltv_vllm.pipeline.extract",
+    "extract_transfer": "ltv_vllm.pipeline.transfer",
     "ExtractOptions": "ltv_vllm.pipeline.extract",
     "Extraction": "ltv_vllm.pipeline.extract",
     "plan_episode": "ltv_vllm.pipeline.extract",

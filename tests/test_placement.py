@@ -25,7 +25,7 @@ from ltv_vllm.methods import METHODS, Context, MethodOptions
 from ltv_vllm.methods import fv as fv_module
 from ltv_vllm.models import loading
 from ltv_vllm.models.loading import LoadedModel
-from ltv_vllm.pipeline import extract as pipeline_extract
+from ltv_vllm.pipeline import transfer as pipeline_transfer
 from ltv_vllm.tasks.data import load_dataset, sample_episode
 from ltv_vllm.tasks.specs import get_task, label_token_ids
 
@@ -137,7 +137,7 @@ def on_the_device(monkeypatch) -> Iterator[Placement]:
     # the CLI imports it from its module when it runs; the pipeline (a transfer's source)
     # holds its own name for it
     monkeypatch.setattr(loading, "load_model", load_on_the_device)
-    monkeypatch.setattr(pipeline_extract, "load_model", load_on_the_device)
+    monkeypatch.setattr(pipeline_transfer, "load_model", load_on_the_device)
     with mode:
         yield mode
 

@@ -28,8 +28,8 @@ from ltv_vllm.extraction.transfer import (
     transfer_label_logits,
 )
 from ltv_vllm.models.loading import load_model
-from ltv_vllm.pipeline.extract import (
-    ExtractOptions,
+from ltv_vllm.pipeline.extract import ExtractOptions
+from ltv_vllm.pipeline.transfer import (
     SourceOptions,
     extract_transfer,
     open_source,

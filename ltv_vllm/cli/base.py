@@ -227,7 +227,7 @@ class SourceFlags:
 
     def options(self, batch_size: int, quiet: bool) -> Any:
         """SourceOptions (None without --source-model)."""
-        from ltv_vllm.pipeline.extract import SourceOptions
+        from ltv_vllm.pipeline.transfer import SourceOptions
 
         if self.spec is None:
             return None

@@ -99,14 +99,9 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
     from ltv_vllm.methods import get_method
     from ltv_vllm.models.hardware import device_line, engine_device, resolve_device
     from ltv_vllm.models.loading import load_model, load_tokenizer
-    from ltv_vllm.pipeline.extract import (
-        check_engine,
-        default_teacher,
-        extract_transfer,
-        open_source,
-        plan_episode,
-    )
+    from ltv_vllm.pipeline.extract import check_engine, default_teacher, plan_episode
     from ltv_vllm.pipeline.extract import extract as run_extract
+    from ltv_vllm.pipeline.transfer import extract_transfer, open_source
     from ltv_vllm.tasks.specs import get_task, label_token_ids
 
     opts = replace(_extract_options(episode, progress=not quiet, method_flags=method_flags,
@@ -305,7 +300,7 @@ def _source_on_vllm(source: Any, episodes: list[Any], engine: Any, capture: Capt
     import tempfile
     from dataclasses import replace
 
-    from ltv_vllm.pipeline.extract import prefetch_source
+    from ltv_vllm.pipeline.transfer import prefetch_source
     from ltv_vllm.serving.offline.capture import capture_states, check_run
 
     engine = replace(engine, dtype=source.load["dtype"])  # the store's key holds this dtype
@@ -547,7 +542,8 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
     from ltv_vllm.models.checkpoint import context_length
     from ltv_vllm.models.hardware import engine_device, resolve_device
     from ltv_vllm.models.loading import load_model, load_tokenizer, local_model_dir
-    from ltv_vllm.pipeline.extract import check_context, check_engine, open_source
+    from ltv_vllm.pipeline.extract import check_context, check_engine
+    from ltv_vllm.pipeline.transfer import open_source
     from ltv_vllm.tasks.specs import get_tasks, label_token_ids
 
     cfg = EvalConfig(**asdict(evaluation), options=MethodOptions(**method_flags),

@@ -30,19 +30,15 @@ from ltv_vllm.methods import METHODS as TASK_VECTOR_METHODS
 from ltv_vllm.methods import MethodOptions, MethodScores, inference_cost, score_methods
 from ltv_vllm.models.hardware import hardware, machine_line
 from ltv_vllm.pipeline.extract import (
-    METHODS,
-    TRANSFER_METHOD,
     CapturedModel,
     Captures,
     ExtractOptions,
     LoadedModel,
-    SourceModel,
     capture_episode,
     capture_test_zero_shot,
     capturer_for,
     check_counts,
     check_format,
-    check_pair,
     check_teacher,
     concrete_batch,
     episode_labels,
@@ -50,9 +46,15 @@ from ltv_vllm.pipeline.extract import (
     method_context,
     model_dtype,
     plan_episode,
-    run_transfer_episode,
     states_methods,
     teach,
+)
+from ltv_vllm.pipeline.transfer import (
+    METHODS,
+    TRANSFER_METHOD,
+    SourceModel,
+    check_pair,
+    run_transfer_episode,
 )
 from ltv_vllm.tasks.specs import Task, label_token_ids
 
