@@ -167,10 +167,14 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
         opts = replace(opts, teacher=default_teacher(opts.teacher, method, t, planned,
                                                      transfer=source_opts is not None))
     large = open_source(source_opts) if source_opts else None  # tokenizer and identity only
+    if on_vllm or source_on_vllm:
+        from ltv_vllm.serving.offline.capture import capture_model, capture_source
     if source_on_vllm:
-        _source_on_vllm(large, [planned], engine, capture, quiet)
+        capture_source(large, [planned], engine, devices=capture.devices,
+                       device_gib=capture.device_gib, report=_report(quiet))
     if on_vllm:
-        lm = _capture_on_vllm(model.spec, [planned], engine, capture, quiet)
+        lm = capture_model(model.spec, [planned], engine, devices=capture.devices,
+                           device_gib=capture.device_gib, report=_report(quiet))
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"  # where vLLM placed it
@@ -249,16 +253,6 @@ def _given_examples(t: Any, demos_file: str | None, queries_file: str | None,
         read_examples(queries_file, t, labelled=False) if queries_file else None)
 
 
-def _vllm_engine(engine: Any, model_dir: str) -> Any:
-    """`engine` with `auto` resolved as `serve` resolves it, so the states and the served
-    answers come from one precision (float32 on a CPU without native bf16)."""
-    from dataclasses import replace
-
-    from ltv_vllm.models.hardware import resolve_for_model
-
-    return replace(engine, dtype=resolve_for_model(engine.dtype, model_dir))
-
-
 def _print_plan(model_spec: str | None, episodes: list[Any], engine: Any,
                 capture: CaptureFlags, full_head: bool = False) -> None:
     """`--engine vllm --dry-run`: the plan from config.json (and the index) for capturing
@@ -286,58 +280,9 @@ def _print_plan(model_spec: str | None, episodes: list[Any], engine: Any,
     click.echo("(dry run: nothing loaded, nothing written)")
 
 
-def _announce(what: str, engine: Any, work: str, quiet: bool) -> None:
-    if not quiet:
-        click.echo(f"capturing {what} on vLLM (TP {engine.tensor_parallel_size} × PP "
-                   f"{engine.pipeline_parallel_size}, {engine.dtype}); engine log in {work}",
-                   err=True)
-
-
-def _source_on_vllm(source: Any, episodes: list[Any], engine: Any, capture: CaptureFlags,
-                    quiet: bool) -> None:
-    """The transfer source's missing capture chunks, all in one vLLM run (`prefetch_source`);
-    the plan (with the source's whole LM head on the host) checked first."""
-    import tempfile
-    from dataclasses import replace
-
-    from ltv_vllm.pipeline.transfer import prefetch_source
-    from ltv_vllm.serving.offline.capture import capture_states, check_run
-
-    engine = replace(engine, dtype=source.load["dtype"])  # the store's key holds this dtype
-    check_run(source.path, episodes, engine, devices=capture.devices,
-              device_gib=capture.device_gib, full_head=True)
-    with tempfile.TemporaryDirectory(prefix="ltv-vllm-capture-") as work:
-        _announce("the source", engine, work, quiet)
-        n = prefetch_source(source, episodes, lambda prompts: capture_states(
-            source.path, prompts, engine, Path(work))[0])
-    if not quiet:
-        click.echo(f"vLLM captured {n} source prompts into {source.cap.dir}", err=True)
-
-
-def _capture_on_vllm(model_spec: str | None, episodes: list[Any], engine: Any,
-                     capture: CaptureFlags, quiet: bool) -> Any:
-    """Every prompt of `episodes` through vLLM's engine in one job: the CapturedModel the
-    pipeline extracts from. The plan is checked first (a run that cannot fit is refused
-    before the engine starts)."""
-    import tempfile
-
-    from ltv_vllm.models.loading import local_model_dir
-    from ltv_vllm.serving.offline.capture import captured_model, check_run
-
-    spec = model_spec or "smollm2-135m"
-    path = local_model_dir(spec)
-    engine = _vllm_engine(engine, path)
-    check_run(path, episodes, engine, devices=capture.devices, device_gib=capture.device_gib)
-    with tempfile.TemporaryDirectory(prefix="ltv-vllm-capture-") as work:
-        _announce("the model", engine, work, quiet)
-        lm, rep = captured_model(spec, path, episodes, engine, Path(work))
-    if not quiet and rep["icl_prompts"]:
-        held = rep["icl_cached_tokens"] / max(1, rep["icl_prompts"] * rep["prefix_tokens"])
-        click.echo(f"vLLM: {rep['shape'][0]} prompts in {rep['capture_seconds']:.1f} s (engine "
-                   f"start {rep['startup_seconds']:.1f} s); the prefix cache held "
-                   f"{100 * held:.0f} % of the demonstrations' tokens of the ICL prompts",
-                   err=True)
-    return lm
+def _report(quiet: bool) -> Any:
+    """A capture's progress lines, on stderr (None: --quiet)."""
+    return None if quiet else (lambda line: click.echo(line, err=True))
 
 
 def _extract_options(episode: EpisodeFlags, *, progress: bool, method_flags: dict[str, Any],
@@ -614,13 +559,17 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
         return _print_plan(model.spec, every, engine, capture)
     if source_on_vllm and capture.dry_run:
         return _print_plan(source_opts.spec, every, engine, capture, full_head=True)
+    if on_vllm or source_on_vllm:
+        from ltv_vllm.serving.offline.capture import capture_model, capture_source
     if source_on_vllm:
-        _source_on_vllm(large, every, engine, capture, quiet)
+        capture_source(large, every, engine, devices=capture.devices,
+                       device_gib=capture.device_gib, report=_report(quiet))
     if on_vllm:
         if evaluation.cost_samples and not quiet:
             click.echo("(--engine vllm: no inference-cost table; it times forwards of the model "
                        "in transformers)", err=True)
-        lm = _capture_on_vllm(model.spec, every, engine, capture, quiet)
+        lm = capture_model(model.spec, every, engine, devices=capture.devices,
+                           device_gib=capture.device_gib, report=_report(quiet))
     else:
         lm = load_model(model.spec, dtype=model.dtype, device=device)
     partial = out_dir / "partial.json"  # rewritten after every episode; rerun to resume

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -279,3 +279,63 @@ def captured_model(spec: str, model_dir: str, episodes: Sequence[Episode],
                        capture_seconds=report["capture_seconds"],
                        startup_seconds=report["startup_seconds"])
     return lm, report
+
+
+Report = Callable[[str], None]  # a progress line for the user (stderr in the CLI)
+
+
+def _announce(what: str, engine: CaptureEngine, work: str, report: Report | None) -> None:
+    if report is not None:
+        report(f"capturing {what} on vLLM (TP {engine.tensor_parallel_size} × PP "
+               f"{engine.pipeline_parallel_size}, {engine.dtype}); engine log in {work}")
+
+
+def capture_model(spec: str | None, episodes: Sequence[Episode], engine: CaptureEngine, *,
+                  devices: int | None = None, device_gib: float | None = None,
+                  report: Report | None = None) -> CapturedModel:
+    """`--engine vllm`: every prompt of `episodes` through vLLM's engine in one job, as the
+    CapturedModel the pipeline extracts from (`captured_model`). `engine`'s `auto` precision
+    is resolved as `serve` resolves it, so the states and the served answers come from one
+    precision (float32 on a CPU without native bf16); the plan is checked first, so a run
+    that cannot fit is refused before the engine starts. `report`: progress lines (None:
+    none)."""
+    import tempfile
+
+    from ltv_vllm.models.cache import DEFAULT_MODEL
+    from ltv_vllm.models.loading import local_model_dir
+
+    spec = spec or DEFAULT_MODEL
+    path = local_model_dir(spec)
+    engine = replace(engine, dtype=resolve_for_model(engine.dtype, path))
+    check_run(path, episodes, engine, devices=devices, device_gib=device_gib)
+    with tempfile.TemporaryDirectory(prefix="ltv-vllm-capture-") as work:
+        _announce("the model", engine, work, report)
+        lm, rep = captured_model(spec, path, episodes, engine, Path(work))
+    if report is not None and rep["icl_prompts"]:
+        held = rep["icl_cached_tokens"] / max(1, rep["icl_prompts"] * rep["prefix_tokens"])
+        report(f"vLLM: {rep['shape'][0]} prompts in {rep['capture_seconds']:.1f} s (engine "
+               f"start {rep['startup_seconds']:.1f} s); the prefix cache held "
+               f"{100 * held:.0f} % of the demonstrations' tokens of the ICL prompts")
+    return lm
+
+
+def capture_source(source: Any, episodes: Sequence[Episode], engine: CaptureEngine, *,
+                   devices: int | None = None, device_gib: float | None = None,
+                   report: Report | None = None) -> int:
+    """`--source-engine vllm`: a transfer source's missing capture chunks, all in one vLLM
+    run, into its capture store (`pipeline.transfer.prefetch_source`); the plan, with the
+    source's whole LM head on the host, checked first. How many prompts were captured."""
+    import tempfile
+
+    from ltv_vllm.pipeline.transfer import prefetch_source
+
+    engine = replace(engine, dtype=source.load["dtype"])  # the store's key holds this dtype
+    check_run(source.path, episodes, engine, devices=devices, device_gib=device_gib,
+              full_head=True)
+    with tempfile.TemporaryDirectory(prefix="ltv-vllm-capture-") as work:
+        _announce("the source", engine, work, report)
+        n = prefetch_source(source, episodes, lambda prompts: capture_states(
+            source.path, prompts, engine, Path(work))[0])
+    if report is not None:
+        report(f"vLLM captured {n} source prompts into {source.cap.dir}")
+    return n
