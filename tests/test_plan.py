@@ -194,6 +194,34 @@ def test_inner_layer_methods_refuse_vllm_before_any_load(tmp_path, method):
     assert f"--method {method} hooks the model's inner layers" in r.output, r.output
 
 
+def test_evaluate_on_vllm_refuses_only_inner_layer_methods(tmp_path, tokenizer):
+    """`evaluate --engine vllm` once refused every run: ICL (which an evaluation always runs)
+    and zero-shot are not the registry's methods, and the inner-layer check asked the
+    registry for them ("unknown method 'icl'"). Final-state methods are planned (a dry run:
+    nothing loads), an inner-layer one is refused in its own line."""
+    from click.testing import CliRunner
+
+    from conftest import make_llama, write_toy_task
+    from ltv_vllm.cli import main
+
+    d = tmp_path / "m"
+    make_llama(len(tokenizer)).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    task = write_toy_task(tmp_path, ["good", "bad", "fine", "dull"])
+
+    def evaluate(methods: str):
+        return CliRunner().invoke(main, [
+            "evaluate", "--model", str(d), "--tasks", str(task), "--methods", methods,
+            "--engine", "vllm", "--dry-run", "--k", "4", "--n", "8", "--n-test", "8",
+            "--out", str(tmp_path / "out")])
+
+    r = evaluate("ltv,mean")
+    assert r.exit_code == 0 and "nothing loaded" in r.output, r.output
+    r = evaluate("ltv,tv")
+    assert r.exit_code == 1 and "--method tv hooks the model's inner layers" in r.output, \
+        r.output
+
+
 def test_the_docs_plan_table_is_the_codes():
     """docs/scale.md's table of the four models on 1, 2, 4, 8 GPUs is `plan_table`'s output
     for the request it states (a 1500-token prefix, 256 queries of 64 tokens, bf16)."""
