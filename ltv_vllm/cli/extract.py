@@ -534,13 +534,8 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
     ms = resolve_methods(_csv(methods) if methods else None, transfer=source_opts is not None,
                          demo_sets=cfg.demo_sets)
     if on_vllm:
-        from ltv_vllm.methods import METHODS as REGISTERED
-
-        # an inner-layer method: refused before any load (zero-shot, ICL and the multi-prompt
-        # references are read from final states: not the registry's, nothing to refuse)
         for m in ms:
-            if m in REGISTERED:
-                check_engine(m, capture.engine)
+            check_engine(m, capture.engine)  # an inner-layer method: refused before any load
     check_options_apply(ms, cfg.options)  # a method flag no chosen method reads: refused
     check_writable(out_dir, option="--out", directory=True)
     previous = (_previous_evaluation(out_dir, model.spec, ms, cfg, model.dtype, device)

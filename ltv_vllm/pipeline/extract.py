@@ -279,6 +279,8 @@ def check_engine(method: str, engine: str) -> None:
     (TV, FV, SV, I2CL) is refused in one line, before anything loads."""
     if engine not in ENGINES:
         raise ArgumentError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if method not in REGISTERED:  # zero-shot, ICL, the multi-prompt references: final states
+        return
     m = get_method(method)
     if engine != "transformers" and not (m.hidden_space and m.uses_states):
         raise ArgumentError(f"--method {method} hooks the model's inner layers; --engine "
