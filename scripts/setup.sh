@@ -27,4 +27,9 @@ else
   .venv/bin/python -m pip install -q -c scripts/constraints-cpu.txt -e ".[cpu,dev]"
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# Test dependencies whose own pins are stale (repeng 0.4.0: numpy<2; steering-vectors 0.12.2:
+# transformers<5) but whose code runs on this stack (repeng with numpy's removed np.float_
+# alias restored, tests/test_layer_tasks.py): installed without their dependency lists, which
+# the dev extra provides (scikit-learn, gguf, torch, transformers).
+.venv/bin/python -m pip install -q --no-deps repeng==0.4.0 steering-vectors==0.12.2
 .venv/bin/python -c "import torch, transformers, vllm; print('ltv-vllm env ready: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"

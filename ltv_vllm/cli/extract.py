@@ -330,11 +330,17 @@ def inspect(path: Path) -> None:
     """Print a task-vector file's metadata."""
     import json
 
-    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.core.layer_task import LayerTask, blocks_text, load_any
     from ltv_vllm.models.hardware import machine_line
 
-    tv = load_task_vector(path)
-    click.echo(f"{path}: {tv.kind} task vector, rank {tv.rank}, task {tv.task_name!r}")
+    tv = load_any(path)
+    if isinstance(tv, LayerTask):
+        what = "additive" if tv.additive else f"rank {tv.rank}" + (
+            " + bias" if tv.bias is not None else "")
+        click.echo(f"{path}: layer task ({what}) at blocks {blocks_text(tv.layers)}, positions "
+                   f"{tv.policy}, task {tv.task_name!r}")
+    else:
+        click.echo(f"{path}: {tv.kind} task vector, rank {tv.rank}, task {tv.task_name!r}")
     click.echo(f"model: {json.dumps(tv.model.to_dict())}")
     click.echo(f"label token ids: {list(tv.label_token_ids)}")
     pv = tv.provenance

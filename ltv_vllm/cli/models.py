@@ -100,6 +100,55 @@ def tasks_list() -> None:
                    + (f", r={r.r}" if r.family == "relu" else "") + ")  [synthetic]")
 
 
+@tasks.command("import")
+@click.argument("source_file", metavar="FILE",
+                type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True,
+              help="The model the vector is for: packaged alias, local HF directory or hub "
+                   "id (its width, depth and model type are checked; its weights not loaded).")
+@click.option("--scale", type=float, default=1.0, show_default=True,
+              help="Multiplies every direction (repeng's coeff, steering-vectors' multiplier).")
+@click.option("--from", "source", type=click.Choice(["gguf", "steering-vectors"]),
+              default=None, help="The file's format [default: gguf for a .gguf file, else "
+                                 "steering-vectors].")
+@click.option("--positions", default="all", show_default=True,
+              help="Where the shift applies: all (every token, as the libraries apply it), "
+                   "prompt, generated, last, or a count of generated steps.")
+@click.option("--name", default=None, help="The task's name [default: FILE's stem].")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The layer task written [default: NAME.layer.safetensors].")
+@friendly
+def tasks_import(source_file: Path, model_spec: str, scale: float, source: str | None,
+                 positions: str, name: str | None, output: Path | None) -> None:
+    """Import a control vector as a layer task: a GGUF control vector (repeng's export,
+    llama.cpp's --control-vector file) or a steering-vectors SteeringVector saved with
+    torch.save. Each direction N is added to decoder block N's output."""
+    import math
+
+    from ltv_vllm.core.control_files import import_file
+    from ltv_vllm.core.fileio import check_writable
+    from ltv_vllm.core.layer_task import LayerPolicy, blocks_text
+    from ltv_vllm.models.checkpoint import identity_from_dir, model_type
+    from ltv_vllm.models.loading import local_model_dir
+
+    if not math.isfinite(scale):
+        raise ArgumentError(f"--scale must be a finite number, got {scale}")
+    try:
+        policy = LayerPolicy.parse(positions)
+    except ValueError as e:
+        raise ArgumentError(f"--positions: {e}") from None
+    name = name or source_file.stem
+    output = check_writable(output or f"{name}.layer.safetensors", option="--output",
+                            suffixes=(".safetensors", ".pt"))
+    path = local_model_dir(model_spec)
+    task = import_file(source_file, identity_from_dir(path, name=model_spec), model_type(path),
+                       scale=scale, source=source, policy=policy, name=name)
+    task.save(output)
+    click.echo(f"wrote {output}: layer task {name!r} for {model_spec}, blocks "
+               f"{blocks_text(task.layers)}, positions {task.policy}, scale {scale:g}")
+
+
+
 @main.group()
 def data() -> None:
     """Inspect task data."""

@@ -513,6 +513,12 @@ def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:
                           "not a task vector: only ltv and mean vectors are served")
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise VectorError(f"{path}: not an ltv-vllm task-vector file")
+    if header.get("kind") == "layer":  # `core.layer_task`: read by what applies it at a layer
+        layers = (header.get("layer") or {}).get("layers") if isinstance(
+            header.get("layer"), dict) else None
+        raise VectorError(f"{path}: a layer task (it shifts decoder blocks "
+                          f"{str(layers)[:40]}), not a final-layer task vector, which this "
+                          "command takes")
     if header.get("format_version", 0) > FORMAT_VERSION:
         raise VectorError(
             f"{path}: written by a newer ltv-vllm (format {header['format_version']}); upgrade"

@@ -68,8 +68,10 @@ def refuse_plain_pickle(path: Path) -> None:
     raise VectorError(f"{path}: a plain pickle, not a task-vector file ({FORMATS})")
 
 
-def torch_load(path: Path) -> Any:
-    """torch.load(weights_only=True), its failures in one line of ours.
+def torch_load(path: Path, allow: tuple[type, ...] = ()) -> Any:
+    """torch.load(weights_only=True), its failures in one line of ours; `allow`: classes the
+    weights-only unpickler may rebuild besides tensors and containers (a steering-vectors
+    `SteeringVector`: a dataclass of tensors, rebuilt from its fields, no code run).
 
     A pickle that names anything but tensors and plain containers (a class, a function:
     code that would run on load) is refused by torch's weights-only unpickler; say that,
@@ -81,7 +83,8 @@ def torch_load(path: Path) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True)
+            with torch.serialization.safe_globals(list(allow)):
+                return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         # "Unsupported global": the pickle names a callable (code); anything else the
         # weights-only unpickler trips on ("Unsupported operand", EOF) is damage

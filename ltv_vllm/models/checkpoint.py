@@ -106,6 +106,12 @@ def context_length(path: str | Path) -> int | None:
     return cfg.get("text_config", cfg).get("max_position_embeddings")
 
 
+def model_type(path: str | Path) -> str | None:
+    """The `model_type` an HF model directory's config states (a control vector's hint)."""
+    cfg = _read_config(Path(path))
+    return cfg.get("text_config", cfg).get("model_type") or cfg.get("model_type")
+
+
 def identity_from_dir(path: str | Path, name: str | None = None) -> ModelIdentity:
     """ModelIdentity of an HF model directory: what a server checks before its engine starts."""
     path = Path(path)
