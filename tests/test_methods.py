@@ -164,6 +164,89 @@ def test_last_token_sweep_equals_full_forwards(model, ctx, artifacts, pack, monk
         torch.testing.assert_close(fast[ell], full[0], atol=1e-5, rtol=1e-5)
 
 
+def block_states(model, tokenizer, texts, layer):
+    """Block `layer`'s output at each text's last token, from transformers' own
+    `hidden_states` (index layer + 1), one unpadded forward per text; the last block's entry
+    there is after the final norm, so that one is read by a plain hook instead."""
+    rows, last = [], []
+    block = decoder_layers(model)[layer]
+    handle = block.register_forward_hook(lambda _m, _a, out: last.append(out[0, -1]))
+    try:
+        for t in texts:
+            ids = torch.tensor([tokenizer(t)["input_ids"]])
+            with torch.no_grad():
+                hs = model(ids, output_hidden_states=True).hidden_states
+            rows.append(hs[layer + 1][0, -1] if layer + 2 < len(hs) else last[-1])
+    finally:
+        handle.remove()
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_tapped_blocks_are_transformers_own_hidden_states(model, ctx, tokenizer, pack,
+                                                         monkeypatch):
+    """`Capturer.tapping`: zero-shot (padded batches) and ICL rows (after the demos' cache,
+    packed or padded) carry each tapped block's state at the last token, then the final state
+    the capture returns untapped."""
+    monkeypatch.setattr(ctx.cap, "pack", pack)
+    ep, task = ctx.episode, ctx.episode.task
+    texts = [e.text for e in ep.queries[:7]]
+    prefix = ep.demo_prefix()
+    plain_zs = ctx.cap.hidden([task.zero_shot(t) for t in texts])
+    plain_icl = ctx.cap.icl(prefix, [task.query(t) for t in texts])
+    # not the last block: transformers' hidden_states holds it after the final norm
+    with ctx.cap.tapping([1, 0]):
+        zs = ctx.cap.hidden([task.zero_shot(t) for t in texts])
+        icl = ctx.cap.icl(prefix, [task.query(t) for t in texts])
+    d = model.config.hidden_size
+    assert zs.shape == icl.shape == (7, 3 * d)
+    for j, ell in enumerate([1, 0]):
+        torch.testing.assert_close(zs[:, j * d:(j + 1) * d], block_states(
+            model, tokenizer, [task.zero_shot(t) for t in texts], ell), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(icl[:, j * d:(j + 1) * d], block_states(
+            model, tokenizer, [prefix + task.query(t) for t in texts], ell),
+            atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(zs[:, 2 * d:], plain_zs, atol=1e-6, rtol=0)
+    torch.testing.assert_close(icl[:, 2 * d:], plain_icl, atol=1e-6, rtol=0)
+
+
+def test_ltv_layer_is_the_direct_ridge_solve_at_its_block(model, ctx, tokenizer, artifacts):
+    """ltv-layer's map at its chosen block, against the dense ridge solve on that block's
+    states taken from transformers' hidden states: zero-shot prompts and the full ICL
+    prompts (demos written out, no cache)."""
+    art = artifacts["ltv-layer"]
+    (ell,) = art.layers
+    ep, task = ctx.episode, ctx.episode.task
+    h_zs = block_states(model, tokenizer, [task.zero_shot(e.text) for e in ep.queries], ell)
+    h_icl = block_states(model, tokenizer,
+                         [ep.demo_prefix() + task.query(e.text) for e in ep.queries], ell)
+    H, Y = h_zs.double().T, (h_icl - h_zs).double().T
+    W = Y @ H.T @ torch.linalg.inv(H @ H.T + 5.0 * torch.eye(H.shape[0], dtype=H.dtype))
+    torch.testing.assert_close((art.U[0] @ art.V[0].T).double(), W, atol=1e-4, rtol=1e-3)
+    assert str(art.policy) == "last" and art.bias is None
+    assert METHODS["ltv-layer"].params(art)["layer"] == ell
+
+
+def test_ltv_layer_choice_scores_each_block_as_its_own_full_forward(model, ctx):
+    """The validation sweep's rows (one candidate block each, packed after the prompt's
+    cache) equal a full forward of the prompt under that block's task, for every block."""
+    from ltv_vllm.core.ridge import ridge_fit
+    from ltv_vllm.methods.ltv_layer import _at_rows, layer_states, task_for
+
+    n = len(decoder_layers(model))
+    h_zs, h_icl, _ = layer_states(ctx, list(range(n)))
+    fits = {ell: ridge_fit(h_zs[ell], h_icl[ell] - h_zs[ell], 5.0) for ell in range(n)}
+    ids = query_ids(ctx, 2)[0].tolist()
+    pre = prefix_of(ctx.cap, ids[:-1])  # the earlier tokens, unedited
+    with _at_rows(ctx, fits, torch.arange(n)):
+        fast = last_token_states(ctx.cap, ids, n, pre)
+    for ell in range(n):
+        with METHODS["ltv-layer"].applied(model, task_for(ctx, ell, fits[ell], {})):
+            full = ctx.cap.hidden([ctx.cap.tokenizer.decode(ids)])
+        torch.testing.assert_close(fast[ell], full[0], atol=1e-5, rtol=1e-5)
+    assert (fast[0] - fast[n - 1]).abs().max() > 1e-4  # the blocks' maps differ
+
+
 @pytest.mark.parametrize("pack", [True, False])
 def test_fast_indirect_effect_equals_naive_patched_forwards(ctx, pack, monkeypatch):
     monkeypatch.setattr(ctx.cap, "pack", pack)

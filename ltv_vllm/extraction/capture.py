@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +201,48 @@ class Capturer:
         # lengths rounded up to `bucketed` on a GPU (a new shape costs a plan there; on a
         # CPU padding is only waste): measured on an H200 in benchmarks/capture_overheads.py
         self.bucket = self.device.type == "cuda"
+        # decoder blocks whose outputs a pass returns too (`tapping`): a row is then their
+        # states at its last token, in this order, then the final post-norm state
+        self.taps: tuple[int, ...] = ()
+
+    @property
+    def width(self) -> int:
+        """Columns of a captured row: the hidden size, once per tapped block and once more."""
+        return int(self.model.config.hidden_size) * (len(self.taps) + 1)
+
+    @contextmanager
+    def tapping(self, layers: Sequence[int]) -> Iterator[None]:
+        """Within the block, every pass also returns the outputs of decoder blocks `layers`
+        (the residual stream leaving each, at each row's last token): a row of `width`
+        columns, the blocks' states in order and the final state last. One pass for all of
+        them: hooks read what the forward computes anyway."""
+        before, self.taps = self.taps, tuple(int(ell) for ell in layers)
+        try:
+            yield
+        finally:
+            self.taps = before
+
+    @contextmanager
+    def _tapped(self, pick: Any) -> Iterator[list[torch.Tensor]]:
+        """Hooks on the tapped blocks for one forward: the list it yields holds, once the
+        forward has run, each tapped block's output `pick`ed (its last-token rows), in
+        `taps` order (the blocks run in the model's order, which may differ)."""
+        got: list[torch.Tensor] = []
+        if not self.taps:
+            yield got
+            return
+        seen: dict[int, torch.Tensor] = {}
+        blocks = self.base.layers
+        handles = [blocks[ell].register_forward_hook(
+            lambda _m, _a, out, ell=ell: seen.__setitem__(
+                ell, pick(out[0] if isinstance(out, tuple) else out).clone()))
+            for ell in set(self.taps)]
+        try:
+            yield got
+        finally:
+            for h in handles:
+                h.remove()
+        got.extend(seen[ell] for ell in self.taps)
 
     # -- tokenisation -------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -260,15 +303,17 @@ class Capturer:
             )
             full_mask = torch.cat([torch.ones(bsz, offset, dtype=mask.dtype), mask], dim=1)
         pos = positions(mask, offset)
-        out = self.base(
-            input_ids=ids.to(self.device),
-            attention_mask=full_mask.to(self.device),
-            position_ids=pos.to(self.device),
-            past_key_values=cache,
-            use_cache=cache is not None,
-        )
+        with self._tapped(lambda x: x[:, -1]) as taps:
+            out = self.base(
+                input_ids=ids.to(self.device),
+                attention_mask=full_mask.to(self.device),
+                position_ids=pos.to(self.device),
+                past_key_values=cache,
+                use_cache=cache is not None,
+            )
         # a copy: a view would keep the whole (B, T, d) output alive until the pass ends
-        return out.last_hidden_state[:, -1].clone()
+        final = out.last_hidden_state[:, -1].clone()
+        return torch.cat([*taps, final], dim=-1) if taps else final
 
     def _run(
         self, seqs: list[list[int]], desc: str, prefix: Prefix | None = None
@@ -287,8 +332,7 @@ class Capturer:
             rows.append(self._last(ids, mask, prefix))
             bar.update(len(batch))
         bar.close()
-        h = (torch.cat(rows).float().cpu() if rows
-             else torch.empty(0, self.model.config.hidden_size))
+        h = torch.cat(rows).float().cpu() if rows else torch.empty(0, self.width)
         out = torch.empty_like(h)
         out[torch.tensor(order, dtype=torch.long)] = h
         return out  # (n, d)
@@ -354,7 +398,7 @@ class Capturer:
                 fallback.append(i)
         skip = set(fallback)
         keep = [i for i in range(len(prompts)) if i not in skip]
-        h = torch.empty(len(prompts), self.model.config.hidden_size)
+        h = torch.empty(len(prompts), self.width)
         if keep:
             seqs = [suffixes[i] for i in keep]
             if self.packed:
@@ -424,15 +468,17 @@ class Capturer:
             ddp_cache_data=[(layer.keys, layer.values) for layer in prefix.cache.layers],
             config=self.model.config,
         )
-        out = self.base(
-            input_ids=ids.to(dev),
-            attention_mask=mask,
-            position_ids=(w + n_pre)[None],
-            past_key_values=cache,
-            use_cache=True,
-        )
-        last = lens.cumsum(0) - 1  # index of each query's last token
-        return out.last_hidden_state[0, last.to(dev)]
+        last = (lens.cumsum(0) - 1).to(dev)  # index of each query's last token
+        with self._tapped(lambda x: x[0, last]) as taps:
+            out = self.base(
+                input_ids=ids.to(dev),
+                attention_mask=mask,
+                position_ids=(w + n_pre)[None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+        final = out.last_hidden_state[0, last]
+        return torch.cat([*taps, final], dim=-1) if taps else final
 
     def naive(self, prompts: Sequence[str], desc: str = "naive") -> torch.Tensor:
         """One full forward per prompt, batch 1: what the paper's reference code does."""

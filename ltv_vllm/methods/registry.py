@@ -8,6 +8,7 @@ from ltv_vllm.methods.base import COMMON, DECLARED, Method, MethodOptions, decla
 from ltv_vllm.methods.fv import FV
 from ltv_vllm.methods.i2cl import I2CL, I2CLCalibrated
 from ltv_vllm.methods.ltv import LTV, KernelLTV, LTVAuto, Mean
+from ltv_vllm.methods.ltv_layer import LayerLTV
 from ltv_vllm.methods.mlp import MLP
 from ltv_vllm.methods.sv import SV
 from ltv_vllm.methods.tv import TV
@@ -25,7 +26,7 @@ def register(method: Method) -> Method:
 
 
 for _m in (LTV(), LTVAuto(), KernelLTV(), Mean(), TV(), FV(), SV(), I2CL(), I2CLCalibrated(),
-           MLP()):
+           MLP(), LayerLTV()):
     register(_m)
 
 
