@@ -5,9 +5,10 @@ For each of its layers ℓ (a 0-based decoder-block index), at the positions its
     h_ℓ ← h_ℓ + scale · (U_ℓ (V_ℓᵀ h_ℓ) + b_ℓ)
 
 h_ℓ is the residual stream leaving block ℓ, before any final norm (transformers'
-`hidden_states[ℓ + 1]`, except for the last block, whose entry there is after the norm). An additive task (a control vector, a steering vector, a mean shift) has only
-b_ℓ; a fitted one (LTV at layer ℓ) has the low-rank map U_ℓ V_ℓᵀ too. One model per task: a
-file records the model it was made for, and refuses another's width or depth in one line.
+`hidden_states[ℓ + 1]`, except for the last block, whose entry there is after the norm).
+An additive task (a control vector, a steering vector, a mean shift) has only b_ℓ; a fitted
+one (LTV at layer ℓ) has the low-rank map U_ℓ V_ℓᵀ too. One model per task: a file records
+the model it was made for, and refuses another's width or depth in one line.
 
 Positions, in the vocabulary of the final-layer step policies (`vector.parse_steps`): a
 policy is (prompt, steps). `steps` counts the rows that produce generated tokens, as
