@@ -127,7 +127,8 @@ AREAS: dict[str, tuple[str, ...]] = {
         "test_keys", "test_user_deployment", "test_vllm_fused", "test_vllm_support",
         "test_selfcheck", "test_stamp", "test_step_mask", "test_shift_rows", "test_client",
         "test_vllm_lora_fix", "test_lora", "test_export_compat", "test_v2_runner",
-        "test_replicas", "test_store_server", "test_store_churn", "test_store_compile"),
+        "test_replicas", "test_store_server", "test_store_churn", "test_store_compile",
+        "test_layer_serving"),
     "store": (
         "test_taskstore", "test_store_records", "test_store_server", "test_store_churn",
         "test_store_compile", "test_shared_store", "test_replicas", "test_keys",

@@ -47,7 +47,7 @@ def test_positions_share_the_step_policies_vocabulary(text, prompt, steps, shown
     assert (p.prompt, p.steps, str(p)) == (prompt, steps, shown)
 
 
-@pytest.mark.parametrize("bad", ["everything", "", "-1", True, 1.5, None, "prompt+x"])
+@pytest.mark.parametrize("bad", ["everything", "", "-1", True, 1.5, None, "prompt+2"])
 def test_positions_refuse_what_they_do_not_name(bad):
     with pytest.raises(ValueError, match="last, prompt, generated, all or a count"):
         LayerPolicy.parse(bad)
@@ -56,6 +56,8 @@ def test_positions_refuse_what_they_do_not_name(bad):
 def test_which_steps_a_policy_shifts():
     assert [LayerPolicy(False, 2).shifts_step(s) for s in (1, 2, 3)] == [True, True, False]
     assert LayerPolicy(True, 0) == LayerPolicy(True, 1)  # the prompt holds step 1's row
+    with pytest.raises(ValueError, match="shifts no generated token"):
+        LayerPolicy(True, 3)
     assert LayerPolicy(False, ALL).shifts_step(10 ** 6)
 
 

@@ -68,28 +68,25 @@ class LayerPolicy:
         if self.prompt and self.steps == 0:
             # the prompt includes its last token, the first token-producing row: one spelling
             object.__setattr__(self, "steps", 1)
+        if self.prompt and self.steps not in (1, ALL):
+            raise ValueError("a policy that shifts the prompt shifts no generated token "
+                             "('prompt') or every one ('all')")
 
     @classmethod
     def parse(cls, value: Any) -> LayerPolicy:
         """last | first | prompt | generated | all | N (a count ≥ 0, as `ltv_steps`); anything
         else is a ValueError naming the forms."""
-        if isinstance(value, str):
-            named = {"last": (False, 1), "first": (False, 1), "prompt": (True, 1),
-                     "generated": (False, ALL), "all": (True, ALL)}.get(value)
-            if named is not None:
-                return cls(*named)
         try:
-            n = parse_steps(value)
+            n = parse_steps(value)  # one vocabulary: the steps part, or a ValueError
         except ValueError:
             shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
             raise ValueError("a layer task's positions are last, prompt, generated, all or a "
                              f"count of generated steps, got {shown}") from None
-        return cls(False, n)
+        return cls(value in ("prompt", "all") and isinstance(value, str), n)
 
     def __str__(self) -> str:
         if self.prompt:
-            return "all" if self.steps is ALL else "prompt" if self.steps == 1 \
-                else f"prompt+{self.steps}"
+            return "all" if self.steps is ALL else "prompt"
         return "generated" if self.steps is ALL else "last" if self.steps == 1 \
             else str(self.steps)
 
@@ -97,12 +94,6 @@ class LayerPolicy:
         """Whether the row producing generated token `step` (1: the last prompt token's) is
         shifted."""
         return self.steps is ALL or step <= self.steps
-
-
-def _parse_policy_text(text: str) -> LayerPolicy:
-    if text.startswith("prompt+"):
-        return LayerPolicy(True, parse_steps(text[len("prompt+"):]))
-    return LayerPolicy.parse(text)
 
 
 @dataclass(frozen=True)
@@ -300,7 +291,7 @@ def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> LayerTask:
         if not isinstance(layers, list):
             raise VectorError("layer.layers: a list of block indices")
         try:
-            policy = _parse_policy_text(str(spec.get("positions", "all")))
+            policy = LayerPolicy.parse(str(spec.get("positions", "all")))
         except ValueError as e:
             raise VectorError(f"layer.positions: {e}") from None
         for name in ("U", "V", "bias"):

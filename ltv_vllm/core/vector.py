@@ -119,18 +119,23 @@ ALL = None  # the policy "every step"
 def parse_steps(value: Any) -> int | None:
     """A step policy, as a vector's `meta.shift_steps`, `serve --shift-steps` and a request's
     `ltv_steps` spell it: `all` | `first` | a count n ≥ 0 (an int, or a string of ASCII
-    digits) → the number of leading generated tokens shifted (None: every one). Anything
+    digits) → the number of leading generated tokens shifted (None: every one); a layer
+    task's positions (`core.layer_task`) `last`, `prompt` (1) and `generated` (every one)
+    are the same vocabulary, their prompt part read by `LayerPolicy.parse`. Anything
     else is a ValueError (JSON `true` is not 1, nor is "١" or "２" a digit here)."""
     if value == "all" and isinstance(value, str):
         return ALL
-    if value == "first" and isinstance(value, str):
-        return 1
+    if value in ("first", "last", "prompt") and isinstance(value, str):
+        return 1  # a layer task's "last" and "prompt" also shift the first token's row
+    if value == "generated" and isinstance(value, str):
+        return ALL
     if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 19:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_STEPS:
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
         raise ValueError(f"ltv_steps must be 'all', 'first' or a count from 0 to "
-                         f"{MAX_STEPS - 1}, got {shown}")
+                         f"{MAX_STEPS - 1} (or a layer task's 'last', 'prompt', "
+                         f"'generated'), got {shown}")
     return value
 
 

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ltv_vllm.core.layer_task import LayerPolicy, LayerTask
-from ltv_vllm.core.vector import model_identity
-from ltv_vllm.methods.base import _first, _with_first, decoder_layers
+from ltv_vllm.core.vector import VectorError, model_identity
+from ltv_vllm.extraction.capture import base_model
 
 
 class _Steps:
@@ -48,7 +48,10 @@ def layer_task_applied(model: nn.Module, task: LayerTask, *, scale: float = 1.0,
     """`task` applied to `model`'s decoder blocks for the block (module docstring); `policy`
     overrides the task's own, `scale` multiplies its shift. `check`: refuse a model the task
     was not made for (its width, depth and LM head), in one line."""
-    layers = decoder_layers(model)
+    layers = getattr(base_model(model), "layers", None)  # type: ignore[arg-type]
+    if not isinstance(layers, nn.ModuleList):
+        raise VectorError(f"{type(model).__name__}: no decoder layer list to shift (layer "
+                          "tasks support Llama-style models)")
     if check:
         task.check_model(model_identity(model))
     task.check_fits(task.model.hidden_size, len(layers), f"layer task {task.task_name!r}")
@@ -77,6 +80,7 @@ def layer_task_applied(model: nn.Module, task: LayerTask, *, scale: float = 1.0,
     with ExitStack() as stack:
         for ell in task.layers:
             handle = layers[ell].register_forward_hook(
-                lambda _m, _a, out, ell=ell: _with_first(out, shift(ell, _first(out))))
+                lambda _m, _a, out, ell=ell: (shift(ell, out[0]), *out[1:])
+                if isinstance(out, tuple) else shift(ell, out))
             stack.callback(handle.remove)
         yield model

@@ -34,9 +34,11 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import PPMissingLayer
 
-from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
+from ltv_vllm.core.layer_task import LayerTask, load_any
+from ltv_vllm.core.vector import TaskVector, VectorError
 from ltv_vllm.serving.contract.names import CONFIG_KEY, FOLD_KEY
 from ltv_vllm.serving.contract.wire import TASKS_CONFIG_KEY
+from ltv_vllm.serving.engine.layer_shift import LAYER, install_hooks, step_plan
 from ltv_vllm.serving.engine.steps import (
     FUSED,
     PLAN,
@@ -57,10 +59,29 @@ class LTVMixin:
 
     def _ltv_init(self, config: object) -> None:
         path = getattr(config, CONFIG_KEY, None)
-        self._ltv = load_task_vector(path) if path else None
-        self._vectors = {FUSED: self._ltv} if self._ltv is not None else {}
+        given = {FUSED: load_any(path)} if path else {}
         for name, spec in json.loads(getattr(config, TASKS_CONFIG_KEY, None) or "{}").items():
-            self._vectors[name] = load_task_vector(spec["path"])
+            given[name] = load_any(spec["path"])
+        # layer tasks act inside the decoder (`engine.layer_shift`), the others at the head
+        self._layer_tasks = {k: t for k, t in given.items() if isinstance(t, LayerTask)}
+        self._vectors = {k: t for k, t in given.items() if not isinstance(t, LayerTask)}
+        self._ltv = self._vectors.get(FUSED)
+        self._layer_casts: dict[str, LayerTask] = {}
+        if self._layer_tasks:
+            from ltv_vllm.serving.engine.prefix_keys import LAYER_TASKS_ENV, layer_tasks, patched
+
+            depth = int(config.num_hidden_layers)
+            for name, task in self._layer_tasks.items():
+                task.check_fits(int(config.hidden_size), depth, f"layer task {name or path}")
+            if not patched() or set(self._layer_tasks) - set(layer_tasks()):
+                # the scheduler would share a layer task's shifted KV with bare requests
+                raise VectorError(f"layer tasks need {LAYER_TASKS_ENV} to name them in the "
+                                  "process that starts the engine, and ltv-vllm's plugin "
+                                  "loaded (start it with ltv_vllm's make_llm / task_llm or "
+                                  "ltv-vllm serve)")
+            LAYER.tasks = self._layer_tasks
+            LAYER.shift = self._layer_shift
+            install_hooks(self)
         self._casts = {}
         self._cast_keys: OrderedDict[str, None] = OrderedDict()  # store keys, oldest first
         self._store = store_root(config)  # runtime tasks (`StoreVectors`)
@@ -94,9 +115,28 @@ class LTVMixin:
             raise VectorError(f"logit {what} is for vocabulary {tv.U.shape[0]}, model has "
                               f"{vocab}")
 
+    def _layer_shift(self, hidden: torch.Tensor, residual: torch.Tensor,
+                     positions: torch.Tensor, layer: int) -> None:
+        """The layer op's body (`engine.layer_shift`): at block `layer`, each planned token's
+        delta, from its residual stream h = hidden + residual in float32, added to `hidden`
+        in place (one gather, one product, one scatter per task of the step)."""
+        for task, idx in step_plan(hidden, positions, layer).items():
+            cast = self._layer_casts.get(task)
+            if cast is None or (cast.bias if cast.bias is not None else cast.U).device \
+                    != hidden.device:
+                cast = self._layer_casts[task] = self._layer_tasks[task].to(
+                    hidden.device, torch.float32)
+            if layer not in cast.layers:
+                continue
+            h = hidden.index_select(0, idx).float() + residual.index_select(0, idx).float()
+            hidden.index_add_(0, idx, cast.delta(layer, h).to(hidden.dtype))
+
     def _vector(self, task: str) -> TaskVector | None:
         """A task's vector: the engine's own, a named one, or a task-store key's (loaded on
-        first use, checked against the model; None: FUSED in multi-task serving)."""
+        first use, checked against the model; None: FUSED in multi-task serving, or a layer
+        task, which acts inside the decoder instead)."""
+        if task in self._layer_tasks:
+            return None
         tv = self._vectors.get(task)
         if tv is None and task != FUSED and self._store:
             tv = STORE.get(task)

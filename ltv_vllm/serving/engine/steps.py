@@ -58,6 +58,7 @@ from ltv_vllm.serving.contract.wire import (
     not_admitted,
     parse_readout,
 )
+from ltv_vllm.serving.engine.layer_shift import LAYER
 
 # re-exported: the engine's reading of a request (one for the engine and the API server)
 from ltv_vllm.serving.store.vectors import (  # noqa: F401
@@ -128,7 +129,8 @@ def take_plan(rows: int) -> dict[str, list[int] | None] | None:
             "(VLLM_USE_V2_MODEL_RUNNER=0) on a supported vLLM")
     groups: dict[str, list[int]] = {}
     for i in range(rows):
-        task, n, out, readout = src.rows.get(i, (FUSED, src.defaults.get(FUSED), (), None))
+        task, n, out, readout, *_ = src.rows.get(
+            i, (FUSED, src.defaults.get(FUSED), (), None))
         if n is ALL or len(out) < n:
             groups.setdefault(task, []).append(i)
         if readout:
@@ -166,14 +168,16 @@ class LTVStepPolicy(LogitsProcessor, V2LogitsProcessor):
 
     def __init__(self, vllm_config: Any, *runner_args: Any) -> None:
         # V1: (vllm_config, device, is_pin_memory); V2: (vllm_config, req_states)
-        # slot → (task, n, output ids, readout or None)
-        self.rows: dict[int, tuple[str, int | None, Any, tuple[int, ...] | None]] = {}
+        # slot → (task, n, output ids, readout or None, layer positions or None, prompt
+        # length or None): the last two for a layer task's tokens (`engine.layer_shift`)
+        self.rows: dict[int, tuple[Any, ...]] = {}
         self.batch_size = 0
         if len(runner_args) != 2:  # V2: the model state plans the rows
             return
         self.shift = RequestShift(vllm_config, STORE)
         self.defaults = self.shift.defaults
         PLAN.source = self  # one input batch per worker process
+        LAYER.source = self
 
     def is_argmax_invariant(self) -> bool:
         return True  # it never changes the logits
@@ -185,13 +189,16 @@ class LTVStepPolicy(LogitsProcessor, V2LogitsProcessor):
         return logits
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        def entry(params: SamplingParams, _prompt: Any, out: list[int]) -> Any:
-            return (*self.shift.of(params), out, readout_of(params))
+        def entry(params: SamplingParams, prompt: Any, out: list[int]) -> Any:
+            return (*self.shift.of(params), out, readout_of(params),
+                    self.shift.layer_of(params, LAYER.tasks),
+                    len(prompt) if prompt is not None else None)
 
         process_dict_updates(self.rows, batch_update, entry)
         if batch_update is not None:
             self.batch_size = batch_update.batch_size
         PLAN.armed = True
+        LAYER.armed = True
 
 
 class LTVStepsRefused(LTVStepPolicy):

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
+from ltv_vllm.serving.engine.layer_shift import LAYER, Span, token_plan
 from ltv_vllm.serving.engine.steps import (
     ALL,
     PLAN,
@@ -58,6 +59,7 @@ class LTVModelState(DefaultModelState):
         # slot → (task key, shifted tokens n or None for all, prompt length)
         self.slots: dict[int, tuple[str, int | None, int]] = {}
         self.readouts: dict[int, tuple[int, ...]] = {}  # slot → its readout (`READOUT_KEY`)
+        self.layer_slots: dict[int, Any] = {}  # slot → a layer task's positions
         # drafts make the host's counts an upper bound: decide the steps on the device
         self.on_device = getattr(vllm_config, "speculative_config", None) is not None
         self.mask_check = os.environ.get(NO_MASK_CHECK_ENV) != "1"
@@ -76,9 +78,16 @@ class LTVModelState(DefaultModelState):
         # the prompt's own length (token ids or embeddings), as V2's request states take it:
         # a request resumed after preemption is prefilled with its outputs too
         self.slots[req_index] = (task, n, int(new_req_data.prompt_len))
+        policy = self.shift.layer_of(params, LAYER.tasks)
+        if policy is None:
+            self.layer_slots.pop(req_index, None)
+        else:
+            self.layer_slots[req_index] = policy
 
     def preprocess_state(self, input_batch: Any, *args: Any, **kwargs: Any) -> None:
         super().preprocess_state(input_batch, *args, **kwargs)
+        if self.layer_slots:
+            LAYER.ready = self.layer_plan(input_batch)
         PLAN.ready_readout = readout_rows(input_batch, self.readouts) if self.readouts else {}
         if not self.on_device:
             PLAN.ready, PLAN.rows = row_plan(input_batch, self.slots)
@@ -96,6 +105,27 @@ class LTVModelState(DefaultModelState):
                 raise RowPlanError("ltv-vllm: the V2 step's shifted rows on the device differ "
                                    "from the host's plan")
         PLAN.ready_mask = mask
+
+
+    def layer_plan(self, batch: Any) -> tuple[dict[str, list[int]], int]:
+        """This step's layer-task rows (`engine.layer_shift`) from its host layout: request
+        i's tokens start at `query_start_loc[i]`, at position `num_computed_tokens[i]`."""
+        spans = []
+        qsl = batch.query_start_loc_np
+        for i in range(batch.num_reqs):
+            slot = int(batch.idx_mapping_np[i])
+            policy = self.layer_slots.get(slot)
+            if policy is None:
+                continue
+            if self.on_device:
+                # the host's counts are an upper bound with drafts (module docstring)
+                raise RowPlanError("ltv-vllm: layer tasks do not run with speculative "
+                                   "decoding")
+            task, _n, prompt_len = self.slots[slot]
+            spans.append(Span(task, policy, prompt_len, int(qsl[i]),
+                              int(batch.num_scheduled_tokens[i]),
+                              int(batch.num_computed_tokens_np[i])))
+        return token_plan(spans), int(qsl[batch.num_reqs])
 
 
 def row_plan(batch: Any, slots: dict[int, tuple[str, int | None, int]], *,

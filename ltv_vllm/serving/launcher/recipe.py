@@ -17,20 +17,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
+from ltv_vllm.core.layer_task import LayerTask, load_any
+from ltv_vllm.core.vector import TaskVector, VectorError
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.checkpoint import identity_from_dir
 from ltv_vllm.serving.contract.names import CONFIG_KEY, FOLD_KEY, WRAPPERS, processor
 from ltv_vllm.serving.contract.wire import DEFAULT_KEY, TASKS_CONFIG_KEY, parse_steps, tasks_env
 
 
-def checked_vector(model_dir: str | Path, vector_path: str | Path) -> TaskVector:
-    """A vector loaded and checked against the model directory (sizes and LM-head
-    fingerprint). The launcher's plan passes its own (`serve.checked_vector`, `check`), which
-    reads each file once however many steps ask for it."""
-    tv = load_task_vector(vector_path)
+def checked_vector(model_dir: str | Path, vector_path: str | Path) -> TaskVector | LayerTask:
+    """A vector (or a layer task) loaded and checked against the model directory (sizes,
+    depth and LM-head fingerprint). The launcher's plan passes its own
+    (`serve.checked_vector`, `check`), which reads each file once however many steps ask."""
+    tv = load_any(vector_path)
     tv.check_model(identity_from_dir(model_dir))
     return tv
+
+
+def layer_env(tasks: dict[str, TaskVector | LayerTask],
+              defaults: dict[str, str | None]) -> dict[str, str]:
+    """The environment an engine with layer tasks needs in the process that starts it
+    (`engine.prefix_keys`): each layer task's key and default positions (empty: none, so a
+    previous engine's entry never lingers)."""
+    from ltv_vllm.serving.engine.prefix_keys import layer_tasks_env
+
+    return layer_tasks_env({key: defaults.get(key) or str(tv.policy)
+                            for key, tv in tasks.items() if isinstance(tv, LayerTask)})
 
 
 Check = Callable[[str | Path, str | Path], TaskVector]  # `checked_vector`'s shape
@@ -66,6 +78,9 @@ def fused_overrides(
             "weight shard; keep task vectors elsewhere"
         )
     tv = check(model_dir, vector_path)
+    if fold and isinstance(tv, LayerTask):
+        raise VectorError(f"{vector_path.name}: a layer task acts inside the decoder, so it "
+                          "cannot be folded into the LM head; serve it without --fold")
     if fold:
         tv.require_linear("folded into the LM head")
     if fold and (tv.kind != "hidden" or tv.bias is not None):
@@ -85,8 +100,11 @@ def fused_overrides(
     return overrides, tv
 
 
-def vector_steps(tv: TaskVector, path: Path) -> str:
-    """The step policy a vector recommends (`meta.shift_steps`; older vectors: all)."""
+def vector_steps(tv: TaskVector | LayerTask, path: Path) -> str:
+    """The step policy a vector recommends (`meta.shift_steps`; older vectors: all), a
+    layer task's its positions."""
+    if isinstance(tv, LayerTask):
+        return str(tv.policy)
     steps = tv.provenance.shift_steps or "all"
     try:
         parse_steps(steps)
@@ -109,6 +127,16 @@ def engine_kwargs(
             "logits_processors": [step_processor(per_request=not fold)]}
 
 
+def fused_env(overrides: dict[str, Any]) -> dict[str, str]:
+    """`layer_env` of a fused engine's `hf_overrides` (its one file read again: a header and
+    a few tensors)."""
+    from ltv_vllm.serving.contract.wire import DEFAULT_KEY as default_key
+
+    path = overrides.get(CONFIG_KEY)
+    tasks = {"": load_any(path)} if path else {}
+    return layer_env(tasks, {"": overrides.get(default_key)})
+
+
 @dataclass(frozen=True)
 class TaskEngine:
     """Multi-task serving with per-request tasks: every vector held by the engine, each
@@ -120,13 +148,15 @@ class TaskEngine:
     task with `SamplingParams(extra_args={"ltv_task": NAME})`; through `ltv-vllm serve` the
     OpenAI `model` name does it."""
 
-    vectors: dict[str, TaskVector]  # task name → vector, checked against the model
+    vectors: dict[str, TaskVector | LayerTask]  # task name → vector, checked against the model
     overrides: dict[str, Any]      # hf_overrides
     model_dir: Path
 
     @property
     def env(self) -> dict[str, str]:
-        return tasks_env(list(self.vectors))
+        steps = {name: spec.get("steps")
+                 for name, spec in json.loads(self.overrides[TASKS_CONFIG_KEY]).items()}
+        return {**tasks_env(list(self.vectors)), **layer_env(self.vectors, steps)}
 
     @property
     def kwargs(self) -> dict[str, Any]:

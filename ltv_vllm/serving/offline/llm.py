@@ -38,11 +38,13 @@ def make_llm(
 ) -> Any:
     """A `vllm.LLM` for the model, with the vector fused (or folded) when one is given;
     `engine_args`: any other `vllm.LLM` argument, passed through (`llm_with`)."""
-    from ltv_vllm.serving.launcher.recipe import engine_kwargs
+    from ltv_vllm.serving.launcher.recipe import engine_kwargs, fused_env
 
     model_dir = _model_dir(model_spec)
     ours: dict[str, Any] = (engine_kwargs(model_dir, vector, fold=fold) if vector
                             else {"model": str(model_dir)})
+    # a layer task's prefix-cache keys (`engine.prefix_keys`); none: an empty entry
+    os.environ.update(fused_env(ours.get("hf_overrides", {})))
     given = {"max_model_len": max_model_len, "tensor_parallel_size": tensor_parallel_size,
              **({"enforce_eager": enforce_eager} if enforce_eager is not None else {})}
     return llm_with(model_dir, ours, dtype, {**given, **(engine_args or {})})

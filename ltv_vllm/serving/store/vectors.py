@@ -82,6 +82,10 @@ class RequestShift:
             self.defaults[name] = parse_steps(spec.get("steps", "all"))
         # task-store tasks: the server's --shift-steps, else each vector's own
         self.store_default = getattr(hf, DEFAULT_KEY, None)
+        # each task's default positions as given (a layer task's prompt part is in the text)
+        self.texts: dict[str, str] = {FUSED: str(getattr(hf, DEFAULT_KEY, "all"))}
+        for name, spec in json.loads(getattr(hf, TASKS_CONFIG_KEY, None) or "{}").items():
+            self.texts[name] = str(spec.get("steps", "all"))
         self.admission = admission()  # a served engine's stamp key (None: offline)
         self.vectors = vectors  # the process's task-store vectors (a key's own policy)
         vectors.root = vectors.root or store_root(hf)
@@ -100,3 +104,20 @@ class RequestShift:
         # a task-store key (or a task the workers lack: StoreVectors fails loudly)
         tv = self.vectors.get(task)
         return task, parse_steps(self.store_default or tv.provenance.shift_steps or "all")
+
+    def layer_of(self, params: Any, tasks: Any) -> Any:
+        """A request's layer-task positions (`LayerPolicy`) if its task is one of `tasks`
+        (the engine's layer tasks), else None: its `ltv_steps`, else its task's default
+        (`serve --shift-steps`, else the task file's own positions)."""
+        from ltv_vllm.core.layer_task import LayerPolicy
+
+        args = params.extra_args or {}
+        if not admitted(args, self.admission):
+            return None
+        task = args.get(TASK_KEY, FUSED)
+        if task not in tasks:
+            return None
+        if STEPS_KEY in args:
+            return LayerPolicy.parse(args[STEPS_KEY])
+        text = self.texts.get(task)
+        return LayerPolicy.parse(text) if text is not None else tasks[task].policy

@@ -45,6 +45,11 @@ def register() -> None:
     # before any engine builds its LoRA layers: a request without a task vector must never
     # get a LoRA slot's shift (engine.fixes)
     patch_cpu_lora_logits()
+    # before the scheduler hashes a block: a layer task's shifted KV is never shared
+    # (engine.prefix_keys)
+    from ltv_vllm.serving.engine.prefix_keys import patch_block_hash_keys
+
+    patch_block_hash_keys()
 
     supported = set(ModelRegistry.get_supported_archs())
     for wrapper in WRAPPERS.values():

@@ -1,0 +1,213 @@
+"""Layer tasks inside vLLM's engine (`engine.layer_shift`, `engine.prefix_keys`) on both of
+its runners (V2 through `tests/v2shim`), against transformers.
+
+One mixed batch (`vllm_workers/layer_mix.py`): layer tasks at block 0, block 1 and both,
+each at its own positions (all, the last prompt token, every token-producing row, the prompt
+only, two steps, none), a final-layer task and the bare model, long prompts prefilled in
+chunks, four requests at a time. Every row is a hand-made patched forward of the whole
+sequence — no cache, the delta added by hand at exactly the positions its policy names — to
+1e-4 in float32, and at least ten tolerances from what a misplaced shift would give (the bare
+model, the task a block off, its positions one step longer or all of them). V2 equals V1
+token for token.
+
+Then the prefix cache, one request after another over one long prompt: a layer task that
+shifts the prompt reuses no block a bare request or another task left; a task that shifts
+from the last prompt token on reuses the bare blocks before it; the same task again reuses
+its own; a bare request and a task asked to shift nothing reuse the bare blocks — and every
+answer is its own reference, so a shared shifted block would show.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import MARGIN, make_vllm_llama
+from ltv_vllm.core.layer_task import LayerPolicy, LayerTask
+from ltv_vllm.core.vector import TaskVector, model_identity
+from ltv_vllm.methods.base import decoder_layers, edits
+
+pytestmark = pytest.mark.slow(seconds=60)  # see conftest's ordering
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE / "vllm_workers"))
+from layer_mix import CACHE, CACHED, MIX, TOKENS  # noqa: E402
+
+TOL = 1e-4
+
+
+def run(runner: str, d: Path, vectors: dict[str, str], out: Path) -> dict:
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": runner,
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    if runner == "1":
+        env.update(LTV_TEST_TRITON_CPU_SHIM="1", PYTHONPATH=os.pathsep.join(
+            [str(HERE / "v2shim"), env.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, str(HERE / "vllm_workers" / "layer_mix.py"), str(d),
+                        json.dumps(vectors), str(out)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tokenizer):
+    """The model, its tasks (three layer tasks and a final-layer one) and their files."""
+    tmp = tmp_path_factory.mktemp("layers")
+    d = tmp / "model"
+    model = make_vllm_llama(tokenizer, seed=41, tie=False)
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    ident = model_identity(model, str(d))
+    g = torch.Generator().manual_seed(5)
+
+    def randn(*shape, scale=1.0):
+        return scale * torch.randn(*shape, generator=g)
+
+    tasks = {
+        "ctl": LayerTask((0, 1), randn(2, 128, scale=0.5), None, None, ident,
+                         LayerPolicy.parse("all"), provenance={"task": {"name": "ctl"}}),
+        "map": LayerTask((0,), None, randn(1, 128, 4, scale=0.6), randn(1, 128, 4, scale=0.6),
+                         ident, LayerPolicy.parse("last"), provenance={"task": {"name": "map"}}),
+        "both": LayerTask((0, 1), randn(2, 128, scale=0.3), randn(2, 128, 4, scale=0.4),
+                          randn(2, 128, 4, scale=0.4), ident, LayerPolicy.parse("generated"),
+                          provenance={"task": {"name": "both"}}),
+        "head": TaskVector("hidden", randn(128, 8, scale=0.5),
+                           torch.linalg.qr(randn(128, 8))[0], None, ident, (5, 6),
+                           {"task": {"name": "head"}, "shift_steps": "first"}),
+    }
+    paths = {name: str(t.save(tmp / f"{name}.safetensors")) for name, t in tasks.items()}
+    return tmp, d, model, tasks, paths
+
+
+@pytest.fixture(scope="module")
+def runs(served):
+    tmp, d, _, _, paths = served
+    return {"v1": run("0", d, paths, tmp / "v1.json"), "v2": run("1", d, paths, tmp / "v2.json")}
+
+
+def patched_logprobs(model, tokenizer, prompt: str, tokens: list[int], task, policy,
+                     head: TaskVector | None = None, head_steps: int = 0) -> torch.Tensor:
+    """The whole sequence in one forward, no cache: `task`'s delta added by hand at the
+    positions `policy` names (every prompt position with `prompt`; the row producing
+    generated token s, position P − 2 + s, while s is within its steps); a final-layer
+    `head` vector on its first `head_steps` rows. Log-probs of generated token s at row s."""
+    from ltv_vllm.extraction.apply import task_vector_applied
+
+    p_ids = tokenizer(prompt)["input_ids"]
+    ids = p_ids + list(tokens)
+    n0 = len(p_ids)
+    marked = set(range(n0)) if task is not None and policy.prompt else set()
+    if task is not None:
+        marked |= {n0 - 2 + s for s in range(1, len(tokens) + 1) if policy.shifts_step(s)}
+    layers = decoder_layers(model)
+
+    def edit(x, ell):
+        y = x.clone()
+        for p in sorted(marked):
+            y[0, p] = x[0, p] + task.delta(ell, x[0, p][None].float())[0].to(x.dtype)
+        return y
+
+    hooks = [(layers[ell], lambda x, ell=ell: edit(x, ell)) for ell in
+             (task.layers if task is not None else ())]
+    with torch.no_grad(), edits(outputs=hooks):
+        bare = model(torch.tensor([ids])).logits[0]
+        if head is not None:
+            with task_vector_applied(model, head):
+                shifted = model(torch.tensor([ids])).logits[0]
+            rows = torch.arange(len(ids))
+            bare = torch.where(((rows >= n0 - 1) & (rows < n0 - 1 + head_steps))[:, None],
+                               shifted, bare)
+    return torch.log_softmax(bare.double(), -1)[n0 - 1: n0 - 1 + len(tokens)]
+
+
+def distance(got: list[dict[str, float]], ref: torch.Tensor) -> float:
+    return max(abs(v - float(ref[s][int(t)])) for s, top in enumerate(got)
+               for t, v in top.items())
+
+
+def off_by_one_block(task: LayerTask) -> LayerTask:
+    """The task with each block's shift on the other block (what a hook on the wrong layer
+    would do; the model has two)."""
+    moved = [1 - ell for ell in task.layers]
+    order = sorted(range(len(moved)), key=moved.__getitem__)
+
+    def pick(t):
+        return None if t is None else t[order]
+
+    return LayerTask(tuple(moved[i] for i in order), pick(task.bias), pick(task.U),
+                     pick(task.V), task.model, task.policy)
+
+
+def assert_row(model, tokenizer, tasks, prompt, task_name, steps, row, what):
+    tokens, got = row[0], row[1]
+    assert len(got) == TOKENS, what
+    if task_name == "head":
+        ref = patched_logprobs(model, tokenizer, prompt, tokens, None, None, tasks["head"], 1)
+        assert distance(got, ref) < TOL, what
+        bare = patched_logprobs(model, tokenizer, prompt, tokens, None, None)
+        assert distance(got, bare) >= MARGIN * TOL, what
+        return
+    task = tasks.get(task_name)
+    policy = (LayerPolicy.parse(steps) if steps is not None else task.policy) if task \
+        else LayerPolicy(False, 0)
+    own = patched_logprobs(model, tokenizer, prompt, tokens, task, policy)
+    d = distance(got, own)
+    assert d < TOL, (what, "off its own answer by", d)
+    if task is None or (policy.steps == 0 and not policy.prompt):
+        return
+    wrong = {"bare": (None, LayerPolicy(False, 0)), "a block off": (off_by_one_block(task),
+                                                                   policy),
+             "every position": (task, LayerPolicy(True, None))}
+    if policy.steps is not None:
+        wrong["one step more"] = (task, LayerPolicy(False, policy.steps + 1))
+    for name, (t, p) in wrong.items():
+        if (t is task and p == policy) or (name == "one step more" and policy.prompt):
+            continue  # the row's own answer
+        alt = patched_logprobs(model, tokenizer, prompt, tokens, t, p)
+        if name == "one step more" and torch.equal(alt, own):
+            continue
+        assert distance(got, alt) >= MARGIN * TOL, (what, f"{name} is only "
+                                                           f"{distance(got, alt):.2e} away")
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_mixed_batch_of_layer_tasks_equals_patched_forwards(served, runs, tokenizer, runner):
+    _, _, model, tasks, _ = served
+    out = runs[runner]
+    assert out["v2"] is (runner == "v2")  # vLLM's own config says which runner ran
+    for i, (prompt, task, steps) in enumerate(MIX):
+        assert_row(model, tokenizer, tasks, prompt, task, steps, out["rows"][i],
+                   f"{runner} row {i}: {task} {steps}")
+
+
+def test_v2_answers_as_v1(runs):
+    for i in range(len(MIX)):
+        assert runs["v2"]["rows"][i][0] == runs["v1"]["rows"][i][0], (i, "V2 differs from V1")
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_the_prefix_cache_never_shares_a_shifted_block(served, runs, tokenizer, runner):
+    _, _, model, tasks, _ = served
+    cache = runs[runner]["cache"]
+    prompt = CACHED
+    n0 = len(tokenizer(prompt)["input_ids"])
+    for i, (task, steps) in enumerate(CACHE):
+        assert_row(model, tokenizer, tasks, prompt, task, steps, cache[i],
+                   f"{runner} cache request {i}: {task} {steps}")
+    cached = [row[2] for row in cache]
+    block = 32  # the CPU attention's smallest
+    before_last = (n0 - 1) // block * block  # the bare blocks before the last prompt token
+    assert cached[0] == 0                  # bare, first: nothing cached yet
+    assert cached[1] == 0                  # ctl shifts the whole prompt: no bare block fits
+    assert cached[2] == 0                  # another task, the whole prompt: not ctl's blocks
+    assert cached[3] == before_last > 0    # map shifts from the last prompt token on
+    assert cached[4] >= before_last > 0    # ctl again: its own blocks
+    assert cached[5] >= before_last        # bare again: the bare blocks
+    assert cached[6] >= before_last        # ctl asked to shift nothing: the bare blocks
