@@ -211,3 +211,46 @@ def test_the_prefix_cache_never_shares_a_shifted_block(served, runs, tokenizer, 
     assert cached[4] >= before_last > 0    # ctl again: its own blocks
     assert cached[5] >= before_last        # bare again: the bare blocks
     assert cached[6] >= before_last        # ctl asked to shift nothing: the bare blocks
+
+
+def test_ltv_vllm_serve_serves_layer_tasks_by_name(served, tokenizer):
+    """`ltv-vllm serve` in vLLM's default process layout with two layer tasks and a
+    final-layer one by name: requests for each, the bare model and a layer word sent
+    through the gate (`ltv_steps: "prompt"`), all in flight together; each answer is its
+    own patched forward. A policy the vocabulary does not name is a 400 in one line."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    from test_server import start_server, stop
+
+    tmp, d, model, tasks, paths = served
+    proc, url, log = start_server(d, [f"{n}={paths[n]}" for n in ("ctl", "map", "head")],
+                                  tmp, layout="default")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        jobs = [(MIX[0][0], "ctl", None), (MIX[1][0], "map", None),
+                (MIX[2][0], "map", "generated"), (MIX[4][0], "head", None),
+                (MIX[6][0], str(d), None), (MIX[3][0], "ctl", "prompt")]
+
+        def ask(job):
+            prompt, name, steps = job
+            extra = {"return_tokens_as_token_ids": True,
+                     **({"vllm_xargs": {"ltv_steps": steps}} if steps else {})}
+            return client.completions.create(model=name, prompt=prompt, max_tokens=TOKENS,
+                                             temperature=0.0, logprobs=3,
+                                             extra_body=extra).choices[0].logprobs
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            answers = list(pool.map(ask, jobs))
+        for (prompt, name, steps), lp in zip(jobs, answers, strict=True):
+            toks = [int(t.split(":", 1)[1]) for t in lp.tokens]
+            got = [{k.split(":", 1)[1]: v for k, v in top.items()} for top in lp.top_logprobs]
+            task = None if name == str(d) else name
+            assert_row(model, tokenizer, tasks, prompt, task, steps, [toks, got],
+                       f"served {name} {steps}")
+        with pytest.raises(openai.BadRequestError, match="ltv_steps must be") as e:
+            client.completions.create(model="ctl", prompt="x", max_tokens=1,
+                                      extra_body={"vllm_xargs": {"ltv_steps": "sideways"}})
+        assert "\n" not in str(e.value.body.get("message", e.value))
+    finally:
+        stop(proc, log)

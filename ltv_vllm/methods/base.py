@@ -90,7 +90,7 @@ class Option:
 # Options every method reads (the extraction's own settings, passed on by its caller).
 COMMON: tuple[Option, ...] = (
     Option("lam", 5.0, "LTV's ridge penalty λ, or \"auto\" (leave-one-out)", float),
-    Option("layer", None, "Fix TV/FV's layer or SV's depth instead of choosing it on the "
+    Option("layer", None, "Fix TV/FV/ltv-layer's layer or SV's depth instead of choosing it on the "
            "validation examples.", int, minimum=0),
     Option("seed", 0, "Seed of the methods' own randomness."),
     Option("batch_size", 16, "Prompts per forward pass.", minimum=1),

@@ -25,7 +25,7 @@ def planted_plan(kind: str):
             steps.PLAN.armed = False
             groups: dict = {}
             for i in range(rows):
-                task, n, out, _ = src.rows.get(
+                task, n, out, *_ = src.rows.get(
                     i, (steps.FUSED, src.defaults.get(steps.FUSED), (), None))
                 if n is steps.ALL or len(out) - 1 < n:  # the bug: one token too few counted
                     groups.setdefault(task, []).append(i)

@@ -252,14 +252,15 @@ class LiveFidelity:
     def _vector(self, key: str) -> Any:
         """A task's vector as the engine holds it: the fused one, a command-line task's, or
         a store key's (from its pin, checked against its digest)."""
-        from ltv_vllm.core.vector import load_task_vector
+        # (a layer task records no demonstrations: `teacher_of` gives it no teacher)
+        from ltv_vllm.core.layer_task import load_any
 
         hf = self.engine.model_config.hf_config
         if "@" in key:
             return self.store.get(key)
         if key == FUSED:
-            return load_task_vector(getattr(hf, CONFIG_KEY))
-        return load_task_vector(json.loads(getattr(hf, TASKS_CONFIG_KEY))[key]["path"])
+            return load_any(getattr(hf, CONFIG_KEY))
+        return load_any(json.loads(getattr(hf, TASKS_CONFIG_KEY))[key]["path"])
 
     async def _ask(self, prompt: str, xargs: dict[str, Any],
                    top: int | None = None) -> dict[int, float]:

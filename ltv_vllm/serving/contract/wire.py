@@ -252,9 +252,15 @@ def _admission(raw: str) -> Admission:
     return Admission(bytes.fromhex(d["key"]), bool(d["every"]))
 
 
+LAYER_WORDS = ("last", "prompt", "generated")  # a layer task's positions (`core.layer_task`)
+
+
 def canonical_steps(value: Any) -> str | int:
-    """A valid `ltv_steps` as the gate hands it on: "all" or a count (ValueError: invalid)."""
+    """A valid `ltv_steps` as the gate hands it on: "all", a count, or a layer task's word,
+    which says more than its count (ValueError: invalid)."""
     n = parse_steps(value)
+    if isinstance(value, str) and value in LAYER_WORDS:
+        return value
     return "all" if n is ALL else int(n)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ltv_vllm.core.layer_task import LayerPolicy, LayerTask
-from ltv_vllm.core.vector import ALL
+from ltv_vllm.core.vector import ALL, VectorError
 
 LAYER_OP = "ltv_vllm::layer_shift"  # the op's name, as vLLM's splitting ops list it
 
@@ -180,6 +180,26 @@ def layer_shift(hidden: torch.Tensor, residual: torch.Tensor, positions: torch.T
 def _(hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,  # noqa: ARG001
       layer: int) -> None:  # noqa: ARG001
     return None
+
+
+def check_graphs() -> None:
+    """Refuse CUDA graphs that would replay a step without the op: full graphs capture the
+    whole forward (the op's Python would run once, at capture, with no plan), and piecewise
+    ones run it only where it splits the graph (module docstring). Read in vLLM's config
+    as the engine builds the model."""
+    from vllm.config import get_current_vllm_config
+    from vllm.config.compilation import CUDAGraphMode
+
+    cc = get_current_vllm_config().compilation_config
+    mode = getattr(cc, "cudagraph_mode", None)
+    if mode is None or mode == CUDAGraphMode.NONE:
+        return
+    if mode == CUDAGraphMode.PIECEWISE and LAYER_OP in (cc.splitting_ops or []):
+        return
+    raise VectorError(f"layer tasks need their op ({LAYER_OP}) to run at every step, which "
+                      f"CUDA graphs ({mode.name}) would replay without: serve with "
+                      "--enforce-eager, or with cudagraph_mode PIECEWISE and the op among "
+                      "--compilation-config's splitting_ops")
 
 
 def install_hooks(model: Any) -> int:

@@ -38,7 +38,7 @@ from ltv_vllm.core.layer_task import LayerTask, load_any
 from ltv_vllm.core.vector import TaskVector, VectorError
 from ltv_vllm.serving.contract.names import CONFIG_KEY, FOLD_KEY
 from ltv_vllm.serving.contract.wire import TASKS_CONFIG_KEY
-from ltv_vllm.serving.engine.layer_shift import LAYER, install_hooks, step_plan
+from ltv_vllm.serving.engine.layer_shift import LAYER, check_graphs, install_hooks, step_plan
 from ltv_vllm.serving.engine.steps import (
     FUSED,
     PLAN,
@@ -56,6 +56,7 @@ class LTVMixin:
     _ltv: TaskVector | None                # the engine's own (fused) vector
     _vectors: dict[str, TaskVector]        # task key → vector ("" = _ltv; names: multi-task)
     _casts: dict[str, TaskVector]          # the same on the engine's device, float32
+    _layer_tasks: dict[str, LayerTask] = {}  # task key → layer task (`engine.layer_shift`)
 
     def _ltv_init(self, config: object) -> None:
         path = getattr(config, CONFIG_KEY, None)
@@ -79,6 +80,7 @@ class LTVMixin:
                                   "process that starts the engine, and ltv-vllm's plugin "
                                   "loaded (start it with ltv_vllm's make_llm / task_llm or "
                                   "ltv-vllm serve)")
+            check_graphs()
             LAYER.tasks = self._layer_tasks
             LAYER.shift = self._layer_shift
             install_hooks(self)

@@ -53,6 +53,8 @@ NO_MASK_CHECK_ENV = "LTV_TEST_NO_MASK_CHECK"
 class LTVModelState(DefaultModelState):
     """vLLM's default model state, plus each slot's shift and this step's row plan."""
 
+    layer_slots: dict[int, Any] = {}  # (each engine's own, made in __init__)
+
     def __init__(self, vllm_config: Any, model: Any, encoder_cache: Any, device: Any) -> None:
         super().__init__(vllm_config, model, encoder_cache, device)
         self.shift = RequestShift(vllm_config, STORE)

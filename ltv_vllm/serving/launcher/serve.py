@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ltv_vllm.core.fileio import check_writable
+from ltv_vllm.core.layer_task import LayerTask, load_any
 from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.checkpoint import identity_from_dir
@@ -43,7 +44,7 @@ SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"  # one API-server 
 # (several, --api-server-count > 1: `contract.names.MULTI_SERVER_MODULE`, `vllm serve`'s code)
 
 
-def checked_vector(model_dir: str | Path, vector_path: str | Path) -> TaskVector:
+def checked_vector(model_dir: str | Path, vector_path: str | Path) -> TaskVector | LayerTask:
     """Load a vector and check it against the model directory (sizes and LM-head fingerprint);
     a file is read once however many steps of a plan ask for it (remembered by its path and
     modification time: a file replaced meanwhile is read again)."""
@@ -56,9 +57,9 @@ def checked_vector(model_dir: str | Path, vector_path: str | Path) -> TaskVector
 
 
 @functools.lru_cache(maxsize=64)
-def _checked_vector(model_dir: str, path: str, stamp: int) -> TaskVector:
+def _checked_vector(model_dir: str, path: str, stamp: int) -> TaskVector | LayerTask:
     del stamp  # only part of the key
-    tv = load_task_vector(path)
+    tv = load_any(path)  # a final-layer vector or a layer task
     tv.check_model(identity_from_dir(model_dir))
     return tv
 
@@ -352,14 +353,16 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
                                                     lora_probes))
     extra = list(opts.vllm_args)
     defaults = []
-    if engine_device() == "cpu" and not opts.vllm.chose_compilation:
+    given = {n: checked_vector(model_dir, p) for n, p in parsed.items()}  # read above, once
+    layered = any(isinstance(t, LayerTask) for t in given.values())
+    if (engine_device() == "cpu" or layered) and not opts.vllm.chose_compilation:
         # vLLM's compile warm-up costs the CPU backend over a minute per start (and per
         # fused/folded variant: their compile caches differ); eager starts in about 46 s
         # (docs/benchmarks.md, "Serve start-up"), and every serving benchmark ran eager.
-        # Any compilation flag of the user's wins.
+        # Layer tasks: CUDA graphs would replay steps without their op (`engine.layer_shift`
+        # says which graphs can keep it). Any compilation flag of the user's wins.
         defaults.append("--enforce-eager")
     env = dict(task_env)
-    given = {n: checked_vector(model_dir, p) for n, p in parsed.items()}  # read above, once
     notes += shortfall_notes(given)
     env.update(_plan_chat(opts, model_dir, given, store.entries, notes))
     settings = _plan_settings(opts, model_dir, store, lora, bool(probes), lora_probes, keys)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ltv_vllm.core.layer_task import LayerTask
 from ltv_vllm.core.vector import VectorError
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.serving.contract.names import gate
@@ -30,6 +31,7 @@ from ltv_vllm.serving.launcher.lora_plan import LoraPlan, plan_lora
 from ltv_vllm.serving.launcher.recipe import (
     Check,
     checked_vector,
+    fused_env,
     fused_overrides,
     step_processor,
     task_engine,
@@ -132,10 +134,10 @@ def fused_args(spec: ServerSpec, args: list[str]
     check_fused_lora(spec.user)
     overrides, tv = fused_overrides(spec.model_dir, spec.vectors[""], spec.fold,
                                     spec.shift_steps, check=spec.check)
-    task_env: dict[str, str] = {}
+    task_env = fused_env(overrides)  # a layer task's prefix-cache keys
     if spec.probes:  # the fused vector, and the probes by name (`offline.selfcheck`)
         overrides[TASKS_CONFIG_KEY] = json.dumps(spec.probes)
-        task_env = tasks_env(list(spec.probes))
+        task_env.update(tasks_env(list(spec.probes)))
     return [*args, "--hf-overrides", json.dumps(merged_overrides(overrides,
                                                                  spec.user.hf_overrides)),
             "--logits-processors", *spec.user.logits_processors,
@@ -156,7 +158,7 @@ def shift_args(spec: ServerSpec, args: list[str]
     if spec.probes:  # beside the tasks, with their own policies (`offline.selfcheck`)
         overrides[TASKS_CONFIG_KEY] = json.dumps(
             {**json.loads(overrides[TASKS_CONFIG_KEY]), **spec.probes})
-        task_env = tasks_env([*spec.vectors, *spec.probes])
+        task_env = {**task_env, **tasks_env([*spec.vectors, *spec.probes])}
     if spec.store is not None:
         if spec.store_root is None:
             raise VectorError("a task store needs its root (store_root)")
@@ -177,6 +179,11 @@ def shift_args(spec: ServerSpec, args: list[str]
 def lora_args(spec: ServerSpec, args: list[str]
               ) -> tuple[list[str], LoraPlan, dict[str, str]]:
     """Named tasks as lm_head LoRA adapters (`lora_plan`)."""
+    for name, path in spec.vectors.items():
+        if isinstance(spec.check(spec.model_dir, path), LayerTask):
+            raise VectorError(f"task {name!r} is a layer task: it acts inside the decoder, "
+                              "where no lm_head adapter reaches; serve it without "
+                              "--multi-task lora")
     # a task-store server holds its command-line tasks and up to max_tasks store tasks at
     # once (more when the store already holds more): a LoRA slot for each
     room = {"min_rank": spec.lora_min_rank} if spec.store is None else {
