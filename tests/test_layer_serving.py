@@ -78,6 +78,8 @@ def served(tmp_path_factory, tokenizer):
         "both": LayerTask((0, 1), randn(2, 128, scale=0.3), randn(2, 128, 4, scale=0.4),
                           randn(2, 128, 4, scale=0.4), ident, LayerPolicy.parse("generated"),
                           provenance={"task": {"name": "both"}}),
+        "add": LayerTask((1,), randn(1, 128, scale=0.4), None, None, ident,
+                         LayerPolicy.parse("all"), provenance={"task": {"name": "add"}}),
         "head": TaskVector("hidden", randn(128, 8, scale=0.5),
                            torch.linalg.qr(randn(128, 8))[0], None, ident, (5, 6),
                            {"task": {"name": "head"}, "shift_steps": "first"}),
@@ -145,7 +147,21 @@ def off_by_one_block(task: LayerTask) -> LayerTask:
                      pick(task.V), task.model, task.policy)
 
 
-def assert_row(model, tokenizer, tasks, prompt, task_name, steps, row, what):
+def asked(tasks, task_name, more):
+    """The layer task a request asks for: its own, scaled by `ltv_scale`, plus its `ltv_mix`
+    (`core.layer_task.combine`, written apart from the engine's sum)."""
+    from ltv_vllm.core.layer_task import combine
+
+    own = tasks[task_name]
+    parts = [(own, float(more.get("ltv_scale", 1.0)))]
+    from ltv_vllm.serving.contract.wire import parse_mix
+
+    mix = parse_mix(more["ltv_mix"]) if "ltv_mix" in more else {}
+    parts += [(tasks[n], float(s)) for n, s in mix.items()]
+    return combine(parts) if len(parts) > 1 else own.scaled(parts[0][1])
+
+
+def assert_row(model, tokenizer, tasks, prompt, task_name, steps, row, what, more=None):
     tokens, got = row[0], row[1]
     assert len(got) == TOKENS, what
     if task_name == "head":
@@ -154,8 +170,9 @@ def assert_row(model, tokenizer, tasks, prompt, task_name, steps, row, what):
         bare = patched_logprobs(model, tokenizer, prompt, tokens, None, None)
         assert distance(got, bare) >= MARGIN * TOL, what
         return
-    task = tasks.get(task_name)
-    policy = (LayerPolicy.parse(steps) if steps is not None else task.policy) if task \
+    plain = tasks.get(task_name)
+    task = asked(tasks, task_name, more) if more else plain
+    policy = (LayerPolicy.parse(steps) if steps is not None else plain.policy) if task \
         else LayerPolicy(False, 0)
     own = patched_logprobs(model, tokenizer, prompt, tokens, task, policy)
     d = distance(got, own)
@@ -167,6 +184,8 @@ def assert_row(model, tokenizer, tasks, prompt, task_name, steps, row, what):
              "every position": (task, LayerPolicy(True, None))}
     if policy.steps is not None:
         wrong["one step more"] = (task, LayerPolicy(False, policy.steps + 1))
+    if more:  # its scale or its mix ignored
+        wrong["the task as its file has it"] = (plain, policy)
     for name, (t, p) in wrong.items():
         if (t is task and p == policy) or (name == "one step more" and policy.prompt):
             continue  # the row's own answer
@@ -182,9 +201,9 @@ def test_a_mixed_batch_of_layer_tasks_equals_patched_forwards(served, runs, toke
     _, _, model, tasks, _ = served
     out = runs[runner]
     assert out["v2"] is (runner == "v2")  # vLLM's own config says which runner ran
-    for i, (prompt, task, steps) in enumerate(MIX):
+    for i, (prompt, task, steps, *more) in enumerate(MIX):
         assert_row(model, tokenizer, tasks, prompt, task, steps, out["rows"][i],
-                   f"{runner} row {i}: {task} {steps}")
+                   f"{runner} row {i}: {task} {steps} {more}", *more)
 
 
 def test_v2_answers_as_v1(runs):
@@ -224,30 +243,42 @@ def test_ltv_vllm_serve_serves_layer_tasks_by_name(served, tokenizer):
     from test_server import start_server, stop
 
     tmp, d, model, tasks, paths = served
-    proc, url, log = start_server(d, [f"{n}={paths[n]}" for n in ("ctl", "map", "head")],
+    proc, url, log = start_server(d, [f"{n}={paths[n]}" for n in ("ctl", "map", "head",
+                                                                 "add")],
                                   tmp, layout="default")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-        jobs = [(MIX[0][0], "ctl", None), (MIX[1][0], "map", None),
-                (MIX[2][0], "map", "generated"), (MIX[4][0], "head", None),
-                (MIX[6][0], str(d), None), (MIX[3][0], "ctl", "prompt")]
+        jobs = [(MIX[0][0], "ctl", None, {}), (MIX[1][0], "map", None, {}),
+                (MIX[2][0], "map", "generated", {}), (MIX[4][0], "head", None, {}),
+                (MIX[6][0], str(d), None, {}), (MIX[3][0], "ctl", "prompt", {}),
+                (MIX[9][0], "ctl", "all", {"ltv_scale": 2.0, "ltv_mix": "add=0.5"})]
 
         def ask(job):
-            prompt, name, steps = job
+            prompt, name, steps, more = job
+            xargs = {**({"ltv_steps": steps} if steps else {}), **more}
             extra = {"return_tokens_as_token_ids": True,
-                     **({"vllm_xargs": {"ltv_steps": steps}} if steps else {})}
+                     **({"vllm_xargs": xargs} if xargs else {})}
             return client.completions.create(model=name, prompt=prompt, max_tokens=TOKENS,
                                              temperature=0.0, logprobs=3,
                                              extra_body=extra).choices[0].logprobs
 
         with ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(ask, jobs))
-        for (prompt, name, steps), lp in zip(jobs, answers, strict=True):
+        for (prompt, name, steps, more), lp in zip(jobs, answers, strict=True):
             toks = [int(t.split(":", 1)[1]) for t in lp.tokens]
             got = [{k.split(":", 1)[1]: v for k, v in top.items()} for top in lp.top_logprobs]
             task = None if name == str(d) else name
             assert_row(model, tokenizer, tasks, prompt, task, steps, [toks, got],
-                       f"served {name} {steps}")
+                       f"served {name} {steps} {more}", more)
+        for xargs, message in (({"ltv_mix": "map=1"}, "is a map"),
+                               ({"ltv_scale": 1e9}, "ltv_scale must be"),
+                               ({"ltv_mix": "nothing=1"}, "not a layer task")):
+            with pytest.raises(openai.BadRequestError, match=message):
+                client.completions.create(model="ctl", prompt="x", max_tokens=1,
+                                          extra_body={"vllm_xargs": xargs})
+        with pytest.raises(openai.BadRequestError, match="apply to a layer task"):
+            client.completions.create(model="head", prompt="x", max_tokens=1,
+                                      extra_body={"vllm_xargs": {"ltv_scale": 2.0}})
         with pytest.raises(openai.BadRequestError, match="ltv_steps must be") as e:
             client.completions.create(model="ctl", prompt="x", max_tokens=1,
                                       extra_body={"vllm_xargs": {"ltv_steps": "sideways"}})

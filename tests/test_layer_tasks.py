@@ -372,3 +372,76 @@ def test_a_control_vector_that_does_not_fit_is_refused_and_nothing_written(
 
     assert re.search(message, r.output), r.output
     assert not (tmp_path / "out.safetensors").exists()
+
+
+# -- a request's layer shift, as the engine admits it and keys its cache -----------------------
+LAYERS = {"ctl": ("all", True), "add": ("all", True), "late": ("generated", True),
+          "map": ("last", False)}
+
+
+def test_a_request_asks_for_its_task_its_scale_and_its_mix():
+    from ltv_vllm.serving.contract.wire import layer_parts
+
+    assert layer_parts({"ltv_task": "ctl"}, LAYERS) == (("ctl", 1.0),)
+    assert layer_parts({"ltv_task": "map", "ltv_scale": -2}, LAYERS) == (("map", -2.0),)
+    assert layer_parts({"ltv_task": "ctl", "ltv_mix": {"add": 0.5}}, LAYERS) == \
+        (("ctl", 1.0), ("add", 0.5)) == \
+        layer_parts({"ltv_task": "ctl", "ltv_mix": "add=0.5"}, LAYERS)  # as HTTP sends it
+    assert layer_parts({"ltv_task": "head"}, LAYERS) is None  # a final-layer task
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"ltv_task": "head", "ltv_scale": 2}, "apply to a layer task"),
+    ({"ltv_scale": 2}, "the bare model is not one"),
+    ({"ltv_task": "ctl", "ltv_scale": True}, "ltv_scale must be a finite number"),
+    ({"ltv_task": "ctl", "ltv_scale": 101}, "from -100 to 100"),
+    ({"ltv_task": "ctl", "ltv_mix": {"map": 1}}, "'map' is a map"),
+    ({"ltv_task": "map", "ltv_mix": {"ctl": 1}}, "'map' is a map"),
+    ({"ltv_task": "ctl", "ltv_mix": {"late": 1}}, "shift different positions"),
+    ({"ltv_task": "ctl", "ltv_mix": {"ctl": 1}}, "own task again"),
+    ({"ltv_task": "ctl", "ltv_mix": {"x@y": 1}}, "not a layer task"),
+    ({"ltv_task": "ctl", "ltv_mix": []}, "must name 1 to 16"),
+    ({"ltv_task": "ctl", "ltv_mix": "add"}, "NAME=SCALE"),
+    ({"ltv_task": "ctl", "ltv_mix": "add=x"}, "ltv_mix.add must be"),
+    ({"ltv_task": "ctl", "ltv_mix": "add=1,add=2"}, "NAME=SCALE"),
+    ({"ltv_task": "ctl", "ltv_mix": {"add": float("nan")}}, "ltv_mix.add must be"),
+])
+def test_what_a_request_cannot_ask_of_layer_tasks_is_refused_in_one_line(args, message):
+    from ltv_vllm.serving.contract.wire import layer_parts
+
+    with pytest.raises(ValueError, match=message) as e:
+        layer_parts(args, LAYERS)
+    assert "\n" not in str(e.value)
+    from ltv_vllm.serving.contract.wire import layer_parts as parts
+
+    # with positions named for all, tasks of different defaults combine
+    assert parts({"ltv_task": "ctl", "ltv_mix": {"late": 1}, "ltv_steps": "all"}, LAYERS)
+
+
+@pytest.mark.parametrize("args, prompt_len, keyed_from", [
+    ({}, 70, None),                                            # bare
+    ({"ltv_task": "head"}, 70, None),                          # a final-layer task
+    ({"ltv_task": "ctl"}, 70, 0),                              # the whole prompt
+    ({"ltv_task": "map"}, 70, 69),                             # from the last prompt token
+    ({"ltv_task": "late"}, 70, 69),
+    ({"ltv_task": "ctl", "ltv_steps": 0}, 70, None),           # nothing shifted
+    ({"ltv_task": "ctl", "ltv_steps": "generated"}, 70, 69),
+])
+def test_a_block_is_keyed_from_the_first_position_its_request_shifts(args, prompt_len,
+                                                                    keyed_from):
+    from ltv_vllm.serving.engine.prefix_keys import block_key
+
+    for end in range(1, 140):
+        key = block_key(args, prompt_len, end, LAYERS)
+        assert (key is not None) == (keyed_from is not None and end > keyed_from), end
+
+
+def test_blocks_of_other_tasks_scales_or_positions_have_other_keys():
+    from ltv_vllm.serving.engine.prefix_keys import block_key
+
+    asks = [{"ltv_task": "ctl"}, {"ltv_task": "add"}, {"ltv_task": "ctl", "ltv_scale": 2},
+            {"ltv_task": "ctl", "ltv_steps": "prompt"},
+            {"ltv_task": "ctl", "ltv_mix": {"add": 1}}]
+    keys = [block_key(a, 70, 64, LAYERS) for a in asks]
+    assert len(set(keys)) == len(asks)
+    assert block_key({"ltv_task": "ctl", "ltv_scale": 1.0}, 70, 64, LAYERS) == keys[0]

@@ -10,7 +10,7 @@ import json
 import sys
 
 LONG = " ".join(f"w{i % 7} x{i % 5}" for i in range(40))  # >100 tokens: several chunks
-# (prompt, task, ltv_steps or None for the task's own positions)
+# (prompt, task, ltv_steps or None for the task's own positions[, more vllm_xargs])
 MIX = [
     ("Review: the plot is dull\nSentiment:", "ctl", None),         # all positions
     ("x y z x y z x y", "map", None),                              # the last prompt token
@@ -20,6 +20,9 @@ MIX = [
     (LONG + " tail", None, None),                                  # bare, chunked
     ("Review: a gorgeous movie\nSentiment:", "both", 2),           # blocks 0 and 1, 2 steps
     ("x y z x y z x y", "ctl", 0),                                 # nothing shifted
+    ("Question: What is 2+2?\nAnswer:", "map", None, {"ltv_scale": -0.7}),  # scaled
+    ("News: stocks fall\nType:", "ctl", "generated",                 # two tasks added
+     {"ltv_scale": 0.5, "ltv_mix": {"add": -1.5}}),
 ]
 # one after another, the prefix cache warm from the requests before: the same long prompt
 # (its own: none of the mixed batch's prefixes)
@@ -29,11 +32,11 @@ CACHE = [(None, None), ("ctl", None), ("both", "all"), ("map", None), ("ctl", No
 TOKENS = 6
 
 
-def params(task, steps):
+def params(task, steps, more=None):
     from vllm import SamplingParams
 
     extra = {**({"ltv_task": task} if task else {}),
-             **({"ltv_steps": steps} if steps is not None else {})}
+             **({"ltv_steps": steps} if steps is not None else {}), **(more or {})}
     return SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=3, extra_args=extra)
 
 
@@ -51,8 +54,7 @@ if __name__ == "__main__":
         enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=4,
         seed=0, block_size=32, enable_prefix_caching=True, enable_chunked_prefill=True,
         max_num_batched_tokens=48))
-    mix = llm.generate([p for p, _, _ in MIX], [params(t, s) for _, t, s in MIX],
-                       use_tqdm=False)
+    mix = llm.generate([m[0] for m in MIX], [params(*m[1:]) for m in MIX], use_tqdm=False)
     cache = []
     for task, steps in CACHE:  # each request alone: the cache holds what the ones before left
         cache += rows(llm.generate([CACHED], [params(task, steps)], use_tqdm=False),

@@ -33,6 +33,11 @@ CHAT_PATH = "/v1/chat/completions"
 CHAT_TASKS_ENV = "LTV_VLLM_CHAT_TASKS"  # JSON {task: template sha256} of chat-fitted vectors
 # ("" for a fused server's one vector)
 TEMPLATE_ENV = "LTV_VLLM_CHAT_TEMPLATE"  # sha256 of the template the server renders chat with
+SCALE_KEY = "ltv_scale"            # a request's `vllm_xargs` key: its layer task's scale
+MIX_KEY = "ltv_mix"                # `vllm_xargs`: {task: scale}, additive layer tasks added
+LAYER_TASKS_ENV = "LTV_VLLM_LAYER_TASKS"  # JSON {task key: {"positions", "additive"}}
+MAX_SCALE = 100.0                  # |scale| a request may ask for
+MAX_MIX = 16                       # layer tasks one request may combine with its own
 READOUT_KEY = "ltv_readout"        # a request's `vllm_xargs` key: token ids its logits keep
 MAX_READOUT = 1024                 # the most tokens a readout keeps (a task's labels)
 ADMIT_KEY = "ltv_admit"            # a request's `vllm_xargs` key: the gate's stamp (`stamp`)
@@ -73,6 +78,94 @@ def engine_tasks(args: Mapping[str, Any], adm: Any) -> frozenset[str]:
     return static
 
 
+def layer_tasks_env(tasks: Mapping[str, tuple[str, bool]]) -> dict[str, str]:
+    """The environment entry naming an engine's layer tasks: key → (default positions,
+    additive). Read by the engine's request check (`check_request`), its prefix-cache keys
+    (`engine.prefix_keys`) and its worker, which refuses layer tasks it does not list."""
+    return {LAYER_TASKS_ENV: json.dumps(
+        {k: {"positions": p, "additive": a} for k, (p, a) in sorted(tasks.items())})}
+
+
+def layer_tasks(environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, bool]]:
+    """key → (default positions, additive) of this process's engine's layer tasks."""
+    raw = (os.environ if environ is None else environ).get(LAYER_TASKS_ENV)
+    return dict(_layers(raw)) if raw else {}
+
+
+@functools.lru_cache(maxsize=4)
+def _layers(raw: str) -> tuple[tuple[str, tuple[str, bool]], ...]:
+    return tuple(sorted((k, (str(v["positions"]), bool(v["additive"])))
+                        for k, v in json.loads(raw).items()))
+
+
+def parse_scale(value: Any, key: str = SCALE_KEY) -> float:
+    """A layer task's scale: a finite number within ±MAX_SCALE (ValueError naming `key`)."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            not math.isfinite(float(value)) or abs(float(value)) > MAX_SCALE:
+        shown = repr(value)[:40]
+        raise ValueError(f"{key} must be a finite number from {-MAX_SCALE:g} to "
+                         f"{MAX_SCALE:g}, got {shown}")
+    return float(value)
+
+
+def parse_mix(value: Any) -> dict[str, Any]:
+    """`ltv_mix` as {task: scale}: an object (offline `SamplingParams`), or the text
+    "NAME=SCALE,NAME=SCALE" (vLLM's OpenAI server takes no object in `vllm_xargs`)."""
+    if isinstance(value, str) and 0 < len(value) <= 4096:
+        out: dict[str, Any] = {}
+        for item in value.split(","):
+            name, sep, num = (x.strip() for x in item.partition("="))
+            if not sep or name in out:
+                raise ValueError(f"{MIX_KEY} is NAME=SCALE,NAME=SCALE (each name once); "
+                                 f"got {item.strip()[:40]!r}")
+            try:
+                out[name] = float(num)
+            except ValueError:
+                out[name] = num  # refused by its scale's check, which names it
+        value = out
+    if not isinstance(value, dict) or not 0 < len(value) <= MAX_MIX:
+        raise ValueError(f"{MIX_KEY} must name 1 to {MAX_MIX} layer tasks and their scales "
+                         "(NAME=SCALE,NAME=SCALE)")
+    return value
+
+
+def layer_parts(args: Mapping[str, Any], layers: Mapping[str, tuple[str, bool]]
+                ) -> tuple[tuple[str, float], ...] | None:
+    """What a request's layer shift is made of: ((task key, scale), ...) — its own layer
+    task times `ltv_scale`, then each `ltv_mix` task with its scale — or None when its task
+    is not a layer task. ValueError (a 400) for what cannot be applied: a scale or a mix
+    on a task that is not a layer task, a mix with a map, or tasks shifting different
+    positions without an `ltv_steps` that names them for all."""
+    task = args.get(TASK_KEY, "")
+    scale, mix = args.get(SCALE_KEY), args.get(MIX_KEY)
+    if not isinstance(task, str) or task not in layers:
+        if scale is not None or mix is not None:
+            raise ValueError(f"{SCALE_KEY} and {MIX_KEY} apply to a layer task; "
+                             f"{(task or 'the bare model')!s:.40} is not one")
+        return None
+    parts = [(task, parse_scale(scale) if scale is not None else 1.0)]
+    if mix is None:
+        return tuple(parts)
+    mix = parse_mix(mix)
+    for name, s in mix.items():
+        if name not in layers or "@" in str(name):
+            raise ValueError(f"{MIX_KEY}: {str(name)[:40]!r} is not a layer task this "
+                             "server serves")
+        parts.append((name, parse_scale(s, f"{MIX_KEY}.{str(name)[:40]}")))
+    names = [n for n, _ in parts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{MIX_KEY} names the request's own task again")
+    if maps := [n for n in names if not layers[n][1]]:
+        raise ValueError(f"layer task {maps[0]!r} is a map (U, V), which does not combine "
+                         "with other tasks; only additive layer tasks combine")
+    if STEPS_KEY not in args and len({layers[n][0] for n in names}) > 1:
+        raise ValueError(f"the tasks in {MIX_KEY} shift different positions; name them "
+                         f"for all with {STEPS_KEY}")
+    return tuple(parts)
+
+
 @functools.lru_cache(maxsize=4)
 def _names(raw: str) -> frozenset[str]:
     # parsed once: every request's check reads it
@@ -95,6 +188,7 @@ def check_request(args: Mapping[str, Any], *, prompt_logprobs: bool,
     """A request's `vllm_xargs` as the engine admits them (ValueError: an HTTP 400)."""
     if STEPS_KEY in args:
         parse_steps(args[STEPS_KEY])
+    layer_parts(args, layer_tasks())
     if READOUT_KEY in args:
         parse_readout(args[READOUT_KEY])
         if prompt_logprobs:  # they are computed outside the step's plan: not restricted

@@ -40,7 +40,7 @@ LAYER_OP = "ltv_vllm::layer_shift"  # the op's name, as vLLM's splitting ops lis
 class Span:
     """One request's tokens in this step."""
 
-    task: str
+    parts: tuple[tuple[str, float], ...]  # (task key, scale): its own task, then its mix
     policy: LayerPolicy
     prompt_len: int
     start: int      # its first row on the step's token axis
@@ -72,13 +72,16 @@ def shifted_rows(span: Span) -> range | list[int]:
     return sorted(rows)
 
 
-def token_plan(spans: list[Span]) -> dict[str, list[int]]:
-    """task key → the step's rows it shifts, from every request's span."""
-    plan: dict[str, list[int]] = {}
+Plan = dict[tuple[tuple[str, float], ...], list[int]]  # (task, scale) parts → their rows
+
+
+def token_plan(spans: list[Span]) -> Plan:
+    """What each request's layer shift is made of → the step's rows it shifts."""
+    plan: Plan = {}
     for span in spans:
         rows = shifted_rows(span)
         if len(rows):
-            plan.setdefault(span.task, []).extend(rows)
+            plan.setdefault(span.parts, []).extend(rows)
     return plan
 
 
@@ -92,8 +95,8 @@ class LayerPlan:
         self.shift: Any = None            # the wrapper's `layer_shift(hidden, residual, ...)`
         self.source: Any = None           # V1: the step-policy processor (its rows)
         self.armed = False                # V1: a step's processor update came before it
-        self.ready: tuple[dict[str, list[int]], int] | None = None  # V2: (plan, tokens)
-        self.current: dict[str, torch.Tensor] = {}  # the step's plan on the device
+        self.ready: tuple[Any, int] | None = None  # V2: (plan, tokens)
+        self.current: dict[Any, torch.Tensor] = {}  # the step's plan on the device
         self.tokens = 0                   # the step's real tokens
         self.first_layer = 0              # the first block this rank holds: a step begins
 
@@ -132,18 +135,19 @@ def v1_spans(src: Any, positions: torch.Tensor) -> tuple[list[Span], int]:
         row = src.rows.get(i)
         if row is None:
             continue
-        task, _n, _out, _readout, policy, prompt_len = row
-        if task in LAYER.tasks and policy is not None:
+        _task, _n, _out, _readout, ask, prompt_len = row
+        if ask is not None:
             if prompt_len is None:
                 raise RowPlanError("ltv-vllm: a layer task needs the prompt's token ids "
                                    "(a prompt given as embeddings has no length here)")
-            spans.append(Span(task, policy, prompt_len, qsl[i], qsl[i + 1] - qsl[i],
+            policy, parts = ask
+            spans.append(Span(parts, policy, prompt_len, qsl[i], qsl[i + 1] - qsl[i],
                               int(first[i])))
     return spans, int(qsl[n])
 
 
 def step_plan(hidden: torch.Tensor, positions: torch.Tensor,
-              layer: int) -> dict[str, torch.Tensor]:
+              layer: int) -> dict[Any, torch.Tensor]:
     """This step's plan on the device: made at the rank's first block (a forward begins
     there) and reused by its other blocks (module docstring). A forward nobody planned (a
     warm-up, a dummy run) shifts nothing."""
@@ -164,7 +168,8 @@ def step_plan(hidden: torch.Tensor, positions: torch.Tensor,
     if LAYER.tokens > hidden.shape[0]:
         raise RowPlanError(f"ltv-vllm: a layer plan for {LAYER.tokens} tokens in a step of "
                            f"{hidden.shape[0]}")
-    LAYER.current = {task: row_index(list(rows), hidden.device) for task, rows in plan.items()}
+    LAYER.current = {parts: row_index(list(rows), hidden.device)
+                     for parts, rows in plan.items()}
     return LAYER.current
 
 

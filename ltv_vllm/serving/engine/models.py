@@ -69,7 +69,8 @@ class LTVMixin:
         self._ltv = self._vectors.get(FUSED)
         self._layer_casts: dict[str, LayerTask] = {}
         if self._layer_tasks:
-            from ltv_vllm.serving.engine.prefix_keys import LAYER_TASKS_ENV, layer_tasks, patched
+            from ltv_vllm.serving.contract.wire import LAYER_TASKS_ENV, layer_tasks
+            from ltv_vllm.serving.engine.prefix_keys import patched
 
             depth = int(config.num_hidden_layers)
             for name, task in self._layer_tasks.items():
@@ -122,16 +123,25 @@ class LTVMixin:
         """The layer op's body (`engine.layer_shift`): at block `layer`, each planned token's
         delta, from its residual stream h = hidden + residual in float32, added to `hidden`
         in place (one gather, one product, one scatter per task of the step)."""
-        for task, idx in step_plan(hidden, positions, layer).items():
-            cast = self._layer_casts.get(task)
-            if cast is None or (cast.bias if cast.bias is not None else cast.U).device \
-                    != hidden.device:
-                cast = self._layer_casts[task] = self._layer_tasks[task].to(
-                    hidden.device, torch.float32)
-            if layer not in cast.layers:
-                continue
-            h = hidden.index_select(0, idx).float() + residual.index_select(0, idx).float()
-            hidden.index_add_(0, idx, cast.delta(layer, h).to(hidden.dtype))
+        for parts, idx in step_plan(hidden, positions, layer).items():
+            delta, h = None, None
+            for task, scale in parts:  # the request's own task, then its `ltv_mix`
+                cast = self._layer_cast(task, hidden.device)
+                if layer not in cast.layers:
+                    continue
+                if h is None:
+                    h = hidden.index_select(0, idx).float() + residual.index_select(0, idx).float()
+                d = cast.delta(layer, h, scale)
+                delta = d if delta is None else delta + d
+            if delta is not None:
+                hidden.index_add_(0, idx, delta.to(hidden.dtype))
+
+    def _layer_cast(self, task: str, device: torch.device) -> LayerTask:
+        """A layer task on the engine's device in float32, cast on first use."""
+        cast = self._layer_casts.get(task)
+        if cast is None or (cast.bias if cast.bias is not None else cast.U).device != device:
+            cast = self._layer_casts[task] = self._layer_tasks[task].to(device, torch.float32)
+        return cast
 
     def _vector(self, task: str) -> TaskVector | None:
         """A task's vector: the engine's own, a named one, or a task-store key's (loaded on

@@ -6,49 +6,30 @@ block with bare requests. A layer task does: from the first position it shifts, 
 token's keys and values at the blocks above it differ from the bare model's. vLLM keys a
 cached block by its tokens, its parent block and "extra keys" (a LoRA adapter's name, a
 `cache_salt`, multimodal hashes: `kv_cache_utils.generate_block_hash_extra_keys`). We add
-one more where a layer task has shifted: ("ltv_layer", task, positions, scale) on each block
-that reaches the request's first shifted position — position 0 with the whole prompt shifted,
-else its last prompt token. The blocks before it hold exactly the bare model's KV and keep
-their plain key, so bare requests, and the unshifted head of a layer task's prompt, still hit
-the cache; two tasks, two policies or two scales over one prefix never share a shifted block.
+one more where a layer task has shifted — ("ltv_layer", positions, its (task, scale) parts:
+the request's own task and any `ltv_mix`) — on each block that reaches the request's first
+shifted position: position 0 with the whole prompt shifted, else its last prompt token. The
+blocks before it hold exactly the bare model's KV and keep their plain key, so bare requests,
+and the unshifted head of a layer task's prompt, still hit the cache; two tasks, two
+policies or two scales over one prefix never share a shifted block.
 A task key is fixed for an engine's life (a name from its command line) or names its content
 ("NAME@DIGEST"), so a key never stands for two vectors.
 
 The engine learns which task keys are layer tasks, and their default positions, from
-`LAYER_TASKS_ENV`, written by the recipe's caller before the engine starts (as the task
+`wire.LAYER_TASKS_ENV`, written by the recipe's caller before the engine starts (as the task
 names are: `wire.tasks_env`); the worker refuses to start with layer tasks the variable
 does not list, so a cache that would not key them never serves them.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from ltv_vllm.core.layer_task import LayerPolicy
-from ltv_vllm.serving.contract.wire import STEPS_KEY, TASK_KEY
+from ltv_vllm.serving.contract.wire import STEPS_KEY, layer_parts, layer_tasks
 
-LAYER_TASKS_ENV = "LTV_VLLM_LAYER_TASKS"  # JSON {task key: its default positions}
-SCALE_KEY = "ltv_scale"
 _MARK = "_ltv_vllm_layer_keys"
-
-
-def layer_tasks_env(defaults: Mapping[str, str]) -> dict[str, str]:
-    """The environment entry naming an engine's layer tasks and their default positions."""
-    return {LAYER_TASKS_ENV: json.dumps(dict(sorted(defaults.items())))}
-
-
-def layer_tasks(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    raw = (os.environ if environ is None else environ).get(LAYER_TASKS_ENV)
-    return dict(_parsed(raw)) if raw else {}
-
-
-@functools.lru_cache(maxsize=4)
-def _parsed(raw: str) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted(json.loads(raw).items()))
 
 
 def first_shifted(policy: LayerPolicy, prompt_len: int) -> int | None:
@@ -62,21 +43,24 @@ def first_shifted(policy: LayerPolicy, prompt_len: int) -> int | None:
 
 
 def block_key(args: Mapping[str, Any], prompt_len: int, end: int,
-              tasks: Mapping[str, str]) -> tuple[Any, ...] | None:
+              tasks: Mapping[str, tuple[str, bool]]) -> tuple[Any, ...] | None:
     """The extra key of a block ending before token `end` of a request with `vllm_xargs`
     `args` (None: the bare model's block). Pure: what the patch below adds."""
-    task = args.get(TASK_KEY, "")
-    if not isinstance(task, str) or task not in tasks:
+    try:
+        parts = layer_parts(args, tasks)
+    except ValueError:  # refused at admission; keyed apart anyway, never shared
+        return ("ltv_layer", repr(sorted(args.items(), key=str))[:256])
+    if parts is None:
         return None
-    text = args.get(STEPS_KEY, tasks[task])
+    text = args.get(STEPS_KEY, tasks[parts[0][0]][0])
     try:
         policy = LayerPolicy.parse(text)
-    except ValueError:  # refused at admission; keyed apart anyway, never shared
-        return ("ltv_layer", task, repr(text)[:64], repr(args.get(SCALE_KEY))[:64])
+    except ValueError:
+        return ("ltv_layer", repr(text)[:64], parts)
     first = first_shifted(policy, prompt_len)
     if first is None or end <= first:
         return None
-    return ("ltv_layer", task, str(policy), repr(args.get(SCALE_KEY, 1.0))[:64])
+    return ("ltv_layer", str(policy), parts)
 
 
 def patch_block_hash_keys() -> bool:

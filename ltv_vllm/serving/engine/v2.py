@@ -80,11 +80,11 @@ class LTVModelState(DefaultModelState):
         # the prompt's own length (token ids or embeddings), as V2's request states take it:
         # a request resumed after preemption is prefilled with its outputs too
         self.slots[req_index] = (task, n, int(new_req_data.prompt_len))
-        policy = self.shift.layer_of(params, LAYER.tasks)
-        if policy is None:
+        ask = self.shift.layer_of(params, LAYER.tasks)  # (positions, parts) or None
+        if ask is None:
             self.layer_slots.pop(req_index, None)
         else:
-            self.layer_slots[req_index] = policy
+            self.layer_slots[req_index] = ask
 
     def preprocess_state(self, input_batch: Any, *args: Any, **kwargs: Any) -> None:
         super().preprocess_state(input_batch, *args, **kwargs)
@@ -109,22 +109,23 @@ class LTVModelState(DefaultModelState):
         PLAN.ready_mask = mask
 
 
-    def layer_plan(self, batch: Any) -> tuple[dict[str, list[int]], int]:
+    def layer_plan(self, batch: Any) -> tuple[Any, int]:
         """This step's layer-task rows (`engine.layer_shift`) from its host layout: request
         i's tokens start at `query_start_loc[i]`, at position `num_computed_tokens[i]`."""
         spans = []
         qsl = batch.query_start_loc_np
         for i in range(batch.num_reqs):
             slot = int(batch.idx_mapping_np[i])
-            policy = self.layer_slots.get(slot)
-            if policy is None:
+            ask = self.layer_slots.get(slot)
+            if ask is None:
                 continue
             if self.on_device:
                 # the host's counts are an upper bound with drafts (module docstring)
                 raise RowPlanError("ltv-vllm: layer tasks do not run with speculative "
                                    "decoding")
-            task, _n, prompt_len = self.slots[slot]
-            spans.append(Span(task, policy, prompt_len, int(qsl[i]),
+            _task, _n, prompt_len = self.slots[slot]
+            policy, parts = ask
+            spans.append(Span(parts, policy, prompt_len, int(qsl[i]),
                               int(batch.num_scheduled_tokens[i]),
                               int(batch.num_computed_tokens_np[i])))
         return token_plan(spans), int(qsl[batch.num_reqs])

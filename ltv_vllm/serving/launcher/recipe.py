@@ -39,9 +39,9 @@ def layer_env(tasks: dict[str, TaskVector | LayerTask],
     """The environment an engine with layer tasks needs in the process that starts it
     (`engine.prefix_keys`): each layer task's key and default positions (empty: none, so a
     previous engine's entry never lingers)."""
-    from ltv_vllm.serving.engine.prefix_keys import layer_tasks_env
+    from ltv_vllm.serving.contract.wire import layer_tasks_env
 
-    return layer_tasks_env({key: defaults.get(key) or str(tv.policy)
+    return layer_tasks_env({key: (defaults.get(key) or str(tv.policy), tv.additive)
                             for key, tv in tasks.items() if isinstance(tv, LayerTask)})
 
 

@@ -106,10 +106,12 @@ class RequestShift:
         return task, parse_steps(self.store_default or tv.provenance.shift_steps or "all")
 
     def layer_of(self, params: Any, tasks: Any) -> Any:
-        """A request's layer-task positions (`LayerPolicy`) if its task is one of `tasks`
-        (the engine's layer tasks), else None: its `ltv_steps`, else its task's default
-        (`serve --shift-steps`, else the task file's own positions)."""
+        """A request's layer shift if its task is one of `tasks` (the engine's layer tasks),
+        else None: (its positions, ((task, scale), ...): its own task times `ltv_scale`, then
+        its `ltv_mix`). Positions: its `ltv_steps`, else its task's default (`serve
+        --shift-steps`, else the task file's own)."""
         from ltv_vllm.core.layer_task import LayerPolicy
+        from ltv_vllm.serving.contract.wire import layer_parts
 
         args = params.extra_args or {}
         if not admitted(args, self.admission):
@@ -117,7 +119,9 @@ class RequestShift:
         task = args.get(TASK_KEY, FUSED)
         if task not in tasks:
             return None
+        # checked at admission (`check_request`)
+        parts = layer_parts(args, {k: (str(t.policy), t.additive) for k, t in tasks.items()})
         if STEPS_KEY in args:
-            return LayerPolicy.parse(args[STEPS_KEY])
+            return LayerPolicy.parse(args[STEPS_KEY]), parts
         text = self.texts.get(task)
-        return LayerPolicy.parse(text) if text is not None else tasks[task].policy
+        return (LayerPolicy.parse(text) if text is not None else tasks[task].policy), parts
