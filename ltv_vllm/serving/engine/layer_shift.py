@@ -99,6 +99,7 @@ class LayerPlan:
         self.current: dict[Any, torch.Tensor] = {}  # the step's plan on the device
         self.tokens = 0                   # the step's real tokens
         self.first_layer = 0              # the first block this rank holds: a step begins
+        self.step = 0                     # forwards begun (the wrapper's per-step tables)
 
 
 LAYER = LayerPlan()
@@ -156,6 +157,7 @@ def step_plan(hidden: torch.Tensor, positions: torch.Tensor,
     if layer != LAYER.first_layer:
         return LAYER.current
     LAYER.current = {}
+    LAYER.step += 1
     if LAYER.ready is not None:  # V2: laid out by the model state before the forward
         plan, LAYER.tokens = LAYER.ready
         LAYER.ready = None

@@ -24,7 +24,7 @@ import copy
 import json
 import os
 from collections import OrderedDict
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -68,6 +68,9 @@ class LTVMixin:
         self._vectors = {k: t for k, t in given.items() if not isinstance(t, LayerTask)}
         self._ltv = self._vectors.get(FUSED)
         self._layer_casts: dict[str, LayerTask] = {}
+        self._add_tables: dict[tuple, torch.Tensor] = {}  # `_additive`, oldest first
+        self._layer_step: tuple[int, Any] = (-1, None)   # (LAYER.step, `_layer_tables`)
+        self._depth = int(getattr(config, "num_hidden_layers", 0) or 0)
         if self._layer_tasks:
             from ltv_vllm.serving.contract.wire import LAYER_TASKS_ENV, layer_tasks
             from ltv_vllm.serving.engine.prefix_keys import patched
@@ -123,7 +126,18 @@ class LTVMixin:
         """The layer op's body (`engine.layer_shift`): at block `layer`, each planned token's
         delta, from its residual stream h = hidden + residual in float32, added to `hidden`
         in place (one gather, one product, one scatter per task of the step)."""
-        for parts, idx in step_plan(hidden, positions, layer).items():
+        plan = step_plan(hidden, positions, layer)
+        if not plan:
+            return
+        if self._layer_step[0] != LAYER.step:  # the step's first block: its tables, once
+            self._layer_step = (LAYER.step, self._layer_tables(plan, hidden.device))
+        add, maps = self._layer_step[1]
+        if add is not None:
+            # every additive request of the step in one gather and one scatter, however many
+            # distinct tasks: its combined bias at this block, by row
+            rows, group, table = add
+            hidden.index_add_(0, rows, table[:, layer].index_select(0, group).to(hidden.dtype))
+        for parts, idx in maps:
             delta, h = None, None
             for task, scale in parts:  # the request's own task, then its `ltv_mix`
                 cast = self._layer_cast(task, hidden.device)
@@ -135,6 +149,39 @@ class LTVMixin:
                 delta = d if delta is None else delta + d
             if delta is not None:
                 hidden.index_add_(0, idx, delta.to(hidden.dtype))
+
+    def _layer_tables(self, plan: dict, device: torch.device) -> tuple[Any, list]:
+        """A step's layer plan split for `_layer_shift`: the requests whose tasks are all
+        additive as (their rows, each row's group, each group's combined bias at every block:
+        (groups, depth, d) float32), and the others (a map) as (parts, rows) to shift one by
+        one."""
+        adds = [(parts, idx) for parts, idx in plan.items()
+                if all(self._layer_tasks[t].additive for t, _ in parts)]
+        maps = [(parts, idx) for parts, idx in plan.items()
+                if not all(self._layer_tasks[t].additive for t, _ in parts)]
+        if not adds:
+            return None, maps
+        table = torch.stack([self._additive(parts, device) for parts, _ in adds])
+        rows = torch.cat([idx for _, idx in adds])
+        group = row_index([g for g, (_, idx) in enumerate(adds) for _ in range(len(idx))],
+                          device)
+        return (rows, group, table), maps
+
+    def _additive(self, parts: tuple, device: torch.device) -> torch.Tensor:
+        """Σ scale · bias of additive layer tasks at every block of the model (zeros where
+        none shifts): (depth, d) float32 on `device`, kept for the requests that ask again."""
+        table = self._add_tables.get(parts)
+        if table is None or table.device != device:
+            depth, d = self._depth, self._sizes[0]
+            table = torch.zeros(depth, d, device=device)
+            for task, scale in parts:
+                cast = self._layer_cast(task, device)
+                idx = torch.tensor(cast.layers, device=device)
+                table.index_add_(0, idx, cast.bias * scale)
+            self._add_tables[parts] = table
+            while len(self._add_tables) > ADD_TABLES:
+                self._add_tables.pop(next(iter(self._add_tables)))
+        return table
 
     def _layer_cast(self, task: str, device: torch.device) -> LayerTask:
         """A layer task on the engine's device in float32, cast on first use."""
@@ -369,6 +416,7 @@ class LTVMixin:
 
 
 SMALL = 8  # a task with at most this many rows in a step is shifted in a batch of such tasks
+ADD_TABLES = 256  # combined additive biases kept (`_additive`): depth × d floats each
 GROUPED_ENV = "LTV_VLLM_GROUPED_SHIFT"  # auto (default) | on | off
 
 
