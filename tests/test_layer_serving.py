@@ -239,6 +239,7 @@ def test_ltv_vllm_serve_serves_layer_tasks_by_name(served, tokenizer):
     own patched forward. A policy the vocabulary does not name is a 400 in one line."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import httpx
     import openai
     from test_server import start_server, stop
 
@@ -279,6 +280,22 @@ def test_ltv_vllm_serve_serves_layer_tasks_by_name(served, tokenizer):
         with pytest.raises(openai.BadRequestError, match="apply to a layer task"):
             client.completions.create(model="head", prompt="x", max_tokens=1,
                                       extra_body={"vllm_xargs": {"ltv_scale": 2.0}})
+        # malformed layer asks: each a 400, never a 500, and the server answers on
+        bad = [("ltv_scale", "2"), ("ltv_scale", [1]), ("ltv_scale", -1e9),
+               ("ltv_scale", 1e300), ("ltv_mix", ""), ("ltv_mix", "add"),
+               ("ltv_mix", "add="), ("ltv_mix", "=1"), ("ltv_mix", "add=1,"),
+               ("ltv_mix", "add=nan"), ("ltv_mix", "add=1e400"), ("ltv_mix", "a" * 5000),
+               ("ltv_mix", ["add", 1]), ("ltv_mix", 3), ("ltv_mix", "add=1,add=2"),
+               ("ltv_mix", "ctl=1"), ("ltv_mix", "head=1"), ("ltv_mix", "add@x=1"),
+               ("ltv_steps", "prompt+2"), ("ltv_steps", "Generated")]
+        for key, value in bad:
+            r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": "ctl", "prompt": "x", "max_tokens": 1,
+                "vllm_xargs": {key: value}})
+            assert r.status_code == 400, (key, value, r.status_code, r.text[:300])
+        again = client.completions.create(model="ctl", prompt=MIX[0][0], max_tokens=1,
+                                          temperature=0.0)
+        assert again.choices[0].text
         with pytest.raises(openai.BadRequestError, match="ltv_steps must be") as e:
             client.completions.create(model="ctl", prompt="x", max_tokens=1,
                                       extra_body={"vllm_xargs": {"ltv_steps": "sideways"}})

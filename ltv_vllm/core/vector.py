@@ -522,8 +522,7 @@ def _parse(header_json: Any, tensors: dict[str, Any], path: Path) -> TaskVector:
         layers = (header.get("layer") or {}).get("layers") if isinstance(
             header.get("layer"), dict) else None
         raise VectorError(f"{path}: a layer task (it shifts decoder blocks "
-                          f"{str(layers)[:40]}), not a final-layer task vector, which this "
-                          "command takes")
+                          f"{str(layers)[:40]}), where a final-layer task vector is needed")
     if header.get("format_version", 0) > FORMAT_VERSION:
         raise VectorError(
             f"{path}: written by a newer ltv-vllm (format {header['format_version']}); upgrade"
