@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
-from ltv_vllm.core.layer_task import LayerPolicy, LayerTask
+from ltv_vllm.core.layer_task import LayerPolicy
 from ltv_vllm.core.vector import ALL, VectorError
+from ltv_vllm.serving.engine.steps import LAYER, RowPlanError, row_index
 
 LAYER_OP = "ltv_vllm::layer_shift"  # the op's name, as vLLM's splitting ops list it
 
@@ -85,30 +86,6 @@ def token_plan(spans: list[Span]) -> Plan:
     return plan
 
 
-class LayerPlan:
-    """This worker process's layer tasks and this step's token plan. The wrapper sets
-    `tasks` (task key → layer task) and `shift` (its op body); the V1 processor arms
-    `source`; the V2 model state sets `ready`."""
-
-    def __init__(self) -> None:
-        self.tasks: dict[str, LayerTask] = {}
-        self.shift: Any = None            # the wrapper's `layer_shift(hidden, residual, ...)`
-        self.source: Any = None           # V1: the step-policy processor (its rows)
-        self.armed = False                # V1: a step's processor update came before it
-        self.ready: tuple[Any, int] | None = None  # V2: (plan, tokens)
-        self.current: dict[Any, torch.Tensor] = {}  # the step's plan on the device
-        self.tokens = 0                   # the step's real tokens
-        self.first_layer = 0              # the first block this rank holds: a step begins
-        self.step = 0                     # forwards begun (the wrapper's per-step tables)
-
-
-LAYER = LayerPlan()
-
-
-class RowPlanError(RuntimeError):
-    """The step's tokens do not match the batch that was planned (as `steps.RowPlanError`)."""
-
-
 def v1_spans(src: Any, positions: torch.Tensor) -> tuple[list[Span], int]:
     """V1: each request's span from the processor's rows and the step's attention metadata
     (`query_start_loc`, requests in persistent-batch order), and the step's token count."""
@@ -152,8 +129,6 @@ def step_plan(hidden: torch.Tensor, positions: torch.Tensor,
     """This step's plan on the device: made at the rank's first block (a forward begins
     there) and reused by its other blocks (module docstring). A forward nobody planned (a
     warm-up, a dummy run) shifts nothing."""
-    from ltv_vllm.serving.engine.steps import row_index
-
     if layer != LAYER.first_layer:
         return LAYER.current
     LAYER.current = {}

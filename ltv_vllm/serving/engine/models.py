@@ -38,9 +38,10 @@ from ltv_vllm.core.layer_task import LayerTask, load_any
 from ltv_vllm.core.vector import TaskVector, VectorError
 from ltv_vllm.serving.contract.names import CONFIG_KEY, FOLD_KEY
 from ltv_vllm.serving.contract.wire import TASKS_CONFIG_KEY
-from ltv_vllm.serving.engine.layer_shift import LAYER, check_graphs, install_hooks, step_plan
+from ltv_vllm.serving.engine.layer_shift import check_graphs, install_hooks, step_plan
 from ltv_vllm.serving.engine.steps import (
     FUSED,
+    LAYER,
     PLAN,
     STORE,
     restrict,

@@ -58,7 +58,6 @@ from ltv_vllm.serving.contract.wire import (
     not_admitted,
     parse_readout,
 )
-from ltv_vllm.serving.engine.layer_shift import LAYER
 
 # re-exported: the engine's reading of a request (one for the engine and the API server)
 from ltv_vllm.serving.store.vectors import (  # noqa: F401
@@ -90,6 +89,26 @@ class _Plan:
 
 
 PLAN = _Plan()
+
+
+class LayerPlan:
+    """This worker process's layer tasks and this step's token plan (`engine.layer_shift`):
+    the wrapper sets `tasks` (task key → layer task) and `shift` (its op body); the V1
+    processor arms it (`source`, `armed`); the V2 model state sets `ready`."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, Any] = {}
+        self.shift: Any = None            # the wrapper's `layer_shift(hidden, residual, ...)`
+        self.source: Any = None           # V1: the step-policy processor (its rows)
+        self.armed = False                # V1: a step's processor update came before it
+        self.ready: tuple[Any, int] | None = None  # V2: (plan, tokens)
+        self.current: dict[Any, torch.Tensor] = {}  # the step's plan on the device
+        self.tokens = 0                   # the step's real tokens
+        self.first_layer = 0              # the first block this rank holds: a step begins
+        self.step = 0                     # forwards begun (the wrapper's per-step tables)
+
+
+LAYER = LayerPlan()
 
 
 class RowPlanError(RuntimeError):

@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-from ltv_vllm.serving.engine.layer_shift import LAYER, Span, token_plan
+from ltv_vllm.serving.engine.layer_shift import Span, token_plan
 from ltv_vllm.serving.engine.steps import (
     ALL,
+    LAYER,
     PLAN,
     STORE,
     RequestShift,
