@@ -744,3 +744,45 @@ def test_cli_evaluate_extend_equals_one_evaluation_of_everything(tmp_path, token
     assert code == 1 and "unreadable" in out
     code, out = run("--tasks", "linear", "--out", str(tmp_path / "ext"), "--extend")
     assert code == 1 and "--extend grows a classification evaluation" in out and seen == []
+
+
+@pytest.mark.parametrize("name", ["tv", "fv", "ltv-layer"])
+def test_a_method_served_as_a_layer_task_does_what_its_own_hook_does(model, ctx, artifacts,
+                                                                      name, tokenizer,
+                                                                      tmp_path):
+    """`Method.layer_task`: the form a server applies (`core.layer_task`), under the layer
+    tasks' own hook, gives the method's logits on the test queries (so `evaluate`'s number is
+    the served one); `tasks import` writes the same task from the artifact's file."""
+    from ltv_vllm.extraction.layer_apply import layer_task_applied
+
+    art = artifacts[name]
+    task = METHODS[name].layer_task(art)
+    for i in range(4):
+        ids = query_ids(ctx, i)
+        with METHODS[name].applied(model, art):
+            want = logits(model, ids)
+        with layer_task_applied(model, task):
+            got = logits(model, ids)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if name == "ltv-layer":
+        return  # already a layer task's file
+    from conftest import run_cli
+    from ltv_vllm.core.layer_task import load_layer_task
+
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    art.save(tmp_path / f"{name}.safetensors")
+    run_cli("tasks", "import", f"{name}.safetensors", "--model", str(tmp_path / "m"),
+            "-o", "t.safetensors", cwd=tmp_path)
+    got = load_layer_task(tmp_path / "t.safetensors")
+    assert got.layers == task.layers and str(got.policy) == "last"
+    torch.testing.assert_close(got.bias, task.bias)
+
+
+@pytest.mark.parametrize("name", ["sv", "i2cl", "i2cl-cal", "mlp"])
+def test_a_method_without_a_layer_task_form_is_refused_in_one_line(artifacts, name):
+    from ltv_vllm.methods.base import MethodError
+
+    with pytest.raises(MethodError, match="no layer-task form") as e:
+        METHODS[name].layer_task(artifacts[name])
+    assert "\n" not in str(e.value)

@@ -111,18 +111,20 @@ def tasks_list() -> None:
 @click.option("--from", "source", type=click.Choice(["gguf", "steering-vectors"]),
               default=None, help="The file's format [default: gguf for a .gguf file, else "
                                  "steering-vectors].")
-@click.option("--positions", default="all", show_default=True,
+@click.option("--positions", default=None,
               help="Where the shift applies: all (every token, as the libraries apply it), "
-                   "prompt, generated, last, or a count of generated steps.")
+                   "prompt, generated, last, or a count of generated steps [default: all; "
+                   "a method's artifact: its own, last].")
 @click.option("--name", default=None, help="The task's name [default: FILE's stem].")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="The layer task written [default: NAME.layer.safetensors].")
 @friendly
 def tasks_import(source_file: Path, model_spec: str, scale: float, source: str | None,
-                 positions: str, name: str | None, output: Path | None) -> None:
+                 positions: str | None, name: str | None, output: Path | None) -> None:
     """Import a control vector as a layer task: a GGUF control vector (repeng's export,
     llama.cpp's --control-vector file) or a steering-vectors SteeringVector saved with
-    torch.save. Each direction N is added to decoder block N's output."""
+    torch.save (each direction N added to decoder block N's output); or an `extract --method
+    tv|fv` artifact, in the form a server applies."""
     import math
 
     from ltv_vllm.core.control_files import import_file
@@ -134,19 +136,47 @@ def tasks_import(source_file: Path, model_spec: str, scale: float, source: str |
     if not math.isfinite(scale):
         raise ArgumentError(f"--scale must be a finite number, got {scale}")
     try:
-        policy = LayerPolicy.parse(positions)
+        policy = LayerPolicy.parse(positions) if positions is not None else None
     except ValueError as e:
         raise ArgumentError(f"--positions: {e}") from None
     name = name or source_file.stem
     output = check_writable(output or f"{name}.layer.safetensors", option="--output",
                             suffixes=(".safetensors", ".pt"))
     path = local_model_dir(model_spec)
-    task = import_file(source_file, identity_from_dir(path, name=model_spec), model_type(path),
-                       scale=scale, source=source, policy=policy, name=name)
+    ident = identity_from_dir(path, name=model_spec)
+    art = _method_artifact(source_file) if source is None else None
+    if art is not None:  # a method's artifact: its serving form (`Method.layer_task`)
+        from dataclasses import replace
+
+        from ltv_vllm.methods import get_method
+
+        task = get_method(art.method).layer_task(art)
+        task.check_model(ident)
+        task = replace(task.scaled(scale), policy=policy or task.policy)
+    else:
+        task = import_file(source_file, ident, model_type(path), scale=scale, source=source,
+                           policy=policy, name=name)
     task.save(output)
     click.echo(f"wrote {output}: layer task {name!r} for {model_spec}, blocks "
                f"{blocks_text(task.layers)}, positions {task.policy}, scale {scale:g}")
 
+
+
+def _method_artifact(path: Path):
+    """An `extract --method` artifact (tv, fv, ...) at `path`, or None for any other file."""
+    if path.suffix != ".safetensors":
+        return None
+    import json
+
+    from ltv_vllm.core.vector_files import read_safetensors
+    from ltv_vllm.methods.artifact import FORMAT, load_artifact
+
+    header, _ = read_safetensors(path)
+    try:
+        fmt = json.loads(header).get("format") if header else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return load_artifact(path) if fmt == FORMAT else None
 
 
 @main.group()

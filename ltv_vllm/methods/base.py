@@ -259,6 +259,14 @@ class Method:
         params = getattr(art, "params", None)
         return dict(params) if params is not None else None
 
+    def layer_task(self, art: Any) -> Any:  # noqa: ARG002 - one signature
+        """The artifact as a layer task a server applies (`core.layer_task`), doing exactly
+        what `applied` does, so `evaluate`'s number is the served one; a method whose edit is
+        not a shift of decoder blocks' outputs has none."""
+        raise MethodError(f"{self.name}: no layer-task form (its edit is not a shift of "
+                          "decoder blocks' outputs); tv, fv and ltv-layer serve as layer "
+                          "tasks")
+
 
 # -- the decoder's parts ----------------------------------------------------------------------
 

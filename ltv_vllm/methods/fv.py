@@ -184,6 +184,14 @@ class FV(Method):
                          "trials": o.fv_trials, "val_accuracy": scores},
                         ctx.identity, tuple(ctx.label_ids), ctx.provenance(self.name))
 
+    def layer_task(self, art: Artifact):
+        """FV as a layer task: added to block ℓ's output at the last prompt token."""
+        from ltv_vllm.core.layer_task import LayerPolicy, LayerTask
+
+        return LayerTask((int(art.params["layer"]),), art.tensors["fv"].float().reshape(1, -1),
+                         None, None, art.model, LayerPolicy.parse("last"),
+                         tuple(art.label_token_ids), art.provenance)
+
     @contextmanager
     def applied(self, model, art: Artifact):
         art.check_model(model_identity(model))

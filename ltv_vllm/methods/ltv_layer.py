@@ -94,6 +94,9 @@ class LayerLTV(Method):
     def applied(self, model, art: LayerTask):
         return layer_task_applied(model, art)
 
+    def layer_task(self, art: LayerTask) -> LayerTask:
+        return art
+
     def params(self, art: LayerTask) -> dict:
         out = {"layer": int(art.layers[0])}
         if art.provenance.lam is not None:

@@ -64,6 +64,19 @@ class TV(Method):
             yield model
 
 
+    def layer_task(self, art: Artifact):
+        """TV's replacement as a layer task: at block ℓ, the last prompt token only,
+        h ← h + (−I) h + θ_ℓ = θ_ℓ (a rank-d map and a bias: exact, and d × d floats)."""
+        from ltv_vllm.core.layer_task import LayerPolicy, LayerTask
+
+        layer = int(art.params["layer"])
+        theta = art.tensors["theta"][layer].float()
+        eye = torch.eye(theta.shape[0])
+        return LayerTask((layer,), theta[None], -eye[None], eye[None], art.model,
+                         LayerPolicy.parse("last"), tuple(art.label_token_ids),
+                         art.provenance)
+
+
 def _check_layer(layer: int, n: int) -> int:
     if not 0 <= layer < n:
         raise MethodError(f"--layer {layer} is out of range: the model has {n} layers (0..{n - 1})")
