@@ -719,6 +719,7 @@ def test_a_plan_reads_each_vector_file_once(setup, monkeypatch, specs, tmp_path)
     """Planning a server (checks, overrides, warnings, chat digests) reads each vector file
     once, fused or multi-task; a file replaced meanwhile is read again."""
     import ltv_vllm.serving.launcher.serve as serve_mod
+    from ltv_vllm.core.layer_task import load_any
     from ltv_vllm.core.vector import load_task_vector
 
     tmp, good, _ = setup
@@ -729,9 +730,9 @@ def test_a_plan_reads_each_vector_file_once(setup, monkeypatch, specs, tmp_path)
 
     def counted(path):
         reads.append(str(path))
-        return load_task_vector(path)
+        return load_any(path)  # a final-layer vector or a layer task, as the plan reads one
 
-    monkeypatch.setattr(serve_mod, "load_task_vector", counted)
+    monkeypatch.setattr(serve_mod, "load_any", counted)
     serve_mod._checked_vector.cache_clear()
     vectors = tuple(s.format(good=good, other=second) for s in specs)
     serve_mod.plan_server(serve_mod.ServeOptions(str(tmp / "m"), vectors))

@@ -114,7 +114,9 @@ def _at_rows(ctx: Context, fits: dict[int, Factors], rows: torch.Tensor):
     def edit(x: torch.Tensor, ell: int, mask: torch.Tensor) -> torch.Tensor:
         y = x.clone()
         h = x[mask, -1].float()
-        y[mask, -1] = (h + fits[ell].apply(h.to(fits[ell].U.dtype)).float()).to(x.dtype)
+        f = fits[ell]  # on the host; the map meets h on the model's device, in float32
+        delta = (h @ f.V.to(h.device)) @ f.U.to(h.device).T
+        y[mask, -1] = (h + delta).to(x.dtype)
         return y
 
     plan = {int(ell): (rows == ell) for ell in rows.unique()}

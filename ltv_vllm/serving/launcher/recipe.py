@@ -37,12 +37,14 @@ def checked_vector(model_dir: str | Path, vector_path: str | Path) -> TaskVector
 def layer_env(tasks: dict[str, TaskVector | LayerTask],
               defaults: dict[str, str | None]) -> dict[str, str]:
     """The environment an engine with layer tasks needs in the process that starts it
-    (`engine.prefix_keys`): each layer task's key and default positions (empty: none, so a
-    previous engine's entry never lingers)."""
+    (`engine.prefix_keys`): each layer task's key, default positions and whether it is
+    additive; nothing for an engine without one (an in-process caller clears a previous
+    engine's entry: `offline.llm`)."""
     from ltv_vllm.serving.contract.wire import layer_tasks_env
 
-    return layer_tasks_env({key: (defaults.get(key) or str(tv.policy), tv.additive)
-                            for key, tv in tasks.items() if isinstance(tv, LayerTask)})
+    layers = {key: (defaults.get(key) or str(tv.policy), tv.additive)
+              for key, tv in tasks.items() if isinstance(tv, LayerTask)}
+    return layer_tasks_env(layers) if layers else {}
 
 
 Check = Callable[[str | Path, str | Path], TaskVector]  # `checked_vector`'s shape
@@ -127,14 +129,16 @@ def engine_kwargs(
             "logits_processors": [step_processor(per_request=not fold)]}
 
 
-def fused_env(overrides: dict[str, Any]) -> dict[str, str]:
-    """`layer_env` of a fused engine's `hf_overrides` (its one file read again: a header and
-    a few tensors)."""
+def fused_env(overrides: dict[str, Any], tv: TaskVector | LayerTask | None = None
+              ) -> dict[str, str]:
+    """`layer_env` of a fused engine's `hf_overrides`; `tv`: its vector already read (else
+    its one file is read again: a header and a few tensors)."""
     from ltv_vllm.serving.contract.wire import DEFAULT_KEY as default_key
 
     path = overrides.get(CONFIG_KEY)
-    tasks = {"": load_any(path)} if path else {}
-    return layer_env(tasks, {"": overrides.get(default_key)})
+    if tv is None and path:
+        tv = load_any(path)
+    return layer_env({"": tv} if tv is not None else {}, {"": overrides.get(default_key)})
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ def fused_args(spec: ServerSpec, args: list[str]
     check_fused_lora(spec.user)
     overrides, tv = fused_overrides(spec.model_dir, spec.vectors[""], spec.fold,
                                     spec.shift_steps, check=spec.check)
-    task_env = fused_env(overrides)  # a layer task's prefix-cache keys
+    task_env = fused_env(overrides, tv)  # a layer task's prefix-cache keys (read once)
     if spec.probes:  # the fused vector, and the probes by name (`offline.selfcheck`)
         overrides[TASKS_CONFIG_KEY] = json.dumps(spec.probes)
         task_env.update(tasks_env(list(spec.probes)))

@@ -18,6 +18,7 @@ from typing import Any
 
 from ltv_vllm.serving.client import Classification, classification
 from ltv_vllm.serving.contract.vllm_support import check_version
+from ltv_vllm.serving.contract.wire import LAYER_TASKS_ENV
 from ltv_vllm.serving.offline.jobs import job_main, run_job
 from ltv_vllm.tasks.specs import Task, label_token_ids
 
@@ -43,7 +44,9 @@ def make_llm(
     model_dir = _model_dir(model_spec)
     ours: dict[str, Any] = (engine_kwargs(model_dir, vector, fold=fold) if vector
                             else {"model": str(model_dir)})
-    # a layer task's prefix-cache keys (`engine.prefix_keys`); none: an empty entry
+    # a layer task's prefix-cache keys (`engine.prefix_keys`); none: no entry, and none left
+    # from an earlier engine of this process
+    os.environ.pop(LAYER_TASKS_ENV, None)
     os.environ.update(fused_env(ours.get("hf_overrides", {})))
     given = {"max_model_len": max_model_len, "tensor_parallel_size": tensor_parallel_size,
              **({"enforce_eager": enforce_eager} if enforce_eager is not None else {})}
@@ -71,6 +74,7 @@ def task_llm(
 
     model_dir = _model_dir(model_spec)
     engine = task_engine(model_dir, dict(vectors), shift_steps=shift_steps)
+    os.environ.pop(LAYER_TASKS_ENV, None)  # an earlier engine's, if its tasks were layer tasks
     os.environ.update(engine.env)
     return llm_with(model_dir, engine.kwargs, dtype, engine_args or {})
 
