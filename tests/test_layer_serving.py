@@ -19,9 +19,6 @@ answer is its own reference, so a shared shifted block would show.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -43,17 +40,12 @@ TOL = 1e-4
 
 
 def run(runner: str, d: Path, vectors: dict[str, str], out: Path) -> dict:
-    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": runner,
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    if runner == "1":
-        env.update(LTV_TEST_TRITON_CPU_SHIM="1", PYTHONPATH=os.pathsep.join(
-            [str(HERE / "v2shim"), env.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, str(HERE / "vllm_workers" / "layer_mix.py"), str(d),
-                        json.dumps(vectors), str(out)], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(out.read_text())
+    """`layer_mix.py` in a process of its own on vLLM's V1 ("0") or V2 ("1") runner (the
+    runner test's launcher)."""
+    from test_v2_runner import run as run_worker
+
+    return run_worker(runner, d, vectors, out,
+                      worker=[str(HERE / "vllm_workers" / "layer_mix.py")])
 
 
 @pytest.fixture(scope="module")
