@@ -114,7 +114,7 @@ def value_run(tmp_path_factory, model_dir):
 
     root = tmp_path_factory.mktemp("value")
     task = get_task(str(write_toy_task(root, WORDS)))
-    opts = ValueOptions(model=str(model_dir), **OPTS,
+    opts = ValueOptions(model=str(model_dir), **OPTS, layer_rows=True,
                         lora_options=LoraOptions(lrs=(1e-3,), epochs=2, batch_size=8))
     out = root / "out"
     doc = bench_value([task], opts, out, "test", log=print)
@@ -171,6 +171,80 @@ def test_value_summary_is_the_records_and_the_default_is_extracts(value_run, mod
     assert "## With the N train queries' labels" in (out / "results.md").read_text()
 
 
+def _label_logits_at_block(lm, task, prompts, ids, layer, U, V) -> torch.Tensor:
+    """transformers' own forward, one prompt at a time, with a hand-made hook on decoder
+    block `layer`: its output at the last position moved by (h V) Uᵀ; the label logits."""
+    block = lm.model.model.layers[layer]
+
+    def hook(_mod, _args, out):
+        h = out[0] if isinstance(out, tuple) else out
+        h = h.clone()
+        h[:, -1] = h[:, -1] + (h[:, -1] @ V) @ U.T
+        return (h, *out[1:]) if isinstance(out, tuple) else h
+
+    handle = block.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            return torch.stack([lm.model(**lm.tokenizer(
+                p, return_tensors="pt", add_special_tokens=task.special_tokens)).logits[0, -1, ids]
+                for p in prompts])
+    finally:
+        handle.remove()
+
+
+def test_the_layer_row_is_its_block_s_shift_chosen_on_dev(value_run, model_dir):
+    """`--layer-rows`: the stored layer task applied by a hand-made hook at its block (last
+    prompt token) in transformers' forward gives the row's test predictions and its dev
+    accuracy (the best block's on dev); the table compares it with the prompt it replaces.
+    A shift one block off, or on another row, changes the logits checked here."""
+    from ltv_vllm.bench.value import LAYER, PROMPT_K, plan, regimes
+    from ltv_vllm.core.layer_task import load_layer_task
+    from ltv_vllm.models.loading import load_model
+    from ltv_vllm.tasks.specs import label_token_ids
+
+    task, opts, out, doc = value_run
+    records = json.loads((out / "records.json").read_text())
+    rec = json.loads((out / "states" / f"{task.name}_seed0.layer.json").read_text())
+    lt = load_layer_task(out / "states" / f"{task.name}_seed0.layer.safetensors")
+    ell = int(lt.layers[0])
+    assert rec["layer"] == ell and len(rec["dev_by_layer"]) == 2  # the tiny model's blocks
+    assert rec["dev_accuracy"] == max(rec["dev_by_layer"])
+    lm = load_model(str(model_dir), dtype="float32")
+    ids = list(label_token_ids(task, lm.tokenizer))
+    ep, _ = plan(task, opts, 0)
+    U, V = lt.U[0].float(), lt.V[0].float()
+    z = _label_logits_at_block(lm, task, [task.zero_shot(e.text) for e in ep.test], ids,
+                               ell, U, V)
+    torch.testing.assert_close(z, torch.tensor(rec["test_logits"]), atol=1e-4, rtol=1e-4)
+    assert z.argmax(-1).tolist() == records["episodes"][0]["test_predictions"][LAYER]
+    z_dev = _label_logits_at_block(lm, task, [task.zero_shot(e.text) for e in ep.val], ids,
+                                   ell, U, V)
+    dev = torch.tensor([e.label for e in ep.val])
+    assert float((z_dev.argmax(-1) == dev).double().mean()) == pytest.approx(rec["dev_accuracy"])
+    layer = doc["summary"]["layer"]
+    assert list(layer["average"]) == regimes(True, True)["layer"]["rows"]
+    assert {c["reference"] for c in layer["comparisons"]} >= {PROMPT_K}
+    md = (out / "results.md").read_text()
+    assert "## At a decoder block" in md and f"layer={ell}" in md
+
+
+def test_the_layer_row_s_choice_reads_no_test(value_run, tmp_path):
+    """The layer row's block and dev accuracy come from train and dev alone: with the test
+    queries replaced by others, its record chooses the same."""
+    from ltv_vllm.bench.value import ModelHandle, layer_record, plan
+    from ltv_vllm.tasks.specs import label_token_ids
+
+    task, opts, out, _ = value_run
+    rec = json.loads((out / "states" / f"{task.name}_seed0.layer.json").read_text())
+    ep, _ = plan(task, opts, 0)
+    other = replace(ep, test=tuple(reversed(ep.val)))
+    model = ModelHandle(opts)
+    ids = list(label_token_ids(task, model.capturer(task).tokenizer))
+    again = layer_record(model, task, other, ids, tmp_path / "x.layer.json")
+    assert (again["layer"], again["dev_by_layer"]) == (rec["layer"], rec["dev_by_layer"])
+    assert again["test_logits"] != rec["test_logits"]
+
+
 def _choices(episode: dict) -> dict:
     """What was chosen and its dev accuracy, per row (timings dropped)."""
     return {row: {k: v for k, v in c.items() if k != "fit_seconds"}
@@ -210,7 +284,7 @@ def test_a_rerun_reuses_the_states_without_a_model(value_run, monkeypatch):
     def no_model(*_args: object) -> None:
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(value._Model, "capturer", no_model)
+    monkeypatch.setattr(value.ModelHandle, "capturer", no_model)
     again = value.bench_value([task], opts, out, "test", log=print)
     assert again["summary"] == doc["summary"]
 
@@ -258,7 +332,8 @@ def test_the_recorded_command_keeps_an_off_switch():
 def test_merge_joins_another_run_s_tasks_and_refuses_a_mismatch(value_run, tmp_path):
     from dataclasses import replace as dc_replace
 
-    from ltv_vllm.bench.value import DEFAULT, bench_value, merge_docs
+    from ltv_vllm.bench.value import DEFAULT, bench_value
+    from ltv_vllm.bench.value_report import merge_docs
     from ltv_vllm.errors import ArgumentError
     from ltv_vllm.tasks.specs import get_task
 

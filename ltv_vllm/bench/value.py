@@ -36,12 +36,48 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ltv_vllm.bench.value_rivals import (
+    ModelHandle,
+    adapter_dir,
+    default_vector,
+    layer_fit,
+    layer_record,
+    lora_fit,
+    lora_record,
+)
+from ltv_vllm.bench.value_rows import (
+    DEFAULT,
+    DEFAULT_LAM,
+    FREE_BASES,
+    FREE_BEST,
+    FREE_BEST_TEACHER,
+    GOLD_BEST,
+    GOLD_CALIBRATIONS,
+    GOLD_WEIGHTS,
+    LAMS,
+    LAYER,
+    LORA,
+    MIX,
+    MIXED,
+    PROBE,
+    PROMPT_BEST,
+    PROMPT_K,
+    PROMPT_MANY,
+    ZERO_SHOT,
+    Fit,
+    Head,
+    Split,
+    digest,
+    free_row,
+    regimes,
+    teacher_row,
+)
 from ltv_vllm.core.metrics import accuracy
 from ltv_vllm.core.probe import PROBE_L2, fit_probe
 from ltv_vllm.core.ridge import ridge_fit
@@ -57,93 +93,8 @@ from ltv_vllm.core.teacher import (
 )
 from ltv_vllm.errors import ArgumentError
 
-DEFAULT_LAM = 5.0
-LAMS: tuple[float | str, ...] = (5.0, "auto")
-GOLD_WEIGHTS = (0.5, 0.8, 0.9, 0.95)
-GOLD_CALIBRATIONS = ("icl", "batch")
-MIX = (0.25, 0.5, 0.75)  # the probe's weight in the LTV + probe mixture (0 and 1: its parts)
-
-# row names (stable: docs and tests read them from results.json)
-ZERO_SHOT = "zero-shot"
-PROMPT_K = "prompt, one k-shot"
-PROMPT_MANY = "prompt, many-shot"
-PROMPT_BEST = "prompt, best on dev"
-FREE_BEST = "LTV label-free, chosen on dev"
-FREE_BEST_TEACHER = "teacher of the chosen label-free fit"
-DEFAULT = "default (one k-shot, gold 0.8, λ=5)"
-GOLD_BEST = "LTV gold, chosen on dev"
-MIXED = "LTV gold + probe, mix on dev"
-PROBE = "probe (L2 on dev)"
-LORA = "LoRA r8 (lr, epochs on dev)"
-
-FREE_BASES = ("one", "many")
-
-
-def free_row(base: str, calibration: str, lam: float | str) -> str:
-    lam_s = "LOO" if lam == "auto" else f"{lam:g}"
-    return f"LTV {base}/{calibration}, λ={lam_s}"
-
-
-def teacher_row(base: str, calibration: str) -> str:
-    """The prompt a label-free fit imitates: the prompt itself, or it calibrated."""
-    if calibration == "icl":
-        return PROMPT_K if base == "one" else PROMPT_MANY
-    return f"prompt {base}, {calibration}-calibrated"
-
-
-def regimes(lora: bool) -> dict[str, dict[str, Any]]:
-    """Each table's rows and the comparisons ("row", "reference") it reports."""
-    free_rows = [free_row(b, c, lam) for b in FREE_BASES for c in CALIBRATIONS for lam in LAMS]
-    teachers = [teacher_row(b, c) for b in FREE_BASES for c in CALIBRATIONS if c != "icl"]
-    free_pairs = [(free_row(b, c, lam), teacher_row(b, c))
-                  for b in FREE_BASES for c in CALIBRATIONS for lam in LAMS]
-    free_pairs += [(FREE_BEST, FREE_BEST_TEACHER), (FREE_BEST, PROMPT_BEST),
-                   (FREE_BEST, PROMPT_K)]
-    labelled = [DEFAULT, GOLD_BEST, MIXED, PROBE, *([LORA] if lora else []), PROMPT_MANY,
-                PROMPT_K]
-    refs = [PROBE, *([LORA] if lora else []), PROMPT_MANY, PROMPT_K]
-    gold_pairs = [(row, ref) for row in (DEFAULT, GOLD_BEST, MIXED) for ref in refs]
-    return {
-        "no_labels": {"rows": [ZERO_SHOT, PROMPT_K, PROMPT_MANY, *teachers, PROMPT_BEST,
-                               FREE_BEST_TEACHER, *free_rows, FREE_BEST],
-                      "pairs": free_pairs},
-        "labels": {"rows": [ZERO_SHOT, *labelled], "pairs": gold_pairs},
-    }
-
-
 # ---------------------------------------------------------------------------------------
 # Splits and fits (pure: states in, label logits out)
-
-@dataclass(frozen=True)
-class Split:
-    """One split's states: h_zs (n, d), h_icl (P, n, d) (the M k-shot prompts, then the
-    many-shot one), labels (n,)."""
-
-    h_zs: torch.Tensor
-    h_icl: torch.Tensor
-    labels: torch.Tensor
-    name: str = ""  # train, dev or test
-
-
-@dataclass
-class Fit:
-    """A row: what it chose on dev, its dev accuracy, and its map from a split to logits."""
-
-    config: dict[str, Any]
-    predict: Callable[[Split], torch.Tensor]
-    dev_accuracy: float = float("nan")
-    labels_used: int = 0  # train labels the fit reads (dev labels are counted apart)
-    seconds: float = 0.0  # fitting or training time (captures are counted apart)
-
-
-@dataclass(frozen=True)
-class Head:
-    w_c: torch.Tensor  # (K, d) the label rows of the LM head
-    b_c: torch.Tensor  # (K,)
-
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return h.float() @ self.w_c.float().T + self.b_c.float()
-
 
 def prompt_index(base: str, sets: int, m: int = 0) -> int:
     """Index into h_icl's P axis: k-shot set m, or the many-shot prompt (the last)."""
@@ -294,11 +245,12 @@ def compare(records: dict[str, Any], row: str, ref: str, tasks: Sequence[str],
             "below": verdicts.count("below")}
 
 
-def summarise(records: dict[str, Any], tasks: Sequence[str], lora: bool) -> dict[str, Any]:
-    """Both tables: per task and row the test accuracy (mean over seeds), the mean dev
+def summarise(records: dict[str, Any], tasks: Sequence[str], lora: bool,
+              layer: bool = False) -> dict[str, Any]:
+    """Every table: per task and row the test accuracy (mean over seeds), the mean dev
     accuracy, and every comparison of the regime with its intervals."""
     out: dict[str, Any] = {}
-    for name, reg in regimes(lora).items():
+    for name, reg in regimes(lora, layer).items():
         acc = {t: {r: float(per_query(records, t, r).mean()) for r in reg["rows"]}
                for t in tasks}
         out[name] = {"accuracy": acc,
@@ -330,6 +282,7 @@ class ValueOptions:
     lora_options: Any = None  # extraction.finetune.LoraOptions (default when None)
     serving: Any = None  # bench.value_serving.ServingOptions: measure serving costs
     serving_tasks: tuple[str, ...] | None = None  # of those tasks alone (None: every task)
+    layer_rows: bool = False  # the third table: LTV at a decoder block (`layer_record`)
 
     def __post_init__(self) -> None:
         if self.many_k != "max" and (isinstance(self.many_k, bool | str)
@@ -453,152 +406,19 @@ def text_id(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _digest(examples: Sequence[Any]) -> str:
-    return hashlib.sha256(json.dumps([[e.text, e.label] for e in examples]).encode()
-                          ).hexdigest()[:16]
-
-
-def run_episode(st: dict[str, torch.Tensor], sets: int,
-                lora: Fit | None = None) -> dict[str, Any]:
-    """One episode's record: the choices (from train and dev), then the test predictions."""
+def run_episode(st: dict[str, torch.Tensor], sets: int, lora: Fit | None = None,
+                layer: Fit | None = None) -> dict[str, Any]:
+    """One episode's record: the choices (from train and dev), then the test predictions.
+    `lora`, `layer`: the rivals computed apart (`value_rivals`), already chosen on dev."""
     train, dev, test = splits_of(st)
     head = Head(st["w_c"], st["b_c"])
     fits = choose(train, dev, st["h_icl_cf"], head, sets=sets, lora=lora)
+    if layer is not None:
+        fits[LAYER] = layer
     return {"choices": {n: {"config": f.config, "dev_accuracy": f.dev_accuracy,
                             "labels_used": f.labels_used, "fit_seconds": f.seconds}
                         for n, f in fits.items()},
             "test_predictions": score_test(fits, test)}
-
-
-@dataclass
-class _Model:
-    """The model, loaded on first need (a rerun over stored states may never load it)."""
-
-    opts: ValueOptions
-    lm: Any = None
-    caps: dict[str, Any] = field(default_factory=dict)
-
-    def capturer(self, task: Any) -> Any:
-        from ltv_vllm.extraction.capture import Capturer
-        from ltv_vllm.models.loading import load_model
-
-        if self.lm is None:
-            self.lm = load_model(self.opts.model, dtype=self.opts.dtype)
-        if task.name not in self.caps:
-            self.caps[task.name] = Capturer(self.lm.model, self.lm.tokenizer,
-                                            batch_size=self.opts.batch_size, progress=True,
-                                            special_tokens=task.special_tokens)
-        return self.caps[task.name]
-
-
-def lora_record(model: _Model, task: Any, ep: Any, label_ids: Sequence[int],
-                path: Path, *, adapter_needed: bool = False) -> dict[str, Any]:
-    """The LoRA rival of one episode: trained with lr and epochs chosen on dev, its dev and
-    test label logits stored at `path` and its adapter beside it (`adapter_dir`), so a rerun
-    over stored states reuses them (and trains again only where the adapter is needed, for
-    serving, and missing)."""
-    from ltv_vllm.core.fileio import atomic_write
-    from ltv_vllm.extraction.finetune import LoraOptions, LoraTuner
-
-    lo = replace(model.opts.lora_options or LoraOptions(), seed=ep.seed)
-    key = {**model.opts.state_key(), "seed": ep.seed, "lora": lo.record()}
-    adapter = adapter_dir(path)
-    if path.is_file() and (not adapter_needed or (adapter / "adapter_config.json").is_file()):
-        rec = json.loads(path.read_text())
-        if rec.get("key") == key:
-            return rec
-    model.capturer(task)  # loads the model
-    lm = model.lm
-    with LoraTuner(lm.model, lm.tokenizer, label_ids, special_tokens=task.special_tokens,
-                   opts=lo) as tuner:
-        choice = tuner.fit([task.zero_shot(e.text) for e in ep.queries],
-                           [e.label for e in ep.queries],
-                           [task.zero_shot(e.text) for e in ep.val], [e.label for e in ep.val])
-        # the kept adapter's test logits: computed once, read only by `score_test`
-        z_test = tuner.label_logits([task.zero_shot(e.text) for e in ep.test], desc="lora test")
-        z_dev = tuner.label_logits([task.zero_shot(e.text) for e in ep.val], desc="lora dev")
-        tuner.save(adapter)  # what vLLM's LoRA serves (`bench value --serving`)
-    rec = {"key": key, "lr": choice.lr, "epoch": choice.epoch,
-           "dev_accuracy": choice.dev_accuracy, "curve": choice.curve,
-           "train_seconds": choice.train_seconds, "dev_logits": z_dev.tolist(),
-           "test_logits": z_test.tolist()}
-    atomic_write(path, lambda p: Path(p).write_text(json.dumps(rec)))
-    return rec
-
-
-def adapter_dir(lora_json: Path) -> Path:
-    """The PEFT adapter directory kept beside an episode's LoRA record."""
-    return lora_json.with_name(lora_json.name.replace(".lora.json", ".adapter"))
-
-
-def default_vector(model: _Model, task: Any, ep: Any, path: Path) -> Path:
-    """The vector `extract` ships for this episode (its first demonstration set, the gold
-    blend at DEFAULT_GOLD_WEIGHT, λ = 5), written to `path` (kept when already there)."""
-    from ltv_vllm.pipeline.extract import ExtractOptions, extract
-
-    if path.is_file():
-        return path
-    model.capturer(task)  # loads the model
-    o = model.opts
-    res = extract(model.lm, task, "ltv", ExtractOptions(
-        k=o.k, n=o.n, lam=DEFAULT_LAM, seed=ep.seed, n_test=o.n_test, n_val=o.n_dev,
-        batch_size=o.batch_size, progress=False,
-        teacher=TeacherOptions(gold_weight=DEFAULT_GOLD_WEIGHT)),
-        episode=replace(ep, extra_demos=()))
-    res.artifact.save(path)
-    return path
-
-
-def lora_fit(rec: dict[str, Any], train_n: int) -> Fit:
-    """The LoRA row as a Fit: the kept adapter's stored logits of the split asked for."""
-    z = {"dev": torch.tensor(rec["dev_logits"]), "test": torch.tensor(rec["test_logits"])}
-
-    def predict(s: Split) -> torch.Tensor:
-        assert s.name in z, f"the LoRA rival has no logits of a {s.name!r} split"
-        return z[s.name]
-
-    return Fit({"lr": rec["lr"], "epoch": rec["epoch"]}, predict,
-               dev_accuracy=rec["dev_accuracy"], labels_used=train_n,
-               seconds=rec["train_seconds"])
-
-
-def options_record(opts: ValueOptions) -> dict[str, Any]:
-    """What results.json records of the options (and what merged runs must share)."""
-    return {**opts.state_key(), "seeds": list(opts.seeds), "batch_size": opts.batch_size,
-            "lora": opts.lora, "lora_options": _lora_record(opts)}
-
-
-def merge_docs(paths: Sequence[Path], opts: ValueOptions,
-               tasks: Sequence[str]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Earlier runs of `bench value` to merge (`--merge`): (results.json, records.json) of
-    each, checked before any model loads — the same options (tasks aside), and no task that
-    this run or another merged one has."""
-    want = {k: v for k, v in options_record(opts).items() if k != "batch_size"}
-    seen = set(tasks)
-    out = []
-    for path in paths:
-        path = Path(path)
-        folder = path if path.is_dir() else path.parent
-        try:
-            doc = json.loads((folder / "results.json").read_text())
-            records = json.loads((folder / "records.json").read_text())
-        except (OSError, ValueError) as e:
-            raise ArgumentError(f"--merge {path}: not a readable `bench value` result ({e})"
-                                ) from None
-        if not isinstance(doc, dict) or "options" not in doc or "episodes" not in doc:
-            raise ArgumentError(f"--merge {path}: not the results of `ltv-vllm bench value`")
-        theirs = {k: v for k, v in doc["options"].items() if k != "batch_size"}
-        differ = [f"{k} {theirs.get(k)!r} here {v!r}" for k, v in want.items()
-                  if theirs.get(k) != v]
-        if differ:
-            raise ArgumentError(f"--merge {path}: another configuration: {'; '.join(differ)}")
-        twice = sorted(seen & set(doc["tasks"]))
-        if twice:
-            raise ArgumentError(f"--merge {path}: {', '.join(twice)} is in this run or another "
-                                "merged one")
-        seen |= set(doc["tasks"])
-        out.append((doc, records))
-    return out
 
 
 def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command: str,
@@ -611,6 +431,7 @@ def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command
     from safetensors.torch import load_file, save_file
 
     from ltv_vllm.bench import report
+    from ltv_vllm.bench.value_report import options_record, value_markdown
     from ltv_vllm.bench.workload import machine
     from ltv_vllm.core.fileio import atomic_write
     from ltv_vllm.extraction.capture import label_head, zero_shot_states
@@ -625,7 +446,7 @@ def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command
     states_dir.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(opts.model)
     context = context_length(local_model_dir(opts.model))
-    model = _Model(opts)
+    model = ModelHandle(opts)
     t_start = time.perf_counter()
     episodes: list[dict[str, Any]] = []
     per_task: dict[str, dict[str, Any]] = {}
@@ -638,7 +459,7 @@ def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command
             path = states_dir / f"{task.name}_seed{seed}.safetensors"
             meta_path = path.with_suffix(".json")
             key = {**opts.state_key(), "seed": seed, "episode": ep.fingerprint(),
-                   "dev": _digest(ep.val), "many": _digest(many)}
+                   "dev": digest(ep.val), "many": digest(many)}
             have = path.is_file() and meta_path.is_file() and json.loads(
                 meta_path.read_text()).get("key") == key
             if not have:
@@ -663,7 +484,11 @@ def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command
                                   adapter_needed=opts.serving is not None
                                   and seed == opts.seeds[0])
                 lora = lora_fit(rec, len(ep.queries))
-            out = run_episode(st, opts.demo_sets, lora)
+            layer = None
+            if opts.layer_rows:
+                layer = layer_fit(layer_record(model, task, ep, label_ids, states_dir
+                                               / f"{task.name}_seed{seed}.layer.json"))
+            out = run_episode(st, opts.demo_sets, lora, layer)
             episodes.append({"task": task.name, "seed": seed, **out, "cost": meta["cost"],
                              "machine": meta["machine"]})
             per_task[task.name] = {
@@ -674,7 +499,8 @@ def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command
                            "many_k": len(many)}}
             acc = {r: sum(p == g for p, g in zip(out["test_predictions"][r],
                                                  per_task[task.name]["gold"], strict=True))
-                   / len(ep.test) for r in (PROMPT_K, DEFAULT, PROBE, FREE_BEST)}
+                   / len(ep.test) for r in (PROMPT_K, DEFAULT, PROBE, FREE_BEST,
+                                            *([LAYER] if layer else []))}
             log(f"{task.name} seed {seed}: " + ", ".join(f"{r} {100 * a:.1f}%"
                                                           for r, a in acc.items()))
     serving = []
@@ -701,7 +527,7 @@ def bench_value(tasks: Sequence[Any], opts: ValueOptions, out_dir: Path, command
            "episodes": [{k: e[k] for k in ("task", "seed", "choices", "cost", "machine")}
                         for e in episodes],
            "records": "records.json",
-           "summary": summarise(records, names, opts.lora),
+           "summary": summarise(records, names, opts.lora, opts.layer_rows),
            "serving": serving}
     atomic_write(out_dir / "records.json",
                  lambda p: Path(p).write_text(json.dumps(records, separators=(",", ":"))))
@@ -715,7 +541,7 @@ SERVED_AS = {"zero-shot": ZERO_SHOT, "prompt, one k-shot (prefix cache)": PROMPT
              "default vector (fused, first token)": DEFAULT, "LoRA adapter (vLLM LoRA)": LORA}
 
 
-def _serve_task(model: _Model, task: Any, opts: ValueOptions, states_dir: Path, tok: Any,
+def _serve_task(model: ModelHandle, task: Any, opts: ValueOptions, states_dir: Path, tok: Any,
                 context: int, episodes: list[dict[str, Any]],
                 log: Callable[[str], None]) -> dict[str, Any]:
     """The serving costs of the first seed's episode of `task`, and how often each engine's
@@ -747,103 +573,3 @@ def _label_ids(task: Any, tok: Any) -> list[int]:
     from ltv_vllm.tasks.specs import label_token_ids
 
     return list(label_token_ids(task, tok))
-
-
-def _lora_record(opts: ValueOptions) -> dict[str, Any] | None:
-    if not opts.lora:
-        return None
-    from ltv_vllm.extraction.finetune import LoraOptions
-
-    lo = opts.lora_options or LoraOptions()
-    return {k: v for k, v in lo.record().items() if k != "seed"} | {"seed": "the episode's"}
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}"
-
-
-def _interval(r: dict[str, Any]) -> str:
-    return f"{100 * r['diff']:+.1f} [{100 * r['lo']:+.1f}, {100 * r['hi']:+.1f}]"
-
-
-def value_markdown(doc: dict[str, Any]) -> str:
-    tasks, s, o = doc["tasks"], doc["summary"], doc["options"]
-    machines = sorted({e["machine"] for e in doc["episodes"]})
-    sizes = doc["splits"]
-    lines = ["# The vector's value under a held-out protocol", "", "```", doc["command"],
-             *(f"# merged with the tasks of: {c}" for c in doc.get("merged", [])), "```",
-             "", f"Model `{o['model']}` ({o['dtype']}); seeds {o['seeds']} (demonstrations, "
-             f"train and dev queries), test seed {o['test_seed']} (the same test queries for "
-             f"every seed and row); captured on {'; '.join(machines)}, {doc['threads']} threads; "
-             f"this command's wall time {doc['wall_seconds'] / 60:.1f} min.", "",
-             "| Task | k | many-shot k | train N | dev | test |", "|---|---|---|---|---|---|"]
-    lines += [f"| {t} | {sizes[t]['k']} × {sizes[t]['demo_sets']} sets | {sizes[t]['many_k']} | "
-              f"{sizes[t]['train']} | {sizes[t]['dev']} | {sizes[t]['test']} |" for t in tasks]
-    lines += ["", "Every choice (prompt, calibration, gold weight, λ, probe L2, LoRA lr and "
-              "epochs, the mixture weight) reads the dev split alone; the test split is read "
-              "once per row. Accuracy: mean over seeds; differences: paired bootstrap 95 % "
-              "intervals over the test queries (per task), stratified by task for the average; "
-              "*above*/*below*: the interval excludes 0. Per-query predictions: records.json."]
-    titles = {"no_labels": "No labels: label-free fits against the prompt they imitate",
-              "labels": "With the N train queries' labels"}
-    for name, title in titles.items():
-        reg = s[name]
-        lines += ["", f"## {title}", "", "**Test accuracy (%)**", "",
-                  "| Row | " + " | ".join(tasks) + " | Avg. |", "|---|" + "---|" * (len(tasks) + 1)]
-        for row, avg in reg["average"].items():
-            lines.append(f"| {row} | " + " | ".join(_pct(reg["accuracy"][t][row]) for t in tasks)
-                         + f" | {_pct(avg)} |")
-        lines += ["", "**Differences (points) with 95 % intervals**", "",
-                  "| Row − reference | Avg. | above / tie / below | "
-                  + " | ".join(tasks) + " |", "|---|---|---|" + "---|" * len(tasks)]
-        for c in reg["comparisons"]:
-            lines.append(f"| {c['row']} − {c['reference']} | {_interval(c['average'])} | "
-                         f"{c['above']} / {c['tie']} / {c['below']} | "
-                         + " | ".join(_interval(c["per_task"][t]) for t in tasks) + " |")
-    for sv in doc.get("serving", []):
-        lines += ["", f"## Serving cost: {sv['task']}, seed {sv['seed']}", "",
-                  f"vLLM {doc['machine'].get('vllm')}, one engine per way in a fresh process, "
-                  f"{sv['queries']} test queries, {sv['dtype']}, max_model_len "
-                  f"{sv['max_model_len']}; classify = one label-restricted token per query, "
-                  f"generate = {sv['gen_tokens']} free tokens per query; the fastest of "
-                  f"{sv['repeats']} passes; ratios to the faster zero-shot run. *agrees*: the "
-                  "engine's label equals the transformers row it serves, on the same queries.",
-                  "", "| Way | serves the row | prompt tokens | classify req/s | × zero-shot "
-                  "| generate tok/s | × zero-shot | served accuracy | agrees |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for way, r in sv["ways"].items():
-            lines.append(f"| {way} | {r['served_as']} | {r['prompt_tokens_mean']:.0f} | "
-                         f"{r['requests_per_s']:.1f} | {r['classify_ratio']:.2f} | "
-                         f"{r['output_tokens_per_s']:.1f} | {r['generate_ratio']:.2f} | "
-                         f"{_pct(r['accuracy'])} | {_pct(r['agreement'])} % |")
-    lines += ["", "## Costs and choices", "",
-              "| Row | train labels | dev labels | fit or training seconds (mean per episode) |",
-              "|---|---|---|---|"]
-    eps = doc["episodes"]
-    rows = list(dict.fromkeys(r for name in titles for r in s[name]["average"]))
-    dev_rows = {PROMPT_BEST, FREE_BEST, GOLD_BEST, MIXED, PROBE, LORA}
-    n_dev = statistics.fmean(sizes[t]["dev"] for t in tasks)
-    for row in rows:
-        ch = [e["choices"][row] for e in eps if row in e["choices"]]
-        lines.append(f"| {row} | {statistics.fmean(c['labels_used'] for c in ch):.0f} | "
-                     f"{n_dev if row in dev_rows else 0:.0f} | "
-                     f"{statistics.fmean(c['fit_seconds'] for c in ch):.2f} |")
-    def capture(i: int) -> float:
-        return statistics.fmean(e["cost"]["prompts"][i]["train_seconds"] for e in eps)
-
-    lines += ["", "Capture (train passes, seconds per episode, mean): zero-shot "
-              f"{statistics.fmean(e['cost']['zero_shot_train_seconds'] for e in eps):.1f}; "
-              + "; ".join(f"{p['prompt']} ({p['k']} demos, {p['prompt_tokens']} tokens) "
-                          f"{capture(i):.1f}" for i, p in enumerate(eps[0]["cost"]["prompts"]))
-              + ".", "",
-              "**What the dev split chose** (per seed)", "",
-              "| Task | seed | " + " | ".join(sorted(dev_rows & set(rows), key=rows.index))
-              + " |", "|---|---|" + "---|" * len(dev_rows & set(rows))]
-    for e in eps:
-        cells = []
-        for row in sorted(dev_rows & set(rows), key=rows.index):
-            cfg = e["choices"][row]["config"]
-            cells.append(", ".join(f"{k}={v}" for k, v in cfg.items()
-                                   if k not in ("ltv", "probe", "lam_fitted")))
-        lines.append(f"| {e['task']} | {e['seed']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"

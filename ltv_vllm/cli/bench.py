@@ -568,6 +568,10 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
               help="Comma-separated learning rates of the LoRA grid (the dev split chooses).")
 @click.option("--lora-epochs", default=4, show_default=True,
               help="Epochs per learning rate; the dev split chooses the epoch too.")
+@click.option("--layer-rows/--no-layer-rows", default=False, show_default=True,
+              help="A third table: LTV fitted at a decoder block (ltv-layer; the block chosen "
+                   "on dev among all, λ by leave-one-out), against the prompt it replaces and "
+                   "the final-layer fits. Runs the model on dev and test for each episode.")
 @click.option("--serving/--no-serving", default=False, show_default=True,
               help="Also measure each way's serving throughput in vLLM (zero-shot, the k-shot "
                    "and many-shot prompts with the prefix cache, the default vector, the LoRA "
@@ -591,22 +595,19 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
 @friendly
 def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, many_k: str,
                     n: int, n_dev: int, n_test: int, seeds: str, batch_size: int, dtype: str,
-                    lora: bool, lora_lrs: str, lora_epochs: int, serving: bool,
-                    serving_tasks: str | None, serving_queries: int, gen_tokens: int,
-                    repeats: int,
+                    lora: bool, lora_lrs: str, lora_epochs: int, layer_rows: bool,
+                    serving: bool, serving_tasks: str | None, serving_queries: int,
+                    gen_tokens: int, repeats: int,
                     merge: tuple[Path, ...], out_dir: Path) -> None:
     """The vector's value under a held-out protocol: train / dev / test splits, every
     choice on dev, the test read once per row, per-query records and paired bootstrap
     intervals; two tables (no labels; with the N queries' labels, against a probe, a LoRA
-    fine-tune and the prompts). States are kept under --out/states: a rerun reuses them."""
+    fine-tune and the prompts), and with --layer-rows a third (LTV at a decoder block).
+    States are kept under --out/states: a rerun reuses them."""
     from dataclasses import replace
 
-    from ltv_vllm.bench.value import (
-        ValueOptions,
-        bench_value,
-        merge_docs,
-        plan,
-    )
+    from ltv_vllm.bench.value import ValueOptions, bench_value, plan
+    from ltv_vllm.bench.value_report import merge_docs
     from ltv_vllm.bench.value_serving import ServingOptions
     from ltv_vllm.extraction.finetune import LoraOptions
     from ltv_vllm.models.checkpoint import context_length
@@ -635,6 +636,7 @@ def bench_value_cmd(model_spec: str, task_list: str, k: int, demo_sets: int, man
                         n_dev=n_dev, n_test=n_test, seeds=seed_list, dtype=dtype,
                         batch_size=batch_size, lora=lora,
                         lora_options=LoraOptions(lrs=lrs, epochs=lora_epochs),
+                        layer_rows=layer_rows,
                         serving=ServingOptions(queries=serving_queries, gen_tokens=gen_tokens,
                                                repeats=repeats) if serving else None,
                         serving_tasks=tuple(_csv(serving_tasks)) if serving_tasks else None)
