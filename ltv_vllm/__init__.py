@@ -10,6 +10,7 @@ The package is built in wings, each importing only the ones below it (a test che
     pipeline   extract(lm, task, method, opts)                 (ltv_vllm.pipeline)
     serving    vLLM: serve, the plugin, task store, client     (ltv_vllm.serving)
     evaluation evaluate, regression                            (ltv_vllm.evaluation)
+    jobs       a command as one call: extract_file(ExtractJob) (ltv_vllm.jobs)
     bench      benchmarks                                      (ltv_vllm.bench)
     cli        the `ltv-vllm` command                          (ltv_vllm.cli)
 
@@ -28,6 +29,11 @@ __version__ = "0.2.0"
 _API = {
     "extract": "ltv_vllm.pipeline.extract",
     "extract_transfer": "ltv_vllm.pipeline.transfer",
+    "ExtractJob": "ltv_vllm.jobs.extract",
+    "extract_file": "ltv_vllm.jobs.extract",
+    "LayerTask": "ltv_vllm.core.layer_task",
+    "load_layer_task": "ltv_vllm.core.layer_task",
+    "layer_task_applied": "ltv_vllm.extraction.layer_apply",
     "ExtractOptions": "ltv_vllm.pipeline.extract",
     "Extraction": "ltv_vllm.pipeline.extract",
     "plan_episode": "ltv_vllm.pipeline.extract",

@@ -140,6 +140,43 @@ def test_cli_extract_inspect_evaluate(tmp_path, model_dir, task_file):
     assert "| LTV |" in (ev / "results.md").read_text()
 
 
+def test_the_python_api_makes_the_command_s_file(tmp_path, model_dir, task_file, monkeypatch):
+    """`jobs.extract.extract_file(ExtractJob(...))` is the call `ltv-vllm extract` makes:
+    the same flags as a job write the same vector, tensor for tensor; a job a check refuses
+    loads no model and writes nothing."""
+    from ltv_vllm.errors import ArgumentError
+    from ltv_vllm.jobs import extract as jobs
+    from ltv_vllm.pipeline.extract import ExtractOptions
+
+    cli_out = tmp_path / "cli.pt"
+    r = CliRunner().invoke(main, ["extract", "--model", str(model_dir), "--task", str(task_file),
+                                  "--k", "4", "--n", "16", "--n-test", "12", "--seed", "2",
+                                  "--batch-size", "5", "--quiet", "-o", str(cli_out)])
+    assert r.exit_code == 0, r.output
+    job = jobs.ExtractJob(task=str(task_file), model=str(model_dir), output=tmp_path / "api.pt",
+                          opts=ExtractOptions(k=4, n=16, n_test=12, seed=2, batch_size=5,
+                                              progress=False))
+    out = jobs.extract_file(job)
+    assert out.output == tmp_path / "api.pt" and out.task.name == "toy"
+    a, b = load_task_vector(cli_out), load_task_vector(out.output)
+    torch.testing.assert_close(a.U, b.U, atol=0, rtol=0)
+    torch.testing.assert_close(a.V, b.V, atol=0, rtol=0)
+    assert a.provenance.teacher == b.provenance.teacher  # gold blended by default, both ways
+    assert out.metrics["ltv"] == a.provenance.metrics["ltv"]
+
+    def no_model(*_a: object, **_k: object) -> None:
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("ltv_vllm.models.loading.load_model", no_model)
+    for bad, why in ((dict(method="tv", engine="vllm"), "inner layers"),
+                     (dict(method="fv", output=tmp_path / "x.pt"), ".safetensors"),
+                     (dict(demos_file=str(task_file), opts=ExtractOptions(k=3)), "drop --k")):
+        with pytest.raises(ArgumentError, match=why):
+            jobs.extract_file(jobs.ExtractJob(**{"task": str(task_file),
+                                                 "model": str(model_dir), **bad}))
+    assert not (tmp_path / "x.pt").exists()
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

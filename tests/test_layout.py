@@ -19,7 +19,7 @@ PKG = Path(ltv_vllm.__file__).parent
 
 # bottom → top; a module may import its own wing and the ones before it
 WINGS = ("errors", "tasks", "core", "models", "extraction", "methods", "pipeline", "serving",
-         "evaluation", "bench", "cli")
+         "evaluation", "jobs", "bench", "cli")
 VLLM_WINGS = ("serving", "bench")
 
 

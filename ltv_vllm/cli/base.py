@@ -18,6 +18,7 @@ import click
 from ltv_vllm import __version__
 from ltv_vllm.core.fileio import check_writable
 from ltv_vllm.errors import ArgumentError
+from ltv_vllm.jobs.formats import PromptFormat
 
 
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -396,38 +397,9 @@ class EpisodeFlags(FitFlags):
     n_val: int = 32  # (bench rank has no --n-val: the pipeline's default)
 
 
-@dataclass(frozen=True, kw_only=True)
-class FormatFlags:
-    """--format and --chat-demos: the prompts a task is rendered as (`tasks.chat`): the
-    completion format, or the model's own chat template."""
-
-    name: str
-    demos: str
-    template: str | None = None  # --chat-template: a file or the Jinja text (vLLM's option)
-
-    def check(self, methods: list[str], *, regression: bool = False, transfer: bool = False,
-              engine: str = "transformers") -> None:
-        """What a chat rendering cannot run, in one line, before any model loads."""
-        if self.name != "chat":
-            if self.template is not None:
-                raise ArgumentError("--chat-template renders --format chat; add --format chat")
-            return
-        from ltv_vllm.pipeline.extract import check_chat_methods
-
-        check_chat_methods(methods)
-        if regression or transfer or engine != "transformers":
-            raise ArgumentError("--format chat renders classification tasks captured by "
-                                "transformers (no regression task, --source-model or "
-                                "--engine vllm)")
-
-    def render(self, task: Any, tokenizer: Any) -> Any:
-        """`task` as this format renders it for `tokenizer`'s model (its template checked)."""
-        if self.name != "chat":
-            return task
-        from ltv_vllm.tasks.chat import chat_task, read_template
-
-        template = read_template(self.template) if self.template is not None else None
-        return chat_task(task, tokenizer, self.demos, template)
+# --format, --chat-demos and --chat-template as one `prompt_format` (checked and rendered by
+# the library's own object)
+FormatFlags = PromptFormat
 
 
 _format_options = grouped(

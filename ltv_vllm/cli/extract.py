@@ -95,117 +95,69 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
     With --source-model LARGE: a logit-space vector for --model, fitted to LARGE's ICL
     (cross-model transfer; the two must share a tokenizer).
     """
-    # Everything a user can get wrong is refused here, before any model loads.
-    from ltv_vllm.methods import get_method
-    from ltv_vllm.models.hardware import device_line, engine_device, resolve_device
-    from ltv_vllm.models.loading import load_model, load_tokenizer
-    from ltv_vllm.pipeline.extract import check_engine, default_teacher, plan_episode
-    from ltv_vllm.pipeline.extract import extract as run_extract
-    from ltv_vllm.pipeline.transfer import extract_transfer, open_source
-    from ltv_vllm.tasks.specs import get_task, label_token_ids
+    # flags into one job (`jobs.extract`), whose checks refuse what a user can get wrong
+    # before any model loads
+    from ltv_vllm.jobs.extract import ExtractJob, extract_file, plan_lines
 
     opts = replace(_extract_options(episode, progress=not quiet, method_flags=method_flags,
                                     methods=[method]), demo_sets=demo_sets,
                    teacher=teacher.options())
     source_opts = source.options(episode.batch_size, quiet)
-    if not opts.teacher.is_default:
-        from ltv_vllm.pipeline.extract import states_methods
-
-        if source_opts is not None or method not in states_methods():
-            raise ArgumentError(f"--teacher {teacher.calibration} / --gold-weight shape the "
-                                "states a map is fitted to: methods "
-                                f"{', '.join(states_methods())}, without --source-model")
-    m = get_method(method)
-    check_engine(method, capture.engine)  # an inner-layer method on vLLM: refused here
     source_on_vllm = source_opts is not None and source_opts.engine == "vllm"
-    engine = capture.capture_engine(source_opts.dtype if source_on_vllm else model.dtype,
-                                    source.engine)
-    on_vllm = capture.engine == "vllm"
-    if on_vllm and (source_opts or model.device not in ("auto", engine_device())):
-        raise ArgumentError("--engine vllm places the model itself (no --device) and does not "
-                            "capture a transfer's small target (--source-engine vllm runs its "
-                            "source on vLLM)")
-    device = resolve_device(model.device)
-    if capture.dry_run and not (on_vllm or source_on_vllm):
-        raise ArgumentError("--dry-run plans an --engine vllm or --source-engine vllm run")
-    t = get_task(task, regression=True)
-    prompt_format.check([method], regression=t.kind == "regression",
-                        transfer=source_opts is not None, engine=capture.engine)
-    given = _given_examples(t, demos_file, queries_file, episode)
-    if given.demos is not None or given.queries is not None:
-        opts = replace(opts, **({"k": len(given.demos)} if given.demos else {}),
-                       **({"n": len(given.queries)} if given.queries else {}))
-    if t.kind == "regression" and on_vllm:
-        raise ArgumentError(f"{t.name} is a regression task: it is scored on generated answers "
-                            "(extract with --engine transformers)")
-    if t.kind == "regression":
-        if demo_sets > 1:
-            raise ArgumentError(f"{t.name} is a regression task: --demo-sets draws its sets "
-                                "from a classification task's data")
-        if source_opts or opts.rank is not None or "regression" not in m.supports:
-            raise ArgumentError(f"{t.name} is a regression task: extract --method ltv or mean, "
-                                "without --source-model or --rank")
-        return _extract_regression(model.spec, t, method, output, model.dtype, device, opts)
-    if source_opts and method != "ltv":
-        raise ArgumentError(f"--method {method}: --source-model transfers LTV only")
-    vector_file = "fused" in m.supports  # a task-vector file a server loads
-    suffixes = (".pt", ".safetensors") if vector_file else (".safetensors",)
-    default = (f"{t.name}.transfer.pt" if source_opts else f"{t.name}.pt" if method == "ltv"
-               else f"{t.name}.{method}{suffixes[0]}")
-    if on_vllm and capture.dry_run:
-        return _print_plan(model.spec, [plan_episode(t, opts, **given.kw)], engine, capture)
-    if source_on_vllm and capture.dry_run:  # the source: its whole LM head on the host
-        return _print_plan(source_opts.spec, [plan_episode(t, opts, transfer=True, **given.kw)],
-                           engine, capture, full_head=True)
-    output = check_writable(output or default, option="--output", suffixes=suffixes)
-    tok = load_tokenizer(model.spec)
-    t = prompt_format.render(t, tok)  # a chat template it cannot use: refused
-    label_token_ids(t, tok)  # labels sharing a first token: refused
-    planned = plan_episode(t, opts, transfer=source_opts is not None,
-                           **given.kw)  # reads the data
-    if teacher.auto_gold:  # labelled queries: their gold labels blended in (core.teacher)
-        opts = replace(opts, teacher=default_teacher(opts.teacher, method, t, planned,
-                                                     transfer=source_opts is not None))
-    large = open_source(source_opts) if source_opts else None  # tokenizer and identity only
-    if on_vllm or source_on_vllm:
-        from ltv_vllm.serving.offline.capture import capture_model, capture_source
-    if source_on_vllm:
-        capture_source(large, [planned], engine, devices=capture.devices,
-                       device_gib=capture.device_gib, report=_report(quiet))
-    if on_vllm:
-        lm = capture_model(model.spec, [planned], engine, devices=capture.devices,
-                           device_gib=capture.device_gib, report=_report(quiet))
-        import torch
+    job = ExtractJob(task=task, method=method, model=model.spec, dtype=model.dtype,
+                     device=model.device, opts=opts, auto_gold=teacher.auto_gold,
+                     prompt_format=prompt_format, output=output, demos_file=demos_file,
+                     queries_file=queries_file, source=source_opts, engine=capture.engine,
+                     vllm=capture.capture_engine(source_opts.dtype if source_on_vllm
+                                                 else model.dtype, source.engine),
+                     devices=capture.devices, device_gib=capture.device_gib)
+    if capture.dry_run:
+        for line in plan_lines(job):
+            click.echo(line)
+        return
+    _print_outcome(extract_file(job, report=_report(quiet)), episode)
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # where vLLM placed it
-    else:
-        lm = load_model(model.spec, dtype=model.dtype, device=device)
-    if large is None:
-        r = run_extract(lm, t, method, opts, episode=planned)
-        art, metrics, tm = r.artifact, r.metrics, r.timings
-    else:
-        art, res = extract_transfer(lm, large, t, opts, episode=planned)
-        metrics, tm = res.metrics, res.timings
-    art.save(output)
+
+def _print_outcome(out: Any, episode: EpisodeFlags) -> None:
+    """What `extract` made: the metrics table, the timings and choices, the file."""
+    from ltv_vllm.core.metrics import shortfall
+    from ltv_vllm.methods import get_method
+    from ltv_vllm.models.hardware import device_line
+    from ltv_vllm.pipeline.extract import DEFAULT_K
+
+    job, t, art, tm = out.job, out.task, out.artifact, out.timings
+    if out.regression:
+        o = out.opts
+        click.echo(f"\n{t.name} (instance {o.seed}) on {out.model}: k={o.k or DEFAULT_K} "
+                   f"demos, N={o.n}, λ={o.lam}, {o.n_test} test queries, greedy answers")
+        click.echo(f"{'method':<10} {'MSE':>9} {'parsed':>7} {'KL first':>9}")
+        for name, v in out.metrics.items():
+            click.echo(f"{name:<10} {v['mse']:>9.3f} {100 * v['parse_rate']:>6.0f}% "
+                       f"{v['kl_first']:>9.4f}")
+        click.echo(f"extraction {tm['extraction_seconds']:.1f} s; "
+                   f"wrote {out.output} ({art.kind} vector)")
+        return
+    m = get_method(job.method)
+    large = out.source
     src = f" from {large.spec}" if large else ""
     pv = art.provenance
     lam = f"{pv.lam:.4g} (auto)" if episode.lam == "auto" else episode.lam
-    what = f"N={pv.n}, λ={lam}" if m.uses_states else method
-    through = (f", through the chat template (demos as {prompt_format.demos})"
+    what = f"N={pv.n}, λ={lam}" if m.uses_states else job.method
+    through = (f", through the chat template (demos as {job.prompt_format.demos})"
                if t.prompt_format == "chat" else "")
-    fitted = "" if opts.teacher.is_default else f", teacher {opts.teacher.name}"
-    click.echo(f"\n{t.name} on {lm.spec}{src}{through}: k={pv.k_used} demos, {what}{fitted}, "
+    fitted = "" if out.opts.teacher.is_default else f", teacher {out.opts.teacher.name}"
+    click.echo(f"\n{t.name} on {out.model}{src}{through}: k={pv.k_used} demos, {what}{fitted}, "
                f"{pv.n_test} test queries")
-    _print_metrics(metrics)
-    from ltv_vllm.core.metrics import shortfall
-
-    if low := shortfall(metrics, pv.method if large else method, pv.n_test):
+    _print_metrics(out.metrics)
+    if low := shortfall(out.metrics, pv.method if large else job.method, pv.n_test):
         click.echo(f"warning: {low}", err=True)
     auto = " (auto)" if episode.batch_size == "auto" else ""
-    hw = f"{pv.dtype or '?'} on {device_line(device)}" + (
+    engine = job.vllm
+    hw = f"{pv.dtype or '?'} on {device_line(out.device)}" + (
         f", vLLM TP {engine.tensor_parallel_size} × PP {engine.pipeline_parallel_size}"
-        if on_vllm else "") + (
+        if job.on_vllm else "") + (
         f", batch {int(tm['batch_size'])}{auto}" if "batch_size" in tm else "")
+    vector_file = "fused" in m.supports
     if large is not None:
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s "
                    f"(source {tm['source_capture_seconds']:.1f} s, "
@@ -213,71 +165,16 @@ def extract(model: ModelFlags, task: str, episode: EpisodeFlags, prompt_format: 
                    f"{hw}); rank {art.rank}; source captures in {large.cap.dir} "
                    f"({large.cap.reused} chunks reused, {large.cap.computed} computed)")
     else:
-        shown = {k_: v for k_, v in r.params.items() if k_ not in ("val_accuracy", "lam")}
+        shown = {k_: v for k_, v in out.params.items() if k_ not in ("val_accuracy", "lam")}
         chosen = (f"; rank {art.rank}" if vector_file else "") + (f"; {shown}" if shown else "")
         split = (f"capture {tm['capture_seconds']:.1f} s, fit {tm['fit_seconds']:.2f} s; "
                  if m.uses_states else "")
-        if on_vllm:  # one batch for train and test: the train prompts' share of it
+        if job.on_vllm:  # one batch for train and test: the train prompts' share of it
             split = (f"vLLM start {tm['engine_start_seconds']:.1f} s, capture "
                      f"{tm['capture_seconds']:.1f} s (train prompts' share of one batch), fit "
                      f"{tm['fit_seconds']:.2f} s; ")
         click.echo(f"extraction {tm['extraction_seconds']:.1f} s ({split}{hw}){chosen}")
-    click.echo(f"wrote {output} ({f'{art.kind} vector' if vector_file else method})")
-
-
-@dataclass(frozen=True)
-class GivenExamples:
-    """`extract --demos/--queries`: the user's examples, read before any model loads."""
-
-    demos: tuple[Any, ...] | None = None
-    queries: tuple[Any, ...] | None = None
-
-    @property
-    def kw(self) -> dict[str, Any]:
-        return {"demos": self.demos, "queries": self.queries}
-
-
-def _given_examples(t: Any, demos_file: str | None, queries_file: str | None,
-                    episode: EpisodeFlags) -> GivenExamples:
-    from ltv_vllm.tasks.data import read_examples
-
-    if demos_file is None and queries_file is None:
-        return GivenExamples()
-    if t.kind == "regression":
-        raise ArgumentError(f"{t.name} is a regression task: its demonstrations and queries "
-                            "are drawn from its function (no --demos or --queries)")
-    if demos_file is not None and episode.k is not None:
-        raise ArgumentError("--demos gives the demonstrations (k is their count): drop --k")
-    return GivenExamples(
-        read_examples(demos_file, t, labelled=True) if demos_file else None,
-        read_examples(queries_file, t, labelled=False) if queries_file else None)
-
-
-def _print_plan(model_spec: str | None, episodes: list[Any], engine: Any,
-                capture: CaptureFlags, full_head: bool = False) -> None:
-    """`--engine vllm --dry-run`: the plan from config.json (and the index) for capturing
-    `episodes`, printed; refused in one line when it does not fit."""
-    from ltv_vllm.models.loading import load_tokenizer, local_model_dir
-    from ltv_vllm.models.plan import describe, require_fit
-    from ltv_vllm.serving.offline.capture import plan_capture
-
-    path = local_model_dir(model_spec or "smollm2-135m")
-    tokenizer = None  # a config-only directory: token counts are estimated
-    if any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
-                                                 "vocab.json")):
-        # (transformers 5 builds an empty tokenizer from a config alone: asked only where
-        # there are tokenizer files)
-        tokenizer = load_tokenizer(path)
-    plan, req, estimated = plan_capture(path, episodes, engine, tokenizer=tokenizer,
-                                        devices=capture.devices, device_gib=capture.device_gib,
-                                        full_head=full_head)
-    for line in describe(plan, req, name=model_spec or "smollm2-135m"):
-        click.echo(line)
-    if estimated:
-        click.echo("  (no tokenizer in the directory: token counts estimated at 4 characters "
-                   "a token)")
-    require_fit(plan)
-    click.echo("(dry run: nothing loaded, nothing written)")
+    click.echo(f"wrote {out.output} ({f'{art.kind} vector' if vector_file else job.method})")
 
 
 def _report(quiet: bool) -> Any:
@@ -297,30 +194,6 @@ def _extract_options(episode: EpisodeFlags, *, progress: bool, method_flags: dic
     options = MethodOptions(**flags)
     check_options_apply(methods, options.replace(rank=rank))
     return ExtractOptions(rank=rank, options=options, progress=progress, **asdict(episode))
-
-
-def _extract_regression(model_spec: str | None, t: Any, method: str, output: Path | None,
-                        dtype: str, device: str, opts: Any) -> None:
-    """`extract --task linear`: the vector of one instance, scored by generated answers."""
-    from ltv_vllm.evaluation.regress import extract_regression
-    from ltv_vllm.models.loading import load_model
-    from ltv_vllm.pipeline.extract import DEFAULT_K
-
-    suffix = "" if method == "ltv" else f".{method}"
-    output = check_writable(output or f"{t.name}{suffix}.pt", option="--output",
-                            suffixes=(".pt", ".safetensors"))
-    lm = load_model(model_spec, dtype=dtype, device=device)
-    k = opts.k or DEFAULT_K
-    tv, metrics = extract_regression(lm, t, opts, method=method)
-    tv.save(output)
-    click.echo(f"\n{t.name} (instance {opts.seed}) on {lm.spec}: k={k} demos, N={opts.n}, "
-               f"λ={opts.lam}, {opts.n_test} test queries, greedy answers")
-    click.echo(f"{'method':<10} {'MSE':>9} {'parsed':>7} {'KL first':>9}")
-    for m, v in metrics.items():
-        click.echo(f"{m:<10} {v['mse']:>9.3f} {100 * v['parse_rate']:>6.0f}% "
-                   f"{v['kl_first']:>9.4f}")
-    click.echo(f"extraction {tv.provenance.timings['extraction_seconds']:.1f} s; "
-               f"wrote {output} ({tv.kind} vector)")
 
 
 @main.command()
@@ -561,10 +434,14 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
                             "transformers (not --engine vllm)")
     large = open_source(source_opts) if source_opts else None
     every = [ep for eps in episodes.values() for ep in eps]
-    if on_vllm and capture.dry_run:
-        return _print_plan(model.spec, every, engine, capture)
-    if source_on_vllm and capture.dry_run:
-        return _print_plan(source_opts.spec, every, engine, capture, full_head=True)
+    if capture.dry_run:  # on vLLM: the model's capture, else the source's (checked above)
+        from ltv_vllm.jobs.extract import capture_plan_lines
+
+        for line in capture_plan_lines(model.spec if on_vllm else source_opts.spec, every,
+                                       engine, devices=capture.devices,
+                                       device_gib=capture.device_gib, full_head=not on_vllm):
+            click.echo(line)
+        return
     if on_vllm or source_on_vllm:
         from ltv_vllm.serving.offline.capture import capture_model, capture_source
     if source_on_vllm:
