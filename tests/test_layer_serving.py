@@ -226,9 +226,10 @@ def test_the_prefix_cache_never_shares_a_shifted_block(served, runs, tokenizer, 
 
 def test_ltv_vllm_serve_serves_layer_tasks_by_name(served, tokenizer):
     """`ltv-vllm serve` in vLLM's default process layout with two layer tasks and a
-    final-layer one by name: requests for each, the bare model and a layer word sent
-    through the gate (`ltv_steps: "prompt"`), all in flight together; each answer is its
-    own patched forward. A policy the vocabulary does not name is a 400 in one line."""
+    final-layer one by name, its start-up self-check with the layer probes: requests for
+    each, the bare model and a layer word sent through the gate (`ltv_steps: "prompt"`), all
+    in flight together; each answer is its own patched forward. A policy the vocabulary
+    does not name is a 400 in one line."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -240,6 +241,10 @@ def test_ltv_vllm_serve_serves_layer_tasks_by_name(served, tokenizer):
                                                                  "add")],
                                   tmp, layout="default")
     try:
+        # the start-up self-check ran the layer probes beside the final-layer ones
+        started = Path(log.name).read_text()
+        assert "selfcheck passed on vLLM 0.32.0, V1 runner, cpu, layer probes: 23 rows" in \
+            started, started[-2000:]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         jobs = [(MIX[0][0], "ctl", None, {}), (MIX[1][0], "map", None, {}),
                 (MIX[2][0], "map", "generated", {}), (MIX[4][0], "head", None, {}),

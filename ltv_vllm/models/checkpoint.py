@@ -61,6 +61,15 @@ def read_lm_head_bias(path: str | Path) -> torch.Tensor | None:
     return _read_first(Path(path), ["lm_head.bias"])
 
 
+def read_final_norm(path: str | Path) -> torch.Tensor:
+    """The weight γ (d,) of the RMSNorm between the last decoder block and the LM head."""
+    weight = _read_first(Path(path), ["model.norm.weight", "model.language_model.norm.weight"])
+    if weight is None:
+        raise VectorError(f"{path}: no final norm weight (model.norm.weight) in its "
+                          "safetensors files")
+    return weight
+
+
 _EMBED_KEYS = ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight"]
 
 

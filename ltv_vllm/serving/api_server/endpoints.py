@@ -142,7 +142,8 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
 
             end_open_requests_on_shutdown(engine_client, asyncio.get_running_loop())
         if engine_client is not None and (settings.selfcheck or settings.selfcheck_lora):
-            await self._selfcheck(engine_client, args, settings.selfcheck_lora)
+            await self._selfcheck(engine_client, args, settings.selfcheck_lora,
+                                  settings.selfcheck_layer)
         if engine_client is not None and settings.task_metrics:
             # after the self-check: its probe requests are not traffic
             from ltv_vllm.serving.api_server.metrics import instrument
@@ -239,16 +240,19 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
             logger.exception("ltv-vllm: following the task store failed")
         self.poller = asyncio.create_task(self._poll())
 
-    async def _selfcheck(self, engine_client: Any, args: Any,
-                         lora: dict[str, str] | None) -> None:
+    async def _selfcheck(self, engine_client: Any, args: Any, lora: dict[str, str] | None,
+                         layer: dict[str, list[float]] | None = None) -> None:
         """Before the server answers anything: the probe tasks the engine holds (or, `lora`,
-        the probe adapters), mixed with bare rows, each row checked (`offline.selfcheck`); a
-        wrong row stops the start with its one line (SelfCheckFailed)."""
+        the probe adapters; `layer`: the layer probes' signatures, by served name), mixed
+        with bare rows, each row checked (`offline.selfcheck`); a wrong row stops the start
+        with its one line (SelfCheckFailed)."""
         from ltv_vllm.serving.api_server.selfcheck import engine_selfcheck
-        from ltv_vllm.serving.store.probes import PROBES, SERVED_PREFIX
+        from ltv_vllm.serving.store.probes import LAYER_PROBES, PROBES, SERVED_PREFIX, Signature
 
-        names = {p: SERVED_PREFIX + p for p in PROBES}
-        out = await engine_selfcheck(engine_client, args.model, names, lora)
+        names = {p: SERVED_PREFIX + p for p in (*PROBES, *(LAYER_PROBES if layer else ()))}
+        signatures = {p: Signature.from_record(layer[SERVED_PREFIX + p])
+                      for p in LAYER_PROBES} if layer else None
+        out = await engine_selfcheck(engine_client, args.model, names, lora, signatures)
         # vLLM configures its own loggers only: printed, as the start-up line it is
         print(f"ltv-vllm: selfcheck passed on {out['where']}: {out['rows']} rows, "
               f"{out['tokens']} tokens, in {out['check_seconds']:.2f} s", file=sys.stderr,

@@ -29,13 +29,15 @@ from ltv_vllm.serving.store.selfcheck_rows import (
 
 async def engine_selfcheck(engine_client: Any, model_dir: str | Path,
                            probe_names: dict[str, str],
-                           lora: dict[str, str] | None = None) -> dict[str, Any]:
+                           lora: dict[str, str] | None = None,
+                           layer: dict[str, Any] | None = None) -> dict[str, Any]:
     """The probe batch through a running engine (the server's, at start: `api_server.endpoints`),
     all requests in flight together. `probe_names`: PROBES' names → the names the engine
     holds them under; `lora`: instead, LORA_PROBES' names → their adapter directories (sent
-    as LoRA requests, removed from the engine after). Chunked prefill is forced only where
-    the engine's step budget is small (≤ 256 tokens); `ltv-vllm selfcheck
-    --max-num-batched-tokens` forces it anywhere."""
+    as LoRA requests, removed from the engine after); `layer`: the layer probes' signatures
+    (LAYER_PROBES' names → `probes.Signature`), whose rows join the batch. Chunked prefill
+    is forced only where the engine's step budget is small (≤ 256 tokens); `ltv-vllm
+    selfcheck --max-num-batched-tokens` forces it anywhere."""
     import asyncio
     import uuid
 
@@ -45,8 +47,9 @@ async def engine_selfcheck(engine_client: Any, model_dir: str | Path,
     tokens = probe_tokens(tok, LORA_TOKENS if lora else len(PROBES))
     budget = int(engine_client.vllm_config.scheduler_config.max_num_batched_tokens)
     max_len = int(engine_client.model_config.max_model_len)
-    batch = (lora_probe_batch if lora else probe_batch)(
-        tok, budget if budget <= 256 else None, max_len)
+    budget_or_none = budget if budget <= 256 else None
+    batch = lora_probe_batch(tok, budget_or_none, max_len) if lora else \
+        probe_batch(tok, budget_or_none, max_len, layer=bool(layer))
     loras = lora_requests(batch, lora) if lora else [None] * len(batch)
     tag = uuid.uuid4().hex[:8]
 
@@ -62,7 +65,7 @@ async def engine_selfcheck(engine_client: Any, model_dir: str | Path,
     t0 = time.perf_counter()
     if not lora:
         outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
-        return {**verdict(batch, outs, tokens, where(engine_client.vllm_config)),
+        return {**verdict(batch, outs, tokens, where(engine_client.vllm_config), layer),
                 "check_seconds": round(time.perf_counter() - t0, 3)}
     # the bare rows first, alone, before any probe adapter is loaded: their reference
     bare = [i for i, p in enumerate(batch) if p.task is None]

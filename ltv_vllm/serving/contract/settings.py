@@ -35,6 +35,8 @@ class ServerSettings:
     max_upload: int = 1 << 30      # bytes of a task-vector upload (serve computes the real one)
     selfcheck: bool = False        # the engine holds the probe tasks: check them at start
     selfcheck_lora: dict[str, str] | None = None  # LoRA mode: the probe adapters to check
+    # the layer probes the engine holds too: served name → `probes.Signature.record()`
+    selfcheck_layer: dict[str, list[float]] | None = None
     required: dict[str, Any] | None = None  # what vLLM must have parsed (`deploy`)
     api_keys: list[dict[str, str]] | None = None  # keys with roles (`keys`): hashes only
     api_keys_file: str | None = None  # ...and their file, read again when it changes

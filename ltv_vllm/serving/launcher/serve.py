@@ -348,13 +348,13 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     model_dir = local_model_dir(spec)  # a hub id: fetched, or found in the cache offline
     parsed = parse_vector_specs(list(opts.vectors))
     store = _plan_store(opts, model_dir, parsed)
-    probes, lora_probes, notes = _plan_probes(opts, model_dir)
+    given = {n: checked_vector(model_dir, p) for n, p in parsed.items()}  # read once
+    layered = any(isinstance(t, LayerTask) for t in given.values())
+    probes, lora_probes, notes = _plan_probes(opts, model_dir, layered)
     args, lora, task_env = server_args(_server_spec(opts, model_dir, parsed, store, probes,
                                                     lora_probes))
     extra = list(opts.vllm_args)
     defaults = []
-    given = {n: checked_vector(model_dir, p) for n, p in parsed.items()}  # read above, once
-    layered = any(isinstance(t, LayerTask) for t in given.values())
     if (engine_device() == "cpu" or layered) and not opts.vllm.chose_compilation:
         # vLLM's compile warm-up costs the CPU backend over a minute per start (and per
         # fused/folded variant: their compile caches differ); eager starts in about 46 s
@@ -365,7 +365,7 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     env = dict(task_env)
     notes += shortfall_notes(given)
     env.update(_plan_chat(opts, model_dir, given, store.entries, notes))
-    settings = _plan_settings(opts, model_dir, store, lora, bool(probes), lora_probes, keys)
+    settings = _plan_settings(opts, model_dir, store, lora, probes, lora_probes, keys)
     if (probes or lora_probes is not None or store.entries is not None or opts.task_metrics
             or opts.fidelity_sample):
         # the endpoint plugin: the self-check at start, the task store's routes, the
@@ -447,21 +447,33 @@ def _plan_keys(opts: ServeOptions, shared: str | None
     return None, None, None
 
 
-def _plan_probes(opts: ServeOptions, model_dir: Path) -> tuple[Any, Any, list[str]]:
-    """The start-up self-check's probes (tasks, or LoRA adapters) and a note where none can
-    run."""
+def _plan_probes(opts: ServeOptions, model_dir: Path,
+                 layered: bool = False) -> tuple[Any, Any, list[str]]:
+    """The start-up self-check's probes (tasks, or LoRA adapters; with `layered`, where the
+    server serves layer tasks, the layer probes too) and a note where some cannot run."""
+    from ltv_vllm.models.hardware import resolve_for_model
     from ltv_vllm.serving.store.lora import lora_rank as padded_rank
 
     # the probe tasks, held by the engine beside the real ones: where the row plan decides
     # what a row gets (a folded head and LoRA adapters do not use it)
-    probes = (served_probes(model_dir)
+    layer_dtype = None
+    notes: list[str] = []
+    if layered and opts.selfcheck and not opts.fold and not opts.lora:
+        layer_dtype = resolve_for_model(chosen("--dtype", opts.dtype, ServeOptions.dtype,
+                                               opts.vllm.user.dtype), model_dir)
+        if layer_dtype == "float16":  # its range cannot hold a layer probe's bias
+            notes.append("warning: the start-up self-check checks the layer tasks' rows with "
+                         "bfloat16 or float32 engines only; this float16 one runs the "
+                         "final-layer probes alone")
+            layer_dtype = None
+    probes = (served_probes(model_dir, layer_dtype)
               if opts.selfcheck and not opts.fold and not opts.lora else None)
     # in LoRA mode the probes are adapters (rank 4), sent by the endpoint plugin at start;
     # not where --lora-rank 1 keeps every adapter at rank 1 (the check would raise vLLM's
     # LoRA rank, and its cost, to 8 for every request)
     lora_probes = (served_lora_probes(model_dir) if opts.selfcheck and opts.lora and (
         opts.lora_rank is None or padded_rank(opts.lora_rank) >= LORA_PAIRS) else None)
-    notes = ([] if lora_probes is not None or not (opts.selfcheck and opts.lora) else [
+    notes += ([] if lora_probes is not None or not (opts.selfcheck and opts.lora) else [
         f"warning: no start-up self-check at --lora-rank {opts.lora_rank} (its probe "
         f"adapters need rank {LORA_PAIRS}); `ltv-vllm selfcheck --multi-task lora` runs it"])
     return probes, lora_probes, notes
@@ -492,6 +504,7 @@ def _server_spec(opts: ServeOptions, model_dir: Path, parsed: dict[str, Path],
         user=user, fold=opts.fold, shift_steps=opts.shift_steps, lora_rank_cap=opts.lora_rank,
         store=store.entries, max_tasks=opts.max_tasks, lora=opts.lora, store_root=store.root,
         probes=probes.config if probes is not None else None,
+        probe_layers=probes.layer_tasks() if probes is not None else None,
         lora_min_rank=padded_rank(LORA_PAIRS) if lora_probes is not None else 1,
         check=checked_vector)  # each file read once in the plan
 
@@ -518,7 +531,7 @@ def _plan_chat(opts: ServeOptions, model_dir: Path, given: dict[str, TaskVector]
 
 
 def _plan_settings(opts: ServeOptions, model_dir: Path, store: _StorePlan,
-                   lora: LoraPlan | None, probes: bool, lora_probes: Any,
+                   lora: LoraPlan | None, probes: Any, lora_probes: Any,
                    keyring: tuple[Any, str | None, str | None]) -> ServerSettings:
     """The server's settings (`contract.settings`), but what vLLM must have parsed;
     `keyring`: `_plan_keys`'."""
@@ -531,7 +544,7 @@ def _plan_settings(opts: ServeOptions, model_dir: Path, store: _StorePlan,
     elif opts.audit_log == "-":
         settings = replace(settings, audit_log="-")
     if probes:  # the engine holds the probes; the endpoint plugin checks them at start
-        settings = replace(settings, selfcheck=True)
+        settings = replace(settings, selfcheck=True, selfcheck_layer=probes.layer)
     if lora_probes is not None:
         settings = replace(settings, selfcheck_lora=lora_probes.adapters)
     if store.entries is not None:

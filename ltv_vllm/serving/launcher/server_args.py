@@ -18,6 +18,8 @@ from ltv_vllm.serving.contract.wire import (
     DEFAULT_KEY,
     STORE_CONFIG_KEY,
     TASKS_CONFIG_KEY,
+    layer_tasks,
+    layer_tasks_env,
     tasks_env,
 )
 from ltv_vllm.serving.launcher.flags import (
@@ -73,6 +75,8 @@ class ServerSpec:
     lora: bool = False
     store_root: Path | None = None
     probes: dict[str, dict[str, str]] | None = None  # the self-check's probe tasks
+    # the layer probes among them: served name → (positions, additive) (`probes.ServedProbes`)
+    probe_layers: dict[str, tuple[str, bool]] | None = None
     lora_min_rank: int = 1
     user: UserFlags = field(default_factory=UserFlags)
     check: Check = checked_vector  # how each vector is read and checked (`recipe.Check`)
@@ -138,6 +142,7 @@ def fused_args(spec: ServerSpec, args: list[str]
     if spec.probes:  # the fused vector, and the probes by name (`offline.selfcheck`)
         overrides[TASKS_CONFIG_KEY] = json.dumps(spec.probes)
         task_env.update(tasks_env(list(spec.probes)))
+        task_env.update(_with_probe_layers(task_env, spec.probe_layers))
     return [*args, "--hf-overrides", json.dumps(merged_overrides(overrides,
                                                                  spec.user.hf_overrides)),
             "--logits-processors", *spec.user.logits_processors,
@@ -159,6 +164,7 @@ def shift_args(spec: ServerSpec, args: list[str]
         overrides[TASKS_CONFIG_KEY] = json.dumps(
             {**json.loads(overrides[TASKS_CONFIG_KEY]), **spec.probes})
         task_env = {**task_env, **tasks_env([*spec.vectors, *spec.probes])}
+        task_env.update(_with_probe_layers(task_env, spec.probe_layers))
     if spec.store is not None:
         if spec.store_root is None:
             raise VectorError("a task store needs its root (store_root)")
@@ -174,6 +180,14 @@ def shift_args(spec: ServerSpec, args: list[str]
             # (`vllm_xargs.ltv_task`) from its `model`
             "--served-model-name", *spec.names, *spec.vectors,
             "--middleware", gate("TaskGate")], None, task_env
+
+
+def _with_probe_layers(task_env: dict[str, str],
+                       probes: dict[str, tuple[str, bool]] | None) -> dict[str, str]:
+    """The engine's layer-task listing with the layer probes added (nothing without any)."""
+    if not probes:
+        return {}
+    return layer_tasks_env({**layer_tasks(task_env), **probes})
 
 
 def lora_args(spec: ServerSpec, args: list[str]

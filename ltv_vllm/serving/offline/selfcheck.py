@@ -36,6 +36,7 @@ from ltv_vllm.serving.store.probes import (
     LORA_PROBES,
     LORA_TOKENS,
     PROBES,
+    layer_probe_tasks,
     lora_probe_vectors,
     probe_tokens,
     probe_vectors,
@@ -67,6 +68,7 @@ class SelfCheckOptions:
     max_num_seqs: int | None = None  # a small batch: requests wait, slots are reused and move
     enforce_eager: bool = True
     lora: bool = False  # the probes as LoRA adapters (`serve --multi-task lora`)
+    layer: bool = True  # the layer probes too (not in LoRA mode, nor on a float16 engine)
 
 
 def run_selfcheck(opts: SelfCheckOptions) -> dict[str, Any]:
@@ -82,9 +84,15 @@ def run_selfcheck(opts: SelfCheckOptions) -> dict[str, Any]:
     check_version()
     tok = AutoTokenizer.from_pretrained(opts.model_dir)
     tokens = probe_tokens(tok, LORA_TOKENS if opts.lora else len(PROBES))
+    dtype = resolve_for_model(opts.dtype, opts.model_dir)
+    layer = opts.layer and not opts.lora and dtype != "float16"
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ltv-selfcheck-") as d:
         vectors = (lora_probe_vectors if opts.lora else probe_vectors)(opts.model_dir, tokens)
+        signatures = {}
+        if layer:  # LayerTasks beside the final-layer probes, in the one engine
+            for name, (task, sig) in layer_probe_tasks(opts.model_dir, dtype).items():
+                vectors[name], signatures[name] = task, sig
         paths = {name: tv.save(Path(d) / f"{name}.safetensors")
                  for name, tv in vectors.items()}
         adapters: dict[str, str] = {}
@@ -105,13 +113,13 @@ def run_selfcheck(opts: SelfCheckOptions) -> dict[str, Any]:
                       enable_chunked_prefill=True)
         if opts.max_num_seqs:
             kw["max_num_seqs"] = opts.max_num_seqs
-        llm = LLM(**engine_kw, dtype=resolve_for_model(opts.dtype, opts.model_dir),
+        llm = LLM(**engine_kw, dtype=dtype,
                   max_model_len=opts.max_model_len, enforce_eager=opts.enforce_eager,
                   tensor_parallel_size=opts.tensor_parallel_size, seed=0, **kw)
         start = time.perf_counter() - t0
         max_len = int(llm.llm_engine.vllm_config.model_config.max_model_len)
-        batch = (lora_probe_batch if opts.lora else probe_batch)(
-            tok, opts.max_num_batched_tokens, max_len)
+        batch = lora_probe_batch(tok, opts.max_num_batched_tokens, max_len) if opts.lora \
+            else probe_batch(tok, opts.max_num_batched_tokens, max_len, layer=layer)
         params = [probe_params(p) for p in batch]
         t1 = time.perf_counter()
         if opts.lora:  # the bare rows first, alone, before any adapter is loaded
@@ -124,7 +132,7 @@ def run_selfcheck(opts: SelfCheckOptions) -> dict[str, Any]:
         check_s = time.perf_counter() - t1
     ran_on = where(llm.llm_engine.vllm_config)
     found = lora_verdict(batch, outs, ref, tokens, ran_on) if opts.lora else verdict(
-        batch, outs, tokens, ran_on)
+        batch, outs, tokens, ran_on, signatures)
     return {**found, "engine_start_seconds": round(start, 2),
             "check_seconds": round(check_s, 3), "options": asdict(opts)}
 

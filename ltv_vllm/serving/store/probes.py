@@ -90,6 +90,98 @@ def lora_probe_vectors(model_dir: str | Path, tokens: list[int]) -> dict[str, An
     return out
 
 
+# Layer probes (a server that serves layer tasks, and `ltv-vllm selfcheck`): a layer task at
+# the last decoder block whose bias is so large that the final RMSNorm sees it alone, so the
+# step's distribution is softmax(W_lm (γ ⊙ b / rms(b)) + b_lm) whatever the context: computed
+# here from the checkpoint's LM head and final norm (its `Signature`: best token, second,
+# their gap) and read back off each step (`selfcheck_rows.check_rows`). The bias points along
+# a token's own head row (over γ), the token chosen for a wide gap and a clear second. Not on
+# float16 engines, whose range cannot hold a bias that drowns every state.
+LAYER_PROBES = {"selfcheck-layer-last": "last", "selfcheck-layer-all": "all",
+                "selfcheck-layer-two": "2"}
+LAYER_BIAS_RMS = 1e8  # drowns any residual state in bfloat16 and float32
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a step a layer probe shifted shows: its best and second tokens and their gap
+    (nats), within `tol` of the gap (the engine dtype's rounding of the logits)."""
+
+    token: int
+    second: int
+    gap: float
+    tol: float
+
+    def shows(self, token: int, second: int, gap: float) -> bool:
+        return token == self.token and second == self.second and abs(gap - self.gap) <= self.tol
+
+    def record(self) -> list[float]:
+        return [self.token, self.second, self.gap, self.tol]
+
+    @classmethod
+    def from_record(cls, r: list[float]) -> Signature:
+        return cls(int(r[0]), int(r[1]), float(r[2]), float(r[3]))
+
+
+def _tolerance(dtype: str, top: float) -> float:
+    """How far an engine's gap may sit from the float32 prediction: the logits' rounding."""
+    return 1e-3 + 1e-4 * abs(top) if dtype == "float32" else 0.05 + abs(top) / 64
+
+
+def layer_probe_tasks(model_dir: str | Path, dtype: str) -> dict[str, tuple[Any, Signature]]:
+    """Each layer probe (LAYER_PROBES) as a LayerTask and its signature; ProbeError where the
+    engine dtype cannot hold one or no token of the head gives a clear signature."""
+    from ltv_vllm.core.layer_task import LayerPolicy, LayerTask
+    from ltv_vllm.core.vector import Provenance
+    from ltv_vllm.models.checkpoint import (
+        identity_from_dir,
+        read_final_norm,
+        read_lm_head,
+        read_lm_head_bias,
+    )
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ProbeError(f"layer probes need a bfloat16 or float32 engine, not {dtype}")
+    ident = identity_from_dir(model_dir)
+    head, gamma = read_lm_head(model_dir), read_final_norm(model_dir).float()
+    lm_bias = read_lm_head_bias(model_dir)
+    cast = getattr(torch, dtype)
+    found: dict[str, tuple[Any, Signature]] = {}
+    names = iter(LAYER_PROBES.items())
+    name, positions = next(names)
+    for t in head.float().norm(dim=1).topk(min(256, head.shape[0])).indices.tolist():
+        x = head[t].float() / gamma  # after the norm: γ ⊙ x / rms(x) ∝ the head row of t
+        if not torch.isfinite(x).all():
+            continue
+        b = (x * (LAYER_BIAS_RMS / x.pow(2).mean().sqrt())).to(cast).float()  # as served
+        z = _logits(head, gamma * b / b.pow(2).mean().sqrt(), lm_bias)
+        top = z.topk(3)
+        v, i = top.values.tolist(), top.indices.tolist()
+        tol = _tolerance(dtype, v[0])
+        if i[0] in {s.token for _, s in found.values()} or v[0] - v[1] < 4 * tol \
+                or v[1] - v[2] < 2 * tol:
+            continue
+        sig = Signature(i[0], i[1], v[0] - v[1], tol)
+        task = LayerTask(layers=(int(ident.num_layers) - 1,), bias=b[None], U=None, V=None,
+                         model=ident, policy=LayerPolicy.parse(positions),
+                         label_token_ids=(i[0],),
+                         provenance=Provenance(method="selfcheck",
+                                               extra={"task": {"name": name},
+                                                      "signature": sig.record()}))
+        found[name] = (task, sig)
+        if len(found) == len(LAYER_PROBES):
+            return found
+        name, positions = next(names)
+    raise ProbeError("no token of the LM head gives a layer probe a clear signature")
+
+
+def _logits(head: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """W_lm y (+ b) in float32, the head read a slice at a time (a large vocabulary's head in
+    float32 at once would double its memory)."""
+    z = torch.cat([w.float() @ y for w in head.split(16384)])
+    return z + bias.float() if bias is not None else z
+
+
 SERVED_PREFIX = "@"  # a server holds the probes as "@selfcheck-...": no client may name one
 
 
@@ -97,16 +189,27 @@ SERVED_PREFIX = "@"  # a server holds the probes as "@selfcheck-...": no client 
 class ServedProbes:
     """The probes a server's engine holds: `config` as its `ltv_tasks` wants them (served
     name → {"path", "steps"}); `write()` puts their files in the model cache (a few hundred
-    KB, the same bytes every time) — a dry run plans them without writing."""
+    KB, the same bytes every time) — a dry run plans them without writing. `layer`: the
+    layer probes' signatures (served name → `Signature.record()`), where the server serves
+    layer tasks."""
 
     config: dict[str, dict[str, str]]
-    vectors: dict[str, Any]  # path → TaskVector
+    vectors: dict[str, Any]  # path → TaskVector or LayerTask
+    layer: dict[str, list[float]] | None = None
 
     def write(self) -> None:
         for path, tv in self.vectors.items():
             if not Path(path).is_file():
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
                 tv.save(path)  # atomic
+
+    def layer_tasks(self) -> dict[str, tuple[str, bool]]:
+        """The layer probes as an engine lists its layer tasks (`contract.wire.
+        layer_tasks_env`): served name → (positions, additive)."""
+        from ltv_vllm.core.layer_task import LayerTask
+
+        return {name: (str(tv.policy), tv.additive) for name, c in self.config.items()
+                if isinstance(tv := self.vectors[c["path"]], LayerTask)}
 
 
 @dataclass(frozen=True)
@@ -150,7 +253,9 @@ def served_lora_probes(model_dir: str | Path) -> ServedLoraProbes:
     return ServedLoraProbes(str(model_dir), {n: str(root / n) for n in vectors}, vectors)
 
 
-def served_probes(model_dir: str | Path) -> ServedProbes:
+def served_probes(model_dir: str | Path, layer_dtype: str | None = None) -> ServedProbes:
+    """The probes a server holds; with `layer_dtype` (the engine's, where it serves layer
+    tasks) the layer probes too."""
     import hashlib
 
     from transformers import AutoTokenizer
@@ -165,4 +270,14 @@ def served_probes(model_dir: str | Path) -> ServedProbes:
         path = str(root / f"{name}.safetensors")
         config[SERVED_PREFIX + name] = {"path": path, "steps": PROBES[name]}
         vectors[path] = tv
-    return ServedProbes(config, vectors)
+    if layer_dtype is None:
+        return ServedProbes(config, vectors)
+    signatures = {}
+    for name, (task, sig) in layer_probe_tasks(model_dir, layer_dtype).items():
+        # named by what its bias was computed from: a file is never another head's probe
+        head = task.model.lm_head_fingerprint[:12]
+        path = str(root / f"{name}.{layer_dtype}.{head}.safetensors")
+        config[SERVED_PREFIX + name] = {"path": path, "steps": LAYER_PROBES[name]}
+        vectors[path] = task
+        signatures[SERVED_PREFIX + name] = sig.record()
+    return ServedProbes(config, vectors, signatures)

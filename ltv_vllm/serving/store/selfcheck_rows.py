@@ -13,9 +13,11 @@ from ltv_vllm.errors import UserError
 from ltv_vllm.serving.contract.wire import ADMIT_KEY, STEPS_KEY, TASK_KEY, admission, stamp
 from ltv_vllm.serving.store.probes import (
     BIAS,
+    LAYER_PROBES,
     LORA_PAIRS,
     LORA_PROBES,
     PROBES,
+    Signature,
 )
 
 
@@ -39,12 +41,17 @@ class Probe:
 
         if self.task is None:
             return 0
-        return parse_steps(self.steps if self.steps is not None else PROBES[self.task])
+        default = {**PROBES, **LAYER_PROBES}[self.task]
+        # a layer probe acts at the last block: of the prompt positions only the last
+        # prompt token's row shows (it gives the first token)
+        return parse_steps(self.steps if self.steps is not None else default)
 
 
-def probe_batch(tokenizer: Any, budget: int | None, max_len: int) -> list[Probe]:
+def probe_batch(tokenizer: Any, budget: int | None, max_len: int,
+                layer: bool = False) -> list[Probe]:
     """The mixed batch: every policy, overrides, n = 2, short and long prompts (longer than
-    the engine's per-step token budget, when one is given), staggered `max_tokens`."""
+    the engine's per-step token budget, when one is given), staggered `max_tokens`; with
+    `layer`, the layer probes' rows among them (each position word, overrides, n = 2)."""
     def prompt(tokens: int) -> str:
         words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
         text, i = "Question:", 0
@@ -71,36 +78,57 @@ def probe_batch(tokenizer: Any, budget: int | None, max_len: int) -> list[Probe]
         Probe(long[1], two, "all", 1, 2),
         Probe(short[2], None, None, 2, 5),
         Probe(short[1], two, "first", 1, 6),
+        *(_layer_rows(short, long) if layer else []),
+    ]
+
+
+def _layer_rows(short: list[str], long: list[str]) -> list[Probe]:
+    last, every, two = LAYER_PROBES
+    return [
+        Probe(short[0], last, None, 1, 3),
+        Probe(long[0], every, None, 1, 4),
+        Probe(short[1], two, None, 2, 4),
+        Probe(short[2], two, 3, 1, 5),
+        Probe(long[1], every, "prompt", 1, 3),
+        Probe(short[0], last, "generated", 1, 4),
+        Probe(short[1], every, 1, 1, 3),
     ]
 
 
 SHIFTED_GAP = BIAS / 2  # a step's best and second-best logprobs this far apart: shifted
 
 
-def check_rows(batch: list[Probe], outputs: list[list[list[tuple[int, float]]]],
-               tokens: dict[str, int]) -> list[str]:
+def check_rows(batch: list[Probe], outputs: list[list[list[tuple[int, float, int]]]],
+               tokens: dict[str, int],
+               signatures: dict[str, Signature] | None = None) -> list[str]:
     """Every wrong row, one line each (empty: all right). `outputs`: per request, per
-    choice, per generated step (token, best minus second-best logprob). A step carries a
-    probe iff that gap is over `SHIFTED_GAP` (no model puts 500 nats between its two best
-    tokens): what the step got is read off the distribution, not guessed from the token,
-    which a model may well repeat after the probe wrote it."""
+    choice, per generated step (best token, best minus second-best logprob, second token).
+    A step carries a probe iff that gap is over `SHIFTED_GAP` (no model puts 500 nats
+    between its two best tokens), or a layer probe iff it shows that probe's signature
+    (`probes.Signature`: the distribution its bias forces, whatever the context): what the
+    step got is read off the distribution, not guessed from the token, which a model may
+    well repeat after the probe wrote it."""
+    signatures = signatures or {}
+
+    def carried(t: int, gap: float, second: int) -> str | None:
+        if gap > SHIFTED_GAP:
+            return next((n for n, tok in tokens.items() if tok == t), "another token")
+        return next((n for n, s in signatures.items() if s.shows(t, second, gap)), None)
+
     wrong = []
     for i, (p, outs) in enumerate(zip(batch, outputs, strict=True)):
         n = p.expected_steps()
         if len(outs) != p.n:
             wrong.append(f"row {i} (task {p.task or 'bare'}): {len(outs)} choices, not {p.n}")
         for c, steps in enumerate(outs):
-            bad = []
-            for k, (t, gap) in enumerate(steps):
-                want = p.task is not None and (n is None or k < n)
-                got = gap > SHIFTED_GAP
-                if got != want or (want and t != tokens[p.task]):
-                    bad.append(k)
-            if len(steps) != p.max_tokens or bad:
-                seen = ["probe" if gap > SHIFTED_GAP else "bare" for _, gap in steps]
+            seen = [carried(*s) for s in steps]
+            want = [p.task if p.task is not None and (n is None or k < n) else None
+                    for k in range(len(steps))]
+            if len(steps) != p.max_tokens or seen != want:
                 wrong.append(f"row {i} (task {p.task or 'bare'}, ltv_steps "
                              f"{p.steps if p.steps is not None else 'default'}, choice {c}): "
-                             f"steps {seen}, expected the probe at steps < {n}")
+                             f"steps {[s or 'bare' for s in seen]}, expected "
+                             f"{p.task or 'none'} at steps < {n}")
     return wrong
 
 
@@ -212,18 +240,28 @@ def probe_params(p: Probe) -> Any:
                           **sampling)
 
 
-def verdict(batch: list[Probe], outs: list[Any], tokens: list[int],
-            where: str) -> dict[str, Any]:
-    """The batch's RequestOutputs checked (`check_rows`); SelfCheckFailed on a wrong row."""
-    outputs = [[[(t, _gap(lp)) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
-                for c in o.outputs] for o in outs]
+def verdict(batch: list[Probe], outs: list[Any], tokens: list[int], where: str,
+            signatures: dict[str, Signature] | None = None) -> dict[str, Any]:
+    """The batch's RequestOutputs checked (`check_rows`); SelfCheckFailed on a wrong row.
+    `signatures`: the layer probes' (by LAYER_PROBES name), where the batch has their rows."""
+    outputs = [[[_top2(lp) for lp in c.logprobs] for c in o.outputs] for o in outs]
     rows = sum(len(o) for o in outputs)
-    wrong = check_rows(batch, outputs, dict(zip(PROBES, tokens, strict=True)))
+    wrong = check_rows(batch, outputs, dict(zip(PROBES, tokens, strict=True)), signatures)
     if wrong:
         raise SelfCheckFailed(f"selfcheck failed on {where}: {len(wrong)} of {rows} rows "
                               f"wrong; first: {wrong[0]}")
-    return {"ok": True, "where": where, "rows": rows,
-            "tokens": sum(len(t) for o in outputs for t in o)}
+    return {"ok": True, "where": where + (", layer probes" if signatures else ""),
+            "rows": rows, "tokens": sum(len(t) for o in outputs for t in o)}
+
+
+def _top2(logprobs: dict[int, Any]) -> tuple[int, float, int]:
+    """A step's best token, its gap to the second, and the second (vLLM returns the top 2,
+    and the sampled token where it is not among them): read off the distribution, not the
+    sampled token (n > 1 samples at temperature 1)."""
+    ranked = sorted(logprobs.items(), key=lambda kv: kv[1].logprob, reverse=True)
+    if len(ranked) < 2:
+        return ranked[0][0], float("inf"), -1
+    return ranked[0][0], float(ranked[0][1].logprob - ranked[1][1].logprob), ranked[1][0]
 
 
 def _gap(logprobs: dict[int, Any]) -> float:
