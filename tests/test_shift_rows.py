@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from typing import Any
 
 import pytest
 import torch
@@ -212,3 +213,100 @@ def test_task_slots_write_once_evict_the_least_recently_used_and_pad_ranks():
         put("t0", {"t0", "t2", "t3", "t4"})
     with pytest.raises(ValueError, match="do not fit slots"):
         table.of("wide", torch.zeros(D, 5), torch.zeros(D, 5), set())
+
+
+# ---------------------------------------------------------------------------------------
+# Layer tasks' maps at a block (`engine.layer_rows`): per group, and through the grouped kernel
+
+
+def layer_task(seed: int, layers: tuple[int, ...], rank: int | None, bias: bool) -> Any:
+    from ltv_vllm.core.layer_task import LayerTask
+
+    g = torch.Generator().manual_seed(seed)
+    n = len(layers)
+    return LayerTask(layers=layers, bias=torch.randn(n, D, generator=g) if bias else None,
+                     U=torch.randn(n, D, rank, generator=g) * 0.1 if rank else None,
+                     V=torch.randn(n, D, rank, generator=g) * 0.1 if rank else None,
+                     model=ModelIdentity("random", D, VOCAB, "none", 3))
+
+
+LAYER_TASKS = {"m4": layer_task(1, (0, 2), 4, False), "m4b": layer_task(2, (2,), 4, True),
+               "m6": layer_task(3, (1, 2), 6, False), "m6c": layer_task(4, (2,), 6, False),
+               "add": layer_task(5, (1, 2), None, True), "add2": layer_task(6, (2,), None, True)}
+
+
+class Layers(models.LTVMixin):
+    def __init__(self, grouped: bool) -> None:
+        self._layer_tasks, self._layer_casts, self._layer_slots = dict(LAYER_TASKS), {}, {}
+        self._grouped_choice = grouped
+
+
+def check_layer_maps(seed: int, grouped: bool) -> None:
+    """One block's map requests (each a task with a scale and perhaps additive tasks mixed
+    in; a task that does not act at the block; rows of several groups of one task) against
+    a row-by-row float64 shift of h = hidden + residual; `hidden` alone is written."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    hidden, residual = torch.randn(30, D, generator=g), torch.randn(30, D, generator=g)
+    rows = list(range(30))
+    rng.shuffle(rows)
+    asks = [(("m4", 1.0),), (("m4", -0.5), ("add", 2.0)), (("m4b", 1.5),),
+            (("m6", 1.0), ("add2", 0.25)), (("m6c", 2.0),), (("m6", 0.5),)]
+    maps, at = [], 0
+    for parts in asks:
+        k = rng.randint(1, 5)
+        maps.append((parts, torch.tensor(sorted(rows[at:at + k]))))
+        at += k
+    for layer in (0, 1, 2):
+        h = hidden.clone()
+        Layers(grouped)._layer_maps(h, residual, maps, layer)
+        want = hidden.double().clone()
+        for parts, idx in maps:
+            for r in idx.tolist():
+                x = hidden[r].double() + residual[r].double()
+                for task, scale in parts:
+                    lt = LAYER_TASKS[task]
+                    if layer not in lt.layers:
+                        continue
+                    i = lt.layers.index(layer)
+                    d = torch.zeros(D, dtype=torch.float64)
+                    if lt.U is not None:
+                        d += lt.U[i].double() @ (lt.V[i].double().T @ x)
+                    if lt.bias is not None:
+                        d += lt.bias[i].double()
+                    want[r] += scale * d
+        assert (h.double() - want).abs().max() < 1e-4, (grouped, layer)
+
+
+def slot_ranks() -> list[int]:
+    """The grouped path's slot tables after one block of two maps of ranks 4 and 6."""
+    s = Layers(True)
+    h = torch.randn(6, D)
+    s._layer_maps(h, h, [((("m4", 1.0),), torch.tensor([0, 1])),
+                         ((("m6c", 1.0),), torch.tensor([2]))], 2)
+    return sorted(s._layer_slots)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_layer_maps_give_every_row_its_own_map_scale_and_mix(seed):
+    check_layer_maps(seed, grouped=False)
+
+
+def test_the_grouped_kernel_gives_every_layer_map_row_its_own():
+    """`_grouped_maps` (a GPU engine's), forced on and run through Triton's interpreter in a
+    process of its own: every seed of the test above, and one slot table per rank."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", models.GROUPED_ENV: "on",
+           "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    code = ("import test_shift_rows as t\n"
+            "for seed in range(3):\n    t.check_layer_maps(seed, grouped=True)\n"
+            "assert t.slot_ranks() == [4, 6]\n"
+            "print('checked')")
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "checked" in r.stdout, r.stderr[-3000:]

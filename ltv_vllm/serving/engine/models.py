@@ -38,7 +38,8 @@ from ltv_vllm.core.layer_task import LayerTask, load_any
 from ltv_vllm.core.vector import TaskVector, VectorError
 from ltv_vllm.serving.contract.names import CONFIG_KEY, FOLD_KEY
 from ltv_vllm.serving.contract.wire import TASKS_CONFIG_KEY
-from ltv_vllm.serving.engine.layer_shift import check_graphs, install_hooks, step_plan
+from ltv_vllm.serving.engine.layer_rows import LayerRows
+from ltv_vllm.serving.engine.layer_shift import check_graphs, install_hooks
 from ltv_vllm.serving.engine.steps import (
     FUSED,
     LAYER,
@@ -51,13 +52,12 @@ from ltv_vllm.serving.engine.steps import (
 )
 
 
-class LTVMixin:
+class LTVMixin(LayerRows):
     """Shared by every wrapper; expects the host class's `compute_logits` and `config`."""
 
     _ltv: TaskVector | None                # the engine's own (fused) vector
     _vectors: dict[str, TaskVector]        # task key → vector ("" = _ltv; names: multi-task)
     _casts: dict[str, TaskVector]          # the same on the engine's device, float32
-    _layer_tasks: dict[str, LayerTask] = {}  # task key → layer task (`engine.layer_shift`)
 
     def _ltv_init(self, config: object) -> None:
         path = getattr(config, CONFIG_KEY, None)
@@ -71,6 +71,7 @@ class LTVMixin:
         self._layer_casts: dict[str, LayerTask] = {}
         self._add_tables: dict[tuple, torch.Tensor] = {}  # `_additive`, oldest first
         self._layer_step: tuple[int, Any] = (-1, None)   # (LAYER.step, `_layer_tables`)
+        self._layer_slots: dict[int, Any] = {}  # rank → `grouped_shift.TaskSlots` of the maps
         self._depth = int(getattr(config, "num_hidden_layers", 0) or 0)
         if self._layer_tasks:
             from ltv_vllm.serving.contract.wire import LAYER_TASKS_ENV, layer_tasks
@@ -121,80 +122,6 @@ class LTVMixin:
             # wrong tokens rather than fail
             raise VectorError(f"logit {what} is for vocabulary {tv.U.shape[0]}, model has "
                               f"{vocab}")
-
-    def _layer_shift(self, hidden: torch.Tensor, residual: torch.Tensor,
-                     positions: torch.Tensor, layer: int) -> None:
-        """The layer op's body (`engine.layer_shift`): at block `layer`, each planned token's
-        delta, from its residual stream h = hidden + residual in float32, added to `hidden`
-        in place (one gather, one product, one scatter per task of the step)."""
-        plan = step_plan(hidden, positions, layer)
-        if not plan:
-            return
-        if self._layer_step[0] != LAYER.step:  # the step's first block: its tables, once
-            self._layer_step = (LAYER.step, self._layer_tables(plan, hidden))
-        add, maps = self._layer_step[1]
-        if add is not None:
-            # every additive request of the step in one gather and one scatter, however many
-            # distinct tasks: its combined bias at this block, by row
-            rows, group, table = add
-            hidden.index_add_(0, rows, table[:, layer].index_select(0, group))
-        for parts, idx in maps:
-            delta, h = None, None
-            for task, scale in parts:  # the request's own task, then its `ltv_mix`
-                cast = self._layer_cast(task, hidden.device)
-                if layer not in cast.layers:
-                    continue
-                if h is None:
-                    h = hidden.index_select(0, idx).float() + residual.index_select(0, idx).float()
-                d = cast.delta(layer, h, scale)
-                delta = d if delta is None else delta + d
-            if delta is not None:
-                hidden.index_add_(0, idx, delta.to(hidden.dtype))
-
-    def _layer_tables(self, plan: dict, hidden: torch.Tensor) -> tuple[Any, list]:
-        """A step's layer plan split for `_layer_shift`: the requests whose tasks are all
-        additive as (their rows, each row's group, each group's combined bias at every block:
-        (groups, depth, d) in the engine's dtype), and the others (a map) as (parts, rows) to
-        shift one by one. The bias is summed in float32 and rounded once to the engine's
-        dtype: a constant has no cancellation to guard against (a map's product does,
-        `_ltv_delta`), and gathering it in float32 at every block of every prefill cost
-        3.4× the bf16 gather (6.7 ms against 2.0 ms a block at 7,700 rows of SmolLM2)."""
-        device = hidden.device
-        adds = [(parts, idx) for parts, idx in plan.items()
-                if all(self._layer_tasks[t].additive for t, _ in parts)]
-        maps = [(parts, idx) for parts, idx in plan.items()
-                if not all(self._layer_tasks[t].additive for t, _ in parts)]
-        if not adds:
-            return None, maps
-        table = torch.stack([self._additive(parts, device) for parts, _ in adds]).to(
-            hidden.dtype)
-        rows = torch.cat([idx for _, idx in adds])
-        group = row_index([g for g, (_, idx) in enumerate(adds) for _ in range(len(idx))],
-                          device)
-        return (rows, group, table), maps
-
-    def _additive(self, parts: tuple, device: torch.device) -> torch.Tensor:
-        """Σ scale · bias of additive layer tasks at every block of the model (zeros where
-        none shifts): (depth, d) float32 on `device`, kept for the requests that ask again."""
-        table = self._add_tables.get(parts)
-        if table is None or table.device != device:
-            depth, d = self._depth, self._sizes[0]
-            table = torch.zeros(depth, d, device=device)
-            for task, scale in parts:
-                cast = self._layer_cast(task, device)
-                idx = torch.tensor(cast.layers, device=device)
-                table.index_add_(0, idx, cast.bias * scale)
-            self._add_tables[parts] = table
-            while len(self._add_tables) > ADD_TABLES:
-                self._add_tables.pop(next(iter(self._add_tables)))
-        return table
-
-    def _layer_cast(self, task: str, device: torch.device) -> LayerTask:
-        """A layer task on the engine's device in float32, cast on first use."""
-        cast = self._layer_casts.get(task)
-        if cast is None or (cast.bias if cast.bias is not None else cast.U).device != device:
-            cast = self._layer_casts[task] = self._layer_tasks[task].to(device, torch.float32)
-        return cast
 
     def _vector(self, task: str) -> TaskVector | None:
         """A task's vector: the engine's own, a named one, or a task-store key's (loaded on
@@ -422,7 +349,6 @@ class LTVMixin:
 
 
 SMALL = 8  # a task with at most this many rows in a step is shifted in a batch of such tasks
-ADD_TABLES = 256  # combined additive biases kept (`_additive`): depth × d floats each
 GROUPED_ENV = "LTV_VLLM_GROUPED_SHIFT"  # auto (default) | on | off
 
 
