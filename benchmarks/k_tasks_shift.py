@@ -36,6 +36,11 @@ layer counts the step is measured at both and extrapolated linearly to the shape
         --ranks 16,64,256 --rows 256 --dtype bfloat16 \\
         --variants float32:ieee,float32:tf32x3,bfloat16:ieee --decode llama-3.1-8b
     python benchmarks/k_tasks_shift.py --report RESULT.json... > results.md
+
+`--layer` times layer tasks instead: one decoder block's maps (`engine.layer_rows.
+LayerRows._layer_maps`, the engine's code) for R rows over K distinct layer-map tasks of
+rank r, by `served`, `grouped` (the kernel forced: one slot per task and block) and `loop`
+(one request group at a time), each with its largest error against a float64 shift.
 """
 
 from __future__ import annotations
@@ -103,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="context lengths timed, longest first (one prefill, then cropped)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out")
+    ap.add_argument("--layer", action="store_true",
+                    help="layer tasks: one decoder block's maps of K tasks (not the head's)")
     ap.add_argument("--stand-in", action="store_true",
                     help="use the vLLM stand-ins even where vLLM is installed (to test them)")
     return ap.parse_args(argv)
@@ -120,7 +127,6 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from ltv_vllm.core.vector import ModelIdentity, TaskVector
-    from ltv_vllm.models.hardware import hardware
     from ltv_vllm.serving.engine import grouped_shift, models
     from ltv_vllm.serving.engine.models import LTVMixin
 
@@ -191,6 +197,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     bw = copy_bandwidth()
     print(f"device copy: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    if a.layer:
+        return finish(a, argv, torch, cuda, models, bw,
+                      {"layer_rows": layer_maps(a, torch, models, paths, ks, ranks, dev, dtype,
+                                                timed, bw)})
 
     h = torch.randn(a.rows, a.hidden, device=dev, dtype=dtype)
     head = torch.randn(a.vocab, a.hidden, device=dev, dtype=dtype) / a.hidden ** 0.5
@@ -229,24 +239,82 @@ def main(argv: list[str] | None = None) -> dict:
                                                dev, bw)
             del vecs
     decode = [decode_step(a, torch, spec, dev, bw) for spec in a.decode]
+    return finish(a, argv, torch, cuda, models, bw,
+                  {"rows": rows, "kernels": kernel_rows, "decode": decode})
+
+
+def finish(a, argv, torch, cuda, models, bw, found: dict) -> dict:
+    """The run's record (written to --out): command, machine, arguments and `found`."""
     import importlib.util
+
+    from ltv_vllm.models.hardware import hardware
 
     triton = (importlib.import_module("triton").__version__
               if importlib.util.find_spec("triton") else None)
     argv = list(argv if argv is not None else sys.argv[1:])
+    out = None
     if a.out:  # results record the file's name, not where the run kept it
         argv = [os.path.basename(x) if x == a.out else x for x in argv]
         a.out, out = os.path.basename(a.out), a.out
     res = {"command": " ".join(["python", "benchmarks/k_tasks_shift.py", *argv]),
            "machine": {**hardware(), "device": torch.cuda.get_device_name()
                        if cuda else "cpu", "torch": torch.__version__, "triton": triton},
-           "args": vars(a), "copy_bandwidth_bytes_per_s": bw, "rows": rows,
-           "kernels": kernel_rows, "decode": decode,
+           "args": vars(a), "copy_bandwidth_bytes_per_s": bw, **found,
            "grouped_default_env": models.GROUPED_ENV}
-    if a.out:
+    if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
     return res
+
+
+def layer_maps(a, torch, models, paths, ks, ranks, dev, dtype, timed, bw) -> list[dict]:
+    """One block's layer maps of K distinct tasks (row i: task i mod K) by each path, timed
+    (the fastest of `repeats`, host work included) and checked against a float64 shift."""
+    from ltv_vllm.core.layer_task import LayerTask
+    from ltv_vllm.core.vector import ModelIdentity
+
+    ident = ModelIdentity("random", a.hidden, a.vocab, "none", 1)
+    choice = {"served": None, "grouped": True, "loop": False}
+    out = []
+    for rank in ranks:
+        for k in ks:
+            tasks = {}
+            for t in range(k):
+                g = torch.Generator(device=dev).manual_seed(t)
+                tasks[f"t{t}"] = LayerTask(
+                    layers=(0,), bias=None, model=ident,
+                    U=0.02 * torch.randn(1, a.hidden, rank, generator=g, device=dev),
+                    V=torch.randn(1, a.hidden, rank, generator=g, device=dev) / a.hidden ** .5)
+            maps = [(((f"t{t}", 1.0),),
+                     torch.tensor([r for r in range(a.rows) if r % k == t], device=dev))
+                    for t in range(min(k, a.rows))]
+            hidden = torch.randn(a.rows, a.hidden, device=dev, dtype=dtype)
+            residual = torch.randn(a.rows, a.hidden, device=dev, dtype=dtype)
+            x = hidden.double() + residual.double()
+            want = hidden.double().clone()
+            for (parts, idx) in maps:
+                lt = tasks[parts[0][0]]
+                want[idx] += (x[idx] @ lt.V[0].double()) @ lt.U[0].double().T
+            row = {"K": k, "rank": rank, "distinct_tasks": len(maps),
+                   "floor_ms_float32": round(1e3 * len(maps) * 2 * a.hidden * rank * 4 / bw, 4)}
+            for path in [p for p in paths if p in choice]:
+                rows = models.LTVMixin.__new__(models.LTVMixin)
+                rows._layer_tasks, rows._layer_casts, rows._layer_slots = tasks, {}, {}
+                rows._grouped_choice = choice[path]
+                if choice[path] is None:
+                    rows._grouped_choice = models.uses_grouped_shift(dev)
+                h = hidden.clone()
+                rows._layer_maps(h, residual, maps, 0)
+                scale = float((want - hidden.double()).abs().max())
+                row[f"{path}_max_rel_error"] = float((h.double() - want).abs().max()) / scale
+                row[f"{path}_ms"] = round(1e3 * timed(
+                    lambda rows=rows, hidden=hidden, residual=residual, maps=maps:
+                    rows._layer_maps(hidden.clone(), residual, maps, 0)), 4)
+            out.append(row)
+            print(f"layer r={rank:3d} K={k:4d} " + "  ".join(
+                f"{p} {row[p + '_ms']:8.3f} ms (err {row[p + '_max_rel_error']:.1e})"
+                for p in paths if p in choice), flush=True)
+    return out
 
 
 def kernel_variants(a, torch, grouped_shift, vecs, plan, h, rank, dev, bw) -> list[dict]:

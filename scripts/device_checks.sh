@@ -23,7 +23,8 @@
 #  (6) `benchmarks/k_tasks_shift.py` at Llama-3.1-8B's and 70B's widths: one step's shift of
 #      K = 1, 8, 64, 256 tasks at ranks 16, 64, 256 by every path, the grouped kernels alone
 #      (slot dtypes and precisions, CUDA-graph replay) against the floor, and a decode step at
-#      batch 256 of each shape (70B: measured at 10 and 20 layers, extrapolated).
+#      batch 256 of each shape (70B: measured at 10 and 20 layers, extrapolated); with
+#      --layer, one decoder block's maps of K layer tasks at the 8B width by every path.
 #  (0, first when asked for) benchmarks/capture_overheads.py: each capture variant in a cold
 #      process at the 8B shape, and the code in device-carry/old/ (an older checkout's
 #      ltv_vllm, if there).
@@ -255,7 +256,10 @@ kshift() {
   py benchmarks/k_tasks_shift.py --device "$DEVICE" "${w8[@]}" --vocab 128256 --ranks 16,64,256 \
       --dtype bfloat16 --variants "$v" "${d8[@]}" "${q[@]}" --out "$RES/k_tasks_shift_8b.json" &&
   py benchmarks/k_tasks_shift.py --device "$DEVICE" "${w70[@]}" --vocab 128256 --ranks 16,64,256 \
-      --dtype bfloat16 --variants "$v" "${d70[@]}" "${q[@]}" --out "$RES/k_tasks_shift_70b.json"
+      --dtype bfloat16 --variants "$v" "${d70[@]}" "${q[@]}" --out "$RES/k_tasks_shift_70b.json" &&
+  # layer tasks: one decoder block's maps of K tasks, grouped kernel against one group at a time
+  py benchmarks/k_tasks_shift.py --device "$DEVICE" "${w8[@]}" --vocab 128256 --ranks 16,64,256 \
+      --dtype bfloat16 --layer "${q[@]}" --out "$RES/k_tasks_layer_8b.json"
 }
 step kshift 420 "K-task shift and decode step" kshift
 echo "=== done; results in $OUT/device_results.tgz"

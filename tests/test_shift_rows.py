@@ -310,3 +310,26 @@ def test_the_grouped_kernel_gives_every_layer_map_row_its_own():
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0 and "checked" in r.stdout, r.stderr[-3000:]
+
+
+def test_the_device_script_times_and_checks_layer_maps(tmp_path, monkeypatch):
+    """`benchmarks/k_tasks_shift.py --layer` (the GPU machine's step, `scripts/device_checks.sh`)
+    on this CPU at a tiny width: every path's block of K layer maps within float32 of a
+    float64 shift, the record written."""
+    import json
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
+    import k_tasks_shift
+
+    out = tmp_path / "layer.json"
+    res = k_tasks_shift.main(["--layer", "--hidden", "32", "--vocab", "100", "--ranks", "4,8",
+                              "--ks", "1,8", "--rows", "16", "--repeats", "1", "--out",
+                              str(out)])
+    assert [(r["K"], r["rank"]) for r in res["layer_rows"]] == [(1, 4), (8, 4), (1, 8), (8, 8)]
+    for r in res["layer_rows"]:
+        assert r["served_max_rel_error"] < 1e-5 and r["loop_max_rel_error"] < 1e-5, r
+    assert json.loads(out.read_text())["command"].startswith(
+        "python benchmarks/k_tasks_shift.py --layer")
+    sys.modules.pop("k_tasks_shift", None)
