@@ -579,7 +579,8 @@ def test_bad_stored_fields_are_refused_at_upload(server):
     """A vector whose meta.shift_steps is not a policy was stored (201) and killed the engine
     at its first request, again after every restart. Now every field the engine parses is
     checked at upload: 422, nothing stored; a Gram matrix that cannot be cut is a 422, not
-    torch's Cholesky message in a 500."""
+    torch's Cholesky message in a 500; a layer task (a store serves final-layer vectors) is
+    a 422 in one line."""
     srv, name = server, "gamma-fields"
     with own_tasks(srv, name):
         for steps in ("bogus", "-1", "١", "true"):
@@ -603,6 +604,16 @@ def test_bad_stored_fields_are_refused_at_upload(server):
         r = HTTP.post(f"{srv.url}/v1/ltv/tasks", data={"name": name},
                       files={"vector": (path.name, path.read_bytes())}, timeout=60)
         assert r.status_code == 422 and "gram" in r.json()["error"]["message"], r.text
+        # a layer task (it acts inside the decoder): a store serves final-layer vectors only
+        from ltv_vllm.core.layer_task import LayerTask
+
+        lt = LayerTask(layers=(0,), bias=torch.ones(1, tv.V.shape[0]), U=None, V=None,
+                       model=tv.model)
+        path = lt.save(srv.tmp / "layer.safetensors")
+        r = HTTP.post(f"{srv.url}/v1/ltv/tasks", data={"name": name},
+                      files={"vector": (path.name, path.read_bytes())}, timeout=60)
+        assert r.status_code == 422 and "a layer task" in r.json()["error"]["message"], r.text
+        assert "\n" not in r.json()["error"]["message"] and name not in srv.store.names()
         r = srv.upload(name, "2")
         assert r.status_code == 201, r.text
         r = post(srv, "/v1/completions", completion(name, max_tokens=5))
