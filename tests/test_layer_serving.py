@@ -299,3 +299,34 @@ def test_ltv_vllm_serve_serves_layer_tasks_by_name(served, tokenizer):
         assert "\n" not in str(e.value.body.get("message", e.value))
     finally:
         stop(proc, log)
+
+
+def test_a_fused_layer_task_shifts_every_request(served, tokenizer):
+    """`ltv-vllm serve --task-vector ctl.safetensors` (one unnamed layer task, as llama.cpp's
+    global control vector): every request shifted at its positions, a request's own policy
+    and scale honoured, each answer its own patched forward; the start-up self-check ran
+    the layer probes beside the fused task."""
+    import openai
+    from test_server import start_server, stop
+
+    tmp, d, model, tasks, paths = served
+    proc, url, log = start_server(d, [paths["ctl"]], tmp)
+    try:
+        started = Path(log.name).read_text()
+        assert "selfcheck passed on vLLM 0.32.0, V1 runner, cpu, layer probes" in started, \
+            started[-2000:]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        name = client.models.list().data[0].id
+        for prompt, steps, more in ((MIX[0][0], None, {}), (MIX[3][0], "generated", {}),
+                                    (MIX[1][0], "last", {"ltv_scale": 0.5})):
+            xargs = {**({"ltv_steps": steps} if steps else {}), **more}
+            lp = client.completions.create(
+                model=name, prompt=prompt, max_tokens=TOKENS, temperature=0.0, logprobs=3,
+                extra_body={"return_tokens_as_token_ids": True,
+                            **({"vllm_xargs": xargs} if xargs else {})}).choices[0].logprobs
+            toks = [int(t.split(":", 1)[1]) for t in lp.tokens]
+            got = [{k.split(":", 1)[1]: v for k, v in top.items()} for top in lp.top_logprobs]
+            assert_row(model, tokenizer, tasks, prompt, "ctl", steps, [toks, got],
+                       f"fused {steps} {more}", more)
+    finally:
+        stop(proc, log)
