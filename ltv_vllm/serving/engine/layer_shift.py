@@ -9,8 +9,10 @@ by the next layer's fused add-norm), so the op adds each planned token's delta, 
 their sum, to `hidden_states` in place. A custom op is one opaque call to torch.compile: the
 compiled graph is kept, and the op's Python runs at every step, reading that step's plan.
 Under CUDA graphs a captured piece replays kernels without running Python, so the op must
-run between pieces: the launcher names it among vLLM's splitting ops (`LAYER_OP`), which
-piecewise graphs honour and full graphs do not (read in vLLM's source, not run here).
+run between pieces: the plugin names it among vLLM's default splitting ops
+(`patch_splitting_ops`, beside its attention ops), which piecewise graphs honour and full
+graphs do not; `check_graphs` refuses the graphs that would skip it (read in vLLM's source,
+not run on a GPU).
 
 Which tokens. Once per step, before its forward, each request's span of the step's token
 axis is laid out (`Span`): its task, its positions policy (`core.layer_task.LayerPolicy`),
@@ -180,8 +182,27 @@ def check_graphs() -> None:
         return
     raise VectorError(f"layer tasks need their op ({LAYER_OP}) to run at every step, which "
                       f"CUDA graphs ({mode.name}) would replay without: serve with "
-                      "--enforce-eager, or with cudagraph_mode PIECEWISE and the op among "
-                      "--compilation-config's splitting_ops")
+                      "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' (the op is "
+                      "among vLLM's default splitting ops; name it in your own) or "
+                      "--enforce-eager")
+
+
+def patch_splitting_ops() -> bool:
+    """Name the op among the splitting ops vLLM uses when the user names none (its attention
+    ops: `CompilationConfig._attention_ops`), so piecewise graphs run it between their
+    pieces; without a layer task no hook calls it, and nothing splits there. Idempotent;
+    False where this vLLM has no such list (then only --enforce-eager or the user's own
+    splitting_ops keep the op, `check_graphs`)."""
+    try:
+        from vllm.config.compilation import CompilationConfig
+    except ImportError:
+        return False
+    ops = getattr(CompilationConfig, "_attention_ops", None)
+    if not isinstance(ops, list):
+        return False
+    if LAYER_OP not in ops:
+        ops.append(LAYER_OP)
+    return True
 
 
 def install_hooks(model: Any) -> int:

@@ -12,6 +12,7 @@ in the environment.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -355,13 +356,17 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
                                                     lora_probes))
     extra = list(opts.vllm_args)
     defaults = []
-    if (engine_device() == "cpu" or layered) and not opts.vllm.chose_compilation:
+    if engine_device() == "cpu" and not opts.vllm.chose_compilation:
         # vLLM's compile warm-up costs the CPU backend over a minute per start (and per
         # fused/folded variant: their compile caches differ); eager starts in about 46 s
         # (docs/benchmarks.md, "Serve start-up"), and every serving benchmark ran eager.
-        # Layer tasks: CUDA graphs would replay steps without their op (`engine.layer_shift`
-        # says which graphs can keep it). Any compilation flag of the user's wins.
+        # Any compilation flag of the user's wins.
         defaults.append("--enforce-eager")
+    elif layered and not opts.vllm.chose_compilation:
+        # layer tasks on a GPU: full CUDA graphs would replay steps without their op; piecewise
+        # ones split at it (the plugin names it among vLLM's default splitting ops,
+        # `engine.layer_shift`; read in vLLM's source, not run on a GPU)
+        defaults += ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})]
     env = dict(task_env)
     notes += shortfall_notes(given)
     env.update(_plan_chat(opts, model_dir, given, store.entries, notes))

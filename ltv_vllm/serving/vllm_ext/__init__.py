@@ -50,6 +50,10 @@ def register() -> None:
     from ltv_vllm.serving.engine.prefix_keys import patch_block_hash_keys
 
     patch_block_hash_keys()
+    # before any config resolves its splitting ops: piecewise graphs run the layer op
+    from ltv_vllm.serving.engine.layer_shift import patch_splitting_ops
+
+    patch_splitting_ops()
 
     supported = set(ModelRegistry.get_supported_archs())
     for wrapper in WRAPPERS.values():
