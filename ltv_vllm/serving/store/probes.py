@@ -149,7 +149,8 @@ def layer_probe_tasks(model_dir: str | Path, dtype: str) -> dict[str, tuple[Any,
     found: dict[str, tuple[Any, Signature]] = {}
     names = iter(LAYER_PROBES.items())
     name, positions = next(names)
-    for t in head.float().norm(dim=1).topk(min(256, head.shape[0])).indices.tolist():
+    norms = torch.cat([w.float().norm(dim=1) for w in head.split(16384)])  # (a slice at a time)
+    for t in norms.topk(min(256, head.shape[0])).indices.tolist():
         x = head[t].float() / gamma  # after the norm: γ ⊙ x / rms(x) ∝ the head row of t
         if not torch.isfinite(x).all():
             continue
