@@ -330,3 +330,44 @@ def test_a_fused_layer_task_shifts_every_request(served, tokenizer):
                        f"fused {steps} {more}", more)
     finally:
         stop(proc, log)
+
+
+def test_layer_tasks_keep_piecewise_cuda_graphs_split_at_their_op(tmp_path, tokenizer,
+                                                                  monkeypatch):
+    """With a layer task and no compilation flag of the user's, `serve` asks a GPU engine for
+    piecewise CUDA graphs (a CPU one stays eager), and the plugin names the layer op among
+    the splitting ops vLLM fills in when the user names none (an own list is the user's);
+    a full-graph mode is refused at engine start (`layer_shift.check_graphs`)."""
+    from click.testing import CliRunner
+
+    from conftest import write_model_and_vectors
+    from ltv_vllm.cli import main
+    from ltv_vllm.core.layer_task import LayerTask
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.models import hardware
+    from ltv_vllm.serving.engine.layer_shift import LAYER_OP, patch_splitting_ops
+
+    tmp = tmp_path
+    good, _ = write_model_and_vectors(tmp, tokenizer)
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    ident = load_task_vector(good).model
+    path = LayerTask((0,), torch.ones(1, ident.hidden_size), None, None, ident).save(
+        tmp / "ctl.safetensors")
+    base = ["serve", "--model", str(tmp / "m"), "--task-vector", f"ctl={path}", "--dry-run"]
+    r = CliRunner().invoke(main, base)
+    assert r.exit_code == 0 and "--enforce-eager" in r.output, r.output  # this CPU
+    monkeypatch.setattr(hardware, "engine_device", lambda: "cuda")
+    r = CliRunner().invoke(main, base)
+    assert r.exit_code == 0, r.output
+    assert "--enforce-eager" not in r.output, r.output
+    assert """--compilation-config '{"cudagraph_mode": "PIECEWISE"}'""" in r.output, r.output
+    r = CliRunner().invoke(main, [*base, "-O3"])  # the user's choice wins
+    assert r.exit_code == 0 and "PIECEWISE" not in r.output, r.output
+    from vllm.config.compilation import CompilationConfig, CompilationMode
+
+    assert patch_splitting_ops() and patch_splitting_ops()  # idempotent
+    assert CompilationConfig._attention_ops.count(LAYER_OP) == 1
+    c = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+    c.set_splitting_ops_for_v1("naive")
+    assert LAYER_OP in c.splitting_ops and "vllm::unified_attention_with_output" in \
+        c.splitting_ops

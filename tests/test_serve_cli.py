@@ -793,38 +793,3 @@ def test_an_export_holds_no_secret(setup, monkeypatch):
         (tmp / "dep3" / "environment.json").read_text())["env"])
     assert settings.api_keys is None and settings.api_keys_file == str(keys)
     assert "api_key" not in settings.required
-
-
-def test_layer_tasks_keep_piecewise_cuda_graphs_split_at_their_op(setup, monkeypatch):
-    """With a layer task and no compilation flag of the user's, `serve` asks a GPU engine for
-    piecewise CUDA graphs (a CPU one stays eager), and the plugin names the layer op among
-    the splitting ops vLLM fills in when the user names none (an own list is the user's);
-    a full-graph mode is refused at engine start (`layer_shift.check_graphs`)."""
-    from ltv_vllm.core.layer_task import LayerTask
-    from ltv_vllm.core.vector import load_task_vector
-    from ltv_vllm.models import hardware
-    from ltv_vllm.serving.engine.layer_shift import LAYER_OP, patch_splitting_ops
-
-    tmp, good, _ = setup
-    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
-    ident = load_task_vector(good).model
-    path = LayerTask((0,), torch.ones(1, ident.hidden_size), None, None, ident).save(
-        tmp / "ctl.safetensors")
-    base = ["serve", "--model", str(tmp / "m"), "--task-vector", f"ctl={path}", "--dry-run"]
-    r = CliRunner().invoke(main, base)
-    assert r.exit_code == 0 and "--enforce-eager" in r.output, r.output  # this CPU
-    monkeypatch.setattr(hardware, "engine_device", lambda: "cuda")
-    r = CliRunner().invoke(main, base)
-    assert r.exit_code == 0, r.output
-    assert "--enforce-eager" not in r.output, r.output
-    assert """--compilation-config '{"cudagraph_mode": "PIECEWISE"}'""" in r.output, r.output
-    r = CliRunner().invoke(main, [*base, "-O3"])  # the user's choice wins
-    assert r.exit_code == 0 and "PIECEWISE" not in r.output, r.output
-    from vllm.config.compilation import CompilationConfig, CompilationMode
-
-    assert patch_splitting_ops() and patch_splitting_ops()  # idempotent
-    assert CompilationConfig._attention_ops.count(LAYER_OP) == 1
-    c = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
-    c.set_splitting_ops_for_v1("naive")
-    assert LAYER_OP in c.splitting_ops and "vllm::unified_attention_with_output" in \
-        c.splitting_ops
