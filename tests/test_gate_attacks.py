@@ -1013,6 +1013,9 @@ def fuzz_body(rng: random.Random, srv: Server, route: str) -> tuple[dict, dict]:
         xargs["ltv_steps"] = rng.choice(STEP_VALUES)
     if rng.random() < 0.3:
         xargs["ltv_chat"] = rng.choice(["allow", "allow", "no"])
+    if rng.random() < 0.1:  # a layer task's asks, on servers that hold none: always a 400
+        key = rng.choice(["ltv_scale", "ltv_mix"])
+        xargs[key] = rng.choice([2.0, 0, -1, "1", [1], "alpha=1", "beta=0.5,alpha=1", ""])
     if xargs or rng.random() < 0.1:
         body["vllm_xargs"] = xargs
     chat = route in ("/v1/chat/completions", "/v1/chat/completions/batch") or (
@@ -1131,6 +1134,8 @@ def check_answer(srv: Server, route: str, body: dict, headers: dict, r: httpx.Re
         assert xargs.get("ltv_chat") == "allow", f"{where}: chat without consent"
     if served_as not in ("/v1/completions", "/v1/chat/completions"):
         return
+    layer_ask = sorted({"ltv_scale", "ltv_mix"} & set(xargs))
+    assert not layer_ask, f"{where}: {layer_ask} answered by a server without layer tasks"
     shown = response_model(r, stream)
     want = task if task is not None else None
     if srv.mode == "shift":
@@ -1161,7 +1166,8 @@ def test_request_fuzzer(server):
     validate (served as a completion), stop, streaming, structured outputs, SageMaker's
     adapter header, odd content types), four at a time beside store uploads (good and bad
     fields) and DELETEs of tasks with requests in flight: no 5xx; the engine alive after
-    every batch; every 200 answered by the task the
+    every batch; a layer task's `ltv_scale` or `ltv_mix` never answered (these servers hold
+    none: a folded head and LoRA adapters once ignored them); every 200 answered by the task the
     request names (or the bare model) at its own steps, under that name; no error shows a
     path, a traceback or an engine key. Every violation is collected (a dead engine is
     reported with the requests it died under, and the server restarted), then all are

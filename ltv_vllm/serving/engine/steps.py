@@ -48,7 +48,9 @@ from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2Logi
 from ltv_vllm.serving.contract.wire import (
     ALL,
     LORA_PROMPT_LOGPROBS,
+    MIX_KEY,
     READOUT_KEY,
+    SCALE_KEY,
     STEPS_KEY,
     TASK_KEY,
     admission,
@@ -223,7 +225,8 @@ class LTVStepPolicy(LogitsProcessor, V2LogitsProcessor):
 class LTVStepsRefused(LTVStepPolicy):
     """Where no per-request shift can work (a vector folded into the LM head shifts every
     token; LoRA adapters apply at every step and are chosen by `model`): a request that sets
-    `ltv_steps` or `ltv_task` is refused (HTTP 400) rather than silently shifted otherwise."""
+    `ltv_steps` or `ltv_task` is refused (HTTP 400) rather than silently shifted otherwise,
+    and one that asks for a layer task's scale or mix, rather than silently ignored."""
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -233,6 +236,10 @@ class LTVStepsRefused(LTVStepPolicy):
                 raise ValueError(f"{key} needs the per-request shift (a fused vector without "
                                  "--fold, or multi-task serving without --multi-task lora); "
                                  "this server shifts every generated token")
+        for key in (SCALE_KEY, MIX_KEY):  # never ignored: a layer task's, and none is here
+            if key in args:
+                raise ValueError(f"{key} applies to a layer task, which a folded head or "
+                                 "LoRA adapters cannot serve; this server has none")
         if not admitted(args, admission()):  # a folded head: every request needs a stamp
             raise ValueError(not_admitted())
 
