@@ -1,9 +1,12 @@
 """The self-check's probe tasks, as a vector file and as a server's engine holds them. Pure
-of vLLM: `serve` plans them (`served_probes`), `selfcheck` runs them.
+of vLLM; runs in the launcher's process (`serve` plans and writes them: `served_probes`),
+the self-check's job process (`offline.selfcheck`) and vLLM's API-server process (the names
+and layer signatures its start-up check reads: `api_server.selfcheck`).
 
 A probe is a rank-1 logit-space vector with zero factors and a bias of +BIAS on a token of
 its own (the last ordinary tokens of the vocabulary): its shift is the same on every row,
-whatever the state, and shows in the step's distribution (`selfcheck.check_rows`).
+whatever the state, and shows in the step's distribution (`selfcheck.check_rows`); a layer
+probe (below) is a layer task whose shifted steps all show one distribution.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """A task store many replicas share: the source of truth behind each replica's own working
-copy (`taskstore.TaskStore`). It lives on a shared volume (a directory every replica mounts)
-or in object storage (the S3 API, through boto3):
+copy (`taskstore.TaskStore`). Runs in vLLM's API-server process (a replica's uploads,
+deletes and index polling), the launcher's (a replica's copy made at start) and the user's
+shell (`ltv-vllm keys --store`, through `shared_keys`). It lives on a shared volume (a
+directory every replica mounts) or in object storage (the S3 API, through boto3):
 
     STORE/ltv-store.json                      {"format": 1}: marks a shared store
     STORE/objects/<sha256>.safetensors        a served vector, named by its content; written
