@@ -45,10 +45,11 @@ from ltv_vllm.serving.contract.settings import ServerSettings
 def selfcheck(model_spec: str | None, dtype: str, tensor_parallel_size: int,
               max_num_batched_tokens: int | None, max_model_len: int | None,
               max_num_seqs: int | None, multi_task: str) -> None:
-    """Prove the per-request shift on this vLLM, runner and device: probe tasks mixed with
-    bare rows, every policy, n > 1, chunked prefill, rows finishing at different steps;
-    each row must carry exactly its own probe at exactly its own steps (exit 1 otherwise).
-    With --multi-task lora the probes are LoRA adapters, each row checked for its own."""
+    """Prove the per-request shift on this vLLM, runner and device: probe tasks (final-layer
+    and layer tasks) mixed with bare rows, every policy, n > 1, chunked prefill, rows
+    finishing at different steps; each row must carry exactly its own probe at exactly its
+    own steps (exit 1 otherwise). With --multi-task lora the probes are LoRA adapters, each
+    row checked for its own."""
     import tempfile
 
     from ltv_vllm.models.cache import DEFAULT_MODEL
