@@ -303,14 +303,14 @@ def test_ltv_vllm_serve_serves_layer_tasks_by_name(served, tokenizer):
 
 def test_a_fused_layer_task_shifts_every_request(served, tokenizer):
     """`ltv-vllm serve --task-vector ctl.safetensors` (one unnamed layer task, as llama.cpp's
-    global control vector): every request shifted at its positions, a request's own policy
-    and scale honoured, each answer its own patched forward; the start-up self-check ran
-    the layer probes beside the fused task."""
+    global control vector), in vLLM's default process layout: every request shifted at its
+    positions, a request's own policy and scale honoured, each answer its own patched
+    forward; the start-up self-check ran the layer probes beside the fused task."""
     import openai
     from test_server import start_server, stop
 
     tmp, d, model, tasks, paths = served
-    proc, url, log = start_server(d, [paths["ctl"]], tmp)
+    proc, url, log = start_server(d, [paths["ctl"]], tmp, layout="default")
     try:
         started = Path(log.name).read_text()
         assert "selfcheck passed on vLLM 0.32.0, V1 runner, cpu, layer probes" in started, \
@@ -371,3 +371,33 @@ def test_layer_tasks_keep_piecewise_cuda_graphs_split_at_their_op(tmp_path, toke
     c.set_splitting_ops_for_v1("naive")
     assert LAYER_OP in c.splitting_ops and "vllm::unified_attention_with_output" in \
         c.splitting_ops
+
+
+def test_a_server_reads_back_the_layer_probes_an_earlier_start_wrote(served, tmp_path,
+                                                                      monkeypatch):
+    """`served_probes` with layer probes: computed once from the LM head and written to the
+    cache (their signatures in their files); a later start reads them back without a pass
+    over the head, the same signatures; a file that does not read back is recomputed."""
+    from ltv_vllm.serving.store import probes
+
+    _, d, _, _, _ = served
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp_path / "cache"))
+    first = probes.served_probes(d, "float32")
+    first.write()
+    assert sorted(first.layer) == sorted(probes.SERVED_PREFIX + n for n in probes.LAYER_PROBES)
+    assert first.layer_tasks() == {probes.SERVED_PREFIX + n: (p, True)
+                                   for n, p in probes.LAYER_PROBES.items()}
+    real = probes.layer_probe_tasks
+
+    def no_pass(*_a):
+        raise AssertionError("computed again")
+
+    monkeypatch.setattr(probes, "layer_probe_tasks", no_pass)
+    assert probes.served_probes(d, "float32").layer == first.layer
+    path = next(c["path"] for n, c in first.config.items() if n in first.layer)
+    Path(path).write_bytes(b"not a task")
+    monkeypatch.setattr(probes, "layer_probe_tasks", real)
+    again = probes.served_probes(d, "float32")
+    assert again.layer == first.layer and not Path(path).exists()  # rewritten by `write`
+    again.write()
+    assert Path(path).stat().st_size > 100

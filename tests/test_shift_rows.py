@@ -64,6 +64,14 @@ def test_the_grouped_kernel_gives_every_row_its_own_task_and_nothing_else():
     """The grouped kernel a GPU engine selects (`engine.grouped_shift`), forced on
     (`LTV_VLLM_GROUPED_SHIFT=on`) and run through Triton's interpreter, which Triton reads
     when it is first imported: in a process of its own, every seed of the test above."""
+    grouped_in_interpreter("from ltv_vllm.serving.engine import models\n"
+                           "assert models.uses_grouped_shift(t.torch.device('cpu'))\n"
+                           "for seed in range(4):\n    t.check_rows(seed, grouped=True)\n")
+
+
+def grouped_in_interpreter(code: str) -> None:
+    """`code` (this module imported as `t`) in a fresh interpreter with the grouped kernel
+    forced on and Triton's interpreter (read when Triton is first imported); it must finish."""
     import os
     import subprocess
     import sys
@@ -72,12 +80,8 @@ def test_the_grouped_kernel_gives_every_row_its_own_task_and_nothing_else():
     here = Path(__file__).parent
     env = {**os.environ, "TRITON_INTERPRET": "1", models.GROUPED_ENV: "on",
            "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
-    code = ("import test_shift_rows as t\n"
-            "from ltv_vllm.serving.engine import models\n"
-            "assert models.uses_grouped_shift(t.torch.device('cpu'))\n"
-            "for seed in range(4):\n    t.check_rows(seed, grouped=True)\n"
-            "print('checked')")
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True,
+    r = subprocess.run([sys.executable, "-c", f"import test_shift_rows as t\n{code}"
+                        "print('checked')"], env=env, cwd=here, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0 and "checked" in r.stdout, r.stderr[-3000:]
 
@@ -295,21 +299,8 @@ def test_layer_maps_give_every_row_its_own_map_scale_and_mix(seed):
 def test_the_grouped_kernel_gives_every_layer_map_row_its_own():
     """`_grouped_maps` (a GPU engine's), forced on and run through Triton's interpreter in a
     process of its own: every seed of the test above, and one slot table per rank."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).parent
-    env = {**os.environ, "TRITON_INTERPRET": "1", models.GROUPED_ENV: "on",
-           "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
-    code = ("import test_shift_rows as t\n"
-            "for seed in range(3):\n    t.check_layer_maps(seed, grouped=True)\n"
-            "assert t.slot_ranks() == [4, 6]\n"
-            "print('checked')")
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0 and "checked" in r.stdout, r.stderr[-3000:]
+    grouped_in_interpreter("for seed in range(3):\n    t.check_layer_maps(seed, grouped=True)\n"
+                           "assert t.slot_ranks() == [4, 6]\n")
 
 
 def test_the_device_script_times_and_checks_layer_maps(tmp_path, monkeypatch):

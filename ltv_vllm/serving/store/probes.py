@@ -276,12 +276,32 @@ def served_probes(model_dir: str | Path, layer_dtype: str | None = None) -> Serv
         vectors[path] = tv
     if layer_dtype is None:
         return ServedProbes(config, vectors)
+    from ltv_vllm.models.checkpoint import identity_from_dir
+
+    # named by what its bias was computed from: a file is never another head's probe
+    head = identity_from_dir(model_dir).lm_head_fingerprint[:12]
+    paths = {name: root / f"{name}.{layer_dtype}.{head}.safetensors" for name in LAYER_PROBES}
     signatures = {}
-    for name, (task, sig) in layer_probe_tasks(model_dir, layer_dtype).items():
-        # named by what its bias was computed from: a file is never another head's probe
-        head = task.model.lm_head_fingerprint[:12]
-        path = str(root / f"{name}.{layer_dtype}.{head}.safetensors")
-        config[SERVED_PREFIX + name] = {"path": path, "steps": LAYER_PROBES[name]}
-        vectors[path] = task
+    for name, (task, sig) in _layer_probes(model_dir, layer_dtype, paths).items():
+        config[SERVED_PREFIX + name] = {"path": str(paths[name]), "steps": LAYER_PROBES[name]}
+        vectors[str(paths[name])] = task
         signatures[SERVED_PREFIX + name] = sig.record()
     return ServedProbes(config, vectors, signatures)
+
+
+def _layer_probes(model_dir: str | Path, dtype: str,
+                  paths: dict[str, Path]) -> dict[str, tuple[Any, Signature]]:
+    """The layer probes as an earlier start wrote them to `paths` (their signatures in their
+    provenance: no pass over the LM head again), else computed (`layer_probe_tasks`); files
+    that do not read back are removed first, so the computed ones replace them."""
+    from ltv_vllm.core.layer_task import load_layer_task
+    from ltv_vllm.core.vector import VectorError
+
+    if all(p.is_file() for p in paths.values()):
+        try:
+            return {name: (task, Signature.from_record(task.provenance.extra["signature"]))
+                    for name, p in paths.items() for task in (load_layer_task(p),)}
+        except (VectorError, KeyError, TypeError, ValueError, IndexError):
+            for p in paths.values():
+                p.unlink(missing_ok=True)
+    return layer_probe_tasks(model_dir, dtype)
