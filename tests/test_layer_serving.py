@@ -239,7 +239,8 @@ def test_ltv_vllm_serve_serves_layer_tasks_by_name(served, tokenizer):
     tmp, d, model, tasks, paths = served
     proc, url, log = start_server(d, [f"{n}={paths[n]}" for n in ("ctl", "map", "head",
                                                                  "add")],
-                                  tmp, layout="default")
+                                  tmp, ("--task-store", str(tmp / "store"), "--layer-uploads"),
+                                  layout="default")
     try:
         # the start-up self-check ran the layer probes beside the final-layer ones
         started = Path(log.name).read_text()
@@ -297,8 +298,63 @@ def test_ltv_vllm_serve_serves_layer_tasks_by_name(served, tokenizer):
             client.completions.create(model="ctl", prompt="x", max_tokens=1,
                                       extra_body={"vllm_xargs": {"ltv_steps": "sideways"}})
         assert "\n" not in str(e.value.body.get("message", e.value))
+        check_store_layer_tasks(served, tokenizer, url, client)
     finally:
         stop(proc, log)
+
+
+def check_store_layer_tasks(served, tokenizer, url, client):
+    """Layer tasks uploaded to the same server's task store (`--layer-uploads`), served by
+    name beside the command line's: each answer its own patched forward, with its default
+    positions, a request's own, a scale and a command-line task mixed in; a store task that
+    shifts the prompt, asked after the bare model over one long prompt, reuses none of its
+    blocks (else its answer would be the bare prefix's). A store task in a mix, and a
+    client's own `ltv_layer`, are 400s in one line."""
+    import httpx
+    import openai
+
+    from ltv_vllm.serving.client import upload_task
+
+    tmp, d, model, tasks, _ = served
+    ident = tasks["ctl"].model
+    g = torch.Generator().manual_seed(9)
+    store = {
+        # at block 0: the KV of block 1 reads its output (the last block's feeds none)
+        "s-ctl": LayerTask((0,), 0.5 * torch.randn(1, 128, generator=g), None, None, ident,
+                           LayerPolicy.parse("all")),
+        "s-map": LayerTask((0, 1), 0.3 * torch.randn(2, 128, generator=g),
+                           0.5 * torch.randn(2, 128, 4, generator=g),
+                           0.5 * torch.randn(2, 128, 4, generator=g), ident,
+                           LayerPolicy.parse("generated")),
+    }
+    for name, task in store.items():
+        view = upload_task(url, name, str(task.save(tmp / f"{name}.safetensors")))
+        assert view["kind"] == "layer" and view["positions"] == str(task.policy), view
+    every = {**tasks, **store}
+    jobs = [(CACHED, str(d), None, {}), (CACHED, "s-ctl", None, {}),
+            (MIX[1][0], "s-map", None, {}), (MIX[2][0], "s-map", "2", {}),
+            (MIX[9][0], "s-ctl", None, {"ltv_scale": -1.5, "ltv_mix": "add=0.5"})]
+    for prompt, name, steps, more in jobs:  # one after another: the cache's order
+        xargs = {**({"ltv_steps": steps} if steps else {}), **more}
+        lp = client.completions.create(
+            model=name, prompt=prompt, max_tokens=TOKENS, temperature=0.0, logprobs=3,
+            extra_body={"return_tokens_as_token_ids": True,
+                        **({"vllm_xargs": xargs} if xargs else {})}).choices[0].logprobs
+        toks = [int(t.split(":", 1)[1]) for t in lp.tokens]
+        got = [{k.split(":", 1)[1]: v for k, v in top.items()} for top in lp.top_logprobs]
+        assert_row(model, tokenizer, every, prompt, None if name == str(d) else name, steps,
+                   [toks, got], f"store {name} {steps} {more}", more)
+    for body, message in (({"model": "ctl", "vllm_xargs": {"ltv_mix": "s-ctl=1"}},
+                           "task-store task 's-ctl'"),
+                          ({"model": "s-ctl", "vllm_xargs": {"ltv_layer": "add"}},
+                           "ltv_layer is the server's own")):
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"prompt": "x", "max_tokens": 1, **body})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+        assert "\n" not in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="apply to a layer task"):
+        client.completions.create(model="head", prompt="x", max_tokens=1,
+                                  extra_body={"vllm_xargs": {"ltv_scale": 2.0}})
 
 
 def test_a_fused_layer_task_shifts_every_request(served, tokenizer):

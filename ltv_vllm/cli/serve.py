@@ -84,6 +84,7 @@ class StoreFlags:
     store_poll: float
     max_tasks: int
     compile_threads: int
+    layer_uploads: bool
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,10 @@ class ShiftFlags:
                  show_default=True,
                  help="With --task-store: torch threads of a compile worker (the engine keeps "
                       "the other cores; more compiles faster and slows traffic meanwhile)."),
+    click.option("--layer-uploads", is_flag=True,
+                 help="With --task-store: it may hold layer tasks (uploaded, or copied from a "
+                      "shared store): the engine hooks its decoder blocks from the start (on "
+                      "a GPU, piecewise CUDA graphs). On by itself when the store holds one."),
     name="store")
 @grouped(
     HttpFlags,
@@ -445,7 +450,9 @@ def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
     from ltv_vllm.serving.client import upload_task
 
     t = upload_task(url, name, vector, api_key=api_key)
-    click.echo(f"{t['name']} served (rank {t.get('rank')}, {t.get('source')})")
+    kind = (f"layer task at blocks {t.get('layers')}, positions {t.get('positions')}"
+            if t.get("kind") == "layer" else f"rank {t.get('rank')}")
+    click.echo(f"{t['name']} served ({kind}, {t.get('source')})")
 
 
 # -- evaluate -----------------------------------------------------------------------------

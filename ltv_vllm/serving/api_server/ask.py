@@ -16,6 +16,7 @@ from ltv_vllm.serving.contract.wire import (
     CHAT_KEY,
     CHAT_PATH,
     CHAT_PATHS,
+    LAYER_KEY,
     READOUT_KEY,
     STEPS_KEY,
     TASK_KEY,
@@ -225,7 +226,8 @@ class Ask:
             # server's own, never a client's
             return (f"vllm_xargs.{TASK_KEY} names a task by its name (a name with '@' is "
                     "the server's own)", "BadRequestError", f"vllm_xargs.{TASK_KEY}")
-        for own in (ADMIT_KEY, READOUT_KEY):  # the gate's stamp, live fidelity's readout
+        # the gate's stamp and a store layer task's kind, live fidelity's readout
+        for own in (ADMIT_KEY, LAYER_KEY, READOUT_KEY):
             if own in xargs:
                 return (f"vllm_xargs.{own} is the server's own", "BadRequestError",
                         f"vllm_xargs.{own}")

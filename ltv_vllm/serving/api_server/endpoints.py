@@ -93,6 +93,7 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
         self.max_rank = 256
         self.lock = asyncio.Lock()  # one store change at a time
         self.lora = False  # store tasks as LoRA adapters (else by key: `registry.keys`)
+        self.layers = False  # layer tasks may be uploaded (`serve --layer-uploads`)
         self.jobs: dict[str, dict[str, Any]] = {}  # name → compile job (until it is served)
         self.deleting: set[str] = set()  # names being drained and removed (taken meanwhile)
         self.removals: set[asyncio.Future] = set()  # their removals (held: never collected)
@@ -199,6 +200,7 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
         self.max_tasks = settings.max_tasks
         self.max_rank = settings.task_rank
         self.lora = settings.store_lora
+        self.layers = settings.store_layers  # layer tasks may be uploaded (hooks at start)
         self.threads = settings.compile_threads
         self.audit = settings.audit_log
         self.max_model_len = int(self.models.model_config.max_model_len)
@@ -222,7 +224,7 @@ class TaskEndpoints(AuditLog, Removal, Follower, Uploads, Compiles):
             if not self.lora:  # per-request tasks: served by key, from its pin
                 key = task_key(entry.name, vector_digest(entry.vector_path))
                 self.store.pin(entry, key)
-                self.registry.serve(entry.name, key)
+                self.registry.serve(entry.name, key, entry.layer)
             # the gate shifts its chat requests
             self.registry.fitted_chat(entry.name, entry.chat_template())
 

@@ -159,7 +159,8 @@ class Follower:
             data = await asyncio.to_thread(self.shared.vector, digest)
             staged = await asyncio.to_thread(
                 self.store.adopt, name, data, item["record"], self.model_dir,
-                base_model=str(self.model_dir), max_rank=self.max_rank, adapter=self.lora)
+                base_model=str(self.model_dir), max_rank=self.max_rank, adapter=self.lora,
+                layers=self.layers)
             entry = await asyncio.to_thread(self.store.publish, staged, name)
         except StoreUnavailable:
             store_operation("load", "error", time.perf_counter() - t0)

@@ -104,6 +104,7 @@ from ltv_vllm.serving.contract.keys import Caller
 from ltv_vllm.serving.contract.settings import ServerSettings
 from ltv_vllm.serving.contract.wire import (
     ADMIT_KEY,
+    LAYER_KEY,
     STEPS_KEY,
     TASK_KEY,
     admission,
@@ -530,7 +531,8 @@ class Gate:
         xargs = dict(ask.xargs) if isinstance(ask.xargs, dict) else {}
         if STEPS_KEY in xargs:
             xargs[STEPS_KEY] = canonical_steps(xargs[STEPS_KEY])  # valid: `malformed`
-        xargs[ADMIT_KEY] = stamp(adm, xargs.get(TASK_KEY, ""), xargs.get(STEPS_KEY))
+        xargs[ADMIT_KEY] = stamp(adm, xargs.get(TASK_KEY, ""), xargs.get(STEPS_KEY),
+                                 xargs.get(LAYER_KEY))
         ask.payload["vllm_xargs"] = xargs
         return True
 

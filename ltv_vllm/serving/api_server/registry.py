@@ -9,6 +9,8 @@ name, key or count:
 - `keys`: each task-store task served by key (per-request tasks) → its engine key
   "NAME@DIGEST" (the digest names the vector file's content, so a name deleted and added
   again with another vector is another key: an engine never answers it with the old one);
+- `layers`: each task-store layer task (`core.layer_task`) → (its default positions,
+  additive): the gate hands them to the engine beside its key (`wire.LAYER_KEY`);
 - `chat`: each chat-fitted task-store task → the sha256 of the template it was fitted through;
 - `in_flight`: requests in flight per counted name (a LoRA adapter's, a task key, a
   command-line task's), counted by the gate until the handler returns; a DELETE waits on it;
@@ -43,6 +45,7 @@ class StoreHooks:
 @dataclass
 class TaskRegistry:
     keys: dict[str, str] = field(default_factory=dict)
+    layers: dict[str, tuple[str, bool]] = field(default_factory=dict)
     chat: dict[str, str] = field(default_factory=dict)
     in_flight: Counter[str] = field(default_factory=Counter)
     store: StoreHooks | None = None
@@ -57,12 +60,20 @@ class TaskRegistry:
         return registry
 
     # -- names and keys ---------------------------------------------------------------------
-    def serve(self, name: str, key: str) -> None:
+    def serve(self, name: str, key: str, layer: tuple[str, bool] | None = None) -> None:
+        """Serve store task `name` by engine key `key`; `layer`: a layer task's (default
+        positions, additive) (`taskstore.Entry.layer`)."""
         self.keys[name] = key
+        if layer is None:
+            self.layers.pop(name, None)
+        else:
+            self.layers[name] = layer
 
     def unserve(self, name: str) -> str | None:
-        """Forget a store task (its key and chat digest); its key, if it was served by one."""
+        """Forget a store task (its key, layer kind and chat digest); its key, if it was
+        served by one."""
         self.chat.pop(name, None)
+        self.layers.pop(name, None)
         return self.keys.pop(name, None)
 
     def fitted_chat(self, name: str, digest: str | None) -> None:

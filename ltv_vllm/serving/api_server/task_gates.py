@@ -17,9 +17,13 @@ from ltv_vllm.serving.api_server.ask import (
 )
 from ltv_vllm.serving.api_server.gate import Gate
 from ltv_vllm.serving.contract.wire import (
+    LAYER_KEY,
     LORA_PROMPT_LOGPROBS,
+    MIX_KEY,
+    STEPS_KEY,
     TASK_KEY,
     named_tasks,
+    parse_mix,
     task_prompt_logprobs,
     unknown_task,
 )
@@ -125,7 +129,21 @@ class TaskGate(Gate):
             return beam_refusal(f"task {task!r}"), "BadRequestError", "use_beam_search"
         if ask.prompt_logprobs:  # the engine refuses them too; here before any stream starts
             return task_prompt_logprobs(), "BadRequestError", "prompt_logprobs"
+        if mixed := self._store_mixed(ask):
+            return (f"{MIX_KEY} combines the command line's additive layer tasks; task-store "
+                    f"task {mixed!r} is not among them (name it as the request's task)",
+                    "BadRequestError", f"vllm_xargs.{MIX_KEY}")
         return ask.rendering(task, task, self._registry.chat_fitted())
+
+    def _store_mixed(self, ask: Ask) -> str | None:
+        """A task-store layer task a request's `ltv_mix` names (a mix is read by the engine
+        against its command-line layer tasks only: `wire.layer_parts`), or None."""
+        mix = (ask.xargs or {}).get(MIX_KEY) if isinstance(ask.xargs, dict) else None
+        try:
+            names = parse_mix(mix) if mix is not None else {}
+        except ValueError:
+            return None  # the engine's 400 names what is wrong with it
+        return next((n for n in names if n in self._registry.layers), None)
 
     def shifts(self, ask: Ask) -> bool:
         # after `rewrite`: a task's request carries its engine key (refused otherwise)
@@ -152,7 +170,13 @@ class TaskGate(Gate):
         # base model's name (store tasks are not served model names of vLLM's)
         if task in self._registry.keys:
             ask.set_model(base_name(scope))
-        ask.payload["vllm_xargs"] = {**(ask.xargs or {}),
-                                     TASK_KEY: self._registry.key_of(task)}
+        xargs = {**(ask.xargs or {}), TASK_KEY: self._registry.key_of(task)}
+        if (layer := self._registry.layers.get(task)) is not None:
+            # a store layer task: its kind and positions travel with its key, under the
+            # stamp (`wire.request_layers`): the engine holds no table of the store's tasks
+            positions, additive = layer
+            xargs.setdefault(STEPS_KEY, positions)
+            xargs[LAYER_KEY] = "add" if additive else "map"
+        ask.payload["vllm_xargs"] = xargs
         return True
 

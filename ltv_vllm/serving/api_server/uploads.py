@@ -69,7 +69,8 @@ class Uploads:
     def _stage_upload(self, name: str, data: bytes) -> Path:
         """The uploaded bytes as a staged entry (never unpickled: safetensors, or torch.load
         with weights_only); `stage` checks it against the served model."""
-        from ltv_vllm.core.vector import VectorError, load_task_vector
+        from ltv_vllm.core.layer_task import LayerTask, load_any
+        from ltv_vllm.core.vector import TaskVector, VectorError
         from ltv_vllm.core.vector_files import sniff_suffix
         from ltv_vllm.serving.store.lora import VLLM_LORA_RANKS
         from ltv_vllm.serving.store.taskstore import chat_template_of, full_disk
@@ -82,14 +83,18 @@ class Uploads:
                 if (full := full_disk(e, "the upload was not read", self.store.root)) is None:
                     raise
                 raise full from e
-            tv = load_task_vector(path)
+            tv = load_any(path)
+        if isinstance(tv, LayerTask) and not self.layers:
+            raise VectorError("a layer task: this server's engine was started without the "
+                              "hooks layer tasks shift through; start it with "
+                              "--layer-uploads (per-request tasks, --multi-task shift)")
         fitted, served = chat_template_of(tv), served_template()
         if fitted is not None and fitted != served:
             raise VectorError(f"a chat-fitted vector: fitted through chat template sha256 "
                               f"{fitted[:12]}, and this server renders chat with "
                               f"{served[:12] or 'no template'}; extract it with --chat-template "
                               "set to the server's")
-        if tv.rank > VLLM_LORA_RANKS[-1]:
+        if isinstance(tv, TaskVector) and tv.rank > VLLM_LORA_RANKS[-1]:
             raise VectorError(f"rank {tv.rank}: an upload may have rank {VLLM_LORA_RANKS[-1]} "
                               f"at most (vLLM's largest LoRA rank); this server serves rank "
                               f"{self.max_rank} (higher ranks are cut to it)")
@@ -182,7 +187,7 @@ class Uploads:
                 await asyncio.to_thread(self.store.remove, entry.name)
                 return self._fail(500, f"task {entry.name!r} could not be pinned: {e}",
                                   "InternalServerError")
-            self.registry.serve(entry.name, key)
+            self.registry.serve(entry.name, key, entry.layer)
             return None
         try:
             res = await self.models.load_lora_adapter(

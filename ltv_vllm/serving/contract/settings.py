@@ -30,6 +30,7 @@ class ServerSettings:
     max_tasks: int = 8             # store entries + compiles under way (`serve --max-tasks`)
     task_rank: int = 256           # the rank store tasks are stored (and served) at
     store_lora: bool = False       # store tasks served as LoRA adapters (else per request)
+    store_layers: bool = False     # the store may hold layer tasks: the engine hooks its blocks
     compile_threads: int = 1       # a compile worker's torch threads
     max_body: int = 64 << 20       # bytes of any request body but an upload or a compile
     max_upload: int = 1 << 30      # bytes of a task-vector upload (serve computes the real one)

@@ -36,6 +36,10 @@ TEMPLATE_ENV = "LTV_VLLM_CHAT_TEMPLATE"  # sha256 of the template the server ren
 SCALE_KEY = "ltv_scale"            # a request's `vllm_xargs` key: its layer task's scale
 MIX_KEY = "ltv_mix"                # `vllm_xargs`: {task: scale}, additive layer tasks added
 LAYER_TASKS_ENV = "LTV_VLLM_LAYER_TASKS"  # JSON {task key: {"positions", "additive"}}
+# `vllm_xargs`: a task-store layer task's kind ("add" or "map"), written by the gate beside
+# its engine key and explicit positions (`ltv_steps`), all three under the stamp
+LAYER_KEY = "ltv_layer"
+LAYER_KINDS = {"add": True, "map": False}  # LAYER_KEY → additive
 MAX_SCALE = 100.0                  # |scale| a request may ask for
 MAX_MIX = 16                       # layer tasks one request may combine with its own
 READOUT_KEY = "ltv_readout"        # a request's `vllm_xargs` key: token ids its logits keep
@@ -96,6 +100,24 @@ def layer_tasks(environ: Mapping[str, str] | None = None) -> dict[str, tuple[str
 def _layers(raw: str) -> tuple[tuple[str, tuple[str, bool]], ...]:
     return tuple(sorted((k, (str(v["positions"]), bool(v["additive"])))
                         for k, v in json.loads(raw).items()))
+
+
+def request_layers(args: Mapping[str, Any], adm: Admission | None = None,
+                   static: Mapping[str, tuple[str, bool]] | None = None
+                   ) -> Mapping[str, tuple[str, bool]]:
+    """The layer tasks a request is read against: the engine's command-line ones (`static`,
+    default `layer_tasks()`), and a task-store layer task the request names, as the gate
+    stamped it (its engine key, `ltv_layer` and `ltv_steps`: no table of the store's tasks
+    travels to the engine). ValueError where `ltv_layer` is not the gate's: unstamped
+    (`adm` given), not a store key, no positions, an unknown kind."""
+    layers = layer_tasks() if static is None else static
+    if LAYER_KEY not in args:
+        return layers
+    kind, task = args[LAYER_KEY], args.get(TASK_KEY)
+    if (kind not in LAYER_KINDS or not isinstance(task, str) or "@" not in task
+            or STEPS_KEY not in args or (adm is not None and not admitted(args, adm))):
+        raise ValueError(f"vllm_xargs.{LAYER_KEY} is the server's own")
+    return {**layers, task: (str(args[STEPS_KEY]), LAYER_KINDS[kind])}
 
 
 def parse_scale(value: Any, key: str = SCALE_KEY) -> float:
@@ -188,7 +210,7 @@ def check_request(args: Mapping[str, Any], *, prompt_logprobs: bool,
     """A request's `vllm_xargs` as the engine admits them (ValueError: an HTTP 400)."""
     if STEPS_KEY in args:
         parse_steps(args[STEPS_KEY])
-    layer_parts(args, layer_tasks())
+    layer_parts(args, request_layers(args, admission()))
     if READOUT_KEY in args:
         parse_readout(args[READOUT_KEY])
         if prompt_logprobs:  # they are computed outside the step's plan: not restricted
@@ -358,10 +380,11 @@ def canonical_steps(value: Any) -> str | int:
     return "all" if n is ALL else int(n)
 
 
-def stamp(adm: Admission, task: str, steps: Any) -> str:
-    """The stamp of an admitted request: its task key ("" for a fused vector) and its
-    `ltv_steps` as handed on (None: not given)."""
-    msg = json.dumps([task, steps], separators=(",", ":")).encode()
+def stamp(adm: Admission, task: str, steps: Any, layer: Any = None) -> str:
+    """The stamp of an admitted request: its task key ("" for a fused vector), its
+    `ltv_steps` as handed on (None: not given) and a store layer task's `ltv_layer`."""
+    msg = json.dumps([task, steps] if layer is None else [task, steps, layer],
+                     separators=(",", ":")).encode()
     return hmac.new(adm.key, msg, hashlib.sha256).hexdigest()[:32]
 
 
@@ -378,6 +401,6 @@ def admitted(args: Mapping[str, Any], adm: Admission | None) -> bool:
     given = args.get(ADMIT_KEY)
     if given is None:
         return not adm.every and TASK_KEY not in args
-    want = stamp(adm, args.get(TASK_KEY, ""), args.get(STEPS_KEY))
+    want = stamp(adm, args.get(TASK_KEY, ""), args.get(STEPS_KEY), args.get(LAYER_KEY))
     # a stamp is ASCII hex; compare_digest raises (TypeError) on other text, not False
     return isinstance(given, str) and given.isascii() and hmac.compare_digest(given, want)

@@ -18,7 +18,7 @@ import torch
 
 from ltv_vllm.core.layer_task import LayerTask
 from ltv_vllm.serving.engine.layer_shift import step_plan
-from ltv_vllm.serving.engine.steps import LAYER, row_index
+from ltv_vllm.serving.engine.steps import LAYER, STORE, RowPlanError, row_index
 
 ADD_TABLES = 256  # combined additive biases kept (`_additive`): depth × d floats each
 
@@ -33,6 +33,7 @@ class LayerRows:
     _layer_step: tuple[int, Any] = (-1, None)
     _layer_slots: dict[int, Any] = {}
     _depth = 0
+    _store_layers = False  # the store may hold layer tasks (`serve --layer-uploads`)
     _sizes: tuple[int, int] = (0, 0)
 
     def _layer_shift(self, hidden: torch.Tensor, residual: torch.Tensor,
@@ -104,8 +105,10 @@ class LayerRows:
         for rank, jobs in by_rank.items():
             table = self._layer_slots.get(rank)
             if table is None or table.device != device:
-                # every (map task, block) of the engine fits: its layer tasks are fixed
+                # every (map task, block) of the command line fits, and as many slots for a
+                # store's layer tasks as it keeps vectors (the least recently used go first)
                 room = sum(len(t.layers) for t in self._layer_tasks.values() if t.U is not None)
+                room += STORE.keep if self._store_layers else 0
                 table = self._layer_slots[rank] = TaskSlots(h.shape[1], h.shape[1], rank,
                                                             device, capacity=max(room, 1))
             rows, starts, slots = [], [0], []
@@ -134,9 +137,9 @@ class LayerRows:
         3.4× the bf16 gather (6.7 ms against 2.0 ms a block at 7,700 rows of SmolLM2)."""
         device = hidden.device
         adds = [(parts, idx) for parts, idx in plan.items()
-                if all(self._layer_tasks[t].additive for t, _ in parts)]
+                if all(self._layer_task(t).additive for t, _ in parts)]
         maps = [(parts, idx) for parts, idx in plan.items()
-                if not all(self._layer_tasks[t].additive for t, _ in parts)]
+                if not all(self._layer_task(t).additive for t, _ in parts)]
         if not adds:
             return None, maps
         table = torch.stack([self._additive(parts, device) for parts, _ in adds]).to(
@@ -162,9 +165,29 @@ class LayerRows:
                 self._add_tables.pop(next(iter(self._add_tables)))
         return table
 
+    def _layer_task(self, task: str) -> LayerTask:
+        """A layer task by key: the engine's own, or a task-store key's (`StoreVectors`:
+        loaded on first use from its pin, checked against the model before its first cast)."""
+        held = self._layer_tasks.get(task)
+        if held is not None:
+            return held
+        held = STORE.get(task)
+        if not isinstance(held, LayerTask):
+            raise RowPlanError(f"ltv-vllm: task {task!r} is not a layer task")
+        if task not in self._layer_casts:
+            held.check_fits(self._sizes[0], self._depth, f"task store layer task {task}")
+        return held
+
     def _layer_cast(self, task: str, device: torch.device) -> LayerTask:
-        """A layer task on the engine's device in float32, cast on first use."""
+        """A layer task on the engine's device in float32, cast on first use (a store's:
+        as many kept as the store keeps vectors, the oldest cast dropped first)."""
         cast = self._layer_casts.get(task)
         if cast is None or (cast.bias if cast.bias is not None else cast.U).device != device:
-            cast = self._layer_casts[task] = self._layer_tasks[task].to(device, torch.float32)
+            cast = self._layer_task(task).to(device, torch.float32)
+            self._layer_casts.pop(task, None)
+            self._layer_casts[task] = cast
+            if task not in self._layer_tasks:
+                kept = [k for k in self._layer_casts if k not in self._layer_tasks]
+                for old in kept[:-STORE.keep]:
+                    del self._layer_casts[old]
         return cast

@@ -73,7 +73,13 @@ class LTVMixin(LayerRows):
         self._layer_step: tuple[int, Any] = (-1, None)   # (LAYER.step, `_layer_tables`)
         self._layer_slots: dict[int, Any] = {}  # rank → `grouped_shift.TaskSlots` of the maps
         self._depth = int(getattr(config, "num_hidden_layers", 0) or 0)
-        if self._layer_tasks:
+        from ltv_vllm.serving.contract.settings import ENV, ServerSettings
+
+        settings = ServerSettings.from_env() if ENV in os.environ else None
+        # a store that may hold layer tasks (`serve --layer-uploads`): hooks from the start,
+        # its tasks loaded on first use (`_layer_task`)
+        self._store_layers = settings is not None and settings.store_layers
+        if self._layer_tasks or self._store_layers:
             from ltv_vllm.serving.contract.wire import LAYER_TASKS_ENV, layer_tasks
             from ltv_vllm.serving.engine.prefix_keys import patched
 
@@ -105,10 +111,9 @@ class LTVMixin(LayerRows):
             raise VectorError("a folded head serves one task; per-request tasks need it unfolded")
         self._sizes = int(config.hidden_size), int(config.vocab_size)
         # a server's engine measures its shifts for /metrics (`shift_sizes`): not offline
-        from ltv_vllm.serving.contract.settings import ENV, ServerSettings
         from ltv_vllm.serving.engine.shift_sizes import ShiftSizes
 
-        served = ENV in os.environ and ServerSettings.from_env().task_metrics
+        served = settings is not None and settings.task_metrics
         self._shift_sizes = ShiftSizes() if served else None
         for name, tv in self._vectors.items():
             self._check_sizes(tv, f"task vector {name or path}")
@@ -132,6 +137,8 @@ class LTVMixin(LayerRows):
         tv = self._vectors.get(task)
         if tv is None and task != FUSED and self._store:
             tv = STORE.get(task)
+            if isinstance(tv, LayerTask):
+                return None
             self._check_sizes(tv, f"task store vector {task}")
         return tv
 

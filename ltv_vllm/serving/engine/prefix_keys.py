@@ -18,7 +18,8 @@ A task key is fixed for an engine's life (a name from its command line) or names
 The engine learns which task keys are layer tasks, and their default positions, from
 `wire.LAYER_TASKS_ENV`, written by the recipe's caller before the engine starts (as the task
 names are: `wire.tasks_env`); the worker refuses to start with layer tasks the variable
-does not list, so a cache that would not key them never serves them.
+does not list, so a cache that would not key them never serves them. A task-store layer
+task's request carries its kind and positions itself (`wire.request_layers`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ltv_vllm.core.layer_task import LayerPolicy
-from ltv_vllm.serving.contract.wire import STEPS_KEY, layer_parts, layer_tasks
+from ltv_vllm.serving.contract.wire import (
+    LAYER_KEY,
+    STEPS_KEY,
+    layer_parts,
+    layer_tasks,
+    request_layers,
+)
 
 _MARK = "_ltv_vllm_layer_keys"
 
@@ -47,12 +54,15 @@ def block_key(args: Mapping[str, Any], prompt_len: int, end: int,
     """The extra key of a block ending before token `end` of a request with `vllm_xargs`
     `args` (None: the bare model's block). Pure: what the patch below adds."""
     try:
-        parts = layer_parts(args, tasks)
+        # a store layer task's kind and positions come with it (unchecked here: a stamp
+        # the request check refused keys a block apart, never shares one)
+        layers = request_layers(args, None, tasks)
+        parts = layer_parts(args, layers)
     except ValueError:  # refused at admission; keyed apart anyway, never shared
         return ("ltv_layer", repr(sorted(args.items(), key=str))[:256])
     if parts is None:
         return None
-    text = args.get(STEPS_KEY, tasks[parts[0][0]][0])
+    text = args[STEPS_KEY] if STEPS_KEY in args else layers[parts[0][0]][0]
     try:
         policy = LayerPolicy.parse(text)
     except ValueError:
@@ -79,12 +89,12 @@ def patch_block_hash_keys() -> bool:
     def keyed(request: Any, start_token_idx: int, end_token_idx: int,
               start_mm_idx: int) -> tuple[Any, int]:
         keys, next_mm = original(request, start_token_idx, end_token_idx, start_mm_idx)
-        tasks = layer_tasks()
         params = getattr(request, "sampling_params", None)
-        if not tasks or params is None:
+        args = (params.extra_args or {}) if params is not None else {}
+        tasks = layer_tasks()
+        if not tasks and LAYER_KEY not in args:
             return keys, next_mm
-        extra = block_key(params.extra_args or {}, int(request.num_prompt_tokens),
-                          end_token_idx, tasks)
+        extra = block_key(args, int(request.num_prompt_tokens), end_token_idx, tasks)
         if extra is None:
             return keys, next_mm
         return (*(keys or ()), extra), next_mm

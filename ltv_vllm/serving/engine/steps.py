@@ -212,7 +212,7 @@ class LTVStepPolicy(LogitsProcessor, V2LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         def entry(params: SamplingParams, prompt: Any, out: list[int]) -> Any:
             return (*self.shift.of(params), out, readout_of(params),
-                    self.shift.layer_of(params, LAYER.tasks),
+                    self.shift.layer_of(params, LAYER.tasks, LAYER.shift is not None),
                     len(prompt) if prompt is not None else None)
 
         process_dict_updates(self.rows, batch_update, entry)

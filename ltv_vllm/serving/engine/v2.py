@@ -81,7 +81,8 @@ class LTVModelState(DefaultModelState):
         # the prompt's own length (token ids or embeddings), as V2's request states take it:
         # a request resumed after preemption is prefilled with its outputs too
         self.slots[req_index] = (task, n, int(new_req_data.prompt_len))
-        ask = self.shift.layer_of(params, LAYER.tasks)  # (positions, parts) or None
+        # (positions, parts) or None
+        ask = self.shift.layer_of(params, LAYER.tasks, LAYER.shift is not None)
         if ask is None:
             self.layer_slots.pop(req_index, None)
         else:

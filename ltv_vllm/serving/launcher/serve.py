@@ -20,7 +20,7 @@ from typing import Any
 
 from ltv_vllm.core.fileio import check_writable
 from ltv_vllm.core.layer_task import LayerTask, load_any
-from ltv_vllm.core.vector import TaskVector, VectorError, load_task_vector
+from ltv_vllm.core.vector import TaskVector, VectorError
 from ltv_vllm.errors import ArgumentError
 from ltv_vllm.models.checkpoint import identity_from_dir
 from ltv_vllm.serving.contract.names import MULTI_SERVER_MODULE
@@ -103,6 +103,7 @@ class ServeOptions:
     # the server's own settings: defaults in one place (`contract.settings`)
     max_tasks: int = ServerSettings.max_tasks  # tasks a task-store server can hold at once
     compile_threads: int = ServerSettings.compile_threads  # the engine keeps the other cores
+    layer_uploads: bool = False  # the store may hold layer tasks: hooks at start
     max_body_mib: int = ServerSettings.max_body >> 20  # any body but an upload or a compile
     api_keys: str | None = None        # a keys file with roles (`contract.keys`)
     # a task store served with no key at all: refused unless the operator says so
@@ -155,6 +156,10 @@ class ServeOptions:
             raise ArgumentError(f"--max-logprobs {top}: the start-up self-check reads each "
                                 "step's two best log-probabilities; give --max-logprobs 2 or "
                                 "more, or --skip-selfcheck")
+        if self.layer_uploads and (self.task_store is None or self.lora):
+            raise ArgumentError("--layer-uploads lets a task store hold layer tasks, served "
+                                "per request: give it with --task-store, without --multi-task "
+                                "lora")
         if self.audit_log is not None and self.task_store is None:
             raise ArgumentError("--audit-log records the task store's operations: give it "
                                 "with --task-store")
@@ -350,7 +355,8 @@ def plan_server(opts: ServeOptions) -> ServerPlan:
     parsed = parse_vector_specs(list(opts.vectors))
     store = _plan_store(opts, model_dir, parsed)
     given = {n: checked_vector(model_dir, p) for n, p in parsed.items()}  # read once
-    layered = any(isinstance(t, LayerTask) for t in given.values())
+    # layer hooks: a layer task given, or one the store holds or may hold
+    layered = any(isinstance(t, LayerTask) for t in given.values()) or store.layers
     probes, lora_probes, notes = _plan_probes(opts, model_dir, layered)
     args, lora, task_env = server_args(_server_spec(opts, model_dir, parsed, store, probes,
                                                     lora_probes))
@@ -407,6 +413,7 @@ class _StorePlan:
     root: Path | None = None
     entries: dict[str, Path] | None = None
     quarantine: dict[str, str] = field(default_factory=dict)
+    layers: bool = False  # it holds, or may be given, layer tasks (`serve --layer-uploads`)
 
 
 def _plan_store(opts: ServeOptions, model_dir: Path, parsed: dict[str, Path]) -> _StorePlan:
@@ -419,9 +426,10 @@ def _plan_store(opts: ServeOptions, model_dir: Path, parsed: dict[str, Path]) ->
     shared, _ = shared_store(opts.task_store)
     if shared is not None:
         # a shared store: this replica serves a copy of its own, made at start
-        return _StorePlan(shared, replica_root(shared), {}, {})
-    entries, quarantine = store_entries(opts.task_store, model_dir, parsed)
-    return _StorePlan(None, Path(opts.task_store).absolute(), entries, quarantine)
+        return _StorePlan(shared, replica_root(shared), {}, {}, opts.layer_uploads)
+    entries, quarantine, held = store_entries(opts.task_store, model_dir, parsed, opts.lora)
+    return _StorePlan(None, Path(opts.task_store).absolute(), entries, quarantine,
+                      opts.layer_uploads or held)
 
 
 def _plan_keys(opts: ServeOptions, shared: str | None
@@ -524,7 +532,7 @@ def _plan_chat(opts: ServeOptions, model_dir: Path, given: dict[str, TaskVector]
     if not fitted and opts.task_store is None:
         return {}
     # a task store's chat-fitted entries: the gate learns them from the store; warned here
-    kept = chat_fitted_vectors({n: load_task_vector(p / VECTOR)
+    kept = chat_fitted_vectors({n: load_any(p / VECTOR)
                                 for n, p in (store or {}).items()})
     served = served_template_digest(model_dir, opts.vllm)
     notes += [f"warning: {name or 'the vector'} was fitted through another chat template "
@@ -557,6 +565,7 @@ def _plan_settings(opts: ServeOptions, model_dir: Path, store: _StorePlan,
                            store_poll=opts.store_poll, max_tasks=opts.max_tasks,
                            task_rank=lora.max_rank if lora else store_rank(model_dir),
                            store_lora=lora is not None,
+                           store_layers=store.layers,
                            compile_threads=opts.compile_threads,
                            max_upload=upload_limit(model_dir))
     return settings

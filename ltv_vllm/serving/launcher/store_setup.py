@@ -67,17 +67,22 @@ def store_rank(model_dir: str | Path) -> int:
     return lora_rank(min(identity_from_dir(model_dir).hidden_size, DEFAULT_STORE_N))
 
 
-def store_entries(root: str, model_dir: Path, vectors: dict[str, Path]
-                  ) -> tuple[dict[str, Path], dict[str, str]]:
-    """The store's entries a server on `model_dir` can serve (name → directory), and those it
-    cannot (name → why: they go to quarantine, never stop the start); read only."""
+def store_entries(root: str, model_dir: Path, vectors: dict[str, Path], lora: bool = False
+                  ) -> tuple[dict[str, Path], dict[str, str], bool]:
+    """The store's entries a server on `model_dir` can serve (name → directory), those it
+    cannot (name → why: they go to quarantine, never stop the start) and whether it holds a
+    layer task (refused in one line for a LoRA server: no adapter carries one); read only."""
     from ltv_vllm.serving.store.taskstore import TaskStore
 
     entries, bad = TaskStore(root, create=False).checked(model_dir)
     if clash := sorted(set(entries) & set(vectors)):
         raise VectorError(f"task {clash[0]!r} is both a --task-vector and an entry of the task "
                           "store; rename one")
-    return {name: e.path for name, e in entries.items()}, bad
+    layered = sorted(n for n, e in entries.items() if e.layer is not None)
+    if layered and lora:
+        raise VectorError(f"task store entry {layered[0]!r} is a layer task, which no LoRA "
+                          "adapter carries: serve the store with --multi-task shift")
+    return {name: e.path for name, e in entries.items()}, bad, bool(layered)
 
 
 def upload_limit(model_dir: str | Path) -> int:

@@ -8,6 +8,9 @@
                                   cut to the served rank stores the cut vector, so what is
                                   stored is exactly what is served)
         entry.json                the task spec and how the entry was made (`Entry.record`)
+                                  (a layer task's entry, `core.layer_task`, holds its file
+                                  and entry.json only: it shifts inside the decoder, which
+                                  no LoRA adapter does; it is served per request)
     ROOT/.tmp-NAME-XXXX/          an entry being written (`stage`); renamed to ROOT/NAME by
                                   `publish` when complete
     ROOT/.del-NAME-XXXX/          an entry being removed; renamed away first, then deleted
@@ -50,7 +53,9 @@ from pathlib import Path
 from typing import Any
 
 from ltv_vllm.core.fileio import umask
-from ltv_vllm.core.vector import TaskVector, finite_or_none, load_task_vector
+from ltv_vllm.core.layer_task import KIND as LAYER_KIND
+from ltv_vllm.core.layer_task import LayerTask, load_any
+from ltv_vllm.core.vector import TaskVector, finite_or_none
 from ltv_vllm.errors import UserError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -121,8 +126,15 @@ class Entry:
     def vector_path(self) -> Path:
         return self.path / VECTOR
 
-    def vector(self) -> TaskVector:
-        return load_task_vector(self.vector_path)
+    def vector(self) -> TaskVector | LayerTask:
+        return load_any(self.vector_path)
+
+    @property
+    def layer(self) -> tuple[str, bool] | None:
+        """A layer task's (default positions, additive), from its record; None: a vector."""
+        if self.record.get("kind") != LAYER_KIND:
+            return None
+        return str(self.record.get("positions")), bool(self.record.get("additive"))
 
     def chat_template(self) -> str | None:
         """sha256 of the chat template a chat-fitted entry's vector was fitted through (read
@@ -130,22 +142,26 @@ class Entry:
         return chat_template_of(self.vector())
 
 
-def chat_template_of(tv: TaskVector) -> str | None:
+def chat_template_of(tv: TaskVector | LayerTask) -> str | None:
     fmt = tv.provenance.prompt_format
     return fmt["template_sha256"] if fmt and fmt.get("name") == "chat" else None
 
 
-def record_of(name: str, tv: TaskVector, *, source: str, lora_rank: int,
+def record_of(name: str, tv: TaskVector | LayerTask, *, source: str, lora_rank: int,
               full_rank: int | None = None,
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """What `entry.json` says about a task: enough to list it without loading tensors.
-    `rank` is the served (stored) rank; `full_rank` the rank before a cut."""
+    `rank` is the served (stored) rank; `full_rank` the rank before a cut. A layer task's
+    record says so (`kind` "layer") with its blocks, default positions and additivity."""
     p = tv.provenance
+    kind = {"kind": tv.kind} if isinstance(tv, TaskVector) else {
+        "kind": LAYER_KIND, "layers": list(tv.layers), "positions": str(tv.policy),
+        "additive": tv.additive}
     # strict JSON: entry.json and the server's answers refuse NaN
     return finite_or_none({
         "format": FORMAT, "name": name, "source": source,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "task": p.task, "kind": tv.kind, "rank": tv.rank, "full_rank": full_rank or tv.rank,
+        "task": p.task, **kind, "rank": tv.rank, "full_rank": full_rank or tv.rank,
         "lora_rank": lora_rank, "k": p.k_used, "n": p.n, "lam": p.lam, "episode": p.episode,
         "metrics": p.metrics, "model": tv.model.to_dict(),
         **({"prompt_format": p.prompt_format} if p.prompt_format else {}),
@@ -337,16 +353,16 @@ class TaskStore:
             raise StoreError(f"task store entry {p.name}: not a format-{FORMAT} entry")
         return Entry(p.name, p, record)
 
-    def add(self, name: str, tv: TaskVector, model_dir: str | Path, *, source: str = "added",
-            base_model: str | None = None, rank: int | None = None,
+    def add(self, name: str, tv: TaskVector | LayerTask, model_dir: str | Path, *,
+            source: str = "added", base_model: str | None = None, rank: int | None = None,
             extra: dict[str, Any] | None = None) -> Entry:
         """Write an entry for `tv` (checked against `model_dir`) and publish it by a rename:
         `stage` then `publish`."""
         return self.publish(self.stage(name, tv, model_dir, source=source,
                                        base_model=base_model, rank=rank, extra=extra), name)
 
-    def stage(self, name: str, tv: TaskVector, model_dir: str | Path, *, source: str = "added",
-              base_model: str | None = None, rank: int | None = None,
+    def stage(self, name: str, tv: TaskVector | LayerTask, model_dir: str | Path, *,
+              source: str = "added", base_model: str | None = None, rank: int | None = None,
               extra: dict[str, Any] | None = None, into: str | Path | None = None) -> Path:
         """Write a complete, unpublished entry for `tv`; its directory (a `.tmp-` one in the
         store, or `into`, which must be on the store's filesystem and not exist yet).
@@ -360,6 +376,12 @@ class TaskStore:
 
         check_name(name)
         tv.check_model(identity_from_dir(model_dir))
+        if isinstance(tv, LayerTask):  # no adapter: served per request only
+            with self._staging(name, into, "stored") as tmp:
+                tv.save(tmp / VECTOR)
+                record = record_of(name, tv, source=source, lora_rank=0, extra=extra)
+                (tmp / RECORD).write_text(json.dumps(record, indent=1, allow_nan=False))
+            return tmp
         refuse_non_lora(tv)
         with self._staging(name, into, "stored") as tmp:
             full_rank = tv.rank
@@ -393,12 +415,13 @@ class TaskStore:
 
     def adopt(self, name: str, data: bytes, record: dict[str, Any], model_dir: str | Path, *,
               base_model: str | None = None, max_rank: int | None = None,
-              adapter: bool = True) -> Path:
+              adapter: bool = True, layers: bool = False) -> Path:
         """Stage an entry from a shared store's vector bytes, kept byte for byte (so its
         digest, and its engine key, are the shared store's), with its adapter made here for
         `model_dir` (`adapter`: a server that serves its tasks as LoRA adapters; one that
-        shifts per request reads the vector only); StoreError (one line) when this server
-        cannot serve it: another model, a nonlinear vector, a rank over `max_rank`."""
+        shifts per request reads the vector only; `layers`: one whose engine has the layer
+        hooks, `serve --layer-uploads`); StoreError (one line) when this server cannot serve
+        it: another model, a nonlinear vector, a rank over `max_rank`, a layer task here."""
         from ltv_vllm.models.checkpoint import identity_from_dir
         from ltv_vllm.serving.store.lora import export_lora, refuse_non_lora
 
@@ -406,25 +429,38 @@ class TaskStore:
         fmt = record.get("format") if isinstance(record, dict) else None
         if type(fmt) is not int or fmt != FORMAT:  # an entry this release could not read
             raise StoreError(f"task {name!r}: its record is not a format-{FORMAT} entry")
-        try:  # strict JSON, as `stage` writes it; the name is the one it is served as
-            text = json.dumps({**record, "name": name}, indent=1, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise StoreError(f"task {name!r}: its record is not strict JSON ({e})") from None
         with self._staging(name, None, "copied") as tmp:
             (tmp / VECTOR).write_bytes(data)
             try:
-                tv = load_task_vector(tmp / VECTOR)
+                tv = load_any(tmp / VECTOR)
                 tv.check_model(identity_from_dir(model_dir))
-                refuse_non_lora(tv)
+                if isinstance(tv, LayerTask):
+                    if adapter or not layers:
+                        raise StoreError(f"task {name!r} is a layer task: this replica "
+                                         "serves none (start it with --layer-uploads and "
+                                         "--multi-task shift)")
+                else:
+                    refuse_non_lora(tv)
             except StoreError:
                 raise
             except UserError as e:
                 raise StoreError(f"task {name!r}: {e}") from None
-            if max_rank is not None and tv.rank > max_rank:
+            if isinstance(tv, LayerTask):
+                adapter = False
+            elif max_rank is not None and tv.rank > max_rank:
                 raise StoreError(f"task {name!r}: rank {tv.rank} is over this server's rank "
                                  f"{max_rank}; serve every replica at the same rank")
             if adapter:
                 export_lora(tv, model_dir, tmp, base_model=base_model or str(Path(model_dir)))
+            # what kind of task it is, read from its file (the gate serves it by the record)
+            facts = {k: v for k, v in record_of(name, tv, source="", lora_rank=0).items()
+                     if k in ("kind", "layers", "positions", "additive")}
+            try:  # strict JSON, as `stage` writes it; the name is the one it is served as
+                text = json.dumps({**record, "name": name, **facts}, indent=1,
+                                  allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise StoreError(f"task {name!r}: its record is not strict JSON ({e})") \
+                    from None
             (tmp / RECORD).write_text(text)
         return tmp
 
@@ -516,6 +552,11 @@ def _servable(entry: Entry, ident: Any) -> None:
     try:
         tv = entry.vector()
         tv.check_model(ident)
+        if isinstance(tv, LayerTask) != (entry.layer is not None):
+            raise StoreError(f"{where}: its record and its file disagree on whether it is a "
+                             "layer task")
+        if isinstance(tv, LayerTask):
+            return  # no adapter: served per request
         refuse_non_lora(tv)
     except UserError as err:
         raise StoreError(f"{where}: {err}") from None

@@ -13,6 +13,7 @@ from typing import Any
 
 from ltv_vllm.serving.contract.wire import (
     DEFAULT_KEY,
+    LAYER_KEY,
     STEPS_KEY,
     STORE_CONFIG_KEY,
     TASK_KEY,
@@ -20,6 +21,7 @@ from ltv_vllm.serving.contract.wire import (
     admission,
     admitted,
     parse_steps,
+    request_layers,
 )
 
 FUSED = ""  # the task key of the engine's own (fused) vector
@@ -39,7 +41,8 @@ class StoreVectors:
         self.cache: OrderedDict[str, Any] = OrderedDict()
 
     def get(self, key: str) -> Any:
-        from ltv_vllm.core.vector import load_task_vector
+        """The vector (or layer task: `core.layer_task`) key "NAME@DIGEST" names."""
+        from ltv_vllm.core.layer_task import load_any
         from ltv_vllm.serving.store.taskstore import TaskStore, vector_digest
 
         if key in self.cache:
@@ -52,7 +55,7 @@ class StoreVectors:
         if vector_digest(path) != digest:
             # fail the engine loudly rather than answer with another vector
             raise RuntimeError(f"task store entry {name!r} changed under key {key!r}")
-        tv = self.cache[key] = load_task_vector(path)
+        tv = self.cache[key] = load_any(path)
         while len(self.cache) > self.keep:
             self.cache.popitem(last=False)
         return tv
@@ -105,11 +108,12 @@ class RequestShift:
         tv = self.vectors.get(task)
         return task, parse_steps(self.store_default or tv.provenance.shift_steps or "all")
 
-    def layer_of(self, params: Any, tasks: Any) -> Any:
+    def layer_of(self, params: Any, tasks: Any, hooked: bool = True) -> Any:
         """A request's layer shift if its task is one of `tasks` (the engine's layer tasks),
         else None: (its positions, ((task, scale), ...): its own task times `ltv_scale`, then
         its `ltv_mix`). Positions: its `ltv_steps`, else its task's default (`serve
-        --shift-steps`, else the task file's own)."""
+        --shift-steps`, else the task file's own; a store task's comes with it). `hooked`:
+        whether this engine's blocks call the layer op (`engine.layer_shift`)."""
         from ltv_vllm.core.layer_task import LayerPolicy
         from ltv_vllm.serving.contract.wire import layer_parts
 
@@ -117,10 +121,22 @@ class RequestShift:
         if not admitted(args, self.admission):
             return None
         task = args.get(TASK_KEY, FUSED)
+        layers = {k: (str(t.policy), t.additive) for k, t in tasks.items()}
         if task not in tasks:
-            return None
+            if LAYER_KEY not in args:
+                return None
+            # a task-store layer task, as the gate stamped it (checked at admission)
+            if not hooked:  # its uploads are refused there: never answer it unshifted
+                raise RuntimeError(f"{TASK_KEY} {task!r}: a task-store layer task on an "
+                                   "engine started without layer hooks (--layer-uploads)")
+            layers = dict(request_layers(args, self.admission, layers))
+            held = self.vectors.get(task)
+            if getattr(held, "additive", None) is not layers[task][1]:
+                # fail the engine loudly rather than shift with what the gate did not mean
+                raise RuntimeError(f"{TASK_KEY} {task!r} is not the layer task its request "
+                                   "was admitted for")
         # checked at admission (`check_request`)
-        parts = layer_parts(args, {k: (str(t.policy), t.additive) for k, t in tasks.items()})
+        parts = layer_parts(args, layers)
         if STEPS_KEY in args:
             return LayerPolicy.parse(args[STEPS_KEY]), parts
         text = self.texts.get(task)
