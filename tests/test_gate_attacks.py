@@ -579,8 +579,8 @@ def test_bad_stored_fields_are_refused_at_upload(server):
     """A vector whose meta.shift_steps is not a policy was stored (201) and killed the engine
     at its first request, again after every restart. Now every field the engine parses is
     checked at upload: 422, nothing stored; a Gram matrix that cannot be cut is a 422, not
-    torch's Cholesky message in a 500; a layer task (a store serves final-layer vectors) is
-    a 422 in one line."""
+    torch's Cholesky message in a 500; a layer task, on a server started without
+    --layer-uploads (its engine has no layer hooks), is a 422 in one line."""
     srv, name = server, "gamma-fields"
     with own_tasks(srv, name):
         for steps in ("bogus", "-1", "١", "true"):
@@ -604,7 +604,7 @@ def test_bad_stored_fields_are_refused_at_upload(server):
         r = HTTP.post(f"{srv.url}/v1/ltv/tasks", data={"name": name},
                       files={"vector": (path.name, path.read_bytes())}, timeout=60)
         assert r.status_code == 422 and "gram" in r.json()["error"]["message"], r.text
-        # a layer task (it acts inside the decoder): a store serves final-layer vectors only
+        # a layer task (it acts inside the decoder): this server has no layer hooks
         from ltv_vllm.core.layer_task import LayerTask
 
         lt = LayerTask(layers=(0,), bias=torch.ones(1, tv.V.shape[0]), U=None, V=None,
@@ -612,7 +612,7 @@ def test_bad_stored_fields_are_refused_at_upload(server):
         path = lt.save(srv.tmp / "layer.safetensors")
         r = HTTP.post(f"{srv.url}/v1/ltv/tasks", data={"name": name},
                       files={"vector": (path.name, path.read_bytes())}, timeout=60)
-        assert r.status_code == 422 and "a layer task" in r.json()["error"]["message"], r.text
+        assert r.status_code == 422 and "--layer-uploads" in r.json()["error"]["message"], r.text
         assert "\n" not in r.json()["error"]["message"] and name not in srv.store.names()
         r = srv.upload(name, "2")
         assert r.status_code == 201, r.text
@@ -1014,8 +1014,9 @@ def fuzz_body(rng: random.Random, srv: Server, route: str) -> tuple[dict, dict]:
     if rng.random() < 0.3:
         xargs["ltv_chat"] = rng.choice(["allow", "allow", "no"])
     if rng.random() < 0.1:  # a layer task's asks, on servers that hold none: always a 400
-        key = rng.choice(["ltv_scale", "ltv_mix"])
-        xargs[key] = rng.choice([2.0, 0, -1, "1", [1], "alpha=1", "beta=0.5,alpha=1", ""])
+        key = rng.choice(["ltv_scale", "ltv_mix", "ltv_layer"])  # (the last the gate's own)
+        xargs[key] = rng.choice([2.0, 0, -1, "1", [1], "alpha=1", "beta=0.5,alpha=1", "",
+                                 "add", "map"])
     if xargs or rng.random() < 0.1:
         body["vllm_xargs"] = xargs
     chat = route in ("/v1/chat/completions", "/v1/chat/completions/batch") or (
@@ -1134,7 +1135,7 @@ def check_answer(srv: Server, route: str, body: dict, headers: dict, r: httpx.Re
         assert xargs.get("ltv_chat") == "allow", f"{where}: chat without consent"
     if served_as not in ("/v1/completions", "/v1/chat/completions"):
         return
-    layer_ask = sorted({"ltv_scale", "ltv_mix"} & set(xargs))
+    layer_ask = sorted({"ltv_scale", "ltv_mix", "ltv_layer"} & set(xargs))
     assert not layer_ask, f"{where}: {layer_ask} answered by a server without layer tasks"
     shown = response_model(r, stream)
     want = task if task is not None else None
@@ -1166,9 +1167,10 @@ def test_request_fuzzer(server):
     validate (served as a completion), stop, streaming, structured outputs, SageMaker's
     adapter header, odd content types), four at a time beside store uploads (good and bad
     fields) and DELETEs of tasks with requests in flight: no 5xx; the engine alive after
-    every batch; a layer task's `ltv_scale` or `ltv_mix` never answered (these servers hold
-    none: a folded head and LoRA adapters once ignored them); every 200 answered by the task the
-    request names (or the bare model) at its own steps, under that name; no error shows a
+    every batch; a layer task's `ltv_scale`, `ltv_mix` or a client's own `ltv_layer` never
+    answered (these servers hold none: a folded head and LoRA adapters once ignored them);
+    every 200 answered by the task the request names (or the bare model) at its own steps,
+    under that name; no error shows a
     path, a traceback or an engine key. Every violation is collected (a dead engine is
     reported with the requests it died under, and the server restarted), then all are
     reported together."""

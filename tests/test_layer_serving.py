@@ -429,6 +429,61 @@ def test_layer_tasks_keep_piecewise_cuda_graphs_split_at_their_op(tmp_path, toke
         c.splitting_ops
 
 
+def test_a_store_that_holds_or_may_hold_layer_tasks_gets_their_hooks(tmp_path, tokenizer,
+                                                                     monkeypatch):
+    """`serve --task-store`: with a layer task among its entries, or `--layer-uploads`, the
+    engine is told to hook its blocks (`store_layers`), the layer probes join the self-check
+    and a GPU engine gets piecewise graphs — none of it for a store without (full graphs
+    stay); `--layer-uploads` without a store or in LoRA mode, and a LoRA server on a store
+    holding a layer task, are one line each before any engine."""
+    import json
+    import shlex
+
+    from click.testing import CliRunner
+
+    from conftest import write_model_and_vectors
+    from ltv_vllm.cli import main
+    from ltv_vllm.core.vector import load_task_vector
+    from ltv_vllm.models import hardware
+    from ltv_vllm.serving.contract.settings import ENV
+    from ltv_vllm.serving.store.taskstore import TaskStore
+
+    tmp = tmp_path
+    good, _ = write_model_and_vectors(tmp, tokenizer)
+    monkeypatch.setenv("LTV_VLLM_CACHE", str(tmp / "cache"))
+    monkeypatch.setattr(hardware, "engine_device", lambda: "cuda")
+    ident = load_task_vector(good).model
+
+    def dry(*flags):
+        r = CliRunner().invoke(main, ["serve", "--model", str(tmp / "m"), "--dry-run",
+                                      "--dtype", "float32", "--allow-unauthenticated",
+                                      *flags])
+        line = next((ln for ln in r.output.splitlines() if ENV + "=" in ln), "")
+        env = next((w for w in shlex.split(line) if w.startswith(ENV + "=")), None)
+        return r, json.loads(env.split("=", 1)[1]) if env else None
+
+    store = TaskStore(tmp / "store")
+    store.add("v", load_task_vector(good), tmp / "m")
+    r, settings = dry("--task-store", str(store.root))
+    assert r.exit_code == 0 and settings["store_layers"] is False, r.output
+    assert "PIECEWISE" not in r.output and "LTV_VLLM_LAYER_TASKS" not in r.output
+    r, settings = dry("--task-store", str(store.root), "--layer-uploads")
+    assert r.exit_code == 0 and settings["store_layers"] is True, r.output
+    assert "PIECEWISE" in r.output and "LTV_VLLM_LAYER_TASKS" in r.output  # layer probes
+    store.add("ctl", LayerTask((0,), torch.ones(1, ident.hidden_size), None, None, ident),
+              tmp / "m")
+    r, settings = dry("--task-store", str(store.root))
+    assert r.exit_code == 0 and settings["store_layers"] is True, r.output
+    for flags, message in ((("--task-vector", good, "--layer-uploads"), "--layer-uploads"),
+                           (("--task-store", str(store.root), "--multi-task", "lora"),
+                            "no LoRA adapter carries"),
+                           (("--task-store", str(tmp / "s2"), "--multi-task", "lora",
+                             "--layer-uploads"), "--layer-uploads")):
+        r, _ = dry(*flags)
+        assert r.exit_code == 1 and message in r.output, (flags, r.output)
+        assert len(r.output.strip().splitlines()) == 1, r.output
+
+
 def test_a_server_reads_back_the_layer_probes_an_earlier_start_wrote(served, tmp_path,
                                                                       monkeypatch):
     """`served_probes` with layer probes: computed once from the LM head and written to the

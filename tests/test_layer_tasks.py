@@ -426,6 +426,11 @@ def test_what_a_request_cannot_ask_of_layer_tasks_is_refused_in_one_line(args, m
     ({"ltv_task": "late"}, 70, 69),
     ({"ltv_task": "ctl", "ltv_steps": 0}, 70, None),           # nothing shifted
     ({"ltv_task": "ctl", "ltv_steps": "generated"}, 70, 69),
+    # a task-store layer task: its kind and positions come with it, under the stamp
+    ({"ltv_task": "s@0123", "ltv_layer": "add", "ltv_steps": "all"}, 70, 0),
+    ({"ltv_task": "s@0123", "ltv_layer": "map", "ltv_steps": "last"}, 70, 69),
+    ({"ltv_task": "s@0123", "ltv_layer": "map", "ltv_steps": 0}, 70, None),
+    ({"ltv_task": "s@0123", "ltv_steps": "all"}, 70, None),    # a final-layer store task
 ])
 def test_a_block_is_keyed_from_the_first_position_its_request_shifts(args, prompt_len,
                                                                     keyed_from):
@@ -445,3 +450,8 @@ def test_blocks_of_other_tasks_scales_or_positions_have_other_keys():
     keys = [block_key(a, 70, 64, LAYERS) for a in asks]
     assert len(set(keys)) == len(asks)
     assert block_key({"ltv_task": "ctl", "ltv_scale": 1.0}, 70, 64, LAYERS) == keys[0]
+    # two store layer tasks, or one at two scales: apart from each other and the others
+    store = [{"ltv_task": t, "ltv_layer": "add", "ltv_steps": "all", **more}
+             for t, more in (("s@01", {}), ("s@02", {}), ("s@01", {"ltv_scale": 2}))]
+    keys += [block_key(a, 70, 64, LAYERS) for a in store]
+    assert len(set(keys)) == len(asks) + len(store)

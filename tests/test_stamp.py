@@ -221,3 +221,27 @@ def test_one_requests_stamp_never_admits_anothers():
              ("a@0123abcd", 3), ("b@0123abcd", 3)]
     for (i, mine), (j, other) in itertools.product(enumerate(batch), enumerate(batch)):
         assert admitted(xargs(*other, stamp(ADM, *mine)), ADM) is (i == j)
+
+
+def test_a_store_layer_task_s_kind_is_under_the_stamp():
+    """A task-store layer task's request carries its kind (`ltv_layer`) beside its key and
+    positions, all three stamped (the JSON [task, steps, layer]): another kind, a dropped
+    kind or a kind added to a final-layer task's stamp is not admitted; the engine's check
+    reads the kind only from a stamped store key (`request_layers`), a client's is a 400."""
+    from ltv_vllm.serving.contract.wire import LAYER_KEY, request_layers
+
+    task = "s@0123abcd"
+    want = by_hand(KEY, b'["s@0123abcd","all","add"]')
+    assert stamp(ADM, task, "all", "add") == want
+    ok = {**xargs(task, "all", want), LAYER_KEY: "add"}
+    assert admitted(ok, ADM)
+    assert not admitted({**ok, LAYER_KEY: "map"}, ADM)
+    assert not admitted({k: v for k, v in ok.items() if k != LAYER_KEY}, ADM)
+    assert not admitted({**xargs(task, "all", stamp(ADM, task, "all")), LAYER_KEY: "add"}, ADM)
+    assert request_layers(ok, ADM, {}) == {task: ("all", True)}
+    assert request_layers({**ok, LAYER_KEY: "map"}, None, {"c": ("last", True)}) == \
+        {"c": ("last", True), task: ("all", False)}
+    for bad in ({**ok, LAYER_KEY: "map"}, {**ok, TASK_KEY: "s"}, {**ok, LAYER_KEY: "both"},
+                {k: v for k, v in ok.items() if k != STEPS_KEY}):
+        with pytest.raises(ValueError, match="ltv_layer is the server's own"):
+            request_layers(bad, ADM, {})

@@ -346,3 +346,49 @@ def replace_uv(tv, seed: int):
     return TaskVector(tv.kind, torch.randn(tv.U.shape, generator=g),
                       torch.randn(tv.V.shape, generator=g), tv.bias, tv.model,
                       tv.label_token_ids, tv.meta)
+
+
+def test_a_layer_task_is_an_entry_without_an_adapter(setup):
+    """A layer task (`core.layer_task`) in the store: its file and record only (no LoRA
+    adapter carries a shift inside the decoder); the record says its kind, blocks, default
+    positions and additivity, read back as `Entry.layer` (what the gate serves it by);
+    servable on its model, refused for another, named where its record and file disagree. A
+    shared store's copy: its kind read from its file whatever the record says, refused by a
+    replica without layer hooks or in LoRA mode; a LoRA server's start on such a store is
+    one line."""
+    from ltv_vllm.core.layer_task import LayerPolicy, LayerTask
+    from ltv_vllm.core.vector import VectorError
+    from ltv_vllm.serving.launcher.store_setup import store_entries
+
+    tmp, good, other = setup
+    lt = LayerTask((0,), torch.ones(1, good.model.hidden_size), None, None, good.model,
+                   LayerPolicy.parse("last"))
+    store = TaskStore(tmp / "store")
+    e = store.add("ctl", lt, tmp / "m", source="uploaded")
+    assert sorted(os.listdir(e.path)) == ["entry.json", "vector.safetensors"]
+    rec = e.record
+    assert (rec["kind"], rec["layers"], rec["positions"], rec["additive"]) == \
+        ("layer", [0], "last", True)
+    assert e.layer == ("last", True) and store.get("ctl").layer == ("last", True)
+    back = e.vector()
+    assert isinstance(back, LayerTask) and torch.equal(back.bias, lt.bias)
+    assert store.checked(tmp / "m") == ({"ctl": store.get("ctl")}, {})
+    assert store_entries(str(store.root), tmp / "m", {})[2] is True
+    with pytest.raises(VectorError, match="'ctl' is a layer task, which no LoRA adapter"):
+        store_entries(str(store.root), tmp / "m", {}, lora=True)
+    alien = LayerTask((0,), torch.ones(1, other.model.hidden_size), None, None, other.model)
+    with pytest.raises(UserError):
+        store.add("alien", alien, tmp / "m")
+    assert store.names() == ["ctl"]
+    # the record says a vector, the file is a layer task: named, not served
+    (e.path / "entry.json").write_text(json.dumps({**rec, "kind": "hidden"}))
+    assert "disagree on whether it is a layer task" in store.checked(tmp / "m")[1]["ctl"]
+    data = e.vector_path.read_bytes()
+    staged = store.adopt("copy", data, {**rec, "kind": "hidden"}, tmp / "m", adapter=False,
+                         layers=True)
+    assert json.loads((staged / "entry.json").read_text())["kind"] == "layer"
+    assert sorted(os.listdir(staged)) == ["entry.json", "vector.safetensors"]
+    for adapter, layers in ((False, False), (True, True)):
+        with pytest.raises(StoreError, match="is a layer task: this replica serves none"):
+            store.adopt("copy2", data, rec, tmp / "m", adapter=adapter, layers=layers)
+    assert not [p for p in os.listdir(store.root) if p.startswith(".tmp-copy2")]

@@ -446,7 +446,9 @@ def remote_delete(name: str, url: str, api_key: str | None) -> None:
 @API_KEY
 @friendly
 def remote_add(name: str, vector: str, url: str, api_key: str | None) -> None:
-    """Upload a task-vector file as task NAME (checked by the server, then served)."""
+    """Upload a task-vector file as task NAME (checked by the server, then served); a layer
+    task (`tasks import`, extract --method ltv-layer) needs a server started with
+    --layer-uploads."""
     from ltv_vllm.serving.client import upload_task
 
     t = upload_task(url, name, vector, api_key=api_key)
