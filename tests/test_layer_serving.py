@@ -357,6 +357,25 @@ def check_store_layer_tasks(served, tokenizer, url, client):
                                   extra_body={"vllm_xargs": {"ltv_scale": 2.0}})
 
 
+def test_store_layer_tasks_on_the_v2_runner(served, tokenizer):
+    """The same store layer tasks, uploaded to a server on vLLM's V2 runner (through
+    `tests/v2shim`): the V2 model state reads a store task's kind and positions from its
+    request as V1's processor does, each answer its own patched forward."""
+    import openai
+    from test_server import start_server, stop
+
+    tmp, d, _, _, paths = served
+    proc, url, log = start_server(d, [f"{n}={paths[n]}" for n in ("ctl", "head", "add")],
+                                  tmp, ("--task-store", str(tmp / "store-v2"),
+                                        "--layer-uploads"), runner="1")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        check_store_layer_tasks(served, tokenizer, url, client)
+        assert "V2 runner" in Path(log.name).read_text()
+    finally:
+        stop(proc, log)
+
+
 def test_a_fused_layer_task_shifts_every_request(served, tokenizer):
     """`ltv-vllm serve --task-vector ctl.safetensors` (one unnamed layer task, as llama.cpp's
     global control vector), in vLLM's default process layout: every request shifted at its
