@@ -140,7 +140,7 @@ AREAS: dict[str, tuple[str, ...]] = {
         "test_value", "test_demo_sets", "test_vllm_extract", "test_vllm_capture",
         "test_batching", "test_sweep", "test_data", "test_templates", "test_chat",
         "test_models", "test_plan", "test_apply", "test_metrics", "test_hardware",
-        "test_placement", "test_compile", "test_lora", "test_layer_tasks"),
+        "test_placement", "test_compile", "test_lora", "test_layer_tasks", "test_cluster"),
     "bench": ("test_bench", "test_bench_costs", "test_bench_rounds", "test_jobs",
               "test_value", "test_teachers", "test_demo_sets"),
     "docs": ("test_docs", "test_layout", "test_your_task_doc", "test_cli_args"),

@@ -571,6 +571,7 @@ def test_evaluate_resumes_from_its_checkpoint(tmp_path, tokenizer, monkeypatch):
     the same document; a checkpoint of another configuration is refused."""
     import json
 
+    import ltv_vllm.evaluation.episodes as episodes
     import ltv_vllm.evaluation.evaluate as ev
     from ltv_vllm.errors import ArgumentError
     from ltv_vllm.models.loading import load_model
@@ -589,13 +590,15 @@ def test_evaluate_resumes_from_its_checkpoint(tmp_path, tokenizer, monkeypatch):
     state["records"] = [r for r in state["records"] if r["run"] == 0]
     ck.write_text(json.dumps(state))
     calls = []
-    real = ev.score_methods
-    monkeypatch.setattr(ev, "score_methods", lambda ctx, *a, **kw: calls.append(ctx.episode.seed)
+    real = episodes.score_methods
+    monkeypatch.setattr(episodes, "score_methods",
+                        lambda ctx, *a, **kw: calls.append(ctx.episode.seed)
                         or real(ctx, *a, **kw))
     again = ev.evaluate(lm, [task], ms, cfg, progress=False, checkpoint=ck)
     assert calls == [1]  # only the missing run
     def scores(doc):  # everything but the timings, which differ between passes
-        return [{k: v for k, v in r.items() if k != "extraction_seconds"} for r in doc["records"]]
+        return [{k: v for k, v in r.items() if k not in ("extraction_seconds", "episode")}
+                for r in doc["records"]]
 
     assert scores(again) == scores(full)
     assert again["summary"]["average"] == full["summary"]["average"]
@@ -609,6 +612,7 @@ def test_evaluate_resumes_inside_an_episode(tmp_path, tokenizer, monkeypatch):
     """Stopped in the middle of an episode (after its capture and its first method), a rerun
     captures nothing again, extracts only the methods not yet scored, and ends with the same
     records as an uninterrupted evaluation."""
+    import ltv_vllm.evaluation.episodes as episodes
     import ltv_vllm.evaluation.evaluate as ev
     import ltv_vllm.methods.score as score
     from ltv_vllm.models.loading import load_model
@@ -641,8 +645,8 @@ def test_evaluate_resumes_inside_an_episode(tmp_path, tokenizer, monkeypatch):
     assert extracted == ["ltv", "mlp"]
 
     captured = []
-    real_capture = ev.capture_episode
-    monkeypatch.setattr(ev, "capture_episode", lambda *a, **kw: captured.append(1)
+    real_capture = episodes.capture_episode
+    monkeypatch.setattr(episodes, "capture_episode", lambda *a, **kw: captured.append(1)
                         or real_capture(*a, **kw))
     extracted[:] = ["again"]
     again = ev.evaluate(lm, [task], ms, cfg, progress=False, checkpoint=ck)
@@ -652,8 +656,9 @@ def test_evaluate_resumes_inside_an_episode(tmp_path, tokenizer, monkeypatch):
         # products may round differently in the last bit, hence d_NTP to 1e-6
         assert len(doc["records"]) == len(full["records"])
         for r, f in zip(doc["records"], full["records"], strict=True):
-            assert {k: v for k, v in r.items() if k not in ("extraction_seconds", "d_ntp")} == \
-                {k: v for k, v in f.items() if k not in ("extraction_seconds", "d_ntp")}
+            timing = ("extraction_seconds", "d_ntp", "episode")
+            assert {k: v for k, v in r.items() if k not in timing} == \
+                {k: v for k, v in f.items() if k not in timing}
             assert r["d_ntp"] == pytest.approx(f["d_ntp"], rel=1e-6, abs=1e-9)
 
     same(again)
@@ -690,7 +695,7 @@ def test_cli_evaluate_extend_equals_one_evaluation_of_everything(tmp_path, token
 
     from click.testing import CliRunner
 
-    import ltv_vllm.evaluation.evaluate as ev
+    import ltv_vllm.evaluation.episodes as episodes
     from ltv_vllm.cli import main
 
     make_llama(len(tokenizer), seed=9, layers=2).save_pretrained(tmp_path / "m")
@@ -711,8 +716,8 @@ def test_cli_evaluate_extend_equals_one_evaluation_of_everything(tmp_path, token
     assert run(*both, "--out", str(tmp_path / "all"))[0] == 0
     assert run("--tasks", str(one), "--runs", "1", "--out", str(tmp_path / "ext"))[0] == 0
     seen = []
-    real = ev.score_methods
-    monkeypatch.setattr(ev, "score_methods", lambda ctx, *a, **kw: seen.append(
+    real = episodes.score_methods
+    monkeypatch.setattr(episodes, "score_methods", lambda ctx, *a, **kw: seen.append(
         (ctx.episode.task.name, ctx.episode.seed)) or real(ctx, *a, **kw))
     code, out = run(*both, "--out", str(tmp_path / "ext"), "--extend")
     assert code == 0, out

@@ -10,6 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import ltv_vllm.evaluation.episodes as episodes
 import ltv_vllm.evaluation.evaluate as ev
 from conftest import make_llama, write_toy_task
 from ltv_vllm.cli import main
@@ -51,14 +52,14 @@ def test_the_vector_extract_writes_is_the_one_evaluate_scores(setup, monkeypatch
 
     # what evaluate scores: the artifacts its scoring pass holds, run 0 = seed 4
     scored = {}
-    real = ev.score_methods
+    real = episodes.score_methods
 
     def spy(ctx, names, *a, **kw):
         sc = real(ctx, names, *a, **kw)
         scored.update(sc.artifacts)
         return sc
 
-    monkeypatch.setattr(ev, "score_methods", spy)
+    monkeypatch.setattr(episodes, "score_methods", spy)
     lm = load_model(str(model_dir), dtype="float32")
     task = get_task(str(spec))
     doc = ev.evaluate(lm, [task], ["zero-shot", "icl", *VECTOR_METHODS],

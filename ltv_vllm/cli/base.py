@@ -356,6 +356,58 @@ _capture_options = grouped(
     name="capture")
 
 
+@dataclass(frozen=True)
+class ExecutorFlags:
+    """Where a sweep's episodes run (`evaluation.executor`), as given."""
+
+    executor: str
+    ray_address: str | None
+    episode_cpus: float
+    episode_gpus: float
+    episode_memory_gib: float | None
+    workers: int | None
+
+    def executor_for(self, spec: str | None, dtype: str, device: str) -> Any:
+        """None (here, in order) or the Ray executor, the cluster reached (one line if not)
+        before any model loads."""
+        if self.executor == "local":
+            if self.ray_address is not None or self.workers is not None:
+                raise ArgumentError("--ray-address and --workers are for --executor ray")
+            return None
+        from ltv_vllm.evaluation.executor import ModelLoad, RayExecutor, RayOptions, connect
+
+        if self.episode_cpus <= 0 or self.episode_gpus < 0 or (
+                self.workers is not None and self.workers < 1):
+            raise ArgumentError("--episode-cpus must be > 0, --episode-gpus ≥ 0 and "
+                                "--workers ≥ 1")
+        connect(self.ray_address)
+        return RayExecutor(ModelLoad(spec, dtype, device), RayOptions(
+            self.ray_address, self.episode_cpus, self.episode_gpus, self.episode_memory_gib,
+            self.workers))
+
+
+_executor_options = grouped(
+    ExecutorFlags,
+    click.option("--executor", default="local", show_default=True,
+                 type=click.Choice(["local", "ray"]),
+                 help="Where the (task, run) episodes run: here, one after another, or as "
+                      "Ray tasks, each worker loading the model once (pip install "
+                      "\"ltv-vllm[cluster]\"); the same results either way."),
+    click.option("--ray-address", default=None, metavar="ADDR",
+                 help="--executor ray: the cluster's head (HOST:PORT, ray://..., or auto) "
+                      "[default: a Ray instance started here]."),
+    click.option("--episode-cpus", type=float, default=1.0, show_default=True,
+                 help="--executor ray: CPUs each worker declares."),
+    click.option("--episode-gpus", type=float, default=0.0, show_default=True,
+                 help="--executor ray: GPUs each worker declares (its model goes there)."),
+    click.option("--episode-memory-gib", type=float, default=None,
+                 help="--executor ray: memory each worker declares (GiB) [default: none]."),
+    click.option("--workers", type=int, default=None,
+                 help="--executor ray: workers to start [default: as many as the cluster's "
+                      "resources hold, at most one per episode]."),
+    name="execution")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelFlags:
     """--model, its --dtype and --device: the model a command loads, and where. Each command

@@ -15,6 +15,7 @@ from ltv_vllm.cli.base import (
     BATCH_HELP,
     CaptureFlags,
     EpisodeFlags,
+    ExecutorFlags,
     FormatFlags,
     MethodCommand,
     ModelFlags,
@@ -23,6 +24,7 @@ from ltv_vllm.cli.base import (
     _capture_options,
     _command_line,
     _csv,
+    _executor_options,
     _format_options,
     _method_names_help,
     _method_option,
@@ -338,11 +340,13 @@ def _methods_option() -> click.Option:
                    "kept (the same configuration otherwise) and only the new ones run.")
 @_source_options
 @_capture_options
+@_executor_options
 @friendly
 def evaluate(model: ModelFlags, task_list: str, methods: str | None,
              evaluation: EvaluationFlags, prompt_format: FormatFlags, out_dir: Path, quiet: bool,
              regression: RegressionFlags, extend: bool, source: SourceFlags,
-             capture: CaptureFlags, teacher: TeacherFlags, **method_flags: Any) -> None:
+             capture: CaptureFlags, teacher: TeacherFlags, execution: ExecutorFlags,
+             **method_flags: Any) -> None:
     """Accuracy (mean ± std over runs) and d_NTP per method and task; JSON, table, plots.
 
     With --source-model LARGE it is the paper's transfer table: each method on the target
@@ -376,6 +380,9 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
     engine = capture.capture_engine(model.dtype, source.engine)
     on_vllm = capture.engine == "vllm"
     source_on_vllm = source_opts is not None and source_opts.engine == "vllm"
+    if execution.executor == "ray" and (on_vllm or source_opts is not None):
+        raise ArgumentError("--executor ray runs transformers episodes of one model: not "
+                            "with --engine vllm or --source-model (they run here)")
     if capture.dry_run and not (on_vllm or source_on_vllm):
         raise ArgumentError("--dry-run plans an --engine vllm or --source-engine vllm run")
     tasks_ = get_tasks(task_list, regression=True)
@@ -385,6 +392,11 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
                             "alone: no --source-model, --device, --vllm or regression task")
     device = resolve_device(model.device)
     kinds = {t.kind for t in tasks_}
+    if execution.executor == "ray" and kinds != {"classification"}:
+        raise ArgumentError("--executor ray runs classification evaluations (regression "
+                            "tasks run here)")
+    # the cluster reached (or one line) before any model is resolved or loaded
+    executor = execution.executor_for(model.spec, model.dtype, device)
     # the multi-prompt references and LTV are scored on final states, as ltv is
     prompt_format.check([m for m in _csv(methods or "") if m not in MULTI_PROMPT],
                         regression="regression" in kinds,
@@ -457,7 +469,18 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
         lm = load_model(model.spec, dtype=model.dtype, device=device)
     partial = out_dir / "partial.json"  # rewritten after every episode; rerun to resume
     doc = run_evaluate(lm, tasks_, ms, cfg, source=large, progress=not quiet, episodes=episodes,
-                       checkpoint=partial, extend=previous)
+                       checkpoint=partial, extend=previous, executor=executor)
+    if doc.get("failed"):  # what finished is kept in partial.json: a rerun runs the rest
+        failed = out_dir / "failed.json"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        failed.write_text(json.dumps(doc["failed"], indent=1))
+        for f in doc["failed"]:
+            click.echo(f"failed: {f['task']} run {f['run']}: {f['error']}", err=True)
+        click.echo(f"{len(doc['failed'])} episodes failed (listed in {failed}); the others "
+                   f"are kept in {partial}: run the command again to run only what is "
+                   "missing", err=True)
+        raise click.exceptions.Exit(1)
+    (out_dir / "failed.json").unlink(missing_ok=True)
     paths = write_report(doc, out_dir, _command_line())
     partial.unlink(missing_ok=True)
     click.echo(markdown_table({**doc}))

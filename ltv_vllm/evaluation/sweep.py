@@ -62,11 +62,13 @@ class Sweep:
                         unit="run", disable=not progress)
 
     def __iter__(self) -> Iterator[tuple[str, int]]:
-        for task in self.tasks:
-            for run in range(self.runs):
-                if (task, run) not in self.done:
-                    yield task, run
+        yield from self.todo()
         self.bar.close()
+
+    def todo(self) -> list[tuple[str, int]]:
+        """What is still to do, in the sweep's order (tasks as given, runs ascending)."""
+        return [(task, run) for task in self.tasks for run in range(self.runs)
+                if (task, run) not in self.done]
 
     @property
     def wall_seconds(self) -> float:
@@ -75,6 +77,11 @@ class Sweep:
     def finish(self, task: str, run: int, records: list[dict[str, Any]], note: str = "") -> None:
         """(task, run) is done with these records: shown, and saved when checkpointing."""
         self.records.extend(records)
+        # the sweep's order whatever order episodes finished in (a cluster's workers): stable,
+        # so an episode's records keep theirs
+        order = {t: i for i, t in enumerate(self.tasks)}
+        self.records.sort(key=lambda r: (order.get(r.get("task"), len(order)), r.get("run", 0))
+                          if isinstance(r, dict) else (len(order), 0))
         if note:
             self.bar.set_postfix_str(note)
         self.bar.update(1)

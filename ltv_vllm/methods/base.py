@@ -142,6 +142,11 @@ class MethodOptions:
     def replace(self, **changes: Any) -> MethodOptions:
         return MethodOptions(**{**self._values, **changes})
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled (a cluster's worker gets the options): rebuilt, and checked, from its values
+        # (the default reduction would set a slot, which a frozen object refuses)
+        return (_rebuilt_options, (dict(self._values),))
+
     def to_dict(self) -> dict[str, Any]:
         """Every declared knob with its value (defaults filled in), in declaration order."""
         return {name: getattr(self, name) for name in DECLARED}
@@ -154,6 +159,10 @@ class MethodOptions:
 
     def __repr__(self) -> str:
         return f"MethodOptions({', '.join(f'{k}={v!r}' for k, v in self._values.items())})"
+
+
+def _rebuilt_options(values: dict[str, Any]) -> MethodOptions:
+    return MethodOptions(**values)
 
 
 @dataclass
