@@ -193,6 +193,29 @@ def test_a_killed_driver_resumes_and_runs_only_what_is_missing(cluster, tmp_path
     assert not partial.exists()
 
 
+def test_regression_instances_on_the_cluster_equal_the_local_ones(cluster, tmp_path):
+    """`evaluate --tasks linear` (answers generated) through the Ray executor: the local
+    executor's rows, from both nodes."""
+    tok = make_tokenizer()
+    make_llama(len(tok), seed=5, layers=2).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    args = ["evaluate", "--model", str(tmp_path / "m"), "--tasks", "linear", "--runs", "2",
+            "--k", "4", "--n", "8", "--n-test", "4", "--methods", "zero-shot,icl,ltv",
+            "--max-new-tokens", "4", "--dtype", "float32", "--quiet"]
+    local = cli(*args, "--out", str(tmp_path / "local"))
+    assert local.returncode == 0, local.stderr[-3000:]
+    remote = cli(*args, "--out", str(tmp_path / "ray"), "--executor", "ray",
+                 "--ray-address", cluster.address)
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    a = json.loads((tmp_path / "local" / "results.json").read_text())
+    b = json.loads((tmp_path / "ray" / "results.json").read_text())
+    assert len(b["records"]) == 2 * 3
+    for x, y in zip(rows(a), rows(b), strict=True):
+        assert (x["run"], x["method"], x["texts"]) == (y["run"], y["method"], y["texts"])
+        assert y["mse"] == pytest.approx(x["mse"], rel=1e-6, nan_ok=True)
+    assert len({r["episode"]["ray_node"] for r in b["records"]}) == 2
+
+
 def test_an_unreachable_cluster_is_one_line_before_any_model(tmp_path):
     r = cli("evaluate", "--model", str(tmp_path / "nothing"), "--tasks", "sst2", "--runs", "1",
             "--executor", "ray", "--ray-address", "127.0.0.1:9", "--out", str(tmp_path / "o"),

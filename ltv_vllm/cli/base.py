@@ -403,8 +403,8 @@ _executor_options = grouped(
     click.option("--episode-memory-gib", type=float, default=None,
                  help="--executor ray: memory each worker declares (GiB) [default: none]."),
     click.option("--workers", type=int, default=None,
-                 help="--executor ray: workers to start [default: as many as the cluster's "
-                      "resources hold, at most one per episode]."),
+                 help="--executor ray: at most this many workers [default: as many as the "
+                      "cluster's resources hold now, at most one per episode]."),
     name="execution")
 
 

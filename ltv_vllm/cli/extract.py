@@ -392,9 +392,9 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
                             "alone: no --source-model, --device, --vllm or regression task")
     device = resolve_device(model.device)
     kinds = {t.kind for t in tasks_}
-    if execution.executor == "ray" and kinds != {"classification"}:
-        raise ArgumentError("--executor ray runs classification evaluations (regression "
-                            "tasks run here)")
+    if execution.executor == "ray" and regression.with_vllm:
+        raise ArgumentError("--vllm generates every answer through one vLLM engine here: "
+                            "not with --executor ray")
     # the cluster reached (or one line) before any model is resolved or loaded
     executor = execution.executor_for(model.spec, model.dtype, device)
     # the multi-prompt references and LTV are scored on final states, as ltv is
@@ -417,7 +417,7 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
             raise ArgumentError("--demo-sets draws its sets from a classification task's data "
                                 "(regression tasks: one instance per run)")
         _evaluate_regression(model.spec, tasks_, methods, cfg, model.dtype, device, out_dir,
-                             regression, quiet)
+                             regression, quiet, executor)
         return
     if regression.with_vllm:
         raise ArgumentError("--vllm compares generated answers: regression tasks only "
@@ -470,17 +470,7 @@ def evaluate(model: ModelFlags, task_list: str, methods: str | None,
     partial = out_dir / "partial.json"  # rewritten after every episode; rerun to resume
     doc = run_evaluate(lm, tasks_, ms, cfg, source=large, progress=not quiet, episodes=episodes,
                        checkpoint=partial, extend=previous, executor=executor)
-    if doc.get("failed"):  # what finished is kept in partial.json: a rerun runs the rest
-        failed = out_dir / "failed.json"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        failed.write_text(json.dumps(doc["failed"], indent=1))
-        for f in doc["failed"]:
-            click.echo(f"failed: {f['task']} run {f['run']}: {f['error']}", err=True)
-        click.echo(f"{len(doc['failed'])} episodes failed (listed in {failed}); the others "
-                   f"are kept in {partial}: run the command again to run only what is "
-                   "missing", err=True)
-        raise click.exceptions.Exit(1)
-    (out_dir / "failed.json").unlink(missing_ok=True)
+    _exit_if_failed(doc, out_dir, partial)
     paths = write_report(doc, out_dir, _command_line())
     partial.unlink(missing_ok=True)
     click.echo(markdown_table({**doc}))
@@ -543,9 +533,27 @@ def _previous_evaluation(out_dir: Path, model_spec: str | None, methods: list[st
     return previous
 
 
+def _exit_if_failed(doc: dict[str, Any], out_dir: Path, partial: Path) -> None:
+    """Episodes that raised on a cluster: each in one line, OUT/failed.json, exit 1 (what
+    finished is kept in `partial`: the command again runs only what is missing)."""
+    failed = out_dir / "failed.json"
+    if not doc.get("failed"):
+        failed.unlink(missing_ok=True)
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    failed.write_text(json.dumps(doc["failed"], indent=1))
+    for f in doc["failed"]:
+        click.echo(f"failed: {f['task']} run {f['run']}: {f['error']}", err=True)
+    click.echo(f"{len(doc['failed'])} episodes failed (listed in {failed}); the others are "
+               f"kept in {partial}: run the command again to run only what is missing",
+               err=True)
+    raise click.exceptions.Exit(1)
+
+
 def _evaluate_regression(model_spec: str | None, tasks_: list[Any], methods: str | None,
                          cfg: Any, dtype: str, device: str, out_dir: Path,
-                         regression: RegressionFlags, quiet: bool) -> None:
+                         regression: RegressionFlags, quiet: bool,
+                         executor: Any = None) -> None:
     import importlib.util
 
     from ltv_vllm.evaluation.regress import (
@@ -570,7 +578,9 @@ def _evaluate_regression(model_spec: str | None, tasks_: list[Any], methods: str
     partial = out_dir / "partial.json"
     doc = evaluate_regression(lm, tasks_, ms, cfg, max_new_tokens=regression.max_new_tokens,
                               progress=not quiet, checkpoint=partial,
-                              vllm_work=out_dir / "vllm-jobs" if regression.with_vllm else None)
+                              vllm_work=out_dir / "vllm-jobs" if regression.with_vllm else None,
+                              executor=executor)
+    _exit_if_failed(doc, out_dir, partial)
     paths = write_regression_report(doc, out_dir, _command_line())
     partial.unlink(missing_ok=True)
     click.echo(regression_table(doc))

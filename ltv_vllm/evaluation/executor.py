@@ -163,14 +163,16 @@ class RayExecutor:
         return res
 
     def _workers(self, ray: Any, episodes: int) -> int:
-        """Workers to start: as asked, else as many as the cluster's CPUs (and GPUs) hold
-        at the declared resources, at most one per episode and at least one."""
-        if self.opts.workers is not None:
-            return max(1, min(self.opts.workers, episodes))
+        """Workers to start: as many as the cluster's CPUs (and GPUs) hold at the declared
+        resources now, or fewer as asked; at most one per episode, at least one. (Never
+        more than fit: a worker that waits for resources would hold its episode while the
+        others, done, keep theirs.)"""
         have = ray.cluster_resources()
         fits = int(have.get("CPU", 1) // max(self.opts.episode_cpus, 1e-9))
         if self.opts.episode_gpus:
             fits = min(fits, int(have.get("GPU", 0) // self.opts.episode_gpus))
+        if self.opts.workers is not None:
+            fits = min(fits, self.opts.workers)
         return max(1, min(fits, episodes))
 
 

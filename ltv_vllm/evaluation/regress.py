@@ -22,7 +22,7 @@ import functools
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,13 @@ from ltv_vllm.core.fileio import atomic_write
 from ltv_vllm.core.metrics import parse_number, pearson, regression_scores, spearman
 from ltv_vllm.core.vector import DEFAULT_SHIFT_STEPS
 from ltv_vllm.errors import ArgumentError
-from ltv_vllm.evaluation import evaluate
+from ltv_vllm.evaluation import report
 from ltv_vllm.evaluation.evaluate import (
     EvalConfig,
     bars_per_task,
     method_label,
 )
+from ltv_vllm.evaluation.executor import LocalExecutor
 from ltv_vllm.evaluation.sweep import Sweep
 from ltv_vllm.extraction.capture import Capturer
 from ltv_vllm.extraction.generate import greedy, greedy_shared, greedy_states
@@ -222,8 +223,10 @@ def evaluate_regression(
     progress: bool = True,
     checkpoint: str | Path | None = None,
     vllm_work: Path | None = None,
+    executor: Any = None,
 ) -> dict[str, Any]:
     """Every task × instance; the result document `write_regression_report` saves.
+    `executor`: where the instances run (`evaluation.executor`; None: here, in order).
 
     `vllm_work`: also generate every answer vLLM serves (zero-shot, ICL, LTV, mean) through
     vLLM, with its job files there; each record gains `vllm` scores and agreement."""
@@ -244,23 +247,24 @@ def evaluate_regression(
         **{key: v for key, v in cfg.to_dict().items() if key not in ("n_val", "cost_samples")},
         "k": k,
     }
+    if executor is not None and vllm_work is not None:
+        raise ArgumentError("--vllm generates every answer through one vLLM engine here: "
+                            "not with --executor ray")
     sweep = Sweep(config, [t.name for t in tasks], cfg.runs, checkpoint=checkpoint,
                   progress=progress, desc="instances")
-    cap = Capturer(lm.model, lm.tokenizer, batch_size=cfg.batch_size, progress=progress)
-    by_name = {t.name: t for t in tasks}
-    for name, run in sweep:
-        task = by_name[name]
-        seed = cfg.seed + run
-        ep = sample_regression_episode(task, k=k, n=cfg.n, n_test=cfg.n_test, seed=seed)
-        ctx = Context(cap, ep, [], cfg.method_options(seed, progress), identity=lm.identity)
-        scores, ext, arts = score_instance(ctx, methods, max_new_tokens)
-        served = (vllm_scores(lm, ctx, methods, arts, scores, max_new_tokens, vllm_work)
-                  if vllm_work is not None else {})
-        recs = [{"task": task.name, "run": run, "seed": seed, "method": m, **scores[m],
-                 "extraction_seconds": ext.get(m), "k_used": len(ep.demos),
-                 **({"vllm": served[m]} if m in served else {})} for m in methods]
-        sweep.finish(name, run, recs, f"{name}: " + " ".join(
-            f"{m}={scores[m]['mse']:.2f}" for m in methods))
+    spec = RegressionSpec({t.name: t for t in tasks}, tuple(methods), cfg, k, max_new_tokens)
+    failed: dict[tuple[str, int], str] = {}
+
+    def done(res: Any) -> None:
+        if res.error is not None:
+            failed[res.task, res.run] = res.error
+        else:
+            sweep.finish(res.task, res.run, res.records, res.note)
+
+    (executor or LocalExecutor()).run(
+        sweep.todo(), spec, lambda: spec.runner(lm, progress=progress, vllm_work=vllm_work),
+        done, sweep.bar)
+    sweep.bar.close()
     records = sweep.records
     names = [t.name for t in tasks]
     return {
@@ -268,10 +272,62 @@ def evaluate_regression(
         "machine": {**hardware(), "ltv_vllm": __version__},
         "wall_seconds": sweep.wall_seconds,
         "records": records,
-        "summary": summarise_regression(records, names, methods),
+        "summary": summarise_regression(records, names, methods) if records else {},
         "references": references(config),
-        "correlation": _correlation(records),
+        "correlation": _correlation(records) if records else {},
+        **({"failed": [{"task": t, "run": r, "error": e} for (t, r), e in sorted(
+            failed.items())]} if failed else {}),
     }
+
+
+@dataclass(frozen=True)
+class RegressionSpec:
+    """What every process's regression runner shares, picklable (`evaluation.executor`)."""
+
+    tasks: dict[str, RegressionTask]
+    methods: tuple[str, ...]
+    cfg: EvalConfig
+    k: int
+    max_new_tokens: int
+
+    def runner(self, lm: LoadedModel, *, progress: bool = False,
+               vllm_work: Path | None = None) -> RegressionRunner:
+        return RegressionRunner(self, lm, progress, vllm_work)
+
+
+class RegressionRunner:
+    """One process's regression instances (the driver's, or a Ray worker's): its model's
+    capturer made once."""
+
+    def __init__(self, spec: RegressionSpec, lm: LoadedModel, progress: bool,
+                 vllm_work: Path | None) -> None:
+        self.spec, self.lm, self.progress, self.vllm_work = spec, lm, progress, vllm_work
+        self.cap = Capturer(lm.model, lm.tokenizer, batch_size=spec.cfg.batch_size,
+                            progress=progress)
+
+    def run(self, name: str, run: int) -> Any:
+        """Instance `run` of task `name`: one record per method."""
+        import socket
+
+        from ltv_vllm.evaluation.episodes import EpisodeResult
+
+        t0 = time.perf_counter()
+        sp, lm = self.spec, self.lm
+        task, seed, methods = sp.tasks[name], sp.cfg.seed + run, list(sp.methods)
+        ep = sample_regression_episode(task, k=sp.k, n=sp.cfg.n, n_test=sp.cfg.n_test,
+                                       seed=seed)
+        ctx = Context(self.cap, ep, [], sp.cfg.method_options(seed, self.progress),
+                      identity=lm.identity)
+        scores, ext, arts = score_instance(ctx, methods, sp.max_new_tokens)
+        served = (vllm_scores(lm, ctx, methods, arts, scores, sp.max_new_tokens,
+                              self.vllm_work) if self.vllm_work is not None else {})
+        where = {"node": socket.gethostname(), "wall_seconds": time.perf_counter() - t0}
+        recs = [{"task": task.name, "run": run, "seed": seed, "method": m, **scores[m],
+                 "extraction_seconds": ext.get(m), "k_used": len(ep.demos),
+                 **({"vllm": served[m]} if m in served else {}), "episode": where}
+                for m in methods]
+        return EpisodeResult(name, run, recs, note=f"{name}: " + " ".join(
+            f"{m}={scores[m]['mse']:.2f}" for m in methods))
 
 
 def extract_regression(lm: LoadedModel, task: RegressionTask, opts: ExtractOptions, *,
@@ -336,7 +392,7 @@ def references(cfg: dict[str, Any]) -> dict[str, dict[str, tuple[float, float]]]
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
     xs = [x for x in xs if x == x]  # an instance with no parsed answer has no MSE (NaN)
-    return evaluate._mean_std(xs) if xs else (float("nan"), 0.0)
+    return report._mean_std(xs) if xs else (float("nan"), 0.0)
 
 
 def summarise_regression(records: list[dict[str, Any]], tasks: list[str],
