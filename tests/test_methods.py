@@ -566,6 +566,44 @@ def test_cli_extract_method_writes_a_checked_artifact(tmp_path, tokenizer):
     assert "gamma" in r.output and "wrote" in r.output
 
 
+def test_evaluate_keeps_each_test_query_and_compares_with_icl(tmp_path, tokenizer):
+    """Every record holds its method's correctness on each test query, and their mean is the
+    record's accuracy (scored apart, by `score_methods`); the comparison against ICL is the
+    mean over queries of each query's correctness averaged over the runs minus ICL's,
+    computed here by hand, inside its interval; the average over one task is that task's;
+    the report shows the table."""
+    import ltv_vllm.evaluation.evaluate as ev
+    from ltv_vllm.models.loading import load_model
+
+    make_llama(len(tokenizer), seed=9, layers=2).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    task = get_task(str(write_toy_task(tmp_path, WORDS)))
+    lm = load_model(str(tmp_path / "m"), dtype="float32")
+    cfg = ev.EvalConfig(k=6, n=24, n_test=12, runs=2, n_val=4, cost_samples=0)
+    ms = ["zero-shot", "icl", "ltv", "mean"]
+    doc = ev.evaluate(lm, [task], ms, cfg, progress=False)
+    for r in doc["records"]:
+        assert len(r["correct"]) == 12 and set(r["correct"]) <= {0, 1}
+        assert sum(r["correct"]) / 12 == pytest.approx(r["accuracy"])
+
+    def per_query(m):
+        rs = [r["correct"] for r in doc["records"] if r["method"] == m]
+        assert len(rs) == 2
+        return [(a + b) / 2 for a, b in zip(*rs, strict=True)]
+
+    got = doc["intervals"]["methods"]
+    assert doc["intervals"]["vs"] == "icl" and sorted(got) == ["ltv", "mean", "zero-shot"]
+    icl = per_query("icl")
+    for m in ("zero-shot", "ltv", "mean"):
+        diff = sum(a - b for a, b in zip(per_query(m), icl, strict=True)) / 12
+        rec = got[m]["toy"]
+        assert rec["diff"] == pytest.approx(diff) and rec["lo"] <= diff <= rec["hi"]
+        assert got[m]["average"]["diff"] == pytest.approx(diff)
+        assert rec["verdict"] == ("above" if rec["lo"] > 0 else "below" if rec["hi"] < 0
+                                  else "tie")
+    assert "**Against ICL on the same test queries**" in ev.markdown_table(doc)
+
+
 def test_evaluate_resumes_from_its_checkpoint(tmp_path, tokenizer, monkeypatch):
     """An interrupted evaluation rerun skips the episodes its checkpoint holds and ends with
     the same document; a checkpoint of another configuration is refused."""

@@ -116,10 +116,16 @@ class EpisodeRunner:
         """Episode (`name`, `run`): its records, in the method order of `keys`."""
         t0 = time.perf_counter()
         episode = self.plan[name][run]
+        logits: dict[str, Any] = {}
         if self.source is None:
-            metrics, ext, params, cost, captured = self._own(name, run, episode)
+            metrics, ext, params, cost, captured, logits = self._own(name, run, episode)
         else:
             metrics, ext, params, cost, captured = self._transfer(name, episode)
+        # each test query right or wrong, per method (the test subset is the same for every
+        # run of a task: `report.per_query_intervals` pairs them)
+        labels = episode_labels(episode)
+        correct = {m: (z.argmax(-1).cpu() == labels).int().tolist()
+                   for m, z in logits.items() if m in self.keys and z.shape[0] == len(labels)}
         where = {"node": socket.gethostname(), "wall_seconds": time.perf_counter() - t0,
                  "capture_seconds": captured}
         recs = [{
@@ -139,6 +145,7 @@ class EpisodeRunner:
             "n_train": len(episode.queries), "n_dev": len(episode.val),
             "test_seed": episode.test_seed,
             **({"params": params[m]} if m in params else {}),
+            **({"correct": correct[m]} if m in correct else {}),
             "episode": where,  # where and how long it ran (not a result)
         } for m in self.keys]
         note = f"{name}: " + " ".join(f"{m}={metrics[m]['accuracy']:.3f}" for m in self.keys)
@@ -146,7 +153,7 @@ class EpisodeRunner:
 
     def _own(self, name: str, run: int, episode: Any) -> tuple:
         """The target's methods on one episode: (metrics, extraction seconds, params, the
-        task's cost table or None, capture seconds)."""
+        task's cost table or None, capture seconds, each method's test logits)."""
         cfg, lm, cap, own = self.cfg, self.lm, self.cap, self.own
         shared = self.shared(name)
         head, label_ids = shared["head"], shared["label_ids"]
@@ -197,7 +204,8 @@ class EpisodeRunner:
                 cost[ens.MULTI] = inference_cost(
                     ctx, MethodScores(artifacts={"ltv": sc.artifacts[ens.MULTI]}), ["ltv"],
                     cfg.cost_samples, ctx.opts.batch_size)["ltv"]
-        return sc.metrics, sc.extraction_seconds, sc.params, cost, c.capture_seconds
+        return (sc.metrics, sc.extraction_seconds, sc.params, cost, c.capture_seconds,
+                sc.logits)
 
     def _transfer(self, name: str, episode: Any) -> tuple:
         """The transfer table's episode: both models' methods and the transferred LTV."""

@@ -43,6 +43,7 @@ from ltv_vllm.evaluation.report import (  # noqa: F401 - re-exported: their old 
     markdown_table,
     method_colors,
     method_label,
+    per_query_intervals,
     plot,
     summarise,
     write_report,
@@ -282,6 +283,10 @@ def evaluate(
         # (none yet where every episode failed: the document lists why, `failed`)
         "summary": summarise(records, [t.name for t in tasks], keys) if records else {},
         "correlation": correlations(records, [t.name for t in tasks]) if records else {},
+        # each method against ICL on the same test queries, with intervals (per-query records)
+        **({"intervals": {"vs": "icl", "methods": per_query_intervals(
+            records, [t.name for t in tasks], keys)}}
+           if records and "icl" in keys and source is None else {}),
         **({"inference_cost": costs} if costs else {}),
         # episodes that raised (a cluster's executor goes on without them): a rerun retries
         **({"failed": [{"task": t, "run": r, "error": e} for (t, r), e in sorted(

@@ -104,6 +104,61 @@ def summarise(records: list[dict[str, Any]], tasks: list[str], methods: list[str
     return out
 
 
+def per_query_intervals(records: list[dict[str, Any]], tasks: list[str],
+                        methods: list[str], ref: str = "icl") -> dict[str, Any]:
+    """Each method against `ref` on the same test queries (`core.stats`): per task, the
+    paired bootstrap interval of the accuracy difference over the task's test queries, each
+    query's correctness averaged over the runs (which share the test subset); over tasks, the
+    stratified one. {} where the records hold no per-query correctness (older results)."""
+    from ltv_vllm.core.stats import paired_bootstrap, stratified_bootstrap
+
+    def per_query(t: str, m: str) -> list[float] | None:
+        rs = [r["correct"] for r in records if r["task"] == t and r["method"] == m
+              and "correct" in r]
+        if not rs or len(rs) != sum(r["task"] == t and r["method"] == m for r in records) \
+                or len({len(c) for c in rs}) != 1:
+            return None
+        return [sum(col) / len(rs) for col in zip(*rs, strict=True)]
+
+    out: dict[str, Any] = {}
+    if ref not in methods:
+        return out
+    for m in methods:
+        if m == ref:
+            continue
+        pairs = {t: (per_query(t, m), per_query(t, ref)) for t in tasks}
+        if not pairs or any(a is None or b is None or len(a) != len(b)
+                            for a, b in pairs.values()):
+            continue
+        out[m] = {t: paired_bootstrap(a, b).record() for t, (a, b) in pairs.items()}
+        out[m]["average"] = stratified_bootstrap(list(pairs.values())).record()
+    return out
+
+
+def interval_lines(doc: dict[str, Any]) -> list[str]:
+    """The per-query comparison against ICL (`per_query_intervals`), as a table."""
+    got = (doc.get("intervals") or {}).get("methods") or {}
+    if not got:
+        return []
+    cfg = doc["config"]
+    tasks = cfg["tasks"]
+    mark = {"above": "▲", "below": "▼", "tie": "="}
+
+    def cell(r: dict[str, Any]) -> str:
+        return (f"{100 * r['diff']:+.1f} [{100 * r['lo']:+.1f}, {100 * r['hi']:+.1f}] "
+                f"{mark[r['verdict']]}")
+
+    lines = ["", f"**Against {method_label(doc['intervals']['vs'])} on the same test queries** "
+             "(accuracy difference in points; paired bootstrap 95 % interval over the test "
+             "queries, each query's correctness averaged over the runs; Avg.: stratified over "
+             "the tasks; ▲ above, ▼ below, = tie)", "",
+             "| Method | " + " | ".join(tasks) + " | Avg. |", "|---|" + "---|" * (len(tasks) + 1)]
+    for m, per in got.items():
+        lines.append(f"| {_row_label(m, cfg)} | " + " | ".join(cell(per[t]) for t in tasks)
+                     + f" | {cell(per['average'])} |")
+    return lines
+
+
 def markdown_table(doc: dict[str, Any]) -> str:
     cfg, summ = doc["config"], doc["summary"]
     tasks, methods = cfg["tasks"], cfg["methods"]
@@ -158,6 +213,7 @@ def markdown_table(doc: dict[str, Any]) -> str:
             f"| {_row_label(m, cfg)} | " + " | ".join(cells)
             + f" | {summ['average'][m]['d_ntp']:.3f} |"
         )
+    lines += interval_lines(doc)
     lines += ensemble_lines(doc)
     lines += chosen_lines(doc)
     corr = doc.get("correlation")
