@@ -57,6 +57,17 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+def both_ways(cluster, tmp_path: Path, args: list[str]) -> tuple[dict, dict]:
+    """One `ltv-vllm evaluate` on the local executor and on the cluster: their results."""
+    local = cli(*args, "--out", str(tmp_path / "local"))
+    assert local.returncode == 0, local.stderr[-3000:]
+    remote = cli(*args, "--out", str(tmp_path / "ray"), "--executor", "ray",
+                 "--ray-address", cluster.address)
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    return (json.loads((tmp_path / "local" / "results.json").read_text()),
+            json.loads((tmp_path / "ray" / "results.json").read_text()))
+
+
 def rows(doc: dict) -> list[dict]:
     """A result's records without where and how long each ran."""
     return [{k: v for k, v in r.items() if k not in ("extraction_seconds", "episode")}
@@ -68,13 +79,7 @@ def test_ray_evaluate_equals_the_local_one(cluster, tmp_path, packaged_smollm2):
     args = ["evaluate", "--model", model, "--tasks", "sst2,trec", "--runs", "2", "--k", "6",
             "--n", "16", "--n-test", "16", "--n-val", "8", "--methods", "zero-shot,icl,ltv,mean",
             "--cost-samples", "0", "--dtype", "float32", "--quiet"]
-    local = cli(*args, "--out", str(tmp_path / "local"))
-    assert local.returncode == 0, local.stderr[-3000:]
-    remote = cli(*args, "--out", str(tmp_path / "ray"), "--executor", "ray",
-                 "--ray-address", cluster.address)
-    assert remote.returncode == 0, remote.stderr[-3000:]
-    a = json.loads((tmp_path / "local" / "results.json").read_text())
-    b = json.loads((tmp_path / "ray" / "results.json").read_text())
+    a, b = both_ways(cluster, tmp_path, args)
     assert len(a["records"]) == 2 * 2 * 4
     for x, y in zip(rows(a), rows(b), strict=True):
         assert (x["task"], x["run"], x["method"]) == (y["task"], y["run"], y["method"])
@@ -202,13 +207,7 @@ def test_regression_instances_on_the_cluster_equal_the_local_ones(cluster, tmp_p
     args = ["evaluate", "--model", str(tmp_path / "m"), "--tasks", "linear", "--runs", "2",
             "--k", "4", "--n", "8", "--n-test", "4", "--methods", "zero-shot,icl,ltv",
             "--max-new-tokens", "4", "--dtype", "float32", "--quiet"]
-    local = cli(*args, "--out", str(tmp_path / "local"))
-    assert local.returncode == 0, local.stderr[-3000:]
-    remote = cli(*args, "--out", str(tmp_path / "ray"), "--executor", "ray",
-                 "--ray-address", cluster.address)
-    assert remote.returncode == 0, remote.stderr[-3000:]
-    a = json.loads((tmp_path / "local" / "results.json").read_text())
-    b = json.loads((tmp_path / "ray" / "results.json").read_text())
+    a, b = both_ways(cluster, tmp_path, args)
     assert len(b["records"]) == 2 * 3
     for x, y in zip(rows(a), rows(b), strict=True):
         assert (x["run"], x["method"], x["texts"]) == (y["run"], y["method"], y["texts"])

@@ -303,6 +303,19 @@ def test_ltv_vllm_serve_serves_layer_tasks_by_name(served, tokenizer):
         stop(proc, log)
 
 
+def served_row(client, name, prompt, steps, more):
+    """One greedy completion of `name` with its layer asks, as `assert_row` reads a row:
+    [its tokens, each step's top log-probabilities by token id]."""
+    xargs = {**({"ltv_steps": steps} if steps else {}), **more}
+    lp = client.completions.create(
+        model=name, prompt=prompt, max_tokens=TOKENS, temperature=0.0, logprobs=3,
+        extra_body={"return_tokens_as_token_ids": True,
+                    **({"vllm_xargs": xargs} if xargs else {})}).choices[0].logprobs
+    toks = [int(t.split(":", 1)[1]) for t in lp.tokens]
+    got = [{k.split(":", 1)[1]: v for k, v in top.items()} for top in lp.top_logprobs]
+    return [toks, got]
+
+
 def check_store_layer_tasks(served, tokenizer, url, client):
     """Layer tasks uploaded to the same server's task store (`--layer-uploads`), served by
     name beside the command line's: each answer its own patched forward, with its default
@@ -335,15 +348,9 @@ def check_store_layer_tasks(served, tokenizer, url, client):
             (MIX[1][0], "s-map", None, {}), (MIX[2][0], "s-map", "2", {}),
             (MIX[9][0], "s-ctl", None, {"ltv_scale": -1.5, "ltv_mix": "add=0.5"})]
     for prompt, name, steps, more in jobs:  # one after another: the cache's order
-        xargs = {**({"ltv_steps": steps} if steps else {}), **more}
-        lp = client.completions.create(
-            model=name, prompt=prompt, max_tokens=TOKENS, temperature=0.0, logprobs=3,
-            extra_body={"return_tokens_as_token_ids": True,
-                        **({"vllm_xargs": xargs} if xargs else {})}).choices[0].logprobs
-        toks = [int(t.split(":", 1)[1]) for t in lp.tokens]
-        got = [{k.split(":", 1)[1]: v for k, v in top.items()} for top in lp.top_logprobs]
         assert_row(model, tokenizer, every, prompt, None if name == str(d) else name, steps,
-                   [toks, got], f"store {name} {steps} {more}", more)
+                   served_row(client, name, prompt, steps, more), f"store {name} {steps} {more}",
+                   more)
     for body, message in (({"model": "ctl", "vllm_xargs": {"ltv_mix": "s-ctl=1"}},
                            "task-store task 's-ctl'"),
                           ({"model": "s-ctl", "vllm_xargs": {"ltv_layer": "add"}},
@@ -394,15 +401,9 @@ def test_a_fused_layer_task_shifts_every_request(served, tokenizer):
         name = client.models.list().data[0].id
         for prompt, steps, more in ((MIX[0][0], None, {}), (MIX[3][0], "generated", {}),
                                     (MIX[1][0], "last", {"ltv_scale": 0.5})):
-            xargs = {**({"ltv_steps": steps} if steps else {}), **more}
-            lp = client.completions.create(
-                model=name, prompt=prompt, max_tokens=TOKENS, temperature=0.0, logprobs=3,
-                extra_body={"return_tokens_as_token_ids": True,
-                            **({"vllm_xargs": xargs} if xargs else {})}).choices[0].logprobs
-            toks = [int(t.split(":", 1)[1]) for t in lp.tokens]
-            got = [{k.split(":", 1)[1]: v for k, v in top.items()} for top in lp.top_logprobs]
-            assert_row(model, tokenizer, tasks, prompt, "ctl", steps, [toks, got],
-                       f"fused {steps} {more}", more)
+            assert_row(model, tokenizer, tasks, prompt, "ctl", steps,
+                       served_row(client, name, prompt, steps, more), f"fused {steps} {more}",
+                       more)
     finally:
         stop(proc, log)
 
