@@ -10,7 +10,8 @@ one CPU each, torn down at the end):
   with its error in one line while the others finish;
 - the driver killed after its checkpoint holds an episode: started again, it runs only what
   is missing (the kept episodes' records are the first driver's, to the float);
-- a cluster that does not answer: one line, before any model loads.
+- a cluster that does not answer: one line, before any model loads;
+- `bench rank`, `bench scaling` and `bench teachers` give the local executor's rows too.
 
 The worker's episodes in the fault tests wait for a file the test writes (`GatedSpec`), so a
 worker is killed inside an episode by construction, never after a guessed delay.
@@ -213,6 +214,69 @@ def test_regression_instances_on_the_cluster_equal_the_local_ones(cluster, tmp_p
         assert (x["run"], x["method"], x["texts"]) == (y["run"], y["method"], y["texts"])
         assert y["mse"] == pytest.approx(x["mse"], rel=1e-6, nan_ok=True)
     assert len({r["episode"]["ray_node"] for r in b["records"]}) == 2
+
+
+# where and how long each ran: may differ
+TIMED = ("machine", "capture_seconds", "fit_seconds", "cost", "episode")
+
+
+def assert_close(x, y, where: str = "rows") -> None:
+    """Two results' rows alike: the same keys and strings, numbers to float tolerance (a
+    worker runs torch on its one CPU, the driver on two), timings and machines aside."""
+    if isinstance(x, dict):
+        assert isinstance(y, dict) and x.keys() == y.keys(), where
+        for k in x:
+            if k not in TIMED:
+                assert_close(x[k], y[k], f"{where}.{k}")
+    elif isinstance(x, list):
+        assert isinstance(y, list) and len(x) == len(y), where
+        for i, (u, v) in enumerate(zip(x, y, strict=True)):
+            assert_close(u, v, f"{where}[{i}]")
+    elif isinstance(x, float):
+        assert y == pytest.approx(x, rel=1e-4, abs=1e-6), where
+    else:
+        assert x == y, where
+
+
+def bench_both_ways(cluster, tmp_path: Path, name: str, args: list[str]) -> tuple[dict, dict]:
+    """One `ltv-vllm bench NAME` on the local executor and on the cluster: their results."""
+    got = []
+    for where, extra in (("local", []), ("ray", ["--executor", "ray", "--ray-address",
+                                                  cluster.address])):
+        r = cli("bench", name, *args, "--out", str(tmp_path / name / where), *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got.append(json.loads((tmp_path / name / where / "results.json").read_text()))
+    return got[0], got[1]
+
+
+def test_the_bench_sweeps_on_the_cluster_equal_the_local_ones(cluster, tmp_path):
+    """`bench rank`, `bench scaling` and `bench teachers` through the Ray executor: the local
+    executor's rows, in the sweep's order; the teachers' states are written by the driver
+    alone (the workers hand them back), each episode's once."""
+    tok = make_tokenizer()
+    make_llama(len(tok), seed=6, layers=2).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    task = str(write_toy_task(tmp_path, WORDS))
+    common = ["--model", str(tmp_path / "m"), "--tasks", task, "--runs", "2", "--k", "6",
+              "--n-test", "8", "--dtype", "float32"]
+
+    a, b = bench_both_ways(cluster, tmp_path, "rank", [*common, "--n", "12", "--ranks", "2,4"])
+    assert len(a["rows"]) == 2 * 3
+    assert_close(a["rows"], b["rows"])
+
+    a, b = bench_both_ways(cluster, tmp_path, "scaling",
+                           [*common, "--ns", "8,16", "--demo-sets", "2"])
+    assert [(r["run"], r["n"]) for r in b["rows"]] == [(0, 8), (0, 16), (1, 8), (1, 16)]
+    assert_close(a["rows"], b["rows"])
+
+    a, b = bench_both_ways(cluster, tmp_path, "teachers",
+                           [*common, "--n", "12", "--many-k", "12", "--variants",
+                            "one/icl,many/batch"])
+    assert [r["run"] for r in b["rows"]] == [0, 1]
+    assert_close(a["rows"], b["rows"])
+    states = sorted(p.name for p in (tmp_path / "teachers" / "ray" / "states").iterdir())
+    assert states == sorted(p.name for p in (tmp_path / "teachers" / "local" / "states").iterdir())
+    assert len(states) == 2 * 2  # each episode's tensors and their record, once
 
 
 def test_an_unreachable_cluster_is_one_line_before_any_model(tmp_path):

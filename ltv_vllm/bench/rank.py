@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,76 +24,133 @@ from ltv_vllm.models.hardware import machine_line
 FULL = "full"
 
 
-def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], runs: int, k: int,
-               n: int, lam: float, n_test: int, seed: int, batch_size: int, dtype: str,
-               out_dir: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
-    import torch
+@dataclass(frozen=True)
+class RankSpec:
+    """What every process's rank runner shares, picklable (`evaluation.executor`)."""
 
-    from ltv_vllm.bench import report
-    from ltv_vllm.bench.workload import machine
-    from ltv_vllm.core.ridge import Factors, head_gram, truncate
-    from ltv_vllm.evaluation.sweep import Sweep
-    from ltv_vllm.extraction.capture import Capturer, full_head, label_head
-    from ltv_vllm.methods import Context, MethodOptions, score_methods
-    from ltv_vllm.models.loading import load_model
-    from ltv_vllm.pipeline.extract import capture_episode, capture_test_zero_shot, episode_labels
-    from ltv_vllm.serving.store.lora import VLLM_LORA_RANKS, lora_rank
-    from ltv_vllm.tasks.data import load_dataset, sample_episode
-    from ltv_vllm.tasks.specs import get_task, label_token_ids
+    ranks: tuple[int, ...]
+    k: int
+    n: int
+    lam: float
+    n_test: int
+    seed: int
+    batch_size: int
 
-    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    lm = load_model(model_spec, dtype=dtype)
-    cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=True)
-    vocab = lm.identity.vocab_size
-    sweep = Sweep({"ranks": list(ranks)}, task_names, runs, desc="rank runs")
-    current = None
-    for name, run in sweep:
-        if name != current:  # per task: its label rows, data and (shared) test states
-            current, task = name, get_task(name)
-            label_ids = label_token_ids(task, lm.tokenizer)
-            w_c, b_c = label_head(lm.model, label_ids)
-            hg = head_gram(full_head(lm.model)[0])
-            dataset = load_dataset(task)
-            h_zs_test = None
-        ep = sample_episode(dataset, k=k, n=n, n_test=n_test, seed=seed + run)
-        if h_zs_test is None:  # the test subset is the same for every run
-            h_zs_test = capture_test_zero_shot(cap, task, ep)
-        c = capture_episode(cap, ep, h_zs_test=h_zs_test)
+    def runner(self, lm: Any, *, progress: bool = False) -> RankRunner:
+        return RankRunner(self, lm, progress)
+
+
+class RankRunner:
+    """One process's rank episodes (the driver's, or a Ray worker's): per task its label
+    rows, data and test states, kept while that task's runs go on."""
+
+    def __init__(self, spec: RankSpec, lm: Any, progress: bool) -> None:
+        from ltv_vllm.extraction.capture import Capturer
+
+        self.spec, self.lm = spec, lm
+        self.cap = Capturer(lm.model, lm.tokenizer, batch_size=spec.batch_size,
+                            progress=progress)
+        self.vocab = lm.identity.vocab_size
+        self.task_name: str | None = None
+        self.held: dict[str, Any] = {}
+
+    def _task(self, name: str) -> dict[str, Any]:
+        from ltv_vllm.core.ridge import head_gram
+        from ltv_vllm.extraction.capture import full_head, label_head
+        from ltv_vllm.tasks.data import load_dataset
+        from ltv_vllm.tasks.specs import get_task, label_token_ids
+
+        if name != self.task_name:
+            task = get_task(name)
+            label_ids = label_token_ids(task, self.lm.tokenizer)
+            self.task_name = name
+            self.held = {"task": task, "label_ids": label_ids,
+                         "head": label_head(self.lm.model, label_ids),
+                         "hg": head_gram(full_head(self.lm.model)[0]),
+                         "dataset": load_dataset(task), "h_zs_test": None}
+        return self.held
+
+    def run(self, name: str, run: int) -> Any:
+        """Episode (`name`, `run`): one record per rank (the full one last)."""
+        from ltv_vllm.core.ridge import Factors, truncate
+        from ltv_vllm.evaluation.episodes import EpisodeResult
+        from ltv_vllm.methods import Context, MethodOptions, score_methods
+        from ltv_vllm.pipeline.extract import (
+            capture_episode,
+            capture_test_zero_shot,
+            episode_labels,
+        )
+        from ltv_vllm.serving.store.lora import VLLM_LORA_RANKS, lora_rank
+        from ltv_vllm.tasks.data import sample_episode
+
+        sp, held = self.spec, self._task(name)
+        w_c, b_c = held["head"]
+        ep = sample_episode(held["dataset"], k=sp.k, n=sp.n, n_test=sp.n_test,
+                            seed=sp.seed + run)
+        if held["h_zs_test"] is None:  # the test subset is the same for every run
+            held["h_zs_test"] = capture_test_zero_shot(self.cap, held["task"], ep)
+        c = capture_episode(self.cap, ep, h_zs_test=held["h_zs_test"])
         labels = episode_labels(ep)
         # the full-rank LTV, fitted by the registry's method like every extraction
-        ctx = Context(cap, ep, label_ids, MethodOptions(lam=lam, batch_size=batch_size),
-                      identity=lm.identity, h_zs=c.h_zs, h_icl=c.h_icl)
+        ctx = Context(self.cap, ep, held["label_ids"],
+                      MethodOptions(lam=sp.lam, batch_size=sp.batch_size),
+                      identity=self.lm.identity, h_zs=c.h_zs, h_icl=c.h_icl)
         full = score_methods(ctx, ["ltv"], c.h_zs_test, c.h_icl_test, labels, head=(w_c, b_c))
         tv = full.artifacts["ltv"]
         f = Factors(tv.U, tv.V, str(tv.provenance.ridge_form), gram=tv.gram)
         r_full = int(f.U.shape[1])
-        z_icl = full.logits["icl"]
-        scored = partial(_score, h=c.h_zs_test, w_c=w_c, b_c=b_c, labels=labels, z_icl=z_icl)
-
-        base = {"task": name, "run": run, "seed": seed + run, "full_rank": r_full,
+        scored = partial(_score, h=c.h_zs_test, w_c=w_c, b_c=b_c, labels=labels,
+                         z_icl=full.logits["icl"])
+        base = {"task": name, "run": run, "seed": sp.seed + run, "full_rank": r_full,
                 "zero-shot": full.metrics["zero-shot"], "icl": full.metrics["icl"]}
         recs = []
-        for r in [*[x for x in ranks if x < r_full], r_full]:
+        for r in [*[x for x in sp.ranks if x < r_full], r_full]:
             lr = lora_rank(r) if r <= VLLM_LORA_RANKS[-1] else None
             recs.append({
                 **base, "rank": r, "rank_label": FULL if r == r_full else str(r),
                 # what ships: weighted by the train states and the LM head
-                "ltv": scored(truncate(f, r, head_gram=hg)),
+                "ltv": scored(truncate(f, r, head_gram=held["hg"])),
                 # a plain SVD of W, for comparison
                 "ltv_plain": scored(truncate(Factors(f.U, f.V, f.form), r)),
-                "lora_rank": lr, "lora_b_bytes_bf16": vocab * lr * 2 if lr else None})
-        sweep.finish(name, run, recs)
-        log(f"{name} run {run}: full rank {r_full}, LTV "
-            f"{100 * full.metrics['ltv']['accuracy']:.1f}% at full rank")
+                "lora_rank": lr, "lora_b_bytes_bf16": self.vocab * lr * 2 if lr else None})
+        return EpisodeResult(name, run, recs, note=(
+            f"{name} run {run}: full rank {r_full}, LTV "
+            f"{100 * full.metrics['ltv']['accuracy']:.1f}% at full rank"))
+
+
+def bench_rank(model_spec: str, task_names: list[str], *, ranks: Sequence[int], runs: int, k: int,
+               n: int, lam: float, n_test: int, seed: int, batch_size: int, dtype: str,
+               out_dir: Path, command: str, executor: Any = None,
+               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every (task, run) through `executor` (`evaluation.executor`; None: here, in order),
+    `dtype` concrete (every episode's); then results.json / .md and the plot."""
+    import torch
+
+    from ltv_vllm.bench import report
+    from ltv_vllm.bench.workload import machine
+    from ltv_vllm.evaluation.executor import failed_list, run_sweep
+    from ltv_vllm.evaluation.sweep import Sweep
+    from ltv_vllm.models.checkpoint import identity_from_dir
+    from ltv_vllm.models.loading import load_model, local_model_dir
+
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    spec = RankSpec(tuple(ranks), k, n, lam, n_test, seed, batch_size)
+    sweep = Sweep({"ranks": list(ranks)}, task_names, runs, desc="rank runs")
+    failed = run_sweep(sweep, executor, spec,
+                       lambda: spec.runner(load_model(model_spec, dtype=dtype), progress=True),
+                       keep=lambda res: log(res.note))
     rows = sweep.records
-    doc = {"command": command, "model": model_spec, "dtype": str(lm.model.dtype),
-           "k": k, "n": n, "lam": lam, "n_test": n_test, "runs": runs, "vocab_size": vocab,
+    doc = {"command": command, "model": model_spec, "dtype": f"torch.{dtype}",
+           "k": k, "n": n, "lam": lam, "n_test": n_test, "runs": runs,
+           "vocab_size": identity_from_dir(local_model_dir(model_spec)).vocab_size,
            "threads": torch.get_num_threads(), "machine": machine(),
            "started": started,
            "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows,
-           "summary": summarise(rows)}
-    report.write(doc, out_dir, rank_markdown(doc))
-    doc["plots"] = [str(rank_plot(doc, out_dir))]
+           "summary": summarise(rows),
+           **({"failed": failed_list(failed)} if failed else {})}
+    if rows:  # (none where every episode raised: the caller lists why, `failed`)
+        report.write(doc, out_dir, rank_markdown(doc))
+        doc["plots"] = [str(rank_plot(doc, out_dir))]
     return doc
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,37 +39,176 @@ REFS = ("zero-shot", "icl", ens.ENSEMBLE, ens.STATES)
 MIN_GAIN = 0.02  # accuracy points (of 1) a reference must gain over zero-shot for a recovery
 
 
+@dataclass(frozen=True)
+class ScalingSpec:
+    """What every process's scaling runner shares, picklable (`evaluation.executor`): the
+    tasks by name and the sweep's settings."""
+
+    tasks: dict[str, Any]
+    ns: tuple[int, ...]
+    demo_sets: int
+    k: int
+    lam: float | str
+    n_test: int
+    seed: int
+    batch_size: int
+    teacher: Any  # core.teacher.TeacherOptions
+
+    def runner(self, lm: Any, *, progress: bool = False) -> ScalingRunner:
+        return ScalingRunner(self, lm, progress)
+
+
+class ScalingRunner:
+    """One process's scaling episodes (the driver's, or a Ray worker's): its capturer, and
+    per task its label rows and zero-shot test states. Each record names the machine that
+    timed it (this process's)."""
+
+    def __init__(self, spec: ScalingSpec, lm: Any, progress: bool) -> None:
+        from ltv_vllm.bench.workload import machine
+        from ltv_vllm.extraction.capture import Capturer
+
+        self.spec, self.lm = spec, lm
+        self.cap = Capturer(lm.model, lm.tokenizer, batch_size=spec.batch_size,
+                            progress=progress,  # chat: the special tokens are in the template
+                            special_tokens=all(t.special_tokens for t in spec.tasks.values()))
+        self.machine = machine_line(machine())
+        self.task_name: str | None = None
+        self.held: dict[str, Any] = {}
+
+    def run(self, name: str, run: int) -> Any:
+        """Episode (`name`, `run`): one record per N."""
+        import torch
+
+        from ltv_vllm.evaluation.episodes import EpisodeResult
+        from ltv_vllm.extraction.capture import icl_states_per_set, label_head
+        from ltv_vllm.pipeline.extract import (
+            ExtractOptions,
+            capture_test_zero_shot,
+            plan_episode,
+        )
+        from ltv_vllm.tasks.specs import label_token_ids
+
+        sp, cap, task = self.spec, self.cap, self.spec.tasks[name]
+        ep = plan_episode(task, ExtractOptions(k=sp.k, n=sp.ns[-1], lam=sp.lam,
+                                               seed=sp.seed + run, n_test=sp.n_test, n_val=0,
+                                               demo_sets=sp.demo_sets))
+        if name != self.task_name:  # per task: its label rows and (shared) zero-shot test states
+            label_ids = label_token_ids(task, self.lm.tokenizer)
+            self.task_name = name
+            self.held = {"label_ids": label_ids, "head": label_head(self.lm.model, label_ids),
+                         "h_zs_test": capture_test_zero_shot(cap, task, ep)}
+        labels = torch.tensor([e.label for e in ep.test])
+        test_sets = torch.stack(icl_states_per_set(cap, ep, [task.query(e.text) for e in ep.test],
+                                                   desc=f"{name} icl test"))
+        h_zs_all, h_sets_all, seconds = self._train_states(task, ep)
+        h_cf = None  # contextual calibration: each set's content-free states
+        if sp.teacher.calibration == "contextual":
+            from ltv_vllm.core.teacher import CONTENT_FREE
+
+            h_cf = torch.stack(icl_states_per_set(cap, ep, [task.query(t) for t in CONTENT_FREE],
+                                                  desc=f"{name} content-free")).float()
+        recs = [self._record(name, run, ep, i, labels, test_sets, h_zs_all, h_sets_all,
+                             seconds, h_cf) for i in range(len(sp.ns))]
+        last = recs[-1]["scores"]
+        return EpisodeResult(name, run, recs, note=(
+            f"{name} run {run}: N={sp.ns[-1]} zero-shot "
+            f"{100 * last['zero-shot']['accuracy']:.1f}% ICL {100 * last['icl']['accuracy']:.1f}%"
+            f" ensemble {100 * last[ens.ENSEMBLE]['accuracy']:.1f}% LTV "
+            f"{100 * last['ltv']['accuracy']:.1f}%"
+            + (f" multi {100 * last[ens.MULTI]['accuracy']:.1f}%" if ens.MULTI in last else "")))
+
+    def _train_states(self, task: Any, ep: Any) -> tuple[Any, Any, list[dict[str, Any]]]:
+        """The train queries' zero-shot and per-set ICL states, captured in nested slices
+        [0, n_1), [n_1, n_2), ...: each slice timed."""
+        import torch
+
+        from ltv_vllm.extraction.capture import icl_states_per_set, zero_shot_states
+
+        zs, sets, seconds = [], [], []
+        lo = 0
+        for n in self.spec.ns:
+            qs = ep.queries[lo:n]
+            t0 = time.perf_counter()
+            zs.append(zero_shot_states(self.cap, task, [e.text for e in qs],
+                                       desc=f"{task.name} zero-shot train {lo}:{n}"))
+            t1 = time.perf_counter()
+            per_set_seconds: list[float] = []
+            per_set = icl_states_per_set(self.cap, ep, [task.query(e.text) for e in qs],
+                                         desc=f"{task.name} icl train {lo}:{n}",
+                                         seconds=per_set_seconds)
+            sets.append(torch.stack([h.float() for h in per_set]))
+            seconds.append({"zero_shot": t1 - t0, "sets": per_set_seconds})
+            lo = n
+        return torch.cat(zs), torch.cat(sets, 1), seconds  # h_sets: (M, N_max, d)
+
+    def _record(self, name: str, run: int, ep: Any, i: int, labels: Any, test_sets: Any,
+                h_zs_all: Any, h_sets_all: Any, seconds: list[dict[str, Any]],
+                h_cf: Any) -> dict[str, Any]:
+        """The record of the i-th N: both fits to its first N queries, every score."""
+        import torch
+
+        from ltv_vllm.core.teacher import fit_targets
+        from ltv_vllm.methods import Context, MethodOptions, score_methods
+
+        sp, n = self.spec, self.spec.ns[i]
+        w_c, b_c = self.held["head"]
+        h_zs_test = self.held["h_zs_test"]
+        z_sets, refs = ens.references(test_sets, w_c, b_c)
+        gold = torch.tensor([e.label for e in ep.queries])
+        zs_s = sum(s["zero_shot"] for s in seconds[:i + 1])
+        set_s = [sum(s["sets"][m] for s in seconds[:i + 1]) for m in range(sp.demo_sets)]
+        logits = {"zero-shot": h_zs_test @ w_c.T + b_c, "icl": z_sets[0], **refs}
+        fit_seconds, lams = {}, {}
+        for fit, target, which in (("ltv", h_sets_all[0, :n], slice(0, 1)),
+                                   (ens.MULTI, h_sets_all[:, :n].mean(0), slice(None))):
+            if fit == ens.MULTI and sp.demo_sets == 1:
+                continue
+            if not sp.teacher.is_default:  # the teacher of that prompt (or mean of prompts)
+                target, test_teacher = fit_targets(
+                    sp.teacher, target, test_sets[which].float().mean(0), w_c, b_c,
+                    h_content_free=None if h_cf is None else h_cf[which].mean(0),
+                    gold=gold[:n])
+                if fit == "ltv":
+                    logits["teacher"] = test_teacher @ w_c.T + b_c
+            ctx = Context(self.cap, ep, self.held["label_ids"], MethodOptions(
+                lam=sp.lam, batch_size=sp.batch_size, progress=False),
+                identity=self.lm.identity, h_zs=h_zs_all[:n], h_icl=target)
+            t0 = time.perf_counter()
+            sc = score_methods(ctx, ["ltv"], h_zs_test, test_sets[0], labels, head=(w_c, b_c))
+            fit_seconds[fit] = time.perf_counter() - t0
+            logits[fit] = sc.logits["ltv"]
+            lams[fit] = sc.params["ltv"]["lam"]  # --lam auto: the one leave-one-out chose
+        return {"task": name, "run": run, "seed": sp.seed + run, "n": n,
+                # no choice is made here (λ fixed or by leave-one-out on train), so there
+                # is no dev split
+                "splits": {"train": n, "dev": 0, "test": len(ep.test),
+                           "test_seed": ep.test_seed},
+                "scores": ens.set_scores(logits, z_sets, labels),
+                "capture_seconds": {"ltv": zs_s + set_s[0], ens.MULTI: zs_s + sum(set_s)},
+                "fit_seconds": fit_seconds, "lam": lams, "machine": self.machine}
+
+
 def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], demo_sets: int,
                   runs: int, k: int, lam: float | str, n_test: int, seed: int, batch_size: int,
                   dtype: str, out_dir: Path, command: str, checkpoint: Path | None = None,
-                  teacher: Any = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the sweep (resuming from `checkpoint`), write results.json / .md and the plot.
-    `teacher` (`core.teacher.TeacherOptions`, None: the prompt's states): what both fits
-    imitate at every N; its own test accuracy joins the references as `teacher`."""
+                  teacher: Any = None, executor: Any = None,
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the sweep (resuming from `checkpoint`) through `executor` (`evaluation.executor`;
+    None: here, in order), `dtype` concrete (every episode's); write results.json / .md and
+    the plot. `teacher` (`core.teacher.TeacherOptions`, None: the prompt's states): what
+    both fits imitate at every N; its own test accuracy joins the references as `teacher`."""
     import torch
 
     from ltv_vllm.bench import report
     from ltv_vllm.bench.workload import machine
-    from ltv_vllm.core.teacher import CONTENT_FREE, TeacherOptions, fit_targets
+    from ltv_vllm.core.teacher import TeacherOptions
+    from ltv_vllm.evaluation.executor import failed_list, run_sweep
     from ltv_vllm.evaluation.sweep import Sweep
-    from ltv_vllm.extraction.capture import (
-        Capturer,
-        icl_states_per_set,
-        label_head,
-        zero_shot_states,
-    )
-    from ltv_vllm.methods import Context, MethodOptions, score_methods
     from ltv_vllm.models.loading import load_model
-    from ltv_vllm.pipeline.extract import ExtractOptions, capture_test_zero_shot, plan_episode
-    from ltv_vllm.tasks.specs import label_token_ids
 
     ns = sorted(set(ns))
-    hw = machine()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    lm = load_model(model_spec, dtype=dtype)
-    cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=True,
-                   special_tokens=all(t.special_tokens for t in tasks))  # chat: in the template
-    config = {"model": model_spec, "dtype": str(lm.model.dtype).removeprefix("torch."),
+    config = {"model": model_spec, "dtype": dtype,
               "tasks": [t.name for t in tasks], "ns": ns, "demo_sets": demo_sets, "k": k,
               "lam": lam, "n_test": n_test, "runs": runs, "seed": seed,
               "format": tasks[0].prompt_format if tasks else "completion"}
@@ -81,92 +221,20 @@ def bench_scaling(model_spec: str, tasks: Sequence[Any], *, ns: Sequence[int], d
     fixed = {k: v for k, v in config.items() if k not in ("tasks", "runs")}
     sweep = Sweep(fixed, config["tasks"], runs, checkpoint=checkpoint, desc="scaling runs",
                   state=_finished_state(out_dir, fixed, config["tasks"], runs, checkpoint))
-    by_name = {t.name: t for t in tasks}
-    current = None
-    for name, run in sweep:
-        task = by_name[name]
-        ep = plan_episode(task, ExtractOptions(k=k, n=ns[-1], lam=lam, seed=seed + run,
-                                               n_test=n_test, n_val=0, demo_sets=demo_sets))
-        if name != current:  # per task: its label rows and (shared) zero-shot test states
-            current = name
-            label_ids = label_token_ids(task, lm.tokenizer)
-            w_c, b_c = label_head(lm.model, label_ids)
-            h_zs_test = capture_test_zero_shot(cap, task, ep)
-        labels = torch.tensor([e.label for e in ep.test])
-        test_sets = torch.stack(icl_states_per_set(cap, ep, [task.query(e.text) for e in ep.test],
-                                                   desc=f"{name} icl test"))
-        z_sets, refs = ens.references(test_sets, w_c, b_c)
-        # train states in nested slices [0, n_1), [n_1, n_2), ...: each slice timed
-        zs, sets, seconds = [], [], []
-        lo = 0
-        for n in ns:
-            qs = ep.queries[lo:n]
-            t0 = time.perf_counter()
-            zs.append(zero_shot_states(cap, task, [e.text for e in qs],
-                                       desc=f"{name} zero-shot train {lo}:{n}"))
-            t1 = time.perf_counter()
-            per_set_seconds: list[float] = []
-            per_set = icl_states_per_set(cap, ep, [task.query(e.text) for e in qs],
-                                         desc=f"{name} icl train {lo}:{n}",
-                                         seconds=per_set_seconds)
-            sets.append(torch.stack([h.float() for h in per_set]))
-            seconds.append({"zero_shot": t1 - t0, "sets": per_set_seconds})
-            lo = n
-        h_zs_all = torch.cat(zs)
-        h_sets_all = torch.cat(sets, 1)  # (M, N_max, d)
-        h_cf = None  # contextual calibration: each set's content-free states
-        if teacher.calibration == "contextual":
-            h_cf = torch.stack(icl_states_per_set(cap, ep, [task.query(t) for t in CONTENT_FREE],
-                                                  desc=f"{name} content-free")).float()
-        gold = torch.tensor([e.label for e in ep.queries])
-        recs = []
-        for i, n in enumerate(ns):
-            zs_s = sum(s["zero_shot"] for s in seconds[:i + 1])
-            set_s = [sum(s["sets"][m] for s in seconds[:i + 1]) for m in range(demo_sets)]
-            logits = {"zero-shot": h_zs_test @ w_c.T + b_c, "icl": z_sets[0], **refs}
-            fit_seconds, lams = {}, {}
-            for fit, target, which in (("ltv", h_sets_all[0, :n], slice(0, 1)),
-                                       (ens.MULTI, h_sets_all[:, :n].mean(0), slice(None))):
-                if fit == ens.MULTI and demo_sets == 1:
-                    continue
-                if not teacher.is_default:  # the teacher of that prompt (or mean of prompts)
-                    target, test_teacher = fit_targets(
-                        teacher, target, test_sets[which].float().mean(0), w_c, b_c,
-                        h_content_free=None if h_cf is None else h_cf[which].mean(0),
-                        gold=gold[:n])
-                    if fit == "ltv":
-                        logits["teacher"] = test_teacher @ w_c.T + b_c
-                ctx = Context(cap, ep, label_ids, MethodOptions(
-                    lam=lam, batch_size=batch_size, progress=False), identity=lm.identity,
-                    h_zs=h_zs_all[:n], h_icl=target)
-                t0 = time.perf_counter()
-                sc = score_methods(ctx, ["ltv"], h_zs_test, test_sets[0], labels,
-                                   head=(w_c, b_c))
-                fit_seconds[fit] = time.perf_counter() - t0
-                logits[fit] = sc.logits["ltv"]
-                lams[fit] = sc.params["ltv"]["lam"]  # --lam auto: the one leave-one-out chose
-            scores = ens.set_scores(logits, z_sets, labels)
-            recs.append({"task": name, "run": run, "seed": seed + run, "n": n,
-                         # no choice is made here (λ fixed or by leave-one-out on train),
-                         # so there is no dev split
-                         "splits": {"train": n, "dev": 0, "test": len(ep.test),
-                                    "test_seed": ep.test_seed},
-                         "scores": scores,
-                         "capture_seconds": {"ltv": zs_s + set_s[0],
-                                             ens.MULTI: zs_s + sum(set_s)},
-                         "fit_seconds": fit_seconds, "lam": lams,
-                         "machine": machine_line(hw)})
-        sweep.finish(name, run, recs)
-        last = recs[-1]["scores"]
-        log(f"{name} run {run}: N={ns[-1]} zero-shot {100 * last['zero-shot']['accuracy']:.1f}% "
-            f"ICL {100 * last['icl']['accuracy']:.1f}% ensemble "
-            f"{100 * last[ens.ENSEMBLE]['accuracy']:.1f}% LTV {100 * last['ltv']['accuracy']:.1f}%"
-            + (f" multi {100 * last[ens.MULTI]['accuracy']:.1f}%" if ens.MULTI in last else ""))
+    spec = ScalingSpec({t.name: t for t in tasks}, tuple(ns), demo_sets, k, lam, n_test, seed,
+                       batch_size, teacher)
+    failed = run_sweep(sweep, executor, spec,
+                       lambda: spec.runner(load_model(model_spec, dtype=dtype), progress=True),
+                       keep=lambda res: log(res.note))
     rows = sweep.records
     doc = {"command": command, **config, "threads": torch.get_num_threads(),
-           "machine": hw, "started": started,
+           "machine": machine(), "started": started,
            "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-           "wall_seconds": sweep.wall_seconds, "rows": rows, "summary": summarise(rows)}
+           "wall_seconds": sweep.wall_seconds, "rows": rows,
+           "summary": summarise(rows) if rows else {},
+           **({"failed": failed_list(failed)} if failed else {})}
+    if failed:  # the finished episodes stay in the checkpoint; a rerun runs the rest
+        return doc
     out_dir.mkdir(parents=True, exist_ok=True)
     report.write(doc, out_dir, scaling_markdown(doc))
     doc["plots"] = [str(scaling_plot(doc, out_dir))]

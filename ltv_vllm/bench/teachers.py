@@ -27,6 +27,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -151,32 +152,95 @@ def score_variants(states: dict[str, torch.Tensor], variants: Sequence[str],
     return out
 
 
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What every process's state capture shares, picklable (`evaluation.executor`): the
+    tasks by name and the episodes' settings."""
+
+    tasks: dict[str, Any]
+    k: int
+    many_k: int
+    demo_sets: int
+    n: int
+    n_test: int
+    n_dev: int
+    seed: int
+    batch_size: int
+
+    def episode(self, task: Any, run: int) -> Any:
+        from ltv_vllm.pipeline.extract import ExtractOptions, plan_episode
+
+        return plan_episode(task, ExtractOptions(k=self.k, n=self.n, lam=5.0,
+                                                 seed=self.seed + run, n_test=self.n_test,
+                                                 n_val=self.n_dev, demo_sets=self.demo_sets))
+
+    def runner(self, lm: Any, *, progress: bool = False) -> CaptureRunner:
+        return CaptureRunner(self, lm, progress)
+
+
+class CaptureRunner:
+    """One process's captures (the driver's, or a Ray worker's): an episode's states and
+    their cost, handed back for the driver to store (`EpisodeResult.extra`); the machine
+    line is this process's, which timed them."""
+
+    def __init__(self, spec: CaptureSpec, lm: Any, progress: bool) -> None:
+        from ltv_vllm.bench.workload import machine
+        from ltv_vllm.extraction.capture import Capturer
+
+        self.spec, self.lm = spec, lm
+        self.cap = Capturer(lm.model, lm.tokenizer, batch_size=spec.batch_size,
+                            progress=progress,
+                            special_tokens=all(t.special_tokens for t in spec.tasks.values()))
+        self.machine = machine_line(machine())
+        self.zs_test: dict[str, torch.Tensor] = {}
+
+    def run(self, name: str, run: int) -> Any:
+        from ltv_vllm.evaluation.episodes import EpisodeResult
+        from ltv_vllm.extraction.capture import label_head
+        from ltv_vllm.pipeline.extract import capture_test_zero_shot
+        from ltv_vllm.tasks.data import check_disjoint, load_dataset, many_shot_demos
+        from ltv_vllm.tasks.specs import label_token_ids
+
+        task = self.spec.tasks[name]
+        ep = self.spec.episode(task, run)
+        many = many_shot_demos(load_dataset(task), ep, self.spec.many_k)
+        check_disjoint(ep, many)
+        if name not in self.zs_test:  # the test subset is the same for every run
+            self.zs_test[name] = capture_test_zero_shot(self.cap, task, ep)
+        st, cost = capture(self.cap, task, ep, many, self.zs_test[name],
+                           torch.tensor([e.label for e in ep.queries]),
+                           torch.tensor([e.label for e in ep.test]))
+        st["w_c"], st["b_c"] = label_head(self.lm.model, label_token_ids(task, self.lm.tokenizer))
+        return EpisodeResult(name, run, [], note=f"{name} run {run} captured",
+                             extra={"states": st, "cost": cost, "machine": self.machine})
+
+
 def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int,
                    demo_sets: int, n: int, runs: int, lam: float | str, n_test: int,
                    seed: int, batch_size: int, dtype: str, variants: Sequence[str],
                    out_dir: Path, command: str, rescore: bool = False,
                    merged: Sequence[dict[str, Any]] = (), n_dev: int = 0,
-                   log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Capture what is missing under out_dir/states, score every variant, write results.
-    `merged`: earlier results of this bench (`merge_docs`) whose episodes join the tables.
-    `n_dev` > 0: a labelled dev split per episode (disjoint from the queries, demonstrations
-    and test), every variant scored on it, and a "chosen on dev" row per task."""
+                   executor: Any = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Capture what is missing under out_dir/states (through `executor`,
+    `evaluation.executor`; None: here, in order; the driver alone writes the files), score
+    every variant, write results. `merged`: earlier results of this bench (`merge_docs`)
+    whose episodes join the tables. `n_dev` > 0: a labelled dev split per episode (disjoint
+    from the queries, demonstrations and test), every variant scored on it, and a "chosen
+    on dev" row per task."""
     from safetensors.torch import load_file, save_file
 
     from ltv_vllm.bench import report
     from ltv_vllm.bench.workload import machine
     from ltv_vllm.core.fileio import atomic_write
-    from ltv_vllm.extraction.capture import Capturer, label_head
+    from ltv_vllm.evaluation.executor import failed_list, run_sweep
+    from ltv_vllm.evaluation.sweep import Sweep, fresh_state
     from ltv_vllm.methods import Context, MethodOptions
     from ltv_vllm.models.checkpoint import identity_from_dir
     from ltv_vllm.models.loading import load_model, load_tokenizer, local_model_dir
-    from ltv_vllm.pipeline.extract import ExtractOptions, capture_test_zero_shot, plan_episode
-    from ltv_vllm.tasks.data import check_disjoint, load_dataset, many_shot_demos
     from ltv_vllm.tasks.specs import label_token_ids
 
     for v in variants:
         parse_variant(v)
-    hw = machine()
     states_dir = out_dir / "states"
     states_dir.mkdir(parents=True, exist_ok=True)
     # what an episode's stored states depend on besides its seed
@@ -185,41 +249,44 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
               # a dev split moves the further sets' demonstrations (drawn outside it); the
               # key is absent without one, so states stored before --n-dev stay valid
               **({"n_dev": n_dev} if n_dev else {})}
-    lm = None
+    spec = CaptureSpec({t.name: t for t in tasks}, k, many_k, demo_sets, n, n_test, n_dev,
+                       seed, batch_size)
     tok = load_tokenizer(model_spec)
     identity = identity_from_dir(local_model_dir(model_spec))
-    rows, t_start = [], time.perf_counter()
-    zs_test: dict[str, torch.Tensor] = {}
-    for task, run in itertools.product(tasks, range(runs)):
-        ep = plan_episode(task, ExtractOptions(k=k, n=n, lam=5.0, seed=seed + run,
-                                               n_test=n_test, n_val=n_dev,
-                                               demo_sets=demo_sets))
-        label_ids = label_token_ids(task, tok)
-        ep_config = {**config, "seed": seed + run}
-        path = states_dir / f"{task.name}_seed{seed + run}.safetensors"
-        meta_path = path.with_suffix(".json")
-        have = path.is_file() and meta_path.is_file() and json.loads(
+    t_start = time.perf_counter()
+
+    def stored(name: str, run: int) -> tuple[Path, Path, dict[str, Any]]:
+        path = states_dir / f"{name}_seed{seed + run}.safetensors"
+        return path, path.with_suffix(".json"), {**config, "seed": seed + run}
+
+    def have(name: str, run: int) -> bool:
+        path, meta_path, ep_config = stored(name, run)
+        return path.is_file() and meta_path.is_file() and json.loads(
             meta_path.read_text()).get("config") == ep_config
-        if not have:
-            if rescore:
-                raise ArgumentError(f"{path}: no stored states of this configuration "
-                                        "to rescore (run without --rescore to capture them)")
-            if lm is None:
-                lm = load_model(model_spec, dtype=dtype)
-                cap = Capturer(lm.model, lm.tokenizer, batch_size=batch_size, progress=True,
-                               special_tokens=task.special_tokens)
-            many = many_shot_demos(load_dataset(task), ep, many_k)
-            check_disjoint(ep, many)
-            if task.name not in zs_test:  # the test subset is the same for every run
-                zs_test[task.name] = capture_test_zero_shot(cap, task, ep)
-            st, cost = capture(cap, task, ep, many, zs_test[task.name],
-                               torch.tensor([e.label for e in ep.queries]),
-                               torch.tensor([e.label for e in ep.test]))
-            w_c, b_c = label_head(lm.model, label_ids)
-            st["w_c"], st["b_c"] = w_c, b_c
-            save_file({k_: v.contiguous() for k_, v in st.items()}, str(path))
-            meta = {"config": ep_config, "cost": cost, "machine": machine_line(hw)}
-            atomic_write(meta_path, lambda p, m=meta: Path(p).write_text(json.dumps(m, indent=1)))
+
+    def keep(res: Any) -> None:  # the driver alone writes the states and their record
+        path, meta_path, ep_config = stored(res.task, res.run)
+        save_file({k_: v.contiguous() for k_, v in res.extra["states"].items()}, str(path))
+        meta = {"config": ep_config, "cost": res.extra["cost"], "machine": res.extra["machine"]}
+        atomic_write(meta_path, lambda p, m=meta: Path(p).write_text(json.dumps(m, indent=1)))
+
+    names = [t.name for t in tasks]
+    done = [[t, r] for t in names for r in range(runs) if have(t, r)]
+    if rescore and len(done) < len(names) * runs:
+        name, run = next((t, r) for t in names for r in range(runs) if [t, r] not in done)
+        raise ArgumentError(f"{stored(name, run)[0]}: no stored states of this configuration "
+                            "to rescore (run without --rescore to capture them)")
+    sweep = Sweep({}, names, runs, state={**fresh_state(), "done": done}, desc="captures")
+    failed = run_sweep(sweep, executor, spec,
+                       lambda: spec.runner(load_model(model_spec, dtype=dtype), progress=True),
+                       keep=keep)
+    if failed:  # what was captured is stored: the command again captures the rest
+        return {"failed": failed_list(failed)}
+    rows = []
+    for task, run in itertools.product(tasks, range(runs)):
+        ep = spec.episode(task, run)
+        label_ids = label_token_ids(task, tok)
+        path, meta_path, _ = stored(task.name, run)
         st = load_file(str(path))
         meta = json.loads(meta_path.read_text())
         head = (st["w_c"], st["b_c"])
@@ -234,26 +301,30 @@ def bench_teachers(model_spec: str, tasks: Sequence[Any], *, k: int, many_k: int
                      "cost": meta["cost"], "machine": meta["machine"],
                      "splits": {"train": len(ep.queries), "dev": len(ep.val),
                                 "test": len(ep.test), "test_seed": ep.test_seed}})
-        pick = chosen_on_dev(scores, variants) if n_dev else None
-        log(f"{task.name} run {run}: zero-shot {100 * scores['zero-shot']['accuracy']:.1f}% "
-            f"ICL {100 * scores['icl']['accuracy']:.1f}% LTV one/icl "
-            f"{100 * scores['one/icl']['accuracy']:.1f}%" if "one/icl" in scores else task.name)
-        if pick is not None:
-            log(f"  chosen on dev: {pick} (dev {100 * scores[pick]['dev_accuracy']:.1f}%), "
-                f"test {100 * scores[pick]['accuracy']:.1f}%")
-    names = [t.name for t in tasks]
+        _log_episode(log, task.name, run, scores, variants, n_dev)
     rows += [r for other in merged for r in other["rows"]]  # `merge_docs` checked them
     rows.sort(key=lambda r: (names.index(r["task"]), r["seed"]))
     doc = {"command": command, **config, "n_dev": n_dev, "seed": seed, "lam": lam,
            "runs": max(sum(r["task"] == t for r in rows) for t in names),
            "merged": [other["command"] for other in merged],
-           "tasks": names, "variants": list(variants), "machine": hw,
+           "tasks": names, "variants": list(variants), "machine": machine(),
            "threads": torch.get_num_threads(), "wall_seconds": time.perf_counter() - t_start,
            "rows": rows}
     doc["summary"] = summarise(doc)
     report.write(doc, out_dir, teachers_markdown(doc))
     doc["plots"] = [str(teachers_plot(doc, out_dir))]
     return doc
+
+
+def _log_episode(log: Callable[[str], None], name: str, run: int, scores: dict[str, Any],
+                 variants: Sequence[str], n_dev: int) -> None:
+    log(f"{name} run {run}: zero-shot {100 * scores['zero-shot']['accuracy']:.1f}% "
+        f"ICL {100 * scores['icl']['accuracy']:.1f}% LTV one/icl "
+        f"{100 * scores['one/icl']['accuracy']:.1f}%" if "one/icl" in scores else name)
+    pick = chosen_on_dev(scores, variants) if n_dev else None
+    if pick is not None:
+        log(f"  chosen on dev: {pick} (dev {100 * scores[pick]['dev_accuracy']:.1f}%), "
+            f"test {100 * scores[pick]['accuracy']:.1f}%")
 
 
 # what every episode's scores hold beside the variants

@@ -386,6 +386,17 @@ class ExecutorFlags:
             self.workers))
 
 
+def exit_if_failed(doc: dict[str, Any], kept: str) -> None:
+    """Episodes that raised on a cluster (`doc["failed"]`): each in one line, then exit 1;
+    `kept` says where what finished is, so the command again runs only what is missing."""
+    if not doc.get("failed"):
+        return
+    for f in doc["failed"]:
+        click.echo(f"failed: {f['task']} run {f['run']}: {f['error']}", err=True)
+    click.echo(f"{len(doc['failed'])} episodes failed; {kept}", err=True)
+    raise click.exceptions.Exit(1)
+
+
 _executor_options = grouped(
     ExecutorFlags,
     click.option("--executor", default="local", show_default=True,

@@ -15,15 +15,18 @@ from ltv_vllm.cli.base import (
     DTYPE_HELP,
     EngineFlags,
     EpisodeFlags,
+    ExecutorFlags,
     FitFlags,
     TeacherFlags,
     _command_line,
     _csv,
     _engine_options,
+    _executor_options,
     _format_options,
     _ints,
     _task_specs,
     _teacher_options,
+    exit_if_failed,
     friendly,
     grouped,
     lam_option,
@@ -88,6 +91,26 @@ _SEED = click.option("--seed", default=0, show_default=True)
 @main.group()
 def bench() -> None:
     """Benchmarks: serving modes side by side, ICL cost against k, extraction cost, rank."""
+
+
+def _sweep_executor(execution: ExecutorFlags, model_spec: str, dtype: str) -> tuple[Any, str]:
+    """A bench sweep's executor (None: here, in order; the cluster reached, or one line,
+    before any model loads) and the concrete dtype every episode computes in: resolved
+    once here, so workers on other CPUs do not each pick their own for `auto`. A worker
+    that declares GPUs puts its model there; episodes here run on the CPU."""
+    from ltv_vllm.models.hardware import resolve_for_model
+    from ltv_vllm.models.loading import local_model_dir
+
+    device = "cuda" if execution.executor == "ray" and execution.episode_gpus else "cpu"
+    if dtype == "auto" and device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ArgumentError("--dtype auto on GPU workers needs a GPU here to resolve it "
+                                "(every worker computes in one dtype): give --dtype "
+                                "bfloat16 or float16")
+    dtype = resolve_for_model(dtype, local_model_dir(model_spec), device)
+    return execution.executor_for(model_spec, dtype, device), dtype
 
 
 @bench.command("serving")
@@ -351,9 +374,11 @@ def bench_real_width_cmd(config_name: str, layers: int, tokenizer_model: str, tp
 @click.option("--dtype", default="auto", show_default=True, type=DTYPE, help=DTYPE_HELP)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("benchmarks/results/rank"), show_default=True)
+@_executor_options
 @friendly
 def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int,
-                   episode: EpisodeFlags, dtype: str, out_dir: Path) -> None:
+                   episode: EpisodeFlags, dtype: str, out_dir: Path,
+                   execution: ExecutorFlags) -> None:
     """Accuracy and d_NTP of each LTV cut to lower ranks (what cheaper LoRA serving costs)."""
     from ltv_vllm.bench.rank import bench_rank, rank_markdown
     from ltv_vllm.pipeline.extract import check_counts
@@ -364,10 +389,12 @@ def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int,
     e = episode
     check_counts(runs=runs, k=e.k, n=e.n, lam=e.lam, n_test=e.n_test, batch_size=e.batch_size)
     check_writable(out_dir, option="--out", directory=True)
+    executor, dtype = _sweep_executor(execution, model_spec, dtype)
     doc = bench_rank(model_spec, _csv(task_list), ranks=_ints(ranks), runs=runs, k=e.k, n=e.n,
                      lam=e.lam, n_test=e.n_test, seed=e.seed, batch_size=e.batch_size,
-                     dtype=dtype, out_dir=out_dir, command=_command_line(),
+                     dtype=dtype, out_dir=out_dir, command=_command_line(), executor=executor,
                      log=lambda m: click.echo(m, err=True))
+    exit_if_failed(doc, f"the others are in {out_dir}/results.json")
     click.echo(rank_markdown(doc))
 
 
@@ -393,11 +420,12 @@ def bench_rank_cmd(model_spec: str, task_list: str, ranks: str, runs: int,
 @_teacher_options
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("benchmarks/results/scaling"), show_default=True)
+@_executor_options
 @friendly
 def bench_scaling_cmd(model_spec: str, task_list: str, ns: str, demo_sets: int, runs: int,
                       k: int, lam: float | str, n_test: int, seed: int, batch_size: int,
-                      dtype: str, prompt_format: Any, teacher: TeacherFlags, out_dir: Path
-                      ) -> None:
+                      dtype: str, prompt_format: Any, teacher: TeacherFlags, out_dir: Path,
+                      execution: ExecutorFlags) -> None:
     """Recovery of ICL's accuracy against N, for the paper's LTV and multi-prompt LTV, with
     the ICL ensemble and the capture time (rerun the same command to resume)."""
     from ltv_vllm.bench.scaling import bench_scaling, scaling_markdown
@@ -430,12 +458,16 @@ def bench_scaling_cmd(model_spec: str, task_list: str, ns: str, demo_sets: int, 
                                             n_val=0, demo_sets=demo_sets))
         check_context(tok, ep, t.special_tokens, context)
         check_teacher(teacher_opts, "ltv", t, None, ep)
+    executor, dtype = _sweep_executor(execution, model_spec, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / "partial.json"  # rewritten after every episode; rerun to resume
     doc = bench_scaling(model_spec, tasks, ns=sizes, demo_sets=demo_sets, runs=runs, k=k,
                         lam=lam, n_test=n_test, seed=seed, batch_size=batch_size, dtype=dtype,
                         out_dir=out_dir, command=_command_line(), checkpoint=partial,
-                        teacher=teacher_opts, log=lambda m: click.echo(m, err=True))
+                        teacher=teacher_opts, executor=executor,
+                        log=lambda m: click.echo(m, err=True))
+    exit_if_failed(doc, f"the others are kept in {partial}: run the command again "
+                               "to run only what is missing")
     partial.unlink(missing_ok=True)
     click.echo(scaling_markdown(doc))
 
@@ -476,11 +508,13 @@ def bench_scaling_cmd(model_spec: str, task_list: str, ns: str, demo_sets: int, 
                    "so runs can be added without recapturing the earlier ones.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("benchmarks/results/teachers"), show_default=True)
+@_executor_options
 @friendly
 def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, demo_sets: int,
                        n: int, runs: int, lam: float | str, n_test: int, n_dev: int, seed: int,
                        batch_size: int, dtype: str, variants: str | None, rescore: bool,
-                       merge: tuple[Path, ...], out_dir: Path) -> None:
+                       merge: tuple[Path, ...], out_dir: Path, execution: ExecutorFlags
+                       ) -> None:
     """Fit vectors to better teachers than one k-shot prompt (many-shot, calibrated, gold
     blends) and score them against it; every episode's states are kept under --out/states,
     so rerunning with other --variants or --lam rescores without a recapture."""
@@ -519,7 +553,10 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
     tok = load_tokenizer(model_spec)
     context = context_length(local_model_dir(model_spec))
     tasks = get_tasks(task_list)
-    merged = merge_docs(merge, {"model": model_spec, "dtype": dtype, "k": k, "many_k": many_k,
+    if rescore and execution.executor == "ray":
+        raise ArgumentError("--rescore loads no model: not with --executor ray")
+    executor, concrete = _sweep_executor(execution, model_spec, dtype)
+    merged = merge_docs(merge, {"model": model_spec, "dtype": concrete, "k": k, "many_k": many_k,
                                 "demo_sets": demo_sets, "n": n, "n_test": n_test, "lam": lam,
                                 "n_dev": n_dev},
                         [t.name for t in tasks], chosen, range(seed, seed + runs))
@@ -533,7 +570,9 @@ def bench_teachers_cmd(model_spec: str, task_list: str, k: int, many_k: int, dem
             check_context(tok, e, t.special_tokens, context)
     doc = bench_teachers(model_spec, tasks, k=k, many_k=many_k, demo_sets=demo_sets, n=n,
                          runs=runs, lam=lam, n_test=n_test, seed=seed, batch_size=batch_size,
-                         dtype=dtype, variants=chosen, out_dir=out_dir, rescore=rescore,
+                         dtype=concrete, variants=chosen, out_dir=out_dir, rescore=rescore,
                          merged=merged, n_dev=n_dev, command=_command_line(),
-                         log=lambda m: click.echo(m, err=True))
+                         executor=executor, log=lambda m: click.echo(m, err=True))
+    exit_if_failed(doc, f"the others' states are in {out_dir}/states: run the "
+                               "command again to capture only what is missing")
     click.echo(f"results in {out_dir}: {len(doc['rows'])} episodes")

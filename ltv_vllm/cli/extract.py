@@ -32,6 +32,7 @@ from ltv_vllm.cli.base import (
     _print_metrics,
     _source_options,
     _teacher_options,
+    exit_if_failed,
     friendly,
     grouped,
     lam_option,
@@ -534,7 +535,7 @@ def _previous_evaluation(out_dir: Path, model_spec: str | None, methods: list[st
 
 
 def _exit_if_failed(doc: dict[str, Any], out_dir: Path, partial: Path) -> None:
-    """Episodes that raised on a cluster: each in one line, OUT/failed.json, exit 1 (what
+    """Episodes that raised on a cluster: OUT/failed.json, each in one line, exit 1 (what
     finished is kept in `partial`: the command again runs only what is missing)."""
     failed = out_dir / "failed.json"
     if not doc.get("failed"):
@@ -542,12 +543,8 @@ def _exit_if_failed(doc: dict[str, Any], out_dir: Path, partial: Path) -> None:
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     failed.write_text(json.dumps(doc["failed"], indent=1))
-    for f in doc["failed"]:
-        click.echo(f"failed: {f['task']} run {f['run']}: {f['error']}", err=True)
-    click.echo(f"{len(doc['failed'])} episodes failed (listed in {failed}); the others are "
-               f"kept in {partial}: run the command again to run only what is missing",
-               err=True)
-    raise click.exceptions.Exit(1)
+    exit_if_failed(doc, f"listed in {failed}; the others are kept in {partial}: run the "
+                        "command again to run only what is missing")
 
 
 def _evaluate_regression(model_spec: str | None, tasks_: list[Any], methods: str | None,

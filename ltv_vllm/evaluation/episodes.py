@@ -12,8 +12,6 @@ its capture and after each method, so a rerun resumes inside it too; a worker sa
 from __future__ import annotations
 
 import json
-import socket
-import time
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -52,6 +50,7 @@ class EpisodeResult:
     cost: dict[str, Any] | None = None
     note: str = ""
     error: str | None = None  # the episode raised: its one line (no records)
+    extra: Any = None  # what else the driver keeps (a bench's captured states)
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,6 @@ class EpisodeRunner:
 
     def run(self, name: str, run: int) -> EpisodeResult:
         """Episode (`name`, `run`): its records, in the method order of `keys`."""
-        t0 = time.perf_counter()
         episode = self.plan[name][run]
         logits: dict[str, Any] = {}
         if self.source is None:
@@ -126,8 +124,6 @@ class EpisodeRunner:
         labels = episode_labels(episode)
         correct = {m: (z.argmax(-1).cpu() == labels).int().tolist()
                    for m, z in logits.items() if m in self.keys and z.shape[0] == len(labels)}
-        where = {"node": socket.gethostname(), "wall_seconds": time.perf_counter() - t0,
-                 "capture_seconds": captured}
         recs = [{
             "task": name,
             "run": run,
@@ -146,7 +142,8 @@ class EpisodeRunner:
             "test_seed": episode.test_seed,
             **({"params": params[m]} if m in params else {}),
             **({"correct": correct[m]} if m in correct else {}),
-            "episode": where,  # where and how long it ran (not a result)
+            # how long its capture took (where and how long it ran: the executor's)
+            "episode": {"capture_seconds": captured},
         } for m in self.keys]
         note = f"{name}: " + " ".join(f"{m}={metrics[m]['accuracy']:.3f}" for m in self.keys)
         return EpisodeResult(name, run, recs, cost, note)

@@ -32,7 +32,7 @@ from ltv_vllm.evaluation.episodes import (  # noqa: F401 - re-exported: their ol
     episode_checkpoint,
     score_sets,
 )
-from ltv_vllm.evaluation.executor import LocalExecutor
+from ltv_vllm.evaluation.executor import failed_list, run_sweep
 from ltv_vllm.evaluation.report import (  # noqa: F401 - re-exported: their old home
     FIXED_LABELS,
     SOURCE,
@@ -254,17 +254,12 @@ def evaluate(
         raise ArgumentError("a transfer evaluation captures both models with transformers")
     spec = RunnerSpec({t.name: t for t in tasks}, own, keys, cfg, plan,
                       pair_ids if source is not None else {})
-    failed: dict[tuple[str, int], str] = {}
 
-    def done(res: EpisodeResult) -> None:
-        """An episode back from wherever it ran: its records into the sweep (which alone
-        writes the checkpoint), or its error kept for the summary."""
-        if res.error is not None:
-            failed[res.task, res.run] = res.error
-            return
+    def keep(res: EpisodeResult) -> None:
+        """An episode back from wherever it ran: its cost table kept (the sweep keeps its
+        records and writes the checkpoint), its own checkpoint done with."""
         if res.cost is not None:
             costs[res.task] = res.cost
-        sweep.finish(res.task, res.run, res.records, res.note)
         if checkpoint is not None:
             episode_checkpoint(checkpoint).unlink(missing_ok=True)
 
@@ -272,8 +267,7 @@ def evaluate(
         return spec.runner(lm, source=source, checkpoint=checkpoint, key=config_key(config),
                            progress=progress)
 
-    (executor or LocalExecutor()).run(sweep.todo(), spec, local, done, sweep.bar)
-    sweep.bar.close()
+    failed = run_sweep(sweep, executor, spec, local, keep=keep)
     records = sweep.records
     return {
         "config": config,
@@ -289,8 +283,7 @@ def evaluate(
            if records and "icl" in keys and source is None else {}),
         **({"inference_cost": costs} if costs else {}),
         # episodes that raised (a cluster's executor goes on without them): a rerun retries
-        **({"failed": [{"task": t, "run": r, "error": e} for (t, r), e in sorted(
-            failed.items())]} if failed else {}),
+        **({"failed": failed_list(failed)} if failed else {}),
         **({"extends": {k: extend.get(k) for k in ("command", "machine", "extends")}
             | {"tasks": extend["config"]["tasks"], "runs": extend["config"]["runs"]}}
            if extend is not None else {}),

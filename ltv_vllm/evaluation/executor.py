@@ -34,7 +34,46 @@ class LocalExecutor:
             local: Callable[[], Any], done: Done, bar: Any = None) -> None:  # noqa: ARG002
         runner = local() if todo else None
         for name, run in todo:
-            done(runner.run(name, run))
+            done(timed_episode(runner, name, run))
+
+
+def run_sweep(sweep: Any, executor: Any, spec: Any, local: Callable[[], Any], *,
+              keep: Done | None = None) -> dict[tuple[str, int], str]:
+    """Every episode `sweep` (`evaluation.sweep.Sweep`) still needs, through `executor` (None:
+    `LocalExecutor`): each result handed to `keep` (the caller's: a cost table, a file, a
+    log line), then into the sweep, which alone writes the checkpoint. Returns the errors
+    of the episodes that raised, by (task, run): they are not done, so a rerun retries them."""
+    failed: dict[tuple[str, int], str] = {}
+
+    def done(res: Any) -> None:
+        if res.error is not None:
+            failed[res.task, res.run] = res.error
+            return
+        if keep is not None:
+            keep(res)
+        sweep.finish(res.task, res.run, res.records, res.note)
+
+    (executor or LocalExecutor()).run(sweep.todo(), spec, local, done, sweep.bar)
+    sweep.bar.close()
+    return failed
+
+
+def timed_episode(runner: Any, name: str, run: int, **where: Any) -> Any:
+    """`runner.run(name, run)`, each record stamped with where and how long it ran
+    (`episode`: the node, the wall seconds, `where`, and what the runner adds itself)."""
+    import socket
+
+    t0 = time.perf_counter()
+    res = runner.run(name, run)
+    stamp = {"node": socket.gethostname(), "wall_seconds": time.perf_counter() - t0, **where}
+    for r in res.records:
+        r["episode"] = {**stamp, **r.get("episode", {})}
+    return res
+
+
+def failed_list(failed: dict[tuple[str, int], str]) -> list[dict[str, Any]]:
+    """`run_sweep`'s errors as a result document lists them (`failed`)."""
+    return [{"task": t, "run": r, "error": e} for (t, r), e in sorted(failed.items())]
 
 
 @dataclass(frozen=True)
@@ -202,11 +241,9 @@ class EpisodeWorker:
     def run(self, name: str, run: int) -> Any:
         import ray
 
-        res = self.runner.run(name, run)
-        node = ray.get_runtime_context().get_node_id()[:12]  # two nodes may share a host name
-        for r in res.records:
-            r["episode"] = {**r.get("episode", {}), "ray_node": node}
-        return res
+        # two nodes may share a host name
+        return timed_episode(self.runner, name, run,
+                             ray_node=ray.get_runtime_context().get_node_id()[:12])
 
     def pid(self) -> int:
         import os

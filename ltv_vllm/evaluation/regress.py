@@ -39,7 +39,7 @@ from ltv_vllm.evaluation.evaluate import (
     bars_per_task,
     method_label,
 )
-from ltv_vllm.evaluation.executor import LocalExecutor
+from ltv_vllm.evaluation.executor import failed_list, run_sweep
 from ltv_vllm.evaluation.sweep import Sweep
 from ltv_vllm.extraction.capture import Capturer
 from ltv_vllm.extraction.generate import greedy, greedy_shared, greedy_states
@@ -253,18 +253,8 @@ def evaluate_regression(
     sweep = Sweep(config, [t.name for t in tasks], cfg.runs, checkpoint=checkpoint,
                   progress=progress, desc="instances")
     spec = RegressionSpec({t.name: t for t in tasks}, tuple(methods), cfg, k, max_new_tokens)
-    failed: dict[tuple[str, int], str] = {}
-
-    def done(res: Any) -> None:
-        if res.error is not None:
-            failed[res.task, res.run] = res.error
-        else:
-            sweep.finish(res.task, res.run, res.records, res.note)
-
-    (executor or LocalExecutor()).run(
-        sweep.todo(), spec, lambda: spec.runner(lm, progress=progress, vllm_work=vllm_work),
-        done, sweep.bar)
-    sweep.bar.close()
+    failed = run_sweep(sweep, executor, spec,
+                       lambda: spec.runner(lm, progress=progress, vllm_work=vllm_work))
     records = sweep.records
     names = [t.name for t in tasks]
     return {
@@ -275,8 +265,7 @@ def evaluate_regression(
         "summary": summarise_regression(records, names, methods) if records else {},
         "references": references(config),
         "correlation": _correlation(records) if records else {},
-        **({"failed": [{"task": t, "run": r, "error": e} for (t, r), e in sorted(
-            failed.items())]} if failed else {}),
+        **({"failed": failed_list(failed)} if failed else {}),
     }
 
 
@@ -307,11 +296,9 @@ class RegressionRunner:
 
     def run(self, name: str, run: int) -> Any:
         """Instance `run` of task `name`: one record per method."""
-        import socket
 
         from ltv_vllm.evaluation.episodes import EpisodeResult
 
-        t0 = time.perf_counter()
         sp, lm = self.spec, self.lm
         task, seed, methods = sp.tasks[name], sp.cfg.seed + run, list(sp.methods)
         ep = sample_regression_episode(task, k=sp.k, n=sp.cfg.n, n_test=sp.cfg.n_test,
@@ -321,10 +308,9 @@ class RegressionRunner:
         scores, ext, arts = score_instance(ctx, methods, sp.max_new_tokens)
         served = (vllm_scores(lm, ctx, methods, arts, scores, sp.max_new_tokens,
                               self.vllm_work) if self.vllm_work is not None else {})
-        where = {"node": socket.gethostname(), "wall_seconds": time.perf_counter() - t0}
         recs = [{"task": task.name, "run": run, "seed": seed, "method": m, **scores[m],
                  "extraction_seconds": ext.get(m), "k_used": len(ep.demos),
-                 **({"vllm": served[m]} if m in served else {}), "episode": where}
+                 **({"vllm": served[m]} if m in served else {})}
                 for m in methods]
         return EpisodeResult(name, run, recs, note=f"{name}: " + " ".join(
             f"{m}={scores[m]['mse']:.2f}" for m in methods))

@@ -1,4 +1,4 @@
-"""The resumable task × run loop that `evaluate`, `regress` and `bench rank` share.
+"""The resumable task × run loop that `evaluate`, `regress` and the `bench` sweeps share.
 
 A sweep visits every (task, run) once, in order. After each it appends that episode's
 records, updates its progress bar and, with a checkpoint, rewrites the checkpoint atomically
