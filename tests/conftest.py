@@ -143,7 +143,7 @@ AREAS: dict[str, tuple[str, ...]] = {
         "test_placement", "test_compile", "test_lora", "test_layer_tasks", "test_cluster"),
     "bench": ("test_bench", "test_bench_costs", "test_bench_rounds", "test_jobs",
               "test_value", "test_teachers", "test_demo_sets"),
-    "docs": ("test_docs", "test_layout", "test_your_task_doc", "test_cli_args"),
+    "docs": ("test_docs", "test_layout", "test_pages", "test_your_task_doc", "test_cli_args"),
 }
 
 

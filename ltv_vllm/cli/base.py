@@ -402,8 +402,8 @@ _executor_options = grouped(
     click.option("--executor", default="local", show_default=True,
                  type=click.Choice(["local", "ray"]),
                  help="Where the (task, run) episodes run: here, one after another, or as "
-                      "Ray tasks, each worker loading the model once (pip install "
-                      "\"ltv-vllm[cluster]\"); the same results either way."),
+                      "Ray tasks, each worker loading the model once (Ray: the `cluster` "
+                      "extra); the same results either way."),
     click.option("--ray-address", default=None, metavar="ADDR",
                  help="--executor ray: the cluster's head (HOST:PORT, ray://..., or auto) "
                       "[default: a Ray instance started here]."),
@@ -440,8 +440,8 @@ _model_options = grouped(
 
 @dataclass(frozen=True, kw_only=True)
 class FitFlags:
-    """What a task vector is fitted on, as given: k demonstrations, N unlabeled queries, the
-    ridge penalty λ and the sampling seed."""
+    """What a task vector is fitted on, as given: k demonstrations, N queries (their labels,
+    where they have them, blended in by default), the ridge penalty λ and the seed."""
 
     k: int | None
     n: int

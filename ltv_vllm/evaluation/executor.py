@@ -5,8 +5,7 @@ loads the model once and keeps it across the episodes it is given.
 
 Either way the executor only runs episodes and hands each result to the driver's `done`
 (`evaluate`), which alone writes the checkpoint and the result document, in the sweep's own
-order whatever order the episodes finish in. Ray is an optional extra (`pip install
-"ltv-vllm[cluster]"`), imported on its path only.
+order whatever order the episodes finish in. Ray is an optional extra (`cluster`), imported on its path only.
 
 Faults, as a cluster has them: a worker that dies mid-episode (killed, its node lost) is
 replaced and its episode given to another, up to `retries` times; an episode that raises is
@@ -105,8 +104,8 @@ def connect(address: str | None, timeout: float = 30.0) -> Any:
     try:
         import ray
     except ImportError:
-        raise ArgumentError('--executor ray needs Ray: pip install "ltv-vllm[cluster]"'
-                            ) from None
+        raise ArgumentError('--executor ray needs Ray (the cluster extra): pip install -e '
+                            '".[cluster]" in a checkout, or pip install "ray>=2.40"') from None
     if ray.is_initialized():
         return ray
     if address is not None and ":" in address and not address.startswith("ray://"):

@@ -116,7 +116,7 @@ def resolve_device(requested: str) -> str:
     except (RuntimeError, TypeError, ValueError):
         raise UserError(f"unknown device {requested!r} (auto, cpu, cuda, cuda:1, ...)") from None
     if kind == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {requested!r}: this machine has no CUDA device torch can use "
+        raise UserError(f"device {requested!r}: torch sees no CUDA device it can use "
                         f"(torch {torch.__version__}); use cpu or auto")
     return requested
 
