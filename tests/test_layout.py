@@ -166,7 +166,8 @@ def test_the_results_index_links_every_committed_result():
     index = (root / "docs" / "results.md").read_text()
     for d in sorted((root / "benchmarks" / "results").iterdir()):
         if d.is_dir():
-            assert f"](../benchmarks/results/{d.name}/" in index, f"docs/results.md does not link {d.name}"
+            assert f"](../benchmarks/results/{d.name}/" in index, \
+                f"docs/results.md does not link {d.name}"
 
 
 def test_the_readme_is_a_quick_start():

@@ -181,6 +181,37 @@ def test_dry_run_refuses_a_plan_that_does_not_fit(tmp_path):
     assert r.exit_code == 0 and "fits        yes" in r.output, r.output
 
 
+def test_a_hub_id_s_dry_run_fetches_no_weights(tmp_path, monkeypatch):
+    """`extract --model ORG/NAME --engine vllm --dry-run` asks the hub for the config, index
+    and tokenizer files alone: a plan of a 72B model does not download its 145 GB."""
+    import huggingface_hub
+
+    from conftest import write_toy_task
+    from ltv_vllm.cli import main
+
+    d = tmp_path / "snapshot"
+    d.mkdir()
+    (d / "config.json").write_text((CONFIGS / "qwen2.5-72b.json").read_text())
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns=None, **_):
+        asked.append((repo_id, list(allow_patterns or [])))
+        return str(d)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    task = write_toy_task(tmp_path, ["a", "b", "c"])
+    from click.testing import CliRunner
+
+    r = CliRunner().invoke(main, ["extract", "--model", "Qwen/Qwen2.5-72B", "--task", str(task),
+                                  "--engine", "vllm", "--dry-run", "--k", "10", "--n", "64",
+                                  "--n-test", "32", "-tp", "4", "--devices", "4",
+                                  "--device-gib", "80"])
+    assert r.exit_code == 0 and "fits        yes" in r.output, r.output
+    assert asked and all(repo == "Qwen/Qwen2.5-72B" for repo, _ in asked)
+    assert all("*.json" in pats and not any("safetensors" in x for x in pats)
+               for _, pats in asked), asked
+
+
 @pytest.mark.parametrize("method", ["tv", "fv", "sv", "i2cl", "i2cl-cal"])
 def test_inner_layer_methods_refuse_vllm_before_any_load(tmp_path, method):
     """Refused on the method alone: the model named does not even exist."""

@@ -5,7 +5,8 @@ loads the model once and keeps it across the episodes it is given.
 
 Either way the executor only runs episodes and hands each result to the driver's `done`
 (`evaluate`), which alone writes the checkpoint and the result document, in the sweep's own
-order whatever order the episodes finish in. Ray is an optional extra (`cluster`), imported on its path only.
+order whatever order the episodes finish in. Ray is an optional extra (`cluster`), imported
+on its path only.
 
 Faults, as a cluster has them: a worker that dies mid-episode (killed, its node lost) is
 replaced and its episode given to another, up to `retries` times; an episode that raises is

@@ -207,7 +207,8 @@ def capture_plan_lines(model_spec: str | None, episodes: list[Any], engine: Any,
     from ltv_vllm.models.plan import describe, require_fit
     from ltv_vllm.serving.offline.capture import plan_capture
 
-    path = local_model_dir(model_spec or "smollm2-135m")
+    # a hub id's config, index and tokenizer: a plan loads nothing, so it fetches no weights
+    path = local_model_dir(model_spec or "smollm2-135m", weights=False)
     tokenizer = None  # a config-only directory: token counts are estimated
     if any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
                                                  "vocab.json")):

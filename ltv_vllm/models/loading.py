@@ -95,8 +95,10 @@ def quantization_config(quantization: str) -> Any:
                               bnb_4bit_compute_dtype=torch.bfloat16)
 
 
-def local_model_dir(spec: str) -> str:
-    """A model spec as a local directory: hub ids go through the local hub cache/download."""
+def local_model_dir(spec: str, *, weights: bool = True) -> str:
+    """A model spec as a local directory: hub ids go through the local hub cache/download.
+    `weights=False`: a hub id's config, weight index and tokenizer files alone (what a
+    memory plan reads), not its weights (145 GB for a 72B model)."""
 
     path = resolve_model(spec)
     if Path(path).is_dir():
@@ -104,9 +106,9 @@ def local_model_dir(spec: str) -> str:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    files = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
     try:
-        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt",
-                                                       "*.model", "*.tiktoken", "*.jinja"])
+        return snapshot_download(path, allow_patterns=files + ["*.safetensors"] * weights)
     except LocalEntryNotFoundError:
         raise ModelError(f"{spec}: not in the Hugging Face cache, and the hub cannot be reached "
                          f"(offline, or HF_HUB_OFFLINE set); fetch it first: hf download {path}"

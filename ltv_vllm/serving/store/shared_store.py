@@ -157,7 +157,8 @@ class S3Backend:
             from botocore.config import Config
         except ImportError:
             raise StoreError(f"task store {url}: an s3:// store needs boto3 "
-                             "(the s3 extra: pip install -e '.[s3]' in a checkout, or pip install 'boto3>=1.35')") from None
+                             "(the s3 extra: pip install -e '.[s3]' in a checkout, or "
+                             "pip install 'boto3>=1.35')") from None
         bucket, _, prefix = url[len("s3://"):].partition("/")
         if not bucket:
             raise StoreError(f"task store {url}: name a bucket (s3://BUCKET/PREFIX)")
