@@ -14,9 +14,12 @@ import click
 
 from ltv_vllm.cli.base import friendly, main
 
-EXPIRES = click.option("--expires", default=None, metavar="WHEN",
-                       help="Refuse the key from then on: a duration (30d, 12h, 90m) or an "
-                            "ISO-8601 date or time (UTC unless given) [default: never].")
+WHEN = ("Refuse the key from then on: a duration (30d, 12h, 90m) or an ISO-8601 date or "
+        "time (UTC unless given)")
+EXPIRES = click.option("--expires", default=None, metavar="WHEN", help=WHEN + " [default: never].")
+# a rotated key keeps its id's expiry unless one is given (`contract.keys.rotated`)
+ROTATE_EXPIRES = click.option("--expires", default=None, metavar="WHEN",
+                              help=WHEN + " [default: the old key's expiry].")
 FILE = click.argument("file", required=False, type=click.Path(dir_okay=False))
 STORE = click.option("--store", default=None, metavar="SPEC",
                      help="The keys of this shared task store (file://DIR, s3://BUCKET/PREFIX, "
@@ -152,7 +155,7 @@ def keys_revoke(file: str | None, store: str | None, key_id: str) -> None:
 @STORE
 @click.option("--id", "key_id", required=True,
               help="The key to replace (its role, scope and limits are kept).")
-@EXPIRES
+@ROTATE_EXPIRES
 @friendly
 def keys_rotate(file: str | None, store: str | None, key_id: str,
                 expires: str | None) -> None:
