@@ -145,3 +145,22 @@ def test_the_headline_figures_are_their_results():
     quick = (RESULTS / "quickstart" / "results.md").read_text()
     took = re.search(r"the first command took (\d+ min \d+ s)", readme).group(1)
     assert f"Whole command {took} (wall)" in quick
+
+
+def test_the_readme_gpu_figures_are_their_results():
+    """README's GPU paragraph: the whole extraction's seconds at the Llama-3.1-8B and
+    Qwen2.5-32B shapes are the `auto` batch rows of their results, and the CPU/GPU agreement
+    figures are the device checks' own."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    secs = []
+    for name in ("extraction_llama-3.1-8b_cuda", "extraction_qwen2.5-32b_cuda"):
+        row = next(ln for ln in (RESULTS / name / "results.md").read_text().split("\n")
+                   if ln.startswith("| auto |"))
+        secs.append(f"{float(row.split('|')[3]):.1f} s")
+    assert f"takes {secs[0]} at the Llama-3.1-8B shape, {secs[1]} at Qwen2.5-32B's" in readme
+    checks = " ".join((RESULTS / "device_checks_h200" / "README.md").read_text().split())
+    agree, scores = re.search(r"shape agrees with the CPU's to ([\d.e-]+), every method's "
+                              r"scores to ([\d.e-]+)", readme).groups()
+    assert f"to {agree} relative" in checks
+    assert float(scores) == float(re.search(r"largest difference ([\d.e-]+)\)",
+                                            checks).group(1))
