@@ -566,6 +566,16 @@ def test_cli_extract_method_writes_a_checked_artifact(tmp_path, tokenizer):
     assert "gamma" in r.output and "wrote" in r.output
 
 
+def toy_model_and_task(tmp_path, tokenizer):
+    """A tiny Llama saved under tmp_path/m and loaded in float32, and the toy task."""
+    from ltv_vllm.models.loading import load_model
+
+    make_llama(len(tokenizer), seed=9, layers=2).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    task = get_task(str(write_toy_task(tmp_path, WORDS)))
+    return load_model(str(tmp_path / "m"), dtype="float32"), task
+
+
 def test_evaluate_keeps_each_test_query_and_compares_with_icl(tmp_path, tokenizer):
     """Every record holds its method's correctness on each test query, and their mean is the
     record's accuracy (scored apart, by `score_methods`); the comparison against ICL is the
@@ -573,12 +583,8 @@ def test_evaluate_keeps_each_test_query_and_compares_with_icl(tmp_path, tokenize
     computed here by hand, inside its interval; the average over one task is that task's;
     the report shows the table."""
     import ltv_vllm.evaluation.evaluate as ev
-    from ltv_vllm.models.loading import load_model
 
-    make_llama(len(tokenizer), seed=9, layers=2).save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    task = get_task(str(write_toy_task(tmp_path, WORDS)))
-    lm = load_model(str(tmp_path / "m"), dtype="float32")
+    lm, task = toy_model_and_task(tmp_path, tokenizer)
     cfg = ev.EvalConfig(k=6, n=24, n_test=12, runs=2, n_val=4, cost_samples=0)
     ms = ["zero-shot", "icl", "ltv", "mean"]
     doc = ev.evaluate(lm, [task], ms, cfg, progress=False)
@@ -612,12 +618,8 @@ def test_evaluate_resumes_from_its_checkpoint(tmp_path, tokenizer, monkeypatch):
     import ltv_vllm.evaluation.episodes as episodes
     import ltv_vllm.evaluation.evaluate as ev
     from ltv_vllm.errors import ArgumentError
-    from ltv_vllm.models.loading import load_model
 
-    make_llama(len(tokenizer), seed=9, layers=2).save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    task = get_task(str(write_toy_task(tmp_path, WORDS)))
-    lm = load_model(str(tmp_path / "m"), dtype="float32")
+    lm, task = toy_model_and_task(tmp_path, tokenizer)
     cfg = ev.EvalConfig(k=6, n=24, n_test=12, runs=2, n_val=4, cost_samples=0)
     ms = ["zero-shot", "icl", "ltv", "i2cl"]
     ck = tmp_path / "partial.json"
@@ -653,12 +655,8 @@ def test_evaluate_resumes_inside_an_episode(tmp_path, tokenizer, monkeypatch):
     import ltv_vllm.evaluation.episodes as episodes
     import ltv_vllm.evaluation.evaluate as ev
     import ltv_vllm.methods.score as score
-    from ltv_vllm.models.loading import load_model
 
-    make_llama(len(tokenizer), seed=9, layers=2).save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    task = get_task(str(write_toy_task(tmp_path, WORDS)))
-    lm = load_model(str(tmp_path / "m"), dtype="float32")
+    lm, task = toy_model_and_task(tmp_path, tokenizer)
     cfg = ev.EvalConfig(k=6, n=24, n_test=12, runs=1, n_val=4, cost_samples=0)
     ms = ["zero-shot", "icl", "ltv", "mlp", "i2cl"]
     full = ev.evaluate(lm, [task], ms, cfg, progress=False)
